@@ -1,0 +1,315 @@
+"""State-dict trees without pickle: a JSON skeleton, a list of tensors and a list of opaque leaves.
+
+The skeleton is plain JSON. Containers are lists tagged by their first element; plain scalars (None,
+bool, int, float, str) appear as themselves. Tensors and opaque leaves are referenced by index:
+
+    ["d", [[key, value], ...]]   dict          ["od", [[key, value], ...]]   OrderedDict
+    ["l", [v, ...]]              list          ["t", [v, ...]]               tuple
+    ["T", i]                     tensors[i]    ["o", i]                      opaque[i]
+    ["b", base64]  bytes   ["c", re, im]  complex   ["dt", name]  torch.dtype   ["sz", [...]]  torch.Size
+    ["dev", "cuda:0"] torch.device
+
+Opaque leaves (anything else) are pickled by the trainer into a blob that only a trainer decodes; the
+saver never unpickles them (it embeds them in persisted files as ``pickle.loads(raw)``).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import InvalidStateDictError
+
+__all__ = ["TensorMeta", "Flat", "SnapshotPlan", "flatten", "plan_snapshot", "unflatten", "ALIGN"]
+
+ALIGN = 64
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _align(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise InvalidStateDictError(f"unknown dtype {name!r} in snapshot metadata (torch {torch.__version__})")
+    return dt
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where one tensor lives in a slot and how to rebuild it.
+
+    Attributes:
+        shape: the tensor's shape.
+        dtype: dtype name without the ``torch.`` prefix (``"bfloat16"``).
+        offset: byte offset of the tensor's storage region inside the slot's data area (64-aligned).
+        nbytes: size in bytes of that storage region; tensors that share storage share offset and nbytes.
+        stride: the tensor's strides, in elements.
+        storage_offset: the tensor's offset into its storage, in elements.
+        device: the device the tensor came from (``"cpu"``, ``"cuda:0"``).
+        requires_grad: whether the tensor required grad.
+        parameter: whether the tensor was an ``nn.Parameter``.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+    stride: tuple[int, ...] = ()
+    storage_offset: int = 0
+    device: str = "cpu"
+    requires_grad: bool = False
+    parameter: bool = False
+
+    def to_json(self) -> list[Any]:
+        return [list(self.shape), self.dtype, self.offset, self.nbytes, list(self.stride),
+                self.storage_offset, self.device, self.requires_grad, self.parameter]
+
+    @staticmethod
+    def from_json(v: list[Any]) -> "TensorMeta":
+        return TensorMeta(tuple(v[0]), v[1], v[2], v[3], tuple(v[4]), v[5], v[6], v[7], v[8])
+
+
+@dataclass
+class Flat:
+    """A flattened state dict: skeleton, tensors in traversal order and opaque leaves."""
+
+    skeleton: Any
+    tensors: list[torch.Tensor]
+    opaque: list[Any]
+
+
+def _key_str(path: list[Any]) -> str:
+    return "".join(f"[{p!r}]" for p in path) or "<root>"
+
+
+def flatten(obj: Any) -> Flat:
+    """Split a state dict into a JSON skeleton, its tensors and its opaque leaves.
+
+    Raises:
+        InvalidStateDictError: a sparse, meta, quantized or otherwise unstorable tensor, naming its key.
+    """
+    tensors: list[torch.Tensor] = []
+    opaque: list[Any] = []
+    path: list[Any] = []
+
+    def enc(x: Any) -> Any:
+        tx = type(x)
+        if tx in _PLAIN:
+            return x
+        if isinstance(x, torch.Tensor):
+            _check_tensor(x, path)
+            tensors.append(x)
+            return ["T", len(tensors) - 1]
+        if tx is dict or tx is OrderedDict:
+            items = []
+            for k, v in x.items():
+                path.append(k)
+                items.append([enc_key(k), enc(v)])
+                path.pop()
+            return ["d" if tx is dict else "od", items]
+        if tx is list or tx is tuple:
+            out = []
+            for i, v in enumerate(x):
+                path.append(i)
+                out.append(enc(v))
+                path.pop()
+            return ["l" if tx is list else "t", out]
+        if tx is bytes:
+            return ["b", base64.b64encode(x).decode("ascii")]
+        if tx is complex:
+            return ["c", x.real, x.imag]
+        if tx is torch.dtype:
+            return ["dt", dtype_name(x)]
+        if tx is torch.Size:
+            return ["sz", list(x)]
+        if tx is torch.device:
+            return ["dev", str(x)]
+        _check_opaque(x, path)
+        opaque.append(x)
+        return ["o", len(opaque) - 1]
+
+    def enc_key(k: Any) -> Any:
+        if type(k) in _PLAIN:
+            return k
+        if type(k) is tuple:
+            return ["t", [enc_key(v) for v in k]]
+        if type(k) is bytes:
+            return ["b", base64.b64encode(k).decode("ascii")]
+        _check_opaque(k, path)
+        opaque.append(k)
+        return ["o", len(opaque) - 1]
+
+    skeleton = enc(obj)
+    return Flat(skeleton, tensors, opaque)
+
+
+def _check_tensor(t: torch.Tensor, path: list[Any]) -> None:
+    where = _key_str(path)
+    if t.layout != torch.strided:
+        raise InvalidStateDictError(
+            f"save(): tensor at {where} has layout {t.layout}; flashckpt stores dense tensors only. "
+            "Convert it with .to_dense() (or keep its indices and values as separate dense tensors).")
+    if t.device.type == "meta":
+        raise InvalidStateDictError(
+            f"save(): tensor at {where} is on the meta device and has no data; materialize it "
+            "(for example with model.to_empty(device=...) and an init) before checkpointing.")
+    if t.is_quantized:
+        raise InvalidStateDictError(
+            f"save(): tensor at {where} is quantized; store its int_repr() and quantization parameters instead.")
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise InvalidStateDictError(
+            f"save(): tensor at {where} is a {type(t).__name__}, a tensor subclass; pass its local data "
+            "(DTensor.to_local()) or use the sharded checkpointer (integrations.fsdp.FsdpShardCheckpointer).")
+
+
+def _check_opaque(x: Any, path: list[Any]) -> None:
+    try:
+        pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        raise InvalidStateDictError(
+            f"save(): the value at {_key_str(path)} of type {type(x).__qualname__} can be neither stored "
+            f"natively nor pickled ({e}); replace it with plain types or tensors.") from e
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """The slot layout of a state dict's tensors, reused while its structure is unchanged.
+
+    Attributes:
+        signature: what must match for the plan to be reused (dtypes, shapes, strides, storage sharing).
+        regions: (offset, nbytes) per distinct storage, offsets relative to the data area, 64-aligned.
+        tensor_region: for each tensor, the index of its storage region.
+        metas: the TensorMeta of each tensor.
+        tensor_bytes: bytes of the data area taken by tensor storages.
+        metas_json: the metas, JSON-encoded once.
+    """
+
+    signature: tuple[Any, ...]
+    regions: tuple[tuple[int, int], ...]
+    tensor_region: tuple[int, ...]
+    metas: tuple[TensorMeta, ...]
+    tensor_bytes: int
+    metas_json: str
+
+
+def signature_of(tensors: list[torch.Tensor]) -> tuple[Any, ...]:
+    """The structure of a tensor list: equal signatures reuse one plan."""
+    seen: dict[tuple[str, int], int] = {}
+    sig: list[Any] = []
+    for t in tensors:
+        st = t.untyped_storage()
+        n = st.nbytes()
+        ptr = st.data_ptr()
+        if n:
+            group = seen.setdefault((str(t.device), ptr), len(seen))
+        else:
+            group = -1
+        sig.append((t.dtype, t.shape, t.stride(), t.storage_offset(), n, group, t.device,
+                    t.requires_grad, type(t) is torch.nn.Parameter))
+    return tuple(sig)
+
+
+def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...]) -> SnapshotPlan:
+    """Lay out every distinct storage once, 64-byte aligned, in traversal order."""
+    regions: list[tuple[int, int]] = []
+    group_region: dict[int, int] = {}
+    tensor_region: list[int] = []
+    metas: list[TensorMeta] = []
+    off = 0
+    for t, s in zip(tensors, signature):
+        n, group = s[4], s[5]
+        if group >= 0 and group in group_region:
+            ri = group_region[group]
+        else:
+            ri = len(regions)
+            regions.append((off, n))
+            off = _align(off + n)
+            if group >= 0:
+                group_region[group] = ri
+        tensor_region.append(ri)
+        r_off, r_n = regions[ri]
+        metas.append(TensorMeta(tuple(t.shape), dtype_name(t.dtype), r_off, r_n, tuple(t.stride()),
+                                t.storage_offset(), str(t.device), bool(t.requires_grad),
+                                type(t) is torch.nn.Parameter))
+    metas_json = json.dumps([m.to_json() for m in metas], separators=(",", ":"))
+    return SnapshotPlan(signature, tuple(regions), tuple(tensor_region), tuple(metas), off, metas_json)
+
+
+def encode_opaque(opaque: list[Any]) -> tuple[bytes, list[int]]:
+    """Pickle each opaque leaf separately; returns the concatenation and the lengths."""
+    parts = [pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL) for x in opaque]
+    return b"".join(parts), [len(p) for p in parts]
+
+
+def split_opaque(blob: bytes | memoryview, lengths: list[int]) -> list[bytes]:
+    out, pos = [], 0
+    for n in lengths:
+        out.append(bytes(blob[pos:pos + n]))
+        pos += n
+    return out
+
+
+def unflatten(skeleton: Any, tensors: list[Any], opaque: list[Any]) -> Any:
+    """Rebuild the tree from its skeleton; ``tensors`` and ``opaque`` are indexed by the skeleton."""
+
+    def dec(x: Any) -> Any:
+        if type(x) is not list:
+            return x
+        tag = x[0]
+        if tag == "T":
+            return tensors[x[1]]
+        if tag == "d":
+            return {dec_key(k): dec(v) for k, v in x[1]}
+        if tag == "od":
+            return OrderedDict((dec_key(k), dec(v)) for k, v in x[1])
+        if tag == "l":
+            return [dec(v) for v in x[1]]
+        if tag == "t":
+            return tuple(dec(v) for v in x[1])
+        if tag == "o":
+            return opaque[x[1]]
+        if tag == "b":
+            return base64.b64decode(x[1])
+        if tag == "c":
+            return complex(x[1], x[2])
+        if tag == "dt":
+            return dtype_from_name(x[1])
+        if tag == "sz":
+            return torch.Size(x[1])
+        if tag == "dev":
+            return torch.device(x[1])
+        raise InvalidStateDictError(f"unknown tag {tag!r} in snapshot metadata")
+
+    def dec_key(k: Any) -> Any:
+        if type(k) is not list:
+            return k
+        if k[0] == "t":
+            return tuple(dec_key(v) for v in k[1])
+        return dec(k)
+
+    return dec(skeleton)
+
+
+def build_tensor(storage: torch.UntypedStorage, meta: TensorMeta) -> torch.Tensor:
+    """A tensor of ``meta``'s dtype, shape and strides over ``storage`` (no copy)."""
+    t = torch.empty(0, dtype=dtype_from_name(meta.dtype))
+    t.set_(storage, meta.storage_offset, meta.shape, meta.stride)
+    if meta.parameter:
+        return torch.nn.Parameter(t, requires_grad=meta.requires_grad)
+    if meta.requires_grad:
+        t.requires_grad_(True)
+    return t

@@ -1,0 +1,142 @@
+"""Environment knobs, job identity and rank discovery, read in one place."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+
+__all__ = ["StorageType", "Knobs", "RankInfo", "job_key", "runtime_root", "job_dir", "make_private_dir"]
+
+
+class StorageType(enum.Enum):
+    """Where a checkpoint goes: MEMORY (host shared memory only) or DISK (memory, then persisted)."""
+
+    MEMORY = "memory"
+    MEM = "memory"  # alias of MEMORY
+    DISK = "disk"
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from e
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(_env_float(name, float(default)))
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Every environment variable flashckpt reads.
+
+    Attributes:
+        runtime_dir: parent of the per-job runtime dirs (segments, socket, locks); FLASHCKPT_RUNTIME_DIR.
+        shm_limit_bytes: pretend /dev/shm has at most this many free bytes (0 = real); FLASHCKPT_SHM_LIMIT_BYTES.
+        grace_s: how long a saver with no clients keeps snapshots for a restarted trainer; FLASHCKPT_SAVER_GRACE_S.
+        copy_threads: threads that copy tensors into shared memory; FLASHCKPT_COPY_THREADS.
+        slots: snapshot slots per segment (1 or 2); FLASHCKPT_SLOTS.
+        commit_timeout_s: how long a committing saver waits for the other ranks' files; FLASHCKPT_COMMIT_TIMEOUT_S.
+        rpc_timeout_s: bound on one control round trip to the saver; FLASHCKPT_RPC_TIMEOUT_S.
+        spawn_timeout_s: bound on starting the saver daemon; FLASHCKPT_SPAWN_TIMEOUT_S.
+    """
+
+    runtime_dir: str
+    shm_limit_bytes: int
+    grace_s: float
+    copy_threads: int
+    slots: int
+    commit_timeout_s: float
+    rpc_timeout_s: float
+    spawn_timeout_s: float
+
+    @staticmethod
+    def from_env() -> "Knobs":
+        try:
+            ncpu = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - non-Linux
+            ncpu = os.cpu_count() or 1
+        return Knobs(
+            runtime_dir=os.environ.get("FLASHCKPT_RUNTIME_DIR") or runtime_root(),
+            shm_limit_bytes=_env_int("FLASHCKPT_SHM_LIMIT_BYTES", 0),
+            grace_s=_env_float("FLASHCKPT_SAVER_GRACE_S", 600.0),
+            copy_threads=max(1, _env_int("FLASHCKPT_COPY_THREADS", min(ncpu, 8))),
+            slots=max(1, min(2, _env_int("FLASHCKPT_SLOTS", 2))),
+            commit_timeout_s=_env_float("FLASHCKPT_COMMIT_TIMEOUT_S", 1800.0),
+            rpc_timeout_s=_env_float("FLASHCKPT_RPC_TIMEOUT_S", 120.0),
+            spawn_timeout_s=_env_float("FLASHCKPT_SPAWN_TIMEOUT_S", 60.0),
+        )
+
+
+def runtime_root() -> str:
+    """The per-user parent dir of job runtime dirs: on /dev/shm when it exists, so segments are RAM."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"flashckpt-{os.getuid()}")
+
+
+def job_key(checkpoint_dir: str) -> str:
+    """Names a job's runtime dir: FLASHCKPT_JOB_ID, else TORCHELASTIC_RUN_ID, plus a hash of the dir.
+
+    The hash of the absolute checkpoint dir is always part of the key, so two engines with different
+    checkpoint dirs never share a saver, even inside one job.
+    """
+    digest = hashlib.sha256(os.path.abspath(checkpoint_dir).encode()).hexdigest()[:10]
+    job = os.environ.get("FLASHCKPT_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
+    if job in ("", "none"):
+        return digest
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job)[:40]
+    return f"{safe}-{digest}"
+
+
+def make_private_dir(path: str) -> None:
+    """Creates ``path`` and its parent with mode 0700 (owner only); refuses one owned by another user."""
+    os.makedirs(os.path.dirname(os.path.dirname(path)) or "/", exist_ok=True)
+    for d in (os.path.dirname(path), path):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            st = os.stat(d)
+            if st.st_uid != os.getuid():
+                raise PermissionError(f"{d} belongs to uid {st.st_uid}, not to this user; "
+                                      "set FLASHCKPT_RUNTIME_DIR to a directory of your own") from None
+            if st.st_mode & 0o077:
+                os.chmod(d, 0o700)
+
+
+def job_dir(checkpoint_dir: str, knobs: Knobs | None = None) -> str:
+    knobs = knobs or Knobs.from_env()
+    return os.path.join(knobs.runtime_dir, job_key(checkpoint_dir))
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+
+    @staticmethod
+    def current() -> "RankInfo":
+        """From torch.distributed when it is initialized, else from torchrun's environment, else 1 rank."""
+        import torch.distributed as dist
+
+        env = os.environ
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+        # Without torchrun's variables all ranks are taken to be on one node.
+        local_rank = int(env.get("LOCAL_RANK", rank))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        node_rank = int(env.get("GROUP_RANK", env.get("NODE_RANK", 0)))
+        return RankInfo(rank, world, local_rank, local_world, node_rank)

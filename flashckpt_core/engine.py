@@ -1,0 +1,401 @@
+"""CheckpointEngine: the trainer's entry point. Snapshots go to shared memory; the saver persists."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import errors as E
+from ._copy import Copier
+from ._protocol import Client
+from .commit import CommitLayout
+from .config import Knobs, RankInfo, StorageType, job_dir
+from .retention import CheckpointDeletionStrategy, KeepLatestStepStrategy
+from .saver import ensure_saver
+from .shm import SharedMemoryHandler
+from .storage import PosixDiskStorage
+
+__all__ = ["CheckpointEngine", "LoadResult"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What the last ``load()`` found: the step, where it came from ("memory", "storage" or "none"),
+    seconds it took and bytes of tensor data."""
+
+    step: int | None
+    source: str
+    seconds: float
+    nbytes: int
+
+
+class CheckpointEngine:
+    """Checkpoints one rank's state dict: into node shared memory at once, to storage in the background.
+
+    Args:
+        checkpoint_dir: where persisted checkpoints go; created if missing, must be writable.
+        max_to_keep: committed checkpoints to keep when no ``deletion_strategy`` is given (0 keeps all).
+        save_mem_interval: with ``save(storage_type=None)``, snapshot to memory every this many steps.
+        save_storage_interval: with ``save(storage_type=None)``, persist every this many steps.
+        auto_save: choose the intervals automatically (not available yet: raises).
+        deletion_strategy: which committed checkpoints to delete after each commit.
+        replicated: every rank holds the same state (DDP): local rank 0 of each node snapshots, global
+            rank 0 persists, and every rank loads that one copy.
+        process_group: the group whose ranks agree on the step to load (the default group when None).
+        weights_only: load persisted files with ``torch.load(weights_only=True)``; set False only for
+            trusted checkpoints holding arbitrary Python objects.
+
+    Raises:
+        CheckpointDirError: ``checkpoint_dir`` cannot be created or written.
+        SaverError: the node's saver could not be started or reached.
+
+    Thread safety: one thread per engine. ``save`` must not run concurrently with a mutation of the
+    tensors it was given; once it returns they may be changed freely.
+    """
+
+    def __init__(self, checkpoint_dir: str, max_to_keep: int = 1, save_mem_interval: int = 0,
+                 save_storage_interval: int = 0, auto_save: bool = False,
+                 deletion_strategy: CheckpointDeletionStrategy | None = None, *, replicated: bool = False,
+                 process_group: Any = None, weights_only: bool = True) -> None:
+        if auto_save:
+            raise NotImplementedError("CheckpointEngine(auto_save=True): automatic intervals are not "
+                                      "implemented yet; pass save_mem_interval and save_storage_interval")
+        for name, v in (("max_to_keep", max_to_keep), ("save_mem_interval", save_mem_interval),
+                        ("save_storage_interval", save_storage_interval)):
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"CheckpointEngine({name}={v!r}): must be an integer >= 0")
+        self.checkpoint_dir = os.path.abspath(checkpoint_dir)
+        _check_writable(self.checkpoint_dir)
+        self.save_mem_interval = save_mem_interval
+        self.save_storage_interval = save_storage_interval
+        self.replicated = replicated
+        self.weights_only = weights_only
+        self.process_group = process_group
+        if deletion_strategy is None and max_to_keep > 0:
+            deletion_strategy = KeepLatestStepStrategy(max_to_keep, self.checkpoint_dir)
+        self.deletion_strategy = deletion_strategy
+        self.knobs = Knobs.from_env()
+        self.ranks = RankInfo.current()
+        self.job_dir = job_dir(self.checkpoint_dir, self.knobs)
+        self.layout = CommitLayout(self.checkpoint_dir, PosixDiskStorage())
+        self.last_load: LoadResult | None = None
+        self._cursor = 0
+        self._applied_retention: tuple[int, ...] = ()
+        self._copier = Copier(self.knobs.copy_threads)
+        self._client: Client | None = ensure_saver(self.job_dir, self.checkpoint_dir, self.knobs)
+        r = self.ranks
+        hello = self._client.call("hello", rank=r.rank, local_rank=r.local_rank, world_size=r.world_size,
+                                  local_world_size=r.local_world_size, pid=os.getpid())
+        self._cursor = int(hello["cursor"])  # errors before we attached belong to an earlier run
+        self._handler = SharedMemoryHandler(r.local_rank, self.job_dir, allocate=self._allocate,
+                                            copier=self._copier)
+        self._reader = (self._handler if not replicated or r.local_rank == 0 else
+                        SharedMemoryHandler(0, self.job_dir, copier=self._copier))
+        self._closed = False
+        self._retain(hello["committed"])
+
+    # ------------------------------------------------------------------ save
+    @property
+    def snapshots(self) -> bool:
+        """Whether this rank writes snapshots (in replicated mode only local rank 0 does)."""
+        return not self.replicated or self.ranks.local_rank == 0
+
+    @property
+    def persists(self) -> bool:
+        """Whether this rank persists its snapshots (in replicated mode only global rank 0 does)."""
+        return not self.replicated or self.ranks.rank == 0
+
+    def default_path(self, step: int) -> str:
+        name = "checkpoint.pt" if self.replicated else f"rank_{self.ranks.rank:05d}.pt"
+        return os.path.join(self.checkpoint_dir, f"step_{step}", name)
+
+    def save(self, step: int, state_dict: Any, path: str | None = None,
+             storage_type: StorageType | None = None) -> bool:
+        """Snapshots ``state_dict`` into shared memory and, for DISK, schedules its persist to ``path``.
+
+        Returns once the copy is in shared memory; the caller may then mutate its tensors.
+
+        Args:
+            step: the training step (the checkpoint's identity; newer steps are larger).
+            state_dict: a tree of dicts/lists/tuples with tensors and plain leaves.
+            path: the file to persist to, inside the checkpoint dir (default ``step_<N>/rank_<R>.pt``).
+            storage_type: MEMORY or DISK; None lets the intervals decide (and may skip the step).
+
+        Returns:
+            True when a snapshot was taken, False when the intervals skipped this step.
+
+        Raises:
+            InvalidStateDictError: ``state_dict`` holds something that cannot be stored (nothing written).
+            SharedMemoryError: shared memory cannot hold the snapshot.
+            PersistError: an earlier persist failed (raised once, after this snapshot was taken).
+        """
+        self._check_open("save")
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"save(step={step!r}): step must be an integer >= 0")
+        if storage_type is None:
+            storage_type = self._interval_type(step)
+            if storage_type is None:
+                return False
+        if storage_type not in (StorageType.MEMORY, StorageType.DISK):
+            raise ValueError(f"save(storage_type={storage_type!r}): use StorageType.MEMORY or StorageType.DISK")
+        target = os.path.abspath(os.path.join(self.checkpoint_dir, path) if path else self.default_path(step))
+        if storage_type == StorageType.DISK:
+            self.layout.rel(target)  # refuses paths outside the checkpoint dir before anything is written
+        t0 = time.perf_counter()
+        nbytes = 0
+        if self.snapshots:
+            ref = self._handler.save_state_dict(step, state_dict, ckpt_name=target)
+            nbytes = self._handler._plan.tensor_bytes if self._handler._plan else 0
+        blocked = time.perf_counter() - t0
+        reply = None
+        if storage_type == StorageType.DISK and self.persists:
+            self._handler.mark_pending(ref)
+            commit = None
+            if self.ranks.rank == 0:
+                ranks = [0] if self.replicated else list(range(self.ranks.world_size))
+                commit = {"ranks": ranks, "world_size": self.ranks.world_size, "replicated": self.replicated,
+                          "extra": {}, "tracker_files": {}}
+            try:
+                reply = self._client_call("persist", step=step, rank=self.ranks.rank,
+                                          local_rank=self.ranks.local_rank, seg_path=ref.path, slot=ref.slot,
+                                          generation=ref.generation, path=target, commit=commit,
+                                          cursor=self._cursor)
+            except BaseException:
+                self._handler.clear_pending(ref)
+                raise
+        log.info("event=save step=%d storage=%s bytes=%d seconds=%.4f", step, storage_type.value, nbytes, blocked)
+        if reply is None:
+            reply = self._client_call("status", cursor=self._cursor)
+        self._after_reply(reply)
+        return True
+
+    def _interval_type(self, step: int) -> StorageType | None:
+        if self.save_storage_interval and step % self.save_storage_interval == 0:
+            return StorageType.DISK
+        if self.save_mem_interval and step % self.save_mem_interval == 0:
+            return StorageType.MEMORY
+        return None
+
+    def _allocate(self, local_rank: int, meta_cap: int, data_cap: int) -> str:
+        return str(self._client_call("alloc", local_rank=local_rank, meta_cap=meta_cap, data_cap=data_cap,
+                                     nslots=self.knobs.slots)["path"])
+
+    def _client_call(self, op: str, **kw: Any) -> dict[str, Any]:
+        if self._client is None:
+            raise E.SaverError(f"{op}: the engine is closed")
+        return self._client.call(op, **kw)
+
+    def _after_reply(self, reply: dict[str, Any]) -> None:
+        self._cursor = int(reply.get("cursor", self._cursor))
+        self._retain(reply.get("committed", []))
+        errs = reply.get("errors") or []
+        if errs:
+            msgs = "; ".join(e["error"] for e in errs)
+            raise E.PersistError(f"{len(errs)} persist(s) failed: {msgs}. Earlier committed checkpoints are intact; "
+                                 "memory snapshots continue.")
+
+    def _retain(self, committed: list[int]) -> None:
+        if self.ranks.rank != 0 or self.deletion_strategy is None or not committed:
+            return
+        key = tuple(committed)
+        if key == self._applied_retention:
+            return
+        doomed = [s for s in self.deletion_strategy.steps_to_delete(sorted(committed)) if s != max(committed)]
+        self._applied_retention = key
+        if doomed:
+            self._client_call("delete_steps", steps=doomed)
+
+    # ------------------------------------------------------------------ wait / close
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until every scheduled persist is committed; raises the first persist error.
+
+        Raises:
+            PersistError: a persist or commit failed.
+            CheckpointTimeoutError: ``timeout`` seconds passed first.
+        """
+        self._check_open("wait")
+        reply = self._client_call("wait", timeout_s=timeout or 0, cursor=self._cursor,
+                                  timeout=None if timeout is None else timeout + self.knobs.rpc_timeout_s)
+        self._after_reply(reply)
+
+    def close(self, release: bool = True) -> None:
+        """Detaches from the saver. Scheduled persists still complete in the saver.
+
+        Args:
+            release: this rank is done with its snapshots: once every rank released, the saver exits
+                (after its persists) and frees the shared memory. With False (a crash or a planned
+                restart) the saver keeps the snapshots for its grace period so a new process can load
+                them from memory.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._client is not None:
+                try:
+                    self._client.call("bye", final=release)
+                except E.FlashCheckpointError as e:
+                    log.warning("close(): %s", e)
+                self._client.close()
+        finally:
+            self._client = None
+            if self._reader is not self._handler:
+                self._reader.close()
+            self._handler.close()
+            self._copier.close()
+
+    def __enter__(self) -> "CheckpointEngine":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(release=exc_type is None)
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise E.FlashCheckpointError(f"{op}(): the CheckpointEngine is closed")
+
+    # ------------------------------------------------------------------ load
+    def memory_steps(self) -> list[int]:
+        """Steps this rank could load from shared memory, newest first."""
+        return self._reader.memory_steps()
+
+    def load(self, resume_path: str = "") -> Any:
+        """The newest state dict that every rank has: from memory when memory holds it, else storage.
+
+        Args:
+            resume_path: load this persisted file instead (verified against its manifest when listed).
+
+        Returns:
+            The state dict, or ``{}`` when there is no checkpoint. ``last_load`` tells where it came from.
+
+        Raises:
+            CheckpointCorruptError: ``resume_path`` does not match its manifest.
+        """
+        self._check_open("load")
+        t0 = time.perf_counter()
+        if resume_path:
+            sd = self._load_file(os.path.abspath(os.path.join(self.checkpoint_dir, resume_path)))
+            self._loaded(None, "storage", t0, 0)
+            return sd
+        mem = self._reader.memory_steps()[:2]
+        committed = self.layout.committed_steps()
+        step, source = self._agree(mem, committed)
+        if source == "memory":
+            snap = self._reader.load_snapshot(step)
+            if snap is None:
+                raise E.FlashCheckpointError(f"load(): the snapshot of step {step} vanished from memory while loading")
+            self._loaded(step, "memory", t0, snap.nbytes)
+            return snap.state_dict
+        if source == "storage":
+            sd, step = self._load_committed(committed, step)
+            self._loaded(step, "storage", t0, 0)
+            return sd
+        self._loaded(None, "none", t0, 0)
+        return {}
+
+    def _loaded(self, step: int | None, source: str, t0: float, nbytes: int) -> None:
+        self.last_load = LoadResult(step, source, time.perf_counter() - t0, nbytes)
+        log.info("event=load step=%s source=%s bytes=%d seconds=%.4f", step, source, nbytes, self.last_load.seconds)
+
+    def _agree(self, mem: list[int], committed: list[int]) -> tuple[int | None, str]:
+        """All ranks pick the newest step that every rank has; memory wins when it holds that step."""
+        newest_committed = committed[-1] if committed else -1
+        world = self._world()
+        if world is None:
+            best_mem = mem[0] if mem else -1
+        else:
+            import torch.distributed as dist
+
+            mine = torch.full((3,), -1, dtype=torch.int64)
+            for i, s in enumerate(mem[:2]):
+                mine[i] = s
+            mine[2] = newest_committed
+            dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.process_group) == "nccl" else None
+            out = [torch.empty(3, dtype=torch.int64, device=dev) for _ in range(world)]
+            dist.all_gather(out, mine.to(dev) if dev else mine, group=self.process_group)
+            rows = [o.cpu().tolist() for o in out]
+            common = set(rows[0][:2])
+            for r in rows[1:]:
+                common &= set(r[:2])
+            common.discard(-1)
+            best_mem = max(common, default=-1)
+            newest_committed = min(r[2] for r in rows)
+        if best_mem >= 0 and best_mem >= newest_committed:
+            return best_mem, "memory"
+        if newest_committed >= 0:
+            return newest_committed, "storage"
+        return None, "none"
+
+    def _world(self) -> int | None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            n = dist.get_world_size(self.process_group)
+            return n if n > 1 else None
+        return None
+
+    def _load_committed(self, committed: list[int], newest: int | None) -> tuple[Any, int]:
+        """Loads the newest committed step whose files verify on every rank, falling back step by step."""
+        import torch.distributed as dist
+
+        for step in reversed([s for s in committed if newest is None or s <= newest]):
+            problems = self.layout.verify(step, rank=self.ranks.rank)
+            ok = torch.tensor([0 if problems else 1], dtype=torch.int64)
+            if self._world() is not None:
+                if dist.get_backend(self.process_group) == "nccl":
+                    ok = ok.cuda()
+                dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.process_group)
+            if int(ok.item()) != 1:
+                log.warning("load(): step %d is damaged (%s); falling back to the previous committed step",
+                            step, "; ".join(problems) or "on another rank")
+                continue
+            m = self.layout.read_manifest(step)
+            files = m.files_for(self.ranks.rank)
+            if len(files) != 1:
+                raise E.CheckpointCorruptError(f"load(): step {step} lists {len(files)} files for rank "
+                                               f"{self.ranks.rank}; this engine writes one per rank")
+            return self._torch_load(self.layout.abs(files[0].path)), step
+        raise E.CheckpointCorruptError(f"load(): every committed step in {self.checkpoint_dir} is damaged; "
+                                       "run `flashckpt verify` for details")
+
+    def _load_file(self, path: str) -> Any:
+        rel = self.layout.rel(path)
+        for step in reversed(self.layout.committed_steps()):
+            m = self.layout.read_manifest(step)
+            for f in m.all_files():
+                if f.path == rel:
+                    size, digest = self.layout.storage.checksum(path)
+                    if (size, digest) != (f.size, f.xxh3):
+                        raise E.CheckpointCorruptError(f"load(): {path} does not match the manifest of step {step}")
+                    return self._torch_load(path)
+        return self._torch_load(path)
+
+    def _torch_load(self, path: str) -> Any:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=self.weights_only)
+        except Exception as e:
+            if self.weights_only and "weights_only" in str(e):
+                raise E.FlashCheckpointError(
+                    f"load(): {path} holds Python objects that torch.load(weights_only=True) refuses. If the "
+                    "checkpoint is trusted, construct the engine with weights_only=False.") from e
+            raise
+
+
+def _check_writable(d: str) -> None:
+    try:
+        os.makedirs(d, exist_ok=True)
+        probe = os.path.join(d, f".flashckpt-probe-{uuid.uuid4().hex}")
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.unlink(probe)
+    except OSError as e:
+        raise E.CheckpointDirError(f"CheckpointEngine({d!r}): the checkpoint dir is not writable ({e}); "
+                                   "choose a writable directory or fix its permissions") from e

@@ -1,0 +1,648 @@
+"""The node's saver: owns the shared memory, persists snapshots and commits them.
+
+One saver runs per node and job. It is started by a launcher (``flashckpt-run``) or, under plain
+``torchrun``/``python``, as a detached daemon by the first engine of the node (``ensure_saver``). It
+serves trainers over a Unix socket in the job's 0700 runtime dir, persists on one thread per local
+rank, commits on one thread, and exits once it has no clients and no work: at once when every client
+said a final goodbye, else after a grace period that lets a restarted trainer re-attach. Trainers that
+vanish without a goodbye (a crash) trigger the last-words persist of the newest complete snapshot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import pickle
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import errors as E
+from ._protocol import Client, peer_uid, recv_msg, send_msg
+from ._tree import TensorMeta, build_tensor, split_opaque, unflatten
+from .commit import CommitLayout
+from .config import Knobs, make_private_dir
+from .ipc import SharedLock
+from .shm import (COMPLETE, FLAG_PENDING, FLAG_PINNED, Segment, lock_path, segment_path,
+                  segment_paths)
+from .storage import CheckpointStorage, PosixDiskStorage
+
+__all__ = ["CheckpointSaver", "ensure_saver", "SOCKET_NAME"]
+
+log = logging.getLogger(__name__)
+
+SOCKET_NAME = "saver.sock"
+_SPAWN_LOCK = "spawn.lock"
+_LOG_NAME = "saver.log"
+
+
+class _Opaque:
+    """An opaque leaf inside a persisted file: unpickles to the trainer's object with pickle.loads."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return (pickle.loads, (self.raw,))
+
+
+@dataclass
+class _Job:
+    step: int
+    rank: int
+    local_rank: int
+    seg_path: str
+    slot: int
+    generation: int
+    path: str
+    commit: dict[str, Any] | None
+
+
+@dataclass
+class _StepState:
+    status: str = "persisting"  # persisting -> committing -> committed | failed
+    error: str | None = None
+    commits_here: bool = False
+
+
+@dataclass
+class _ClientInfo:
+    rank: int = -1
+    local_rank: int = -1
+    pid: int = 0
+    final: bool = False
+
+
+@dataclass
+class _Stats:
+    persisted_bytes: int = 0
+    persist_seconds: float = 0.0
+    last: dict[str, Any] = field(default_factory=dict)
+
+
+class CheckpointSaver:
+    """The saver of one job on one node.
+
+    Args:
+        job_dir: the job's runtime dir (segments, socket, locks); created 0700.
+        checkpoint_dir: the checkpoint dir it persists into.
+        storage: the storage backend (POSIX by default).
+        knobs: environment knobs (read from the environment when None).
+    """
+
+    def __init__(self, job_dir: str, checkpoint_dir: str, *, storage: CheckpointStorage | None = None,
+                 knobs: Knobs | None = None) -> None:
+        self.job_dir = job_dir
+        self.knobs = knobs or Knobs.from_env()
+        self.storage = storage or PosixDiskStorage()
+        self.layout = CommitLayout(checkpoint_dir, self.storage)
+        self._cv = threading.Condition()
+        self._clients: dict[int, _ClientInfo] = {}
+        self._ever_clients = 0
+        self._steps: dict[int, _StepState] = {}
+        self._errors: list[dict[str, Any]] = []
+        self._committed: list[int] = []
+        self._inflight = 0
+        self._persist_q: dict[int, queue.Queue[_Job | None]] = {}
+        self._commit_q: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._queues: dict[str, collections.deque[Any]] = collections.defaultdict(collections.deque)
+        self._dicts: dict[str, dict[str, Any]] = collections.defaultdict(dict)
+        self._segments: dict[str, Segment] = {}
+        self._stop = threading.Event()
+        self._idle_since = time.monotonic()
+        self._session_final = False
+        self._sock: socket.socket | None = None
+        self.stats = _Stats()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Creates the runtime dir, adopts segments left by an earlier saver, binds the socket."""
+        make_private_dir(self.job_dir)
+        self._adopt_segments()
+        self._committed = self.layout.committed_steps()
+        cleaned = self.layout.clean_uncommitted()
+        if cleaned:
+            log.warning("removed half-written, uncommitted steps %s left by an earlier run", cleaned)
+        path = os.path.join(self.job_dir, SOCKET_NAME)
+        if os.path.exists(path):
+            os.unlink(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        sock.listen(128)
+        self._sock = sock
+        self._spawn(self._accept_loop, "accept")
+        self._spawn(self._commit_loop, "commit")
+        log.info("saver %d serving %s for %s", os.getpid(), self.job_dir, self.layout.root)
+
+    def _spawn(self, target: Any, name: str, *args: Any) -> threading.Thread:
+        t = threading.Thread(target=target, args=args, name=f"flashckpt-saver-{name}", daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    def _adopt_segments(self) -> None:
+        """Segments survive a killed saver: keep them, clearing flags of persists that died with it."""
+        for name in os.listdir(self.job_dir):
+            if not name.endswith(".shm"):
+                continue
+            path = os.path.join(self.job_dir, name)
+            try:
+                seg = Segment(path, populate=False)
+            except (OSError, E.FlashCheckpointError):
+                os.unlink(path)
+                continue
+            with SharedLock(lock_path(self.job_dir, seg.local_rank)):
+                for i in range(seg.nslots):
+                    seg.set_flags(i, 0)
+            self._segments[path] = seg
+            log.info("adopted segment %s (steps %s)", path, [s for s, _ in seg.complete_steps()])
+
+    def serve_forever(self) -> None:
+        """Runs until there is no client and no work: at once after final goodbyes, else after grace."""
+        with self._cv:
+            while not self._stop.is_set():
+                if not self._clients and self._inflight == 0:
+                    if self._ever_clients and self._session_final:
+                        break
+                    if time.monotonic() - self._idle_since >= self.knobs.grace_s:
+                        log.info("no client for %.0f s: exiting", self.knobs.grace_s)
+                        break
+                self._cv.wait(timeout=0.5)
+        self.shutdown()
+
+    def request_stop(self) -> None:
+        """Asks ``serve_forever`` to return (signal-safe: only sets an event)."""
+        self._stop.set()
+
+    def shutdown(self, drain_timeout: float = 60.0) -> None:
+        """Finishes running persists (bounded), stops serving, removes the job's segments, locks, socket."""
+        self._stop.set()
+        with self._cv:
+            deadline = time.monotonic() + drain_timeout
+            while self._inflight > 0 and time.monotonic() < deadline:
+                self._cv.wait(timeout=0.2)
+            if self._inflight:
+                log.error("exiting with %d persist(s) unfinished after %.0f s", self._inflight, drain_timeout)
+        spawn_lock = lock_job(self.job_dir)
+        try:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            for q in self._persist_q.values():
+                q.put(None)
+            self._commit_q.put(None)
+            for seg in self._segments.values():
+                seg.close()
+            self._segments.clear()
+            for name in os.listdir(self.job_dir):
+                if name != _SPAWN_LOCK:
+                    p = os.path.join(self.job_dir, name)
+                    shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+            os.unlink(os.path.join(self.job_dir, _SPAWN_LOCK))
+            os.rmdir(self.job_dir)
+            try:
+                os.rmdir(os.path.dirname(self.job_dir))  # the per-user root, when no other job uses it
+            except OSError:
+                pass
+        except OSError as e:
+            log.warning("cleaning up %s: %s", self.job_dir, e)
+        finally:
+            spawn_lock.release()
+        log.info("saver %d exited; runtime dir %s removed", os.getpid(), self.job_dir)
+
+    # ------------------------------------------------------------------ server
+    def _accept_loop(self) -> None:
+        cid = 0
+        while not self._stop.is_set():
+            sock = self._sock
+            if sock is None:
+                return
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            try:
+                if peer_uid(conn) != os.getuid():
+                    log.warning("refused a connection from another uid")
+                    conn.close()
+                    continue
+            except OSError:
+                conn.close()
+                continue
+            cid += 1
+            self._spawn(self._serve_conn, f"conn{cid}", conn, cid)
+
+    def _serve_conn(self, conn: socket.socket, cid: int) -> None:
+        info: _ClientInfo | None = None
+        try:
+            while True:
+                try:
+                    msg = recv_msg(conn)
+                except E.ProtocolError as e:
+                    log.warning("rejected a malformed control message: %s", e)
+                    send_msg(conn, {"ok": False, "error": str(e), "kind": "ProtocolError"})
+                    return
+                op = msg.get("op")
+                if op == "hello":
+                    info = _ClientInfo(int(msg["rank"]), int(msg["local_rank"]), int(msg.get("pid", 0)))
+                    with self._cv:
+                        if not self._clients:
+                            self._session_final = True  # a new session of clients begins
+                        self._clients[cid] = info
+                        self._ever_clients += 1
+                try:
+                    reply = self._handle(op, msg, info)
+                except E.FlashCheckpointError as e:
+                    reply = {"ok": False, "error": str(e), "kind": type(e).__name__}
+                except (KeyError, TypeError, ValueError) as e:
+                    reply = {"ok": False, "error": f"bad {op!r} request: {e!r}", "kind": "ProtocolError"}
+                except OSError as e:
+                    reply = {"ok": False, "error": f"{op}: {e}", "kind": "PersistError"}
+                send_msg(conn, reply)
+                if op == "bye":
+                    return
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            conn.close()
+            with self._cv:
+                gone = self._clients.pop(cid, None)
+                if gone is not None and not gone.final:
+                    self._session_final = False
+                    log.warning("client rank %d (pid %d) disconnected without goodbye", gone.rank, gone.pid)
+                if not self._clients:
+                    self._idle_since = time.monotonic()
+                self._cv.notify_all()
+
+    def _handle(self, op: Any, msg: dict[str, Any], info: _ClientInfo | None) -> dict[str, Any]:
+        if op == "hello":
+            return {"ok": True, "pid": os.getpid(), **self._status(0)}
+        if op == "alloc":
+            return {"ok": True, "path": self._alloc(int(msg["local_rank"]), int(msg["meta_cap"]),
+                                                    int(msg["data_cap"]), int(msg.get("nslots", self.knobs.slots)))}
+        if op == "persist":
+            self._enqueue(msg)
+            return {"ok": True, **self._status(int(msg.get("cursor", 0)))}
+        if op == "status":
+            return {"ok": True, **self._status(int(msg.get("cursor", 0)))}
+        if op == "wait":
+            return {"ok": True, **self._wait(float(msg.get("timeout_s", 0) or 0), int(msg.get("cursor", 0)))}
+        if op == "delete_steps":
+            return {"ok": True, "deleted": self._delete_steps([int(s) for s in msg["steps"]])}
+        if op == "bye":
+            if info is not None:
+                info.final = bool(msg.get("final", True))
+            return {"ok": True}
+        if op == "q_put":
+            with self._cv:
+                self._queues[str(msg["name"])].append(msg["item"])
+                self._cv.notify_all()
+            return {"ok": True}
+        if op == "q_get":
+            name, deadline = str(msg["name"]), time.monotonic() + float(msg.get("timeout_s", 0))
+            with self._cv:
+                while not self._queues[name]:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._stop.is_set():
+                        return {"ok": True, "found": False}
+                    self._cv.wait(timeout=left)
+                return {"ok": True, "found": True, "item": self._queues[name].popleft()}
+        if op == "q_size":
+            with self._cv:
+                return {"ok": True, "size": len(self._queues[str(msg["name"])])}
+        if op == "d_update":
+            items = msg["items"]
+            if not isinstance(items, dict):
+                raise TypeError("items must be an object")
+            with self._cv:
+                self._dicts[str(msg["name"])].update(items)
+            return {"ok": True}
+        if op == "d_get":
+            with self._cv:
+                return {"ok": True, "items": dict(self._dicts[str(msg["name"])])}
+        raise E.ProtocolError(f"unknown operation {op!r}")
+
+    # ------------------------------------------------------------------ shared memory
+    def _alloc(self, local_rank: int, meta_cap: int, data_cap: int, nslots: int) -> str:
+        if not (0 <= local_rank < 1 << 16) or meta_cap <= 0 or data_cap < 0 or nslots not in (1, 2):
+            raise E.ProtocolError(f"alloc: bad arguments {local_rank=} {meta_cap=} {data_cap=} {nslots=}")
+        existing = segment_paths(self.job_dir, local_rank)
+        epoch = existing[-1][0] + 1 if existing else 0
+        need = 4096 + nslots * (4096 + _page(meta_cap) + _page(data_cap))
+        free = self._shm_free()
+        if need > free:
+            raise E.SharedMemoryError(
+                f"local rank {local_rank} needs {need} bytes ({need / 2**30:.2f} GiB) of shared memory for "
+                f"{nslots} snapshot slot(s) but only {free} bytes are free in {self.job_dir}. Enlarge /dev/shm "
+                "(docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory), use FLASHCKPT_SLOTS=1, "
+                "or checkpoint less state per rank.")
+        path = segment_path(self.job_dir, local_rank, epoch)
+        Segment.create(path, local_rank=local_rank, epoch=epoch, nslots=nslots,
+                       meta_cap=meta_cap, data_cap=data_cap)
+        self._segments[path] = Segment(path, populate=False)
+        log.info("allocated %s: %d slot(s), %d bytes", path, nslots, need)
+        self._reap_segments(local_rank)
+        return path
+
+    def _shm_free(self) -> int:
+        st = os.statvfs(self.job_dir)
+        free = st.f_bavail * st.f_frsize
+        if self.knobs.shm_limit_bytes:
+            used = sum(seg.size for seg in self._segments.values())
+            free = min(free, max(0, self.knobs.shm_limit_bytes - used))
+        return free
+
+    def _reap_segments(self, local_rank: int) -> None:
+        """Unlinks older segments of ``local_rank`` once none of their slots is pinned or pending.
+
+        Their newest snapshot stays readable until the newest segment holds a complete one."""
+        paths = segment_paths(self.job_dir, local_rank)
+        if len(paths) < 2:
+            return
+        newest = self._segment(paths[-1][1])
+        if not newest.complete_steps():
+            return
+        with SharedLock(lock_path(self.job_dir, local_rank)):
+            for _epoch, path in paths[:-1]:
+                seg = self._segment(path)
+                if any(seg.header(i).flags & (FLAG_PINNED | FLAG_PENDING) for i in range(seg.nslots)):
+                    continue
+                os.unlink(path)
+                self._segments.pop(path).close()
+
+    def _segment(self, path: str) -> Segment:
+        seg = self._segments.get(path)
+        if seg is None:
+            seg = self._segments[path] = Segment(path, populate=False)
+        return seg
+
+    # ------------------------------------------------------------------ persist
+    def _enqueue(self, msg: dict[str, Any]) -> None:
+        job = _Job(int(msg["step"]), int(msg["rank"]), int(msg["local_rank"]), str(msg["seg_path"]),
+                   int(msg["slot"]), int(msg["generation"]), os.path.abspath(str(msg["path"])),
+                   msg.get("commit"))
+        if os.path.dirname(job.seg_path) != self.job_dir:
+            raise E.ProtocolError(f"persist: segment {job.seg_path} is not in this job's runtime dir")
+        self.layout.rel(job.path)  # refuses paths outside the checkpoint dir
+        with self._cv:
+            st = self._steps.setdefault(job.step, _StepState())
+            if job.commit is not None:
+                st.commits_here = True
+            self._inflight += 1
+            q = self._persist_q.get(job.local_rank)
+            if q is None:
+                q = self._persist_q[job.local_rank] = queue.Queue()
+                self._spawn(self._persist_loop, f"persist{job.local_rank}", q)
+        q.put(job)
+
+    def _persist_loop(self, q: "queue.Queue[_Job | None]") -> None:
+        while True:
+            job = q.get()
+            if job is None:
+                return
+            try:
+                self._persist(job)
+                if job.commit is not None:
+                    self._commit_q.put((job.step, job.commit))
+                else:
+                    self._finish(job.step, None, committed=False)
+            except Exception as e:  # reported to the trainer; the saver keeps serving
+                log.exception("persist of step %d rank %d failed", job.step, job.rank)
+                self.layout.write_failed(job.step, job.rank, f"{type(e).__name__}: {e}")
+                self._finish(job.step, f"persisting step {job.step} of rank {job.rank} to {job.path} failed: "
+                             f"{type(e).__name__}: {e}", committed=False)
+
+    def _persist(self, job: _Job) -> None:
+        t0 = time.perf_counter()
+        seg = self._segment(job.seg_path)
+        lock = SharedLock(lock_path(self.job_dir, seg.local_rank))
+        with lock:
+            h = seg.header(job.slot)
+            if h.state != COMPLETE or h.generation != job.generation or h.step != job.step:
+                if h.generation == job.generation:
+                    seg.set_flags(job.slot, h.flags & ~FLAG_PENDING)
+                raise E.PersistError(f"the snapshot of step {job.step} was overwritten before it was persisted")
+            seg.set_flags(job.slot, h.flags | FLAG_PINNED)
+        try:
+            self.layout.write_intent(job.step, job.rank, [job.path])
+            tree = self._zero_copy_tree(seg, job.slot, h)
+            rec = self.storage.write_file(job.path, lambda tmp: torch.save(tree, tmp))
+            del tree
+            self.layout.write_done(job.step, job.rank, [rec])
+        finally:
+            with lock:
+                h2 = seg.header(job.slot)
+                if h2.generation == job.generation:
+                    seg.set_flags(job.slot, h2.flags & ~(FLAG_PINNED | FLAG_PENDING))
+        dt = time.perf_counter() - t0
+        with self._cv:
+            self.stats.persisted_bytes += rec.size
+            self.stats.persist_seconds += dt
+        log.info("event=persist step=%d rank=%d bytes=%d seconds=%.3f path=%s", job.step, job.rank,
+                 rec.size, dt, job.path)
+
+    def _zero_copy_tree(self, seg: Segment, slot: int, h: Any) -> Any:
+        """The snapshot's tree with tensors viewing the segment (no copy) and opaque leaves embedded."""
+        meta = seg.read_meta(slot, h)
+        data_off = seg.data_off(slot)
+        storages: dict[tuple[int, int], torch.UntypedStorage] = {}
+        tensors = []
+        for v in meta["tensors"]:
+            m = TensorMeta.from_json(v)
+            key = (m.offset, m.nbytes)
+            st = storages.get(key)
+            if st is None:
+                st = (torch.frombuffer(seg.mm, dtype=torch.uint8, count=m.nbytes, offset=data_off + m.offset)
+                      .untyped_storage() if m.nbytes else torch.UntypedStorage(0))
+                storages[key] = st
+            tensors.append(build_tensor(st, m))
+        blob_off = data_off + h.tensor_bytes
+        blob = seg.mm[blob_off: blob_off + h.blob_len]
+        opaque = [_Opaque(b) for b in split_opaque(blob, meta["opaque"])]
+        return unflatten(meta["tree"], tensors, opaque)
+
+    # ------------------------------------------------------------------ commit
+    def _commit_loop(self) -> None:
+        while True:
+            item = self._commit_q.get()
+            if item is None:
+                return
+            step, spec = item
+            try:
+                self.layout.commit(step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
+                                   replicated=bool(spec.get("replicated", False)),
+                                   extra=dict(spec.get("extra", {})),
+                                   tracker_files={str(k): str(v) for k, v in spec.get("tracker_files", {}).items()},
+                                   timeout=self.knobs.commit_timeout_s, stopping=self._stop.is_set)
+                with self._cv:
+                    self._committed = sorted(set(self._committed) | {step})
+                log.info("event=commit step=%d ranks=%s", step, spec["ranks"])
+                self._finish(step, None, committed=True)
+            except Exception as e:
+                log.exception("commit of step %d failed", step)
+                self._finish(step, f"committing step {step} failed: {e}", committed=False)
+
+    def _finish(self, step: int, error: str | None, *, committed: bool) -> None:
+        with self._cv:
+            st = self._steps.setdefault(step, _StepState())
+            if error is not None:
+                st.status, st.error = "failed", error
+                self._errors.append({"step": step, "error": error})
+            elif committed:
+                st.status = "committed"
+            elif st.status == "persisting":
+                st.status = "persisted"
+            self._inflight -= 1
+            if self._inflight == 0 and not self._clients:
+                self._idle_since = time.monotonic()
+            self._cv.notify_all()
+
+    def _status(self, cursor: int) -> dict[str, Any]:
+        with self._cv:
+            return {"committed": list(self._committed), "errors": self._errors[cursor:],
+                    "cursor": len(self._errors), "inflight": self._inflight}
+
+    def _wait(self, timeout: float, cursor: int) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        with self._cv:
+            while self._inflight > 0:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise E.CheckpointTimeoutError(
+                        f"wait(): {self._inflight} persist(s) still running after {timeout:.0f} s")
+                self._cv.wait(timeout=min(left, 1.0) if left is not None else 1.0)
+        return self._status(cursor)
+
+    def _delete_steps(self, steps: list[int]) -> list[int]:
+        with self._cv:
+            committed = list(self._committed)
+        if not committed:
+            return []
+        newest = committed[-1]
+        deleted = []
+        for s in steps:
+            if s == newest or s not in committed:
+                continue  # never the newest committed step, never a step that is not committed
+            self.layout.delete_step(s)
+            deleted.append(s)
+        with self._cv:
+            self._committed = [s for s in self._committed if s not in deleted]
+        if deleted:
+            log.info("event=retention deleted=%s", deleted)
+        return deleted
+
+
+def _page(n: int) -> int:
+    return (n + 4095) // 4096 * 4096
+
+
+# ---------------------------------------------------------------------- daemon
+def ensure_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs) -> Client:
+    """Connects to the job's saver on this node, starting a detached daemon first when none runs."""
+    path = os.path.join(job_dir, SOCKET_NAME)
+    try:
+        return Client(path, timeout=knobs.rpc_timeout_s)
+    except (FileNotFoundError, ConnectionRefusedError):
+        pass
+    make_private_dir(job_dir)
+    if os.stat(job_dir).st_uid != os.getuid():
+        raise E.SaverError(f"the runtime dir {job_dir} belongs to another user; set FLASHCKPT_RUNTIME_DIR")
+    spawn_lock = lock_job(job_dir)
+    try:
+        try:
+            return Client(path, timeout=knobs.rpc_timeout_s)
+        except (FileNotFoundError, ConnectionRefusedError):
+            pass
+        log_path = os.path.join(job_dir, _LOG_NAME)
+        env = dict(os.environ)
+        pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env.setdefault("OMP_NUM_THREADS", "1")
+        with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as logf:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "flashckpt_core.saver", "--daemonize", "--job-dir", job_dir,
+                 "--checkpoint-dir", os.path.abspath(checkpoint_dir)],
+                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, close_fds=True, start_new_session=True,
+                env=env, cwd="/")
+        rc = proc.wait(timeout=knobs.spawn_timeout_s)
+        if rc != 0:
+            raise E.SaverError(f"starting the saver failed (exit {rc}); see {log_path}:\n{_tail(log_path)}")
+        deadline = time.monotonic() + knobs.spawn_timeout_s
+        while True:
+            try:
+                return Client(path, timeout=knobs.rpc_timeout_s)
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() >= deadline:
+                    raise E.SaverError(f"the saver did not come up within {knobs.spawn_timeout_s:.0f} s; "
+                                       f"see {log_path}:\n{_tail(log_path)}") from None
+                time.sleep(0.02)
+    finally:
+        spawn_lock.release()
+
+
+def lock_job(job_dir: str) -> SharedLock:
+    """Takes the job's spawn lock, which serializes starting a saver with a saver's clean-up.
+
+    Retries when the lock file was unlinked (by an exiting saver) while we waited on it."""
+    path = os.path.join(job_dir, _SPAWN_LOCK)
+    while True:
+        make_private_dir(job_dir)
+        lock = SharedLock(path)
+        lock.acquire()
+        try:
+            same = os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return lock
+        lock.release()
+
+
+def _tail(path: str, n: int = 3000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flashckpt_core.saver", description="flashckpt node saver")
+    p.add_argument("--job-dir", required=True)
+    p.add_argument("--checkpoint-dir", required=True)
+    p.add_argument("--daemonize", action="store_true", help="fork into the background and return at once")
+    args = p.parse_args(argv)
+    if args.daemonize and os.fork() > 0:
+        os._exit(0)  # the spawner reaps this parent; the daemon is re-parented and never a zombie of it
+    logging.basicConfig(level=os.environ.get("FLASHCKPT_SAVER_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    saver = CheckpointSaver(args.job_dir, args.checkpoint_dir)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: saver.request_stop())
+    saver.start()
+    saver.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,485 @@
+"""Shared-memory segments with two snapshot slots, and the trainer-side SharedMemoryHandler.
+
+Segment file (one per local rank and allocation epoch, created 0600 by the saver)::
+
+    [0, 4096)            segment header: magic, version, nslots, slot_size, meta_cap, data_cap, local_rank
+    slot i at 4096 + i * slot_size:
+      [0, 4096)          slot header: state, flags, step, generation, meta_len, meta_xxh64,
+                         tensor_bytes, blob_len, wall_time
+      [4096, +meta_cap)  metadata (JSON, no pickle)
+      [.., +data_cap)    tensor storages (each 64-byte aligned), then the opaque blob
+
+A trainer writes a slot that is neither pinned by the saver (a persist reading it) nor pending (a
+persist requested but not started), preferring the slot that does not hold the newest complete
+snapshot; so a crash mid-copy leaves the previous snapshot intact. Readers accept a slot only when it
+is COMPLETE and its generation is unchanged after the read. Slot flags change only under the
+segment's SharedLock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import json
+import logging
+import mmap
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import xxhash
+
+from . import errors as E
+from ._copy import Copier
+from ._tree import (TensorMeta, Flat, SnapshotPlan, build_tensor, encode_opaque, flatten,
+                    plan_snapshot, signature_of, split_opaque, unflatten)
+from .ipc import SharedLock
+
+__all__ = ["SharedMemoryHandler", "Segment", "SlotHeader", "SlotRef", "Snapshot",
+           "EMPTY", "WRITING", "COMPLETE", "FLAG_PINNED", "FLAG_PENDING", "segment_paths"]
+
+log = logging.getLogger(__name__)
+
+SEG_MAGIC = b"FLCKSEG1"
+SEG_VERSION = 1
+_SEG_HDR = struct.Struct("<8sIIQQQiq")
+_SLOT_HDR = struct.Struct("<IIqQQQQQd")
+PAGE = 4096
+EMPTY, WRITING, COMPLETE = 0, 1, 2
+FLAG_PINNED = 1   # the saver is reading this slot
+FLAG_PENDING = 2  # a persist of this slot was requested and has not finished
+
+_SEG_RE = re.compile(r"seg-r(\d+)-e(\d+)\.shm$")
+
+
+def _page(n: int) -> int:
+    return (n + PAGE - 1) // PAGE * PAGE
+
+
+def segment_paths(job_dir: str, local_rank: int) -> list[tuple[int, str]]:
+    """(epoch, path) of every segment of ``local_rank`` in ``job_dir``, oldest first."""
+    out = []
+    for p in glob.glob(os.path.join(job_dir, f"seg-r{local_rank:03d}-e*.shm")):
+        m = _SEG_RE.search(p)
+        if m:
+            out.append((int(m.group(2)), p))
+    return sorted(out)
+
+
+def segment_path(job_dir: str, local_rank: int, epoch: int) -> str:
+    return os.path.join(job_dir, f"seg-r{local_rank:03d}-e{epoch:06d}.shm")
+
+
+def lock_path(job_dir: str, local_rank: int) -> str:
+    return os.path.join(job_dir, f"seg-r{local_rank:03d}.lock")
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    state: int
+    flags: int
+    step: int
+    generation: int
+    meta_len: int
+    meta_xxh: int
+    tensor_bytes: int
+    blob_len: int
+    wall_time: float
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    """Which slot of which segment holds a snapshot, and at which generation."""
+
+    path: str
+    slot: int
+    generation: int
+    step: int
+
+
+@dataclass
+class Snapshot:
+    step: int
+    state_dict: Any
+    name: str
+    nbytes: int
+
+
+class Segment:
+    """A mapped segment file. Both trainers and the saver use it; creation is the saver's."""
+
+    def __init__(self, path: str, *, populate: bool = True) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < PAGE:
+                raise E.SharedMemoryError(f"segment {path} is truncated ({size} bytes)")
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            self.mm = mmap.mmap(fd, size, flags=flags)
+        finally:
+            os.close(fd)
+        magic, ver, nslots, slot_size, meta_cap, data_cap, local_rank, epoch = _SEG_HDR.unpack_from(self.mm, 0)
+        if magic != SEG_MAGIC or ver != SEG_VERSION:
+            self.mm.close()
+            raise E.SharedMemoryError(f"{path} is not a flashckpt segment (version {SEG_VERSION})")
+        self.nslots, self.slot_size = nslots, slot_size
+        self.meta_cap, self.data_cap = meta_cap, data_cap
+        self.local_rank, self.epoch = local_rank, epoch
+        self.size = size
+        self._cbuf = (ctypes.c_char * size).from_buffer(self.mm)
+        self.base = ctypes.addressof(self._cbuf)
+
+    @staticmethod
+    def create(path: str, *, local_rank: int, epoch: int, nslots: int, meta_cap: int, data_cap: int) -> int:
+        """Creates and fully reserves a segment file (fallocate, so a full /dev/shm fails here, not
+        with SIGBUS later). Returns its size in bytes."""
+        meta_cap, data_cap = _page(meta_cap), _page(data_cap)
+        slot_size = PAGE + meta_cap + data_cap
+        size = PAGE + nslots * slot_size
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                raise E.SharedMemoryError(
+                    f"could not reserve {size} bytes of shared memory for local rank {local_rank} in "
+                    f"{os.path.dirname(path)} ({e}); free space there or lower the snapshot size") from e
+            hdr = _SEG_HDR.pack(SEG_MAGIC, SEG_VERSION, nslots, slot_size, meta_cap, data_cap, local_rank, epoch)
+            os.pwrite(fd, hdr, 0)
+            empty = _SLOT_HDR.pack(EMPTY, 0, -1, 0, 0, 0, 0, 0, 0.0)
+            for i in range(nslots):
+                os.pwrite(fd, empty, PAGE + i * slot_size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        os.rename(tmp, path)
+        return size
+
+    def slot_off(self, i: int) -> int:
+        return PAGE + i * self.slot_size
+
+    def meta_off(self, i: int) -> int:
+        return self.slot_off(i) + PAGE
+
+    def data_off(self, i: int) -> int:
+        return self.slot_off(i) + PAGE + self.meta_cap
+
+    def header(self, i: int) -> SlotHeader:
+        return SlotHeader(*_SLOT_HDR.unpack_from(self.mm, self.slot_off(i)))
+
+    def write_header(self, i: int, h: SlotHeader) -> None:
+        # Fields first, state last: a reader never sees COMPLETE with stale fields.
+        off = self.slot_off(i)
+        _SLOT_HDR.pack_into(self.mm, off, WRITING if h.state == COMPLETE else h.state, h.flags, h.step,
+                            h.generation, h.meta_len, h.meta_xxh, h.tensor_bytes, h.blob_len, h.wall_time)
+        if h.state == COMPLETE:
+            struct.pack_into("<I", self.mm, off, COMPLETE)
+
+    def set_flags(self, i: int, flags: int) -> None:
+        struct.pack_into("<I", self.mm, self.slot_off(i) + 4, flags)
+
+    def read_meta(self, i: int, h: SlotHeader) -> dict[str, Any]:
+        raw = self.mm[self.meta_off(i): self.meta_off(i) + h.meta_len]
+        if xxhash.xxh64_intdigest(raw) != h.meta_xxh:
+            raise E.CheckpointCorruptError(f"slot {i} of {self.path}: metadata checksum mismatch")
+        return json.loads(raw)
+
+    def complete_steps(self) -> list[tuple[int, int]]:
+        """(step, slot) of every COMPLETE slot."""
+        out = []
+        for i in range(self.nslots):
+            h = self.header(i)
+            if h.state == COMPLETE:
+                out.append((h.step, i))
+        return out
+
+    def close(self) -> None:
+        del self._cbuf
+        try:
+            self.mm.close()
+        except BufferError:  # a zero-copy tensor still views it; the mapping goes with that tensor
+            log.debug("segment %s still has views; leaving the mapping to the garbage collector", self.path)
+
+
+def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None = None) -> Snapshot | None:
+    """Copies slot ``slot`` out of shared memory; None when it is not a COMPLETE, untorn snapshot."""
+    h = seg.header(slot)
+    if h.state != COMPLETE or (step is not None and h.step != step):
+        return None
+    meta = seg.read_meta(slot, h)
+    metas = [TensorMeta.from_json(v) for v in meta["tensors"]]
+    data = seg.base + seg.data_off(slot)
+    regions: dict[tuple[int, int], torch.UntypedStorage] = {}
+    tasks = []
+    for m in metas:
+        key = (m.offset, m.nbytes)
+        if key not in regions:
+            st = torch.UntypedStorage(m.nbytes)
+            regions[key] = st
+            if m.nbytes:
+                tasks.append((st.data_ptr(), data + m.offset, m.nbytes))
+    copier.run(tasks)
+    blob_off = seg.data_off(slot) + h.tensor_bytes
+    blob = seg.mm[blob_off: blob_off + h.blob_len]
+    h2 = seg.header(slot)
+    if h2.state != COMPLETE or h2.generation != h.generation:
+        return None  # overwritten while we read: torn
+    import pickle  # opaque leaves are decoded by a trainer only, from a 0600 segment of the same user
+
+    opaque = [pickle.loads(b) for b in split_opaque(blob, meta["opaque"])]
+    tensors = []
+    for m in metas:
+        t = build_tensor(regions[(m.offset, m.nbytes)], m)
+        if m.device != "cpu":
+            t = _to_device(t, m.device)
+        tensors.append(t)
+    return Snapshot(h.step, unflatten(meta["tree"], tensors, opaque), meta.get("name", ""), h.tensor_bytes)
+
+
+def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
+    dev = torch.device(device)
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        return t
+    return t.to(dev)
+
+
+Allocator = Callable[[int, int, int], str]
+"""(local_rank, meta_cap, data_cap) -> path of a new segment created by the saver."""
+
+
+class SharedMemoryHandler:
+    """The trainer's side of one local rank's segment: writes snapshots, reads them back.
+
+    Args:
+        local_rank: whose segment.
+        job_dir: the job's runtime dir.
+        allocate: asks the saver for a new segment; None for a read-only handler.
+        copier: the thread pool that copies bytes (one is made when None).
+        slot_wait_timeout: bound on waiting for a free slot while both are busy persisting.
+
+    Not thread-safe. While ``save_state_dict`` runs the caller must not mutate the tensors it passed;
+    once it returns they are the caller's again.
+    """
+
+    def __init__(self, local_rank: int, job_dir: str, *, allocate: Allocator | None = None,
+                 copier: Copier | None = None, slot_wait_timeout: float = 600.0) -> None:
+        self.local_rank = local_rank
+        self.job_dir = job_dir
+        self._allocate = allocate
+        self._own_copier = copier is None
+        self._copier = copier or Copier(1)
+        self._lock = SharedLock(lock_path(job_dir, local_rank))
+        self._seg: Segment | None = None
+        self._plan: SnapshotPlan | None = None
+        self._cuda_registered: set[str] = set()
+        self.slot_wait_timeout = slot_wait_timeout
+
+    # ------------------------------------------------------------------ write
+    def save_state_dict(self, step: int, state_dict: Any, ckpt_name: str = "") -> SlotRef:
+        """Copies ``state_dict`` into a free slot and marks it COMPLETE.
+
+        Args:
+            step: the training step the snapshot belongs to.
+            state_dict: the tree to snapshot.
+            ckpt_name: where the snapshot is to be persisted (kept in its metadata).
+
+        Returns:
+            The slot holding the snapshot.
+
+        Raises:
+            InvalidStateDictError: something in ``state_dict`` cannot be stored (nothing was written).
+            SharedMemoryError: /dev/shm cannot hold the snapshot.
+            CheckpointTimeoutError: no slot became free within ``slot_wait_timeout``.
+        """
+        flat = flatten(state_dict)
+        sig = signature_of(flat.tensors)
+        if self._plan is None or self._plan.signature != sig:
+            self._plan = plan_snapshot(flat.tensors, sig)
+        plan = self._plan
+        blob, lengths = encode_opaque(flat.opaque)
+        meta = self._meta_json(step, ckpt_name, flat, plan, lengths)
+        seg = self._segment_for(len(meta), plan.tensor_bytes + len(blob))
+        slot = self._acquire_slot(seg)
+        try:
+            self._copy_in(seg, slot, flat, plan)
+            if blob:
+                off = seg.data_off(slot) + plan.tensor_bytes
+                seg.mm[off: off + len(blob)] = blob
+            moff = seg.meta_off(slot)
+            seg.mm[moff: moff + len(meta)] = meta
+        except BaseException:
+            self._set_state(seg, slot, EMPTY)
+            raise
+        gen = seg.header(slot).generation
+        seg.write_header(slot, SlotHeader(COMPLETE, 0, step, gen, len(meta), xxhash.xxh64_intdigest(meta),
+                                          plan.tensor_bytes, len(blob), time.time()))
+        return SlotRef(seg.path, slot, gen, step)
+
+    def _meta_json(self, step: int, name: str, flat: Flat, plan: SnapshotPlan, lengths: list[int]) -> bytes:
+        head = json.dumps({"v": 1, "step": step, "name": name, "opaque": lengths}, separators=(",", ":"))
+        tree = json.dumps(flat.skeleton, separators=(",", ":"))
+        return (head[:-1] + ',"tree":' + tree + ',"tensors":' + plan.metas_json + "}").encode()
+
+    def _segment_for(self, meta_len: int, data_len: int) -> Segment:
+        seg = self._seg
+        if seg is None:
+            paths = segment_paths(self.job_dir, self.local_rank)
+            if paths:
+                seg = self._seg = Segment(paths[-1][1])
+        if seg is not None and meta_len <= seg.meta_cap and data_len <= seg.data_cap:
+            return seg
+        if self._allocate is None:
+            raise E.SharedMemoryError("this SharedMemoryHandler is read-only (no allocator)")
+        meta_cap = max(2 * meta_len, 64 << 10)
+        data_cap = data_len + max(data_len // 64, 64 << 10)  # slack for growing plain leaves
+        path = self._allocate(self.local_rank, meta_cap, data_cap)
+        if self._seg is not None:
+            self._unregister(self._seg)
+            self._seg.close()
+        self._seg = Segment(path)
+        return self._seg
+
+    def _acquire_slot(self, seg: Segment) -> int:
+        deadline = time.monotonic() + self.slot_wait_timeout
+        delay = 0.0005
+        while True:
+            with self._lock:
+                hs = [seg.header(i) for i in range(seg.nslots)]
+                free = [i for i, h in enumerate(hs) if not h.flags & (FLAG_PINNED | FLAG_PENDING)]
+                if free:
+                    newest = max((h.step for h in hs if h.state == COMPLETE), default=None)
+                    # Never overwrite the newest complete snapshot while another slot is free.
+                    free.sort(key=lambda i: (hs[i].state == COMPLETE and hs[i].step == newest,
+                                             hs[i].state == COMPLETE, hs[i].step))
+                    i = free[0]
+                    h = hs[i]
+                    seg.write_header(i, SlotHeader(WRITING, 0, h.step, h.generation + 1, 0, 0, 0, 0, 0.0))
+                    return i
+            if time.monotonic() >= deadline:
+                raise E.CheckpointTimeoutError(
+                    f"save(): every shared-memory slot of local rank {self.local_rank} stayed busy persisting "
+                    f"for {self.slot_wait_timeout:.0f} s; storage is slower than the persist interval. "
+                    "Persist less often, or check that the saver is alive (flashckpt ls).")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def _set_state(self, seg: Segment, slot: int, state: int) -> None:
+        with self._lock:
+            struct.pack_into("<I", seg.mm, seg.slot_off(slot), state)
+
+    def _copy_in(self, seg: Segment, slot: int, flat: Flat, plan: SnapshotPlan) -> None:
+        data = seg.base + seg.data_off(slot)
+        tasks = []
+        cuda = []
+        done: set[int] = set()
+        regions = plan.regions
+        for t, ri in zip(flat.tensors, plan.tensor_region):
+            if ri in done:
+                continue
+            done.add(ri)
+            off, n = regions[ri]
+            if not n:
+                continue
+            if t.device.type == "cpu":
+                tasks.append((data + off, t.untyped_storage().data_ptr(), n))
+            else:
+                cuda.append((t, off, n))
+        self._copier.run(tasks)
+        if cuda:
+            self._copy_cuda(seg, slot, cuda)
+
+    def _copy_cuda(self, seg: Segment, slot: int, items: list[tuple[torch.Tensor, int, int]]) -> None:
+        """Device-to-host copies on a side stream into the (pinned) segment; complete when its event is."""
+        if seg.path not in self._cuda_registered and torch.cuda.is_available():
+            # Page-lock the segment once so the copies are true asynchronous DMA.
+            torch.cuda.cudart().cudaHostRegister(seg.base, seg.size, 0)
+            self._cuda_registered.add(seg.path)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for t, off, n in items:
+                dst = torch.frombuffer(seg.mm, dtype=torch.uint8, count=n, offset=seg.data_off(slot) + off)
+                src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+                dst.copy_(src, non_blocking=True)
+        stream.synchronize()
+
+    def mark_pending(self, ref: SlotRef) -> None:
+        """Flags ``ref``'s slot as awaiting a persist, so no later snapshot overwrites it first."""
+        seg = self._open(ref.path)
+        with self._lock:
+            h = seg.header(ref.slot)
+            if h.state != COMPLETE or h.generation != ref.generation:
+                raise E.FlashCheckpointError(f"step {ref.step}: its slot was overwritten before its persist")
+            seg.set_flags(ref.slot, h.flags | FLAG_PENDING)
+
+    def clear_pending(self, ref: SlotRef) -> None:
+        seg = self._open(ref.path)
+        with self._lock:
+            h = seg.header(ref.slot)
+            if h.generation == ref.generation:
+                seg.set_flags(ref.slot, h.flags & ~FLAG_PENDING)
+
+    def _open(self, path: str) -> Segment:
+        if self._seg is not None and self._seg.path == path:
+            return self._seg
+        return Segment(path)
+
+    # ------------------------------------------------------------------- read
+    def memory_steps(self) -> list[int]:
+        """Steps of the COMPLETE snapshots held in shared memory for this local rank, newest first."""
+        steps: set[int] = set()
+        for _epoch, path in segment_paths(self.job_dir, self.local_rank):
+            try:
+                seg = self._open(path)
+            except (OSError, E.FlashCheckpointError):
+                continue
+            steps.update(s for s, _ in seg.complete_steps())
+            if seg is not self._seg:
+                seg.close()
+        return sorted(steps, reverse=True)
+
+    def load_snapshot(self, step: int | None = None) -> Snapshot | None:
+        """The newest COMPLETE snapshot (or the one of ``step``), copied out of shared memory."""
+        for _epoch, path in reversed(segment_paths(self.job_dir, self.local_rank)):
+            try:
+                seg = self._open(path)
+            except (OSError, E.FlashCheckpointError):
+                continue
+            try:
+                for s, i in sorted(seg.complete_steps(), reverse=True):
+                    if step is not None and s != step:
+                        continue
+                    snap = read_snapshot(seg, i, self._copier, step=s)
+                    if snap is not None:
+                        return snap
+            finally:
+                if seg is not self._seg:
+                    seg.close()
+        return None
+
+    def load_state_dict(self, step: int | None = None) -> Any:
+        """The state dict of the newest snapshot in memory (or of ``step``); ``{}`` when there is none."""
+        snap = self.load_snapshot(step)
+        return {} if snap is None else snap.state_dict
+
+    def _unregister(self, seg: Segment) -> None:
+        if seg.path in self._cuda_registered:
+            torch.cuda.cudart().cudaHostUnregister(seg.base)
+            self._cuda_registered.discard(seg.path)
+
+    def close(self) -> None:
+        if self._seg is not None:
+            self._unregister(self._seg)
+            self._seg.close()
+            self._seg = None
+        if self._own_copier:
+            self._copier.close()

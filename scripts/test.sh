@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test suite, on CPU. Creates ./.venv and installs the project with its test extras on first use.
+source "$(dirname "$0")/_venv.sh" "dev"
+set +e
+python -m pytest "$@"
+rc=$?
+# pytest's 5 means no test was collected: that is a failure of the suite, not a pass.
+exit $rc
