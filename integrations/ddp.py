@@ -1,0 +1,78 @@
+"""DdpCheckpointer: flash checkpoints for data-parallel training (DDP), where every rank holds the
+same state.
+
+Local rank 0 of every node copies the state into the node's shared memory, so any node can restart
+from memory; global rank 0's saver persists the one copy that storage gets. Every rank loads it.
+
+Example::
+
+    checkpointer = DdpCheckpointer("/ckpt")
+    sd = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+    if step % 10 == 0:
+        checkpointer.save_checkpoint(step, sd, storage_type=StorageType.MEMORY)
+    if step % 100 == 0:
+        checkpointer.save_checkpoint(step, sd, storage_type=StorageType.DISK)
+    ...
+    sd = checkpointer.load_checkpoint()   # {} when there is nothing to resume from
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flashckpt_core import CheckpointEngine, StorageType
+from flashckpt_core.engine import LoadResult
+from flashckpt_core.retention import CheckpointDeletionStrategy
+
+__all__ = ["DdpCheckpointer", "StorageType"]
+
+
+class DdpCheckpointer:
+    """Checkpointer for DDP (replicated state).
+
+    Args:
+        checkpoint_dir: where checkpoints are persisted (shared by all nodes).
+        deletion_strategy: which committed checkpoints to delete; None keeps the newest ``max_to_keep``.
+        max_to_keep: committed checkpoints kept without a ``deletion_strategy`` (0 keeps all).
+        process_group: the group whose ranks agree on what to load (default group when None).
+        weights_only: load persisted files with ``torch.load(weights_only=True)``.
+    """
+
+    def __init__(self, checkpoint_dir: str, *, deletion_strategy: CheckpointDeletionStrategy | None = None,
+                 max_to_keep: int = 0, process_group: Any = None, weights_only: bool = True) -> None:
+        self.engine = CheckpointEngine(checkpoint_dir, max_to_keep=max_to_keep, deletion_strategy=deletion_strategy,
+                                       replicated=True, process_group=process_group, weights_only=weights_only)
+        self.checkpoint_dir = self.engine.checkpoint_dir
+
+    def save_checkpoint(self, step: int, state_dict: Any, path: str = "",
+                        storage_type: StorageType = StorageType.DISK) -> bool:
+        """Snapshots ``state_dict`` to memory and, with DISK, persists it to ``path`` in the background.
+
+        Call it on every rank (ranks that neither snapshot nor persist return at once). Returns once the
+        copy is in shared memory; the state may then be changed. ``path`` defaults to
+        ``<checkpoint_dir>/step_<step>/checkpoint.pt``; a relative path is taken inside the checkpoint dir.
+        """
+        return self.engine.save(step, state_dict, path or None, storage_type)
+
+    def load_checkpoint(self, resume_path: str = "") -> Any:
+        """The newest checkpoint every rank has, from memory when it holds it; ``{}`` when none."""
+        return self.engine.load(resume_path)
+
+    def wait_latest_checkpoint(self, timeout: float | None = 1800) -> None:
+        """Blocks until every scheduled persist is committed; raises the first persist error."""
+        self.engine.wait(timeout)
+
+    @property
+    def last_load(self) -> LoadResult | None:
+        """Where the last ``load_checkpoint`` came from (step, "memory"/"storage"/"none", seconds)."""
+        return self.engine.last_load
+
+    def close(self, release: bool = True) -> None:
+        """See ``CheckpointEngine.close``."""
+        self.engine.close(release)
+
+    def __enter__(self) -> "DdpCheckpointer":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(release=exc_type is None)
