@@ -46,6 +46,8 @@ class Knobs:
         commit_timeout_s: how long a committing saver waits for the other ranks' files; FLASHCKPT_COMMIT_TIMEOUT_S.
         rpc_timeout_s: bound on one control round trip to the saver; FLASHCKPT_RPC_TIMEOUT_S.
         spawn_timeout_s: bound on starting the saver daemon; FLASHCKPT_SPAWN_TIMEOUT_S.
+        last_words: persist the newest snapshot when a trainer dies or on SIGTERM; FLASHCKPT_LAST_WORDS (1/0).
+        term_timeout_s: bound on the last-words persist after SIGTERM; FLASHCKPT_TERM_TIMEOUT_S.
     """
 
     runtime_dir: str
@@ -56,6 +58,8 @@ class Knobs:
     commit_timeout_s: float
     rpc_timeout_s: float
     spawn_timeout_s: float
+    last_words: bool = True
+    term_timeout_s: float = 120.0
 
     @staticmethod
     def from_env() -> "Knobs":
@@ -72,6 +76,8 @@ class Knobs:
             commit_timeout_s=_env_float("FLASHCKPT_COMMIT_TIMEOUT_S", 1800.0),
             rpc_timeout_s=_env_float("FLASHCKPT_RPC_TIMEOUT_S", 120.0),
             spawn_timeout_s=_env_float("FLASHCKPT_SPAWN_TIMEOUT_S", 60.0),
+            last_words=os.environ.get("FLASHCKPT_LAST_WORDS", "1").lower() not in ("0", "false", "no", "off"),
+            term_timeout_s=_env_float("FLASHCKPT_TERM_TIMEOUT_S", 120.0),
         )
 
 

@@ -93,7 +93,8 @@ class CheckpointEngine:
         self._client: Client | None = ensure_saver(self.job_dir, self.checkpoint_dir, self.knobs)
         r = self.ranks
         hello = self._client.call("hello", rank=r.rank, local_rank=r.local_rank, world_size=r.world_size,
-                                  local_world_size=r.local_world_size, pid=os.getpid())
+                                  local_world_size=r.local_world_size, pid=os.getpid(), persists=self.persists,
+                                  commit=self._commit_spec())
         self._cursor = int(hello["cursor"])  # errors before we attached belong to an earlier run
         self._handler = SharedMemoryHandler(r.local_rank, self.job_dir, allocate=self._allocate,
                                             copier=self._copier)
@@ -158,11 +159,7 @@ class CheckpointEngine:
         reply = None
         if storage_type == StorageType.DISK and self.persists:
             self._handler.mark_pending(ref)
-            commit = None
-            if self.ranks.rank == 0:
-                ranks = [0] if self.replicated else list(range(self.ranks.world_size))
-                commit = {"ranks": ranks, "world_size": self.ranks.world_size, "replicated": self.replicated,
-                          "extra": {}, "tracker_files": {}}
+            commit = self._commit_spec()
             try:
                 reply = self._client_call("persist", step=step, rank=self.ranks.rank,
                                           local_rank=self.ranks.local_rank, seg_path=ref.path, slot=ref.slot,
@@ -176,6 +173,14 @@ class CheckpointEngine:
             reply = self._client_call("status", cursor=self._cursor)
         self._after_reply(reply)
         return True
+
+    def _commit_spec(self) -> dict[str, Any] | None:
+        """What global rank 0's saver needs to commit a step; None on other ranks."""
+        if self.ranks.rank != 0:
+            return None
+        ranks = [0] if self.replicated else list(range(self.ranks.world_size))
+        return {"ranks": ranks, "world_size": self.ranks.world_size, "replicated": self.replicated,
+                "extra": {}, "tracker_files": {}}
 
     def _interval_type(self, step: int) -> StorageType | None:
         if self.save_storage_interval and step % self.save_storage_interval == 0:

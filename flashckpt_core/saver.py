@@ -84,6 +84,8 @@ class _ClientInfo:
     local_rank: int = -1
     pid: int = 0
     final: bool = False
+    persists: bool = False
+    commit: dict[str, Any] | None = None
 
 
 @dataclass
@@ -125,6 +127,9 @@ class CheckpointSaver:
         self._stop = threading.Event()
         self._idle_since = time.monotonic()
         self._session_final = False
+        self._persisters: dict[int, _ClientInfo] = {}
+        self._last_words_lock = threading.Lock()
+        self._signalled = False
         self._sock: socket.socket | None = None
         self.stats = _Stats()
 
@@ -186,10 +191,17 @@ class CheckpointSaver:
                         log.info("no client for %.0f s: exiting", self.knobs.grace_s)
                         break
                 self._cv.wait(timeout=0.5)
+        if self._signalled and self.knobs.last_words:
+            try:
+                self.save_shm_to_storage(timeout=self.knobs.term_timeout_s)
+            except Exception:
+                log.exception("last-words persist on SIGTERM failed")
         self.shutdown()
 
-    def request_stop(self) -> None:
-        """Asks ``serve_forever`` to return (signal-safe: only sets an event)."""
+    def request_stop(self, *, last_words: bool = False) -> None:
+        """Asks ``serve_forever`` to return (signal-safe: only sets flags). With ``last_words`` the
+        newest snapshot is persisted and committed first (SIGTERM)."""
+        self._signalled = self._signalled or last_words
         self._stop.set()
 
     def shutdown(self, drain_timeout: float = 60.0) -> None:
@@ -262,12 +274,15 @@ class CheckpointSaver:
                     return
                 op = msg.get("op")
                 if op == "hello":
-                    info = _ClientInfo(int(msg["rank"]), int(msg["local_rank"]), int(msg.get("pid", 0)))
+                    info = _ClientInfo(int(msg["rank"]), int(msg["local_rank"]), int(msg.get("pid", 0)),
+                                       persists=bool(msg.get("persists", False)), commit=msg.get("commit"))
                     with self._cv:
                         if not self._clients:
                             self._session_final = True  # a new session of clients begins
                         self._clients[cid] = info
                         self._ever_clients += 1
+                        if info.persists:  # who persists what, for last words after a crash
+                            self._persisters[info.local_rank] = info
                 try:
                     reply = self._handle(op, msg, info)
                 except E.FlashCheckpointError as e:
@@ -288,6 +303,9 @@ class CheckpointSaver:
                 if gone is not None and not gone.final:
                     self._session_final = False
                     log.warning("client rank %d (pid %d) disconnected without goodbye", gone.rank, gone.pid)
+                    if self.knobs.last_words and not self._stop.is_set():
+                        self._inflight += 1  # keeps the saver alive until the last words are written
+                        self._spawn(self._last_words_thread, "last-words")
                 if not self._clients:
                     self._idle_since = time.monotonic()
                 self._cv.notify_all()
@@ -305,6 +323,9 @@ class CheckpointSaver:
             return {"ok": True, **self._status(int(msg.get("cursor", 0)))}
         if op == "wait":
             return {"ok": True, **self._wait(float(msg.get("timeout_s", 0) or 0), int(msg.get("cursor", 0)))}
+        if op == "last_words":
+            step = self.save_shm_to_storage(timeout=float(msg.get("timeout_s", self.knobs.commit_timeout_s)))
+            return {"ok": True, "step": step, **self._status(int(msg.get("cursor", 0)))}
         if op == "delete_steps":
             return {"ok": True, "deleted": self._delete_steps([int(s) for s in msg["steps"]])}
         if op == "bye":
@@ -479,6 +500,85 @@ class CheckpointSaver:
         opaque = [_Opaque(b) for b in split_opaque(blob, meta["opaque"])]
         return unflatten(meta["tree"], tensors, opaque)
 
+    # ------------------------------------------------------------------ last words
+    def _last_words_thread(self) -> None:
+        try:
+            self.save_shm_to_storage(timeout=self.knobs.commit_timeout_s)
+        except Exception:
+            log.exception("last-words persist failed")
+        finally:
+            with self._cv:
+                self._inflight -= 1
+                if self._inflight == 0 and not self._clients:
+                    self._idle_since = time.monotonic()
+                self._cv.notify_all()
+
+    def save_shm_to_storage(self, timeout: float | None = None) -> int | None:
+        """Persists and commits the newest snapshot that every persisting local rank holds in memory,
+        when it is newer than the last commit and not already being persisted. Waits for it.
+
+        Safe to call concurrently and repeatedly (idempotent). Used after a trainer crash, on SIGTERM,
+        and by ``flashckpt-run`` before it restarts failed workers.
+
+        Returns:
+            The step persisted (or already in flight), or None when there was nothing newer to persist.
+        """
+        with self._last_words_lock:
+            with self._cv:
+                persisters = dict(self._persisters)
+                known = set(self._steps)
+                newest_committed = max(self._committed, default=-1)
+            if not persisters:
+                return None
+            held: set[int] | None = None
+            where: dict[int, tuple[str, int, int, str]] = {}
+            for lr in persisters:
+                steps: dict[int, tuple[str, int, int, str]] = {}
+                for _epoch, path in segment_paths(self.job_dir, lr):
+                    seg = self._segment(path)
+                    for step, slot in seg.complete_steps():
+                        h = seg.header(slot)
+                        try:
+                            name = str(seg.read_meta(slot, h).get("name", ""))
+                        except (E.FlashCheckpointError, ValueError):
+                            continue
+                        steps[step] = (path, slot, h.generation, name)
+                held = set(steps) if held is None else held & set(steps)
+                for step, loc in steps.items():
+                    where[lr * (1 << 40) + step] = loc
+            candidates = sorted((held or set()), reverse=True)
+            if not candidates or candidates[0] <= newest_committed:
+                return None
+            step = candidates[0]
+            if step not in known:
+                log.warning("event=last_words step=%d ranks=%s", step, sorted(i.rank for i in persisters.values()))
+                for lr, info in persisters.items():
+                    path, slot, gen, name = where[lr * (1 << 40) + step]
+                    if not name:
+                        log.error("step %d of local rank %d has no persist path; not persisted", step, lr)
+                        return None
+                    self._enqueue({"step": step, "rank": info.rank, "local_rank": lr, "seg_path": path,
+                                   "slot": slot, "generation": gen, "path": name, "commit": info.commit})
+        self._wait_step(step, timeout)
+        return step
+
+    def _wait_step(self, step: int, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while not self._step_done(step):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise E.CheckpointTimeoutError(f"last words: step {step} not committed within {timeout:.0f} s")
+                self._cv.wait(timeout=0.2 if left is None else min(left, 0.2))
+
+    def _step_done(self, step: int) -> bool:
+        st = self._steps.get(step)
+        if st is None:
+            return True
+        if st.commits_here:
+            return st.status in ("committed", "failed")
+        return st.status != "persisting"
+
     # ------------------------------------------------------------------ commit
     def _commit_loop(self) -> None:
         while True:
@@ -491,7 +591,8 @@ class CheckpointSaver:
                                    replicated=bool(spec.get("replicated", False)),
                                    extra=dict(spec.get("extra", {})),
                                    tracker_files={str(k): str(v) for k, v in spec.get("tracker_files", {}).items()},
-                                   timeout=self.knobs.commit_timeout_s, stopping=self._stop.is_set)
+                                   timeout=self.knobs.commit_timeout_s,
+                                   stopping=lambda: self._stop.is_set() and not self._signalled)
                 with self._cv:
                     self._committed = sorted(set(self._committed) | {step})
                 log.info("event=commit step=%d ranks=%s", step, spec["ranks"])
@@ -638,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     saver = CheckpointSaver(args.job_dir, args.checkpoint_dir)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: saver.request_stop())
+        signal.signal(sig, lambda *_: saver.request_stop(last_words=True))
     saver.start()
     saver.serve_forever()
     return 0

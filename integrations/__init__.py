@@ -1,0 +1,1 @@
+"""Thin adapters of flashckpt to training frameworks; each imports its framework lazily."""

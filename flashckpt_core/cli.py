@@ -1,0 +1,167 @@
+"""The ``flashckpt`` command: inspect, verify and clean up checkpoints and runtime state.
+
+    flashckpt ls DIR                 steps in DIR: committed or not, size, age, files
+    flashckpt verify DIR [--step N]  checks sizes and checksums against the manifests (exit 1 on damage)
+    flashckpt gc [--dry-run]         removes runtime dirs (segments, sockets, locks) of dead jobs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+from . import errors as E
+from ._protocol import Client
+from .commit import CommitLayout
+from .config import Knobs
+from .storage import PosixDiskStorage
+
+__all__ = ["main"]
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _age(t: float) -> str:
+    s = max(0.0, time.time() - t)
+    if s < 120:
+        return f"{s:.0f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    if s < 172800:
+        return f"{s / 3600:.1f}h"
+    return f"{s / 86400:.1f}d"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    layout = CommitLayout(args.dir, PosixDiskStorage())
+    committed = layout.committed_steps()
+    pending = layout.uncommitted_steps()
+    latest = layout.tracker_step()
+    rows = []
+    for step in sorted(set(committed) | set(pending)):
+        if step in committed:
+            try:
+                m = layout.read_manifest(step)
+            except E.CheckpointCorruptError as e:
+                rows.append((step, "damaged", "-", "-", str(e)))
+                continue
+            files = m.all_files()
+            rows.append((step, "committed" + (" (latest)" if step == latest else ""),
+                         _size(sum(f.size for f in files)), _age(m.time), ", ".join(f.path for f in files)))
+        else:
+            d = layout.step_dir(step)
+            mtime = max((os.path.getmtime(os.path.join(d, n)) for n in os.listdir(d)), default=time.time()) \
+                if os.path.isdir(d) else time.time()
+            rows.append((step, "not committed", "-", _age(mtime), "in progress, or left by a crash"))
+    if args.json:
+        print(json.dumps([dict(zip(("step", "state", "size", "age", "files"), r)) for r in rows], indent=1))
+        return 0
+    if not rows:
+        print(f"no flashckpt checkpoints in {os.path.abspath(args.dir)}")
+        return 0
+    head = ("STEP", "STATE", "SIZE", "AGE", "FILES")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(4)]
+    for r in [head] + rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(r[:4], widths)) + "  " + str(r[4]))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    layout = CommitLayout(args.dir, PosixDiskStorage())
+    steps = layout.committed_steps()
+    if args.step is not None:
+        if args.step not in steps:
+            print(f"step {args.step} is not committed in {os.path.abspath(args.dir)} (committed: {steps})")
+            return 2
+        steps = [args.step]
+    if not steps:
+        print(f"no committed checkpoints in {os.path.abspath(args.dir)}")
+        return 2
+    bad = 0
+    for step in steps:
+        problems = layout.verify(step)
+        if problems:
+            bad += 1
+            print(f"step {step}: DAMAGED")
+            for p in problems:
+                print(f"  {p}")
+        else:
+            n = len(layout.read_manifest(step).all_files())
+            print(f"step {step}: ok ({n} file{'s' if n != 1 else ''})")
+    return 1 if bad else 0
+
+
+def _alive(job_dir: str) -> bool:
+    sock = os.path.join(job_dir, "saver.sock")
+    if not os.path.exists(sock):
+        return False
+    try:
+        Client(sock, timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .saver import lock_job
+
+    root = Knobs.from_env().runtime_dir
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        print(f"nothing to clean: {root} does not exist")
+        return 0
+    removed = 0
+    for name in names:
+        d = os.path.join(root, name)
+        if not os.path.isdir(d) or _alive(d):
+            continue
+        size = sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d) if os.path.isfile(os.path.join(d, n)))
+        if args.dry_run:
+            print(f"would remove {d} ({_size(size)})")
+            continue
+        lock = lock_job(d)  # a saver starting right now holds it until its socket answers
+        try:
+            if _alive(d):
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+        finally:
+            lock.release()
+        removed += 1
+        print(f"removed {d} ({_size(size)} of shared memory and sockets of a job whose saver is gone)")
+    if not removed and not args.dry_run:
+        print("nothing to clean")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="flashckpt", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("ls", help="list the checkpoints of a checkpoint dir")
+    ls.add_argument("dir")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(fn=cmd_ls)
+    v = sub.add_parser("verify", help="check files against their manifests; exit 1 on damage")
+    v.add_argument("dir")
+    v.add_argument("--step", type=int)
+    v.set_defaults(fn=cmd_verify)
+    g = sub.add_parser("gc", help="remove shared memory and sockets of jobs whose saver is gone")
+    g.add_argument("--dry-run", action="store_true")
+    g.set_defaults(fn=cmd_gc)
+    args = p.parse_args(argv)
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""``flashckpt-run``: torchrun with last-words persistence.
+
+Same arguments and behaviour as ``torchrun`` (it is ``torch.distributed.run`` with its parser, its
+rendezvous and its ``LocalElasticAgent``), plus:
+
+- whenever the agent stops its workers (a worker failed and the group is restarted, or restarts are
+  exhausted), it first has the node's savers persist and commit the newest snapshot every rank holds,
+  when that is newer than the last commit; restarted workers then load it from memory;
+- on SIGTERM/SIGINT it does the same within ``--term-timeout`` seconds, then exits;
+- ``--no-last-words`` turns both off (and the savers' own last words after a trainer crash).
+
+The savers are the per-node daemons the engines start (the same path as under plain ``torchrun``); the
+launcher gives every worker one ``FLASHCKPT_JOB_ID`` so restarted workers find them again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from typing import Any
+
+from . import errors as E
+from ._protocol import Client
+from .config import Knobs
+
+__all__ = ["main", "last_words_for_job"]
+
+log = logging.getLogger(__name__)
+
+
+def _job_dirs(job_id: str, knobs: Knobs) -> list[str]:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job_id)[:40]
+    try:
+        names = os.listdir(knobs.runtime_dir)
+    except FileNotFoundError:
+        return []
+    return [os.path.join(knobs.runtime_dir, n) for n in names if n.startswith(safe + "-")]
+
+
+def last_words_for_job(job_id: str, timeout: float) -> dict[str, Any]:
+    """Asks every saver of ``job_id`` on this node to persist and commit its newest snapshot.
+
+    Returns:
+        job dir -> the step persisted (None when memory held nothing newer than the last commit),
+        or the error message when that saver could not do it.
+    """
+    knobs = Knobs.from_env()
+    out: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout
+    for d in _job_dirs(job_id, knobs):
+        sock = os.path.join(d, "saver.sock")
+        if not os.path.exists(sock):
+            continue
+        left = max(1.0, deadline - time.monotonic())
+        try:
+            client = Client(sock, timeout=left)
+        except OSError:
+            continue  # no saver behind it (stale); `flashckpt gc` reclaims it
+        try:
+            out[d] = client.call("last_words", timeout_s=left, timeout=left + 5).get("step")
+        except E.FlashCheckpointError as e:
+            out[d] = f"error: {e}"
+        finally:
+            client.close()
+    for d, step in out.items():
+        log.warning("flashckpt-run: last words of %s: %s", os.path.basename(d),
+                    "nothing newer than the last commit" if step is None else f"step {step}")
+    return out
+
+
+def _flash_agent_class(base: type, job_id: str, timeout: float, enabled: bool) -> type:
+    class FlashElasticAgent(base):  # type: ignore[misc, valid-type]
+        """LocalElasticAgent that persists the newest snapshot whenever it stops its workers."""
+
+        def _stop_workers(self, worker_group: Any, *args: Any, **kwargs: Any) -> None:
+            super()._stop_workers(worker_group, *args, **kwargs)
+            if enabled:
+                last_words_for_job(job_id, timeout)
+
+    return FlashElasticAgent
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch.distributed.launcher.api as launcher_api
+    import torch.distributed.run as tdr
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    parser = tdr.get_args_parser()
+    parser.description = "flashckpt-run: torchrun that persists the newest in-memory snapshot before " \
+                         "restarting failed workers and on SIGTERM. " + (parser.description or "")
+    parser.add_argument("--no-last-words", "--no_last_words", action="store_true",
+                        help="do not persist the newest snapshot on worker failure or SIGTERM")
+    parser.add_argument("--term-timeout", "--term_timeout", type=float, default=120.0,
+                        help="seconds allowed for persisting the newest snapshot after SIGTERM (default 120)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[flashckpt-run] %(message)s")
+
+    enabled = not args.no_last_words
+    job_id = os.environ.get("FLASHCKPT_JOB_ID") or f"run-{uuid.uuid4().hex[:12]}"
+    os.environ["FLASHCKPT_JOB_ID"] = job_id  # inherited by every (re)started worker
+    if not enabled:
+        os.environ["FLASHCKPT_LAST_WORDS"] = "0"
+    # The agent class launch_agent builds; only this launcher process is affected.
+    launcher_api.LocalElasticAgent = _flash_agent_class(launcher_api.LocalElasticAgent, job_id,
+                                                        args.term_timeout, enabled)
+    try:
+        tdr.run(args)
+    except SignalException as e:
+        log.warning("received %s: persisting the newest snapshot before exiting", signal.Signals(e.sigval).name)
+        if enabled:
+            last_words_for_job(job_id, args.term_timeout)
+        return 128 + int(e.sigval)
+    except Exception as e:  # ChildFailedError: workers failed and restarts were exhausted
+        if type(e).__name__ == "ChildFailedError":
+            log.error("%s", e)
+            return 1
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
