@@ -1,0 +1,106 @@
+"""Checkpoint intervals by the Young/Daly optimum, for two levels: memory and storage.
+
+A memory snapshot survives a process failure (the saver keeps it) but not a node failure; a persisted
+checkpoint survives both. With a snapshot pausing training for ``delta`` seconds and failures arriving
+with mean time ``M``, the waste per unit of time is about ``delta / tau + (tau / 2 + R) / M`` (pauses,
+plus half an interval of lost work and a restart per failure). Young (1974) minimised it at
+``tau = sqrt(2 * delta * M)``; Daly (2006) refined it to
+
+    tau = sqrt(2 delta M) * (1 + sqrt(delta / (2M)) / 3 + delta / (18 M)) - delta     for delta < 2M
+    tau = M                                                                              otherwise
+
+Memory snapshots are placed for process failures; persisted checkpoints for node failures, never more
+often than a persist takes (the saver writes one at a time).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["daly_interval", "young_interval", "expected_goodput", "IntervalChoice", "optimal_interval",
+           "mtbf_from_failures_per_day"]
+
+
+def young_interval(cost_s: float, mtbf_s: float) -> float:
+    """Young's first-order optimum ``sqrt(2 * cost * MTBF)`` (seconds of work between checkpoints)."""
+    _check(cost_s, mtbf_s)
+    return math.sqrt(2.0 * cost_s * mtbf_s)
+
+
+def daly_interval(cost_s: float, mtbf_s: float) -> float:
+    """Daly's higher-order optimum (seconds of work between checkpoints)."""
+    _check(cost_s, mtbf_s)
+    if cost_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    x = math.sqrt(cost_s / (2.0 * mtbf_s))
+    return math.sqrt(2.0 * cost_s * mtbf_s) * (1.0 + x / 3.0 + x * x / 9.0) - cost_s
+
+
+def _check(cost_s: float, mtbf_s: float) -> None:
+    if not (cost_s >= 0 and math.isfinite(cost_s)):
+        raise ValueError(f"checkpoint cost must be a finite number >= 0 seconds, got {cost_s!r}")
+    if not mtbf_s > 0:
+        raise ValueError(f"MTBF must be > 0 seconds (math.inf for no failures), got {mtbf_s!r}")
+
+
+def mtbf_from_failures_per_day(failures_per_day: float) -> float:
+    """Mean time between failures in seconds for a failure rate per day (0 means none: infinity)."""
+    if failures_per_day < 0:
+        raise ValueError(f"failures_per_day must be >= 0, got {failures_per_day}")
+    return math.inf if failures_per_day == 0 else 86400.0 / failures_per_day
+
+
+def expected_goodput(*, interval_s: float, cost_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
+    """Useful time over elapsed time for one checkpoint level (first-order model, clipped to [0, 1])."""
+    if interval_s <= 0:
+        raise ValueError(f"interval_s must be > 0, got {interval_s}")
+    period = interval_s + cost_s
+    waste = cost_s / period + (0.0 if math.isinf(mtbf_s) else (period / 2.0 + restart_s) / mtbf_s)
+    return min(1.0, max(0.0, 1.0 - waste))
+
+
+@dataclass(frozen=True)
+class IntervalChoice:
+    """Chosen intervals, in steps and seconds, and the goodput they are expected to give."""
+
+    memory_steps: int
+    storage_steps: int
+    memory_interval_s: float
+    storage_interval_s: float
+    expected_goodput: float
+
+
+def optimal_interval(*, step_time_s: float, snapshot_cost_s: float, persist_cost_s: float,
+                     process_mtbf_s: float, node_mtbf_s: float, restart_from_memory_s: float = 0.0,
+                     restart_from_storage_s: float = 0.0, max_steps: int = 1_000_000) -> IntervalChoice:
+    """Memory and storage intervals for measured costs and given failure rates.
+
+    Args:
+        step_time_s: seconds per training step without checkpointing.
+        snapshot_cost_s: seconds training pauses for one memory snapshot.
+        persist_cost_s: seconds the saver takes to persist one snapshot (in the background).
+        process_mtbf_s: mean time between failures memory survives (process crashes); ``math.inf`` for none.
+        node_mtbf_s: mean time between failures that lose the node's memory; ``math.inf`` for none.
+        restart_from_memory_s / restart_from_storage_s: time to resume after each kind of failure.
+        max_steps: upper bound of either interval, in steps (used when failures are rare).
+
+    Returns:
+        The intervals (the storage interval is a multiple of the memory interval) and the expected goodput.
+    """
+    if step_time_s <= 0:
+        raise ValueError(f"step_time_s must be > 0, got {step_time_s}")
+    cap = max_steps * step_time_s
+    tau_m = cap if math.isinf(process_mtbf_s) else min(cap, daly_interval(snapshot_cost_s, process_mtbf_s))
+    tau_s = cap if math.isinf(node_mtbf_s) else min(cap, daly_interval(snapshot_cost_s, node_mtbf_s))
+    tau_s = max(tau_s, persist_cost_s, tau_m)
+    mem_steps = max(1, min(max_steps, round(tau_m / step_time_s)))
+    sto_steps = max(mem_steps, min(max_steps, round(tau_s / step_time_s / mem_steps) * mem_steps))
+    tau_m, tau_s = mem_steps * step_time_s, sto_steps * step_time_s
+    # Waste adds up across the two levels: pauses once (a storage save is also a memory snapshot),
+    # lost work and restart per failure of each kind.
+    pause = snapshot_cost_s / (tau_m + snapshot_cost_s)
+    lost_p = 0.0 if math.isinf(process_mtbf_s) else ((tau_m + snapshot_cost_s) / 2 + restart_from_memory_s) / process_mtbf_s
+    lost_n = 0.0 if math.isinf(node_mtbf_s) else ((tau_s + snapshot_cost_s) / 2 + restart_from_storage_s) / node_mtbf_s
+    goodput = min(1.0, max(0.0, 1.0 - pause - lost_p - lost_n))
+    return IntervalChoice(mem_steps, sto_steps, tau_m, tau_s, goodput)
