@@ -49,6 +49,8 @@ def recv_msg(sock: socket.socket) -> dict[str, Any]:
         msg = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise E.ProtocolError(f"control message is not JSON: {e}") from e
+    except RecursionError as e:  # e.g. b"[" * 200000: json nests too deep; reject it like other bad JSON
+        raise E.ProtocolError("control message is nested too deeply") from e
     if not isinstance(msg, dict):
         raise E.ProtocolError("control message is not a JSON object")
     return msg

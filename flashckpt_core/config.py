@@ -8,7 +8,8 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-__all__ = ["StorageType", "Knobs", "RankInfo", "job_key", "runtime_root", "job_dir", "make_private_dir"]
+__all__ = ["StorageType", "Knobs", "RankInfo", "job_key", "runtime_root", "job_dir", "make_private_dir",
+           "is_default_runtime_dir"]
 
 
 class StorageType(enum.Enum):
@@ -102,18 +103,30 @@ def job_key(checkpoint_dir: str) -> str:
 
 
 def make_private_dir(path: str) -> None:
-    """Creates ``path`` and its parent with mode 0700 (owner only); refuses one owned by another user."""
-    os.makedirs(os.path.dirname(os.path.dirname(path)) or "/", exist_ok=True)
-    for d in (os.path.dirname(path), path):
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            st = os.stat(d)
-            if st.st_uid != os.getuid():
-                raise PermissionError(f"{d} belongs to uid {st.st_uid}, not to this user; "
-                                      "set FLASHCKPT_RUNTIME_DIR to a directory of your own") from None
-            if st.st_mode & 0o077:
-                os.chmod(d, 0o700)
+    """Creates the job dir ``path`` with mode 0700 (owner only), and its parent if missing (0700 too).
+
+    An existing parent is left as it is (it may be a shared directory the user chose, like /tmp): the
+    job dir itself is what keeps other users out. A job dir owned by another user is refused."""
+    parent = os.path.dirname(path)
+    os.makedirs(os.path.dirname(parent) or "/", exist_ok=True)
+    try:
+        os.mkdir(parent, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        st = os.stat(path)
+        if st.st_uid != os.getuid():
+            raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to this user; "
+                                  "set FLASHCKPT_RUNTIME_DIR to a directory of your own") from None
+        if st.st_mode & 0o077:
+            os.chmod(path, 0o700)
+
+
+def is_default_runtime_dir(path: str) -> bool:
+    """Whether ``path`` is the per-user root flashckpt chose itself (and so may remove when empty)."""
+    return os.path.abspath(path) == os.path.abspath(runtime_root())
 
 
 def job_dir(checkpoint_dir: str, knobs: Knobs | None = None) -> str:

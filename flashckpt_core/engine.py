@@ -89,19 +89,33 @@ class CheckpointEngine:
         self.last_load: LoadResult | None = None
         self._cursor = 0
         self._applied_retention: tuple[int, ...] = ()
+        self._retention_baseline = -1  # newest step committed before this engine started
         self._copier = Copier(self.knobs.copy_threads)
-        self._client: Client | None = ensure_saver(self.job_dir, self.checkpoint_dir, self.knobs)
         r = self.ranks
-        hello = self._client.call("hello", rank=r.rank, local_rank=r.local_rank, world_size=r.world_size,
-                                  local_world_size=r.local_world_size, pid=os.getpid(), persists=self.persists,
-                                  commit=self._commit_spec())
+        # The job's saver may be exiting at this very moment (an engine of this job just said its final
+        # goodbye): it then refuses the hello or drops the connection (SaverError). Retry, bounded, until
+        # a live saver accepts us, or the new one ensure_saver starts once the old one has cleaned up.
+        deadline = time.monotonic() + self.knobs.spawn_timeout_s
+        while True:
+            client = ensure_saver(self.job_dir, self.checkpoint_dir, self.knobs)
+            try:
+                hello = client.call("hello", rank=r.rank, local_rank=r.local_rank, world_size=r.world_size,
+                                    local_world_size=r.local_world_size, pid=os.getpid(), persists=self.persists,
+                                    commit=self._commit_spec())
+                break
+            except E.SaverError:
+                client.close()
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+        self._client: Client | None = client
         self._cursor = int(hello["cursor"])  # errors before we attached belong to an earlier run
         self._handler = SharedMemoryHandler(r.local_rank, self.job_dir, allocate=self._allocate,
                                             copier=self._copier)
         self._reader = (self._handler if not replicated or r.local_rank == 0 else
                         SharedMemoryHandler(0, self.job_dir, copier=self._copier))
         self._closed = False
-        self._retain(hello["committed"])
+        self._retention_baseline = max(hello["committed"], default=-1)
 
     # ------------------------------------------------------------------ save
     @property
@@ -142,6 +156,10 @@ class CheckpointEngine:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"save(step={step!r}): step must be an integer >= 0")
         if storage_type is None:
+            if not (self.save_mem_interval or self.save_storage_interval):
+                raise ValueError(f"save(step={step}, storage_type=None): no interval is set, so nothing would "
+                                 "be saved; pass storage_type=StorageType.MEMORY or DISK, or construct the "
+                                 "engine with save_mem_interval / save_storage_interval")
             storage_type = self._interval_type(step)
             if storage_type is None:
                 return False
@@ -170,7 +188,8 @@ class CheckpointEngine:
                 raise
         log.info("event=save step=%d storage=%s bytes=%d seconds=%.4f", step, storage_type.value, nbytes, blocked)
         if reply is None:
-            reply = self._client_call("status", cursor=self._cursor)
+            # local_rank lets the saver free a segment this snapshot outgrew (a re-planned, larger state).
+            reply = self._client_call("status", cursor=self._cursor, local_rank=self.ranks.local_rank)
         self._after_reply(reply)
         return True
 
@@ -208,7 +227,11 @@ class CheckpointEngine:
                                  "memory snapshots continue.")
 
     def _retain(self, committed: list[int]) -> None:
+        """Applies the deletion strategy after a commit newer than any that existed when this engine
+        started: an engine that only loads never deletes checkpoints."""
         if self.ranks.rank != 0 or self.deletion_strategy is None or not committed:
+            return
+        if max(committed) <= self._retention_baseline:
             return
         key = tuple(committed)
         if key == self._applied_retention:

@@ -38,7 +38,11 @@ def _job_dirs(job_id: str, knobs: Knobs) -> list[str]:
         names = os.listdir(knobs.runtime_dir)
     except FileNotFoundError:
         return []
-    return [os.path.join(knobs.runtime_dir, n) for n in names if n.startswith(safe + "-")]
+    # A job key is "<job id>-<10 hex digits of the checkpoint dir's hash>" (config.job_key). Match that
+    # exactly: a bare prefix test would also pick the savers of job "<job id>-eval" on the same node.
+    return [os.path.join(knobs.runtime_dir, n) for n in names
+            if n.startswith(safe + "-") and len(n) == len(safe) + 11
+            and all(c in "0123456789abcdef" for c in n[len(safe) + 1:])]
 
 
 def last_words_for_job(job_id: str, timeout: float) -> dict[str, Any]:
@@ -100,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[flashckpt-run] %(message)s")
 
     enabled = not args.no_last_words
+    # Restarted workers must not share the agent's rendezvous TCPStore with the failed group: keys of the
+    # previous attempt (gloo's pair addresses) are still in it, so a restarted rank may connect to a dead
+    # peer's port and fail or hang in init_process_group (pytorch/pytorch#135712; seen here with
+    # --max_restarts and gloo in about a third of the restarts). Opting out gives every attempt a fresh store.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     job_id = os.environ.get("FLASHCKPT_JOB_ID") or f"run-{uuid.uuid4().hex[:12]}"
     os.environ["FLASHCKPT_JOB_ID"] = job_id  # inherited by every (re)started worker
     if not enabled:

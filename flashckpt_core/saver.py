@@ -32,7 +32,7 @@ from . import errors as E
 from ._protocol import Client, peer_uid, recv_msg, send_msg
 from ._tree import TensorMeta, build_tensor, split_opaque, unflatten
 from .commit import CommitLayout
-from .config import Knobs, make_private_dir
+from .config import Knobs, is_default_runtime_dir, make_private_dir
 from .ipc import SharedLock
 from .shm import (COMPLETE, FLAG_PENDING, FLAG_PINNED, Segment, lock_path, segment_path,
                   segment_paths)
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 SOCKET_NAME = "saver.sock"
 _SPAWN_LOCK = "spawn.lock"
 _LOG_NAME = "saver.log"
+_PID_NAME = "saver.pid"
 
 
 class _Opaque:
@@ -191,6 +192,9 @@ class CheckpointSaver:
                         log.info("no client for %.0f s: exiting", self.knobs.grace_s)
                         break
                 self._cv.wait(timeout=0.5)
+            # Decided to exit: say so under the lock hello registers under, so a trainer attaching at
+            # this instant is refused (and retries on the next saver) instead of joining a dying one.
+            self._stop.set()
         if self._signalled and self.knobs.last_words:
             try:
                 self.save_shm_to_storage(timeout=self.knobs.term_timeout_s)
@@ -230,10 +234,11 @@ class CheckpointSaver:
                     shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
             os.unlink(os.path.join(self.job_dir, _SPAWN_LOCK))
             os.rmdir(self.job_dir)
-            try:
-                os.rmdir(os.path.dirname(self.job_dir))  # the per-user root, when no other job uses it
-            except OSError:
-                pass
+            if is_default_runtime_dir(os.path.dirname(self.job_dir)):
+                try:
+                    os.rmdir(os.path.dirname(self.job_dir))  # our per-user root, when no other job uses it
+                except OSError:
+                    pass
         except OSError as e:
             log.warning("cleaning up %s: %s", self.job_dir, e)
         finally:
@@ -274,15 +279,25 @@ class CheckpointSaver:
                     return
                 op = msg.get("op")
                 if op == "hello":
-                    info = _ClientInfo(int(msg["rank"]), int(msg["local_rank"]), int(msg.get("pid", 0)),
-                                       persists=bool(msg.get("persists", False)), commit=msg.get("commit"))
+                    try:
+                        info = _ClientInfo(int(msg["rank"]), int(msg["local_rank"]), int(msg.get("pid", 0)),
+                                           persists=bool(msg.get("persists", False)), commit=msg.get("commit"))
+                    except (KeyError, TypeError, ValueError) as e:  # reply, rather than drop the connection
+                        send_msg(conn, {"ok": False, "error": f"bad 'hello' request: {e!r}", "kind": "ProtocolError"})
+                        continue
                     with self._cv:
-                        if not self._clients:
-                            self._session_final = True  # a new session of clients begins
-                        self._clients[cid] = info
-                        self._ever_clients += 1
-                        if info.persists:  # who persists what, for last words after a crash
-                            self._persisters[info.local_rank] = info
+                        refused = self._stop.is_set()  # exiting: its runtime dir is about to be removed
+                        if not refused:
+                            if not self._clients:
+                                self._session_final = True  # a new session of clients begins
+                            self._clients[cid] = info
+                            self._ever_clients += 1
+                            if info.persists:  # who persists what, for last words after a crash
+                                self._persisters[info.local_rank] = info
+                    if refused:
+                        send_msg(conn, {"ok": False, "kind": "SaverError",
+                                        "error": "the saver is shutting down; start or reach the next one"})
+                        return
                 try:
                     reply = self._handle(op, msg, info)
                 except E.FlashCheckpointError as e:
@@ -318,8 +333,11 @@ class CheckpointSaver:
                                                     int(msg["data_cap"]), int(msg.get("nslots", self.knobs.slots)))}
         if op == "persist":
             self._enqueue(msg)
+            self._reap_quietly(int(msg["local_rank"]))
             return {"ok": True, **self._status(int(msg.get("cursor", 0)))}
         if op == "status":
+            if "local_rank" in msg:
+                self._reap_quietly(int(msg["local_rank"]))
             return {"ok": True, **self._status(int(msg.get("cursor", 0)))}
         if op == "wait":
             return {"ok": True, **self._wait(float(msg.get("timeout_s", 0) or 0), int(msg.get("cursor", 0)))}
@@ -409,6 +427,17 @@ class CheckpointSaver:
                 os.unlink(path)
                 self._segments.pop(path).close()
 
+    def _reap_quietly(self, local_rank: int) -> None:
+        """Reaps outgrown segments after a snapshot (see ``_reap_segments``), never failing the request.
+
+        ``_alloc`` alone cannot free them: when it runs, the new segment holds no snapshot yet, so the
+        old one must stay; it becomes free only once the trainer completed a snapshot in the new one,
+        which the trainer's next persist or status request tells us."""
+        try:
+            self._reap_segments(local_rank)
+        except (OSError, E.FlashCheckpointError) as e:
+            log.warning("freeing outgrown segments of local rank %d: %s", local_rank, e)
+
     def _segment(self, path: str) -> Segment:
         seg = self._segments.get(path)
         if seg is None:
@@ -465,7 +494,7 @@ class CheckpointSaver:
         try:
             self.layout.write_intent(job.step, job.rank, [job.path])
             tree = self._zero_copy_tree(seg, job.slot, h)
-            rec = self.storage.write_file(job.path, lambda tmp: torch.save(tree, tmp))
+            rec = self.storage.write_file(job.path, lambda tmp: _torch_save(tree, tmp))
             del tree
             self.layout.write_done(job.step, job.rank, [rec])
         finally:
@@ -655,6 +684,22 @@ def _page(n: int) -> int:
     return (n + 4095) // 4096 * 4096
 
 
+def _torch_save(tree: Any, path: str) -> None:
+    """``torch.save`` through a Python file object, so that a failing write surfaces as its OSError.
+
+    Given a path, torch's C++ writer reports ENOSPC, EDQUOT or EIO only as an opaque
+    ``RuntimeError: [enforce fail at inline_container.cc] unexpected pos ...``. Through a file object
+    the failing ``write`` raises the OSError, which torch leaves as the RuntimeError's context: re-raise
+    it, so the trainer's PersistError says "No space left on device"."""
+    with open(path, "wb") as f:
+        try:
+            torch.save(tree, f)
+        except RuntimeError as e:
+            if isinstance(e.__context__, OSError):
+                raise e.__context__ from e
+            raise
+
+
 # ---------------------------------------------------------------------- daemon
 def ensure_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs) -> Client:
     """Connects to the job's saver on this node, starting a detached daemon first when none runs."""
@@ -673,6 +718,10 @@ def ensure_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs) -> Client:
         except (FileNotFoundError, ConnectionRefusedError):
             pass
         log_path = os.path.join(job_dir, _LOG_NAME)
+        try:
+            os.unlink(os.path.join(job_dir, _PID_NAME))  # left by a saver that was killed
+        except FileNotFoundError:
+            pass
         env = dict(os.environ)
         pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -691,6 +740,8 @@ def ensure_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs) -> Client:
             try:
                 return Client(path, timeout=knobs.rpc_timeout_s)
             except (FileNotFoundError, ConnectionRefusedError):
+                if not _pid_alive(os.path.join(job_dir, _PID_NAME)):
+                    raise E.SaverError(f"the saver died while starting; see {log_path}:\n{_tail(log_path)}") from None
                 if time.monotonic() >= deadline:
                     raise E.SaverError(f"the saver did not come up within {knobs.spawn_timeout_s:.0f} s; "
                                        f"see {log_path}:\n{_tail(log_path)}") from None
@@ -717,6 +768,21 @@ def lock_job(job_dir: str) -> SharedLock:
         lock.release()
 
 
+def _pid_alive(pid_file: str) -> bool:
+    try:
+        with open(pid_file) as f:
+            pid = int(f.read().strip() or 0)
+    except (FileNotFoundError, ValueError):
+        return True  # not written yet: assume starting
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _tail(path: str, n: int = 3000) -> str:
     try:
         with open(path, "rb") as f:
@@ -733,8 +799,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-dir", required=True)
     p.add_argument("--daemonize", action="store_true", help="fork into the background and return at once")
     args = p.parse_args(argv)
-    if args.daemonize and os.fork() > 0:
-        os._exit(0)  # the spawner reaps this parent; the daemon is re-parented and never a zombie of it
+    if args.daemonize:
+        child = os.fork()
+        if child > 0:
+            # The spawner reaps this parent; the daemon is re-parented and never a zombie of it. Its pid
+            # lets the spawner fail fast if it dies while starting.
+            fd = os.open(os.path.join(args.job_dir, _PID_NAME), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.write(fd, str(child).encode())
+            os.close(fd)
+            os._exit(0)
     logging.basicConfig(level=os.environ.get("FLASHCKPT_SAVER_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     saver = CheckpointSaver(args.job_dir, args.checkpoint_dir)

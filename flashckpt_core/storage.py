@@ -148,7 +148,7 @@ class PosixDiskStorage(CheckpointStorage):
     def remove(self, path: str) -> None:
         try:
             os.unlink(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # a parent that is a file: the path cannot exist
             pass
 
     def remove_tree(self, path: str) -> None:

@@ -1,0 +1,160 @@
+"""Per-test isolation and hygiene for the flashckpt test suite.
+
+Every test gets its own FLASHCKPT_RUNTIME_DIR (short, under /dev/shm, so Unix socket paths stay far below
+107 characters), a short saver grace period and bounded commit/RPC timeouts. Hygiene fixtures fail a
+test that leaks: an engine left open, a saver daemon of its runtime dir still alive after its engines
+closed, files left in its runtime dir (segments, sockets, locks), threads, child processes or
+environment variables. Savers started by a test run as detached daemons, so they are found by scanning
+/proc for ``flashckpt_core.saver`` with the test's runtime dir on their command line.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import threading
+
+import pytest
+from helpers import child_pids, leftovers, saver_pids, wait_for
+
+# A saver whose trainers closed with release=False (or crashed) keeps its snapshots this long.
+DEFAULT_GRACE_S = 20.0
+# How long a test's savers may take to exit after the test closed its engines: they exit at once after
+# final goodbyes, after the grace period otherwise.
+SAVER_EXIT_TIMEOUT_S = DEFAULT_GRACE_S + 30.0
+
+
+def _describe_savers(pids: dict[int, list[str]]) -> str:
+    lines = []
+    for pid, argv in pids.items():
+        lines.append(f"pid {pid}: {' '.join(argv)}")
+        job = argv[argv.index("--job-dir") + 1] if "--job-dir" in argv else None
+        if job:
+            try:
+                with open(os.path.join(job, "saver.log"), "rb") as f:
+                    lines.append(f.read()[-3000:].decode(errors="replace"))
+            except OSError:
+                pass
+    return "\n".join(lines)
+
+
+def _stop_savers(pids: dict[int, list[str]], runtime_dir: str) -> None:
+    """Ends savers this test started and failed to stop: SIGTERM (a clean exit), then SIGKILL."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    try:
+        wait_for(lambda: not saver_pids(runtime_dir), 30, "the savers to exit after SIGTERM")
+    except TimeoutError:
+        for pid in saver_pids(runtime_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture(autouse=True)
+def _env_hygiene():
+    """Fails a test that leaves environment variables changed (set up first, checked last)."""
+    def env():  # pytest itself updates PYTEST_CURRENT_TEST around every phase
+        return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+    before = env()
+    yield
+    after = env()
+    if after != before:
+        changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+        for k in set(after) - set(before):
+            del os.environ[k]
+        os.environ.update(before)
+        pytest.fail(f"the test leaked environment changes: {changed}")
+
+
+@pytest.fixture(autouse=True)
+def _thread_and_child_hygiene():
+    """Fails a test that leaves threads or child processes of the pytest process behind."""
+    threads_before = set(threading.enumerate())
+    children_before = set(child_pids())
+    yield
+
+    def extra_threads():
+        return [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+
+    def extra_children():
+        return [p for p in child_pids() if p not in children_before]
+
+    try:
+        wait_for(lambda: not extra_threads() and not extra_children(), 10, "threads and children to end")
+    except TimeoutError:
+        threads, children = extra_threads(), extra_children()
+        for pid in children:  # only processes this test started
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        pytest.fail(f"the test leaked threads {[t.name for t in threads]} and/or child processes {children}")
+
+
+@pytest.fixture(autouse=True)
+def runtime_dir(_env_hygiene, _thread_and_child_hygiene, monkeypatch):
+    """An isolated FLASHCKPT_RUNTIME_DIR; at teardown its savers must exit and leave nothing behind."""
+    path = tempfile.mkdtemp(prefix="fct-", dir="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
+    monkeypatch.setenv("FLASHCKPT_RUNTIME_DIR", path)
+    monkeypatch.setenv("FLASHCKPT_SAVER_GRACE_S", str(DEFAULT_GRACE_S))
+    monkeypatch.setenv("FLASHCKPT_COMMIT_TIMEOUT_S", "60")
+    monkeypatch.setenv("FLASHCKPT_RPC_TIMEOUT_S", "60")
+    monkeypatch.setenv("FLASHCKPT_SAVER_LOG_LEVEL", "INFO")
+    monkeypatch.delenv("FLASHCKPT_JOB_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("FLASHCKPT_SHM_LIMIT_BYTES", raising=False)
+    monkeypatch.delenv("FLASHCKPT_SLOTS", raising=False)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    yield path
+    problems = []
+    try:
+        wait_for(lambda: not saver_pids(path), SAVER_EXIT_TIMEOUT_S, "the test's savers to exit")
+    except TimeoutError:
+        alive = saver_pids(path)
+        problems.append(f"saver daemons still running after the test closed its engines:\n{_describe_savers(alive)}")
+        _stop_savers(alive, path)
+    left = leftovers(path)
+    if left:
+        problems.append(f"files left in the runtime dir: {left}")
+    shutil.rmtree(path, ignore_errors=True)
+    if problems:
+        pytest.fail("\n".join(problems))
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path):
+    """A fresh checkpoint dir for the test."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    return str(d)
+
+
+@pytest.fixture
+def make_engine(runtime_dir, ckpt_dir):
+    """Builds CheckpointEngines (on ``ckpt_dir`` unless told otherwise) and fails the test if one is left
+    open; a leftover is closed with release=True so its saver exits."""
+    from flashckpt_core import CheckpointEngine
+
+    engines = []
+
+    def make(checkpoint_dir: str | None = None, **kw):
+        eng = CheckpointEngine(checkpoint_dir or ckpt_dir, **kw)
+        engines.append(eng)
+        return eng
+
+    yield make
+    # `_closed` is the engine's own record of close(); there is no public accessor for it.
+    left_open = [e for e in engines if not e._closed]
+    for e in left_open:
+        e.close(release=True)
+    if left_open:
+        pytest.fail(f"{len(left_open)} CheckpointEngine(s) left open by the test")
