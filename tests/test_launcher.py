@@ -1,0 +1,139 @@
+"""``flashckpt-run`` with the 2-rank gloo DDP example: SIGTERM during training, and a worker failure
+that restarts the group from host memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+from _fault_helpers import (  # noqa: F401
+    DDP_TRAIN,
+    VENV_BIN,
+    FaultEnv,
+    alive,
+    assert_bit_equal,
+    cmdline,
+    fault_env_fixture,
+    read_events,
+    run_cli,
+    saver_pids,
+    terminate_savers,
+    tracker_step,
+    wait_for,
+)
+
+from flashckpt_core import SharedMemoryHandler
+
+pytestmark = pytest.mark.multiproc
+
+FLASHCKPT_RUN = os.path.join(VENV_BIN, "flashckpt-run")
+SMALL_MODEL = ["--vocab", "512", "--dim", "64", "--layers", "2", "--batch_size", "4", "--ctx", "32"]
+
+
+def _launch(fe: FaultEnv, ckpt: str, metrics: str, *args: str, launcher_args: tuple[str, ...] = (),
+            log_name: str = "launcher.log", **env: str) -> subprocess.Popen[bytes]:
+    argv = [FLASHCKPT_RUN, "--nproc_per_node", "2", "--standalone", *launcher_args, DDP_TRAIN,
+            "--checkpoint_dir", ckpt, "--metrics", metrics, *SMALL_MODEL, *args]
+    return fe.popen(argv, log_name, env=fe.env(**env))
+
+
+def _wait_exit(fe: FaultEnv, proc: subprocess.Popen[bytes], log_name: str, timeout: float = 240) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"flashckpt-run did not exit within {timeout:.0f} s\n{fe.log(log_name)}") from None
+
+
+def _workers_of(ckpt: str) -> list[int]:
+    """Live processes running the DDP example on ``ckpt`` (workers of a launcher)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            argv = cmdline(int(name))
+            if DDP_TRAIN in argv and ckpt in argv and alive(int(name)):
+                out.append(int(name))
+    return out
+
+
+def test_sigterm_to_flashckpt_run_commits_the_newest_snapshot(fault_env: FaultEnv) -> None:
+    """SIGTERM while training (memory snapshot every step, no storage save due): before the launcher
+    exits, the newest snapshot in memory is committed, bit-exact."""
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    metrics = os.path.join(fault_env.tmp, "metrics.jsonl")
+    # A long grace keeps the snapshots in memory for the comparison below; the savers are SIGTERMed after it.
+    launcher = _launch(fault_env, ckpt, metrics, "--steps", "1000000", "--save_memory_interval", "1",
+                       "--save_storage_interval", "1000000", FLASHCKPT_SAVER_GRACE_S="120")
+
+    def training() -> bool:
+        assert launcher.poll() is None, f"flashckpt-run exited early:\n{fault_env.log('launcher.log')}"
+        return sum(e["event"] == "save" for e in read_events(metrics)) >= 5
+
+    wait_for(training, 180, "5 memory snapshots")
+    assert tracker_step(ckpt) is None  # nothing committed yet: no storage save was due
+    os.kill(launcher.pid, signal.SIGTERM)
+    rc = _wait_exit(fault_env, launcher, "launcher.log")
+    log = fault_env.log("launcher.log")
+    assert rc != 0, log  # interrupted
+    assert _workers_of(ckpt) == []
+
+    events = read_events(metrics)
+    assert not any(e["event"] == "end" for e in events)
+    last_saved = max(e["step"] for e in events if e["event"] == "save")
+    committed = tracker_step(ckpt)
+    assert committed is not None and committed >= last_saved, (committed, last_saved, log)
+    assert "last words" in log
+
+    # What was committed is the newest snapshot memory held, byte for byte.
+    reader = SharedMemoryHandler(0, fault_env.job_dir(ckpt))
+    try:
+        assert reader.memory_steps()[0] == committed
+        snap = reader.load_snapshot(committed)
+    finally:
+        reader.close()
+    assert snap is not None and snap.state_dict["step"] == committed
+    persisted = torch.load(os.path.join(ckpt, f"step_{committed}", "checkpoint.pt"), weights_only=True)
+    assert_bit_equal(persisted, snap.state_dict)
+    r = run_cli(fault_env, "verify", ckpt)
+    assert r.returncode == 0, r.stdout
+
+    terminate_savers(fault_env.runtime_dir)  # nothing newer to persist: they just exit and clean up
+    assert tracker_step(ckpt) == committed
+
+
+def test_worker_failure_resumes_from_memory_and_matches_an_uninterrupted_run(fault_env: FaultEnv) -> None:
+    """Rank 0 is SIGKILLed after step 6; flashckpt-run restarts the group, which resumes from the step-6
+    snapshot in memory (storage holds only step 4) and ends with the weights of an uninterrupted run."""
+    common = ("--steps", "10", "--save_memory_interval", "1", "--save_storage_interval", "4")
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    metrics = os.path.join(fault_env.tmp, "metrics.jsonl")
+    ref_ckpt = os.path.join(fault_env.tmp, "ref")
+    ref_metrics = os.path.join(fault_env.tmp, "ref.jsonl")
+    # Rank 0 (the one that snapshots) kills itself after its step-6 save returned, so step 6 is surely in
+    # memory when the group fails. The grace must outlast a restart (rendezvous, and two workers importing torch on 2 busy cores); it costs
+    # nothing here, as the savers exit at once after the final goodbyes.
+    crashing = _launch(fault_env, ckpt, metrics, *common, "--resume", "--crash_at_step", "6", "--crash_rank", "0",
+                       launcher_args=("--max_restarts=2",), FLASHCKPT_SAVER_GRACE_S="30")
+    # A concurrent job whose id starts with this one's: the crashing job's last words must not touch it.
+    reference = _launch(fault_env, ref_ckpt, ref_metrics, *common, log_name="reference.log",
+                        FLASHCKPT_JOB_ID=fault_env.job_id + "-ref")
+    rc = _wait_exit(fault_env, crashing, "launcher.log")
+    log = fault_env.log("launcher.log")
+    assert rc == 0, log
+    assert "last words of" in log and f"{fault_env.job_id}-ref" not in log, log
+    assert _wait_exit(fault_env, reference, "reference.log") == 0, fault_env.log("reference.log")
+
+    events = read_events(metrics)
+    resumes = [e for e in events if e["event"] == "resume"]
+    assert [(e["source"], e["step"]) for e in resumes] == [("none", None), ("memory", 6)], resumes
+    ends = [e for e in events if e["event"] == "end"]
+    ref_ends = [e for e in read_events(ref_metrics) if e["event"] == "end"]
+    assert len(ends) == 1 and len(ref_ends) == 1
+    assert ends[0]["digest"] == ref_ends[0]["digest"]
+    # Steps 7..10 ran once, after the restart; step 6 was not redone.
+    assert [e["step"] for e in events if e["event"] == "save"] == list(range(1, 11))
+    r = run_cli(fault_env, "verify", ckpt)
+    assert r.returncode == 0, r.stdout
+    wait_for(lambda: not saver_pids(fault_env.runtime_dir), 60, "the savers to exit after the final goodbyes")

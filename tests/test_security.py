@@ -1,0 +1,300 @@
+"""Security and hygiene of a job's runtime state: modes, other users, malformed control messages, and
+the stale state of a killed saver."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+from _fault_helpers import (  # noqa: F401
+    FaultEnv,
+    assert_state_of,
+    close_and_wait,
+    fault_env_fixture,
+    kill9,
+    make_state,
+    saver_pid,
+    saver_pids,
+    wait_for,
+)
+
+from flashckpt_core import CheckpointDirError, CheckpointEngine, ProtocolError, SharedMemoryError, StorageType
+from flashckpt_core._protocol import MAX_MESSAGE, Client
+from flashckpt_core.shm import segment_paths
+
+NOBODY = 65534
+
+_PROBE = r"""
+import json, os, socket, sys
+sock_path, seg_path = sys.argv[1], sys.argv[2]
+out = {"uid": os.getuid()}
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(20)
+try:
+    s.connect(sock_path)
+    out["connect"] = "connected"
+except OSError as e:
+    out["connect"] = type(e).__name__
+if out["connect"] == "connected":
+    body = json.dumps({"op": "hello", "rank": 0, "local_rank": 0, "pid": os.getpid()}).encode()
+    try:
+        s.sendall(len(body).to_bytes(4, "big") + body)
+        out["reply"] = s.recv(1 << 16).decode(errors="replace")
+    except OSError as e:  # the saver hung up on us
+        out["reply"] = type(e).__name__
+s.close()
+try:
+    with open(seg_path, "rb") as f:
+        f.read(8)
+    out["open_segment"] = "opened"
+except OSError as e:
+    out["open_segment"] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+def _as_nobody(*args: str) -> dict[str, Any]:
+    """Runs ``_PROBE`` as uid/gid nobody (with no supplementary groups) and returns what it saw."""
+    def drop() -> None:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+
+    # The venv's interpreter may live under /root (0700); use one that nobody may execute.
+    candidates = [sys.executable, os.path.realpath(sys.executable), shutil.which("python3"), "/usr/bin/python3"]
+    for exe in dict.fromkeys(c for c in candidates if c):
+        try:
+            r = subprocess.run([exe, "-I", "-S", "-c", _PROBE, *args], preexec_fn=drop, capture_output=True,
+                               text=True, timeout=60, cwd="/", env={"PATH": "/usr/bin:/bin"})
+        except PermissionError:
+            continue
+        if r.returncode == 0:
+            return json.loads(r.stdout)
+    pytest.skip("no Python interpreter that uid nobody may execute")
+
+
+def _mode(path: str) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+
+
+def test_runtime_dir_is_private(fault_env: FaultEnv) -> None:
+    """Runtime dirs 0700; segments, socket, locks and log 0600, all owned by this user."""
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    engine = CheckpointEngine(ckpt)
+    try:
+        engine.save(1, make_state(1, 1), storage_type=StorageType.MEMORY)
+        job_dir = engine.job_dir
+        assert _mode(fault_env.runtime_dir) == 0o700 and _mode(job_dir) == 0o700
+        names = sorted(os.listdir(job_dir))
+        kinds = {"segment": [n for n in names if n.endswith(".shm")], "lock": [n for n in names if n.endswith(".lock")],
+                 "socket": [n for n in names if n == "saver.sock"]}
+        assert all(kinds.values()), names
+        for name in names:
+            path = os.path.join(job_dir, name)
+            st = os.lstat(path)
+            assert st.st_uid == os.getuid(), name
+            assert stat.S_ISREG(st.st_mode) or stat.S_ISSOCK(st.st_mode), f"{name}: unexpected file type"
+            assert _mode(path) == 0o600, f"{name}: mode {_mode(path):o}"
+    finally:
+        close_and_wait(engine)
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
+def test_another_uid_cannot_reach_the_saver_or_the_segments(fault_env: FaultEnv,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # The runtime dir's parent is world-searchable (on /dev/shm), so only flashckpt's own modes protect it.
+    parent = tempfile.mkdtemp(prefix="fct-sec-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.chmod(parent, 0o711)
+    if not _searchable_by_others(parent):
+        shutil.rmtree(parent)
+        pytest.skip(f"{parent} is not reachable by other users on this machine")
+    runtime_dir = os.path.join(parent, "rt")
+    monkeypatch.setenv("FLASHCKPT_RUNTIME_DIR", runtime_dir)
+    try:
+        _another_uid_probe(fault_env, runtime_dir)
+    finally:
+        wait_for(lambda: not saver_pids(runtime_dir), 60, "the saver to exit")
+        left = [os.path.join(r, n) for r, ds, fs in os.walk(runtime_dir) for n in ds + fs]
+        shutil.rmtree(parent, ignore_errors=True)
+        assert not left, f"runtime state left behind: {left}"
+
+
+def _another_uid_probe(fault_env: FaultEnv, runtime_dir: str) -> None:
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    engine = CheckpointEngine(ckpt)
+    try:
+        engine.save(1, make_state(1, 1), storage_type=StorageType.MEMORY)
+        job_dir = engine.job_dir
+        sock = os.path.join(job_dir, "saver.sock")
+        seg = segment_paths(job_dir, 0)[-1][1]
+        seen = _as_nobody(sock, seg)
+        assert seen["uid"] == NOBODY
+        assert seen["connect"] == "PermissionError" and seen["open_segment"] == "PermissionError", seen
+
+        # Defence in depth: even with the directories opened up, the 0600 segment stays closed and the
+        # saver refuses a peer of another uid (SO_PEERCRED) without answering.
+        os.chmod(runtime_dir, 0o711)
+        os.chmod(job_dir, 0o711)
+        os.chmod(sock, 0o666)
+        try:
+            seen = _as_nobody(sock, seg)
+        finally:
+            os.chmod(sock, 0o600)
+            os.chmod(job_dir, 0o700)
+            os.chmod(runtime_dir, 0o700)
+        assert seen["connect"] == "connected" and seen["reply"] in ("", "BrokenPipeError", "ConnectionResetError"), seen
+        assert seen["open_segment"] == "PermissionError", seen
+        with open(os.path.join(job_dir, "saver.log")) as f:
+            assert "refused a connection from another uid" in f.read()
+        # The saver still serves its own user.
+        engine.save(2, make_state(2, 1), storage_type=StorageType.DISK)
+        engine.wait(timeout=60)
+        assert_state_of(engine.load(), 2, 1)
+    finally:
+        close_and_wait(engine)
+
+
+def _searchable_by_others(path: str) -> bool:
+    while path not in ("/", ""):
+        if not os.stat(path).st_mode & stat.S_IXOTH:
+            return False
+        path = os.path.dirname(path)
+    return True
+
+
+def _raw(sock_path: str, payload: bytes) -> bytes:
+    """Sends raw bytes on a fresh connection and returns everything the saver answers before closing."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    try:
+        s.connect(sock_path)
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        data = b""
+        while True:
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                return data
+            data += chunk
+    finally:
+        s.close()
+
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def _replies(data: bytes) -> list[dict[str, Any]]:
+    out = []
+    while data:
+        (n,) = struct.unpack(">I", data[:4])
+        out.append(json.loads(data[4:4 + n]))
+        data = data[4 + n:]
+    return out
+
+
+def test_malformed_control_messages_are_rejected_and_the_saver_keeps_serving(fault_env: FaultEnv) -> None:
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    engine = CheckpointEngine(ckpt, max_to_keep=0)
+    try:
+        engine.save(1, make_state(1, 1), storage_type=StorageType.MEMORY)
+        sock = os.path.join(engine.job_dir, "saver.sock")
+        pid = saver_pid(fault_env.runtime_dir, engine.job_dir)
+        seg = segment_paths(engine.job_dir, 0)[-1][1]
+
+        # Garbage, non-JSON, a JSON non-object, invalid UTF-8, absurd nesting, an oversize length prefix:
+        # each gets one ProtocolError reply, then the connection is closed.
+        for payload in (_frame(b"\x00garbage\xff"), _frame(b"not json"), _frame(b"[1, 2, 3]"),
+                        _frame(b'{"op": "\xff\xfe"}'), _frame(b"[" * 100000),
+                        struct.pack(">I", 0xFFFFFFFF), struct.pack(">I", MAX_MESSAGE + 1)):
+            replies = _replies(_raw(sock, payload))
+            assert len(replies) == 1 and replies[0]["ok"] is False and replies[0]["kind"] == "ProtocolError", \
+                (payload[:20], replies)
+        # A truncated message (the peer hangs up half-way) is dropped silently.
+        assert _raw(sock, struct.pack(">I", 1000) + b'{"op": "st') == b""
+
+        # Well-formed frames with bad requests: an error reply each, and the connection stays usable.
+        client = Client(sock, timeout=30)
+        try:
+            good = {"step": 1, "rank": 0, "local_rank": 0, "slot": 0, "generation": 1,
+                    "path": os.path.join(ckpt, "step_1", "rank_00000.pt")}
+            outside_seg = os.path.join(os.path.dirname(engine.job_dir), "elsewhere", os.path.basename(seg))
+            bad_requests = [
+                ({"op": "persist", **good, "seg_path": "/etc/passwd"}, ProtocolError),
+                ({"op": "persist", **good, "seg_path": outside_seg}, ProtocolError),
+                ({"op": "persist", **good, "seg_path": os.path.join(engine.job_dir, "..", "x", "seg.shm")},
+                 ProtocolError),
+                ({"op": "persist", **good, "seg_path": seg, "path": "/etc/flashckpt-evil.pt"}, CheckpointDirError),
+                ({"op": "persist", **good, "seg_path": seg, "path": os.path.join(ckpt, "..", "evil.pt")},
+                 CheckpointDirError),
+                ({"op": "persist", "step": "one", "seg_path": seg}, ProtocolError),
+                ({"op": "hello"}, ProtocolError),
+                ({"op": "alloc", "local_rank": -1, "meta_cap": 1, "data_cap": 1}, ProtocolError),
+                ({"op": "alloc", "local_rank": 0, "meta_cap": 1, "data_cap": 1 << 62}, SharedMemoryError),
+                ({"op": "d_update", "name": "x", "items": [1, 2]}, ProtocolError),
+                ({"op": "no-such-op"}, ProtocolError),
+                ({"op": None}, ProtocolError),
+            ]
+            for req, err in bad_requests:
+                op = req.pop("op")
+                with pytest.raises(err):
+                    client.call(op, **req)
+            assert client.call("status")["ok"] is True  # same connection, still served
+        finally:
+            client.close()
+        assert not os.path.exists(os.path.join(fault_env.tmp, "evil.pt"))
+        assert not os.path.exists("/etc/flashckpt-evil.pt")
+
+        # The same saver keeps serving the trainer: snapshots, persists, loads.
+        assert saver_pids(fault_env.runtime_dir, engine.job_dir) == [pid]
+        engine.save(2, make_state(2, 1), storage_type=StorageType.DISK)
+        engine.wait(timeout=60)
+        assert_state_of(engine.load(), 2, 1)
+        assert_state_of(torch.load(os.path.join(ckpt, "step_2", "rank_00000.pt"), weights_only=True), 2, 1)
+    finally:
+        close_and_wait(engine)
+
+
+@pytest.mark.multiproc
+def test_stale_state_of_a_killed_saver_is_reclaimed_by_the_next_run(fault_env: FaultEnv) -> None:
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    job_dir = fault_env.job_dir(ckpt)
+    first = CheckpointEngine(ckpt)
+    try:
+        first.save(1, make_state(1, 4), storage_type=StorageType.MEMORY)
+        old = saver_pid(fault_env.runtime_dir, job_dir)
+        kill9(old)
+    finally:
+        first.close()
+    stale = sorted(os.listdir(job_dir))
+    assert "saver.sock" in stale and any(n.endswith(".shm") for n in stale), stale
+    with pytest.raises(ConnectionRefusedError):
+        Client(os.path.join(job_dir, "saver.sock"), timeout=5)
+
+    second = CheckpointEngine(ckpt)  # same job id, same dir
+    try:
+        new = saver_pid(fault_env.runtime_dir, job_dir)
+        assert new != old
+        assert _mode(job_dir) == 0o700 and _mode(os.path.join(job_dir, "saver.sock")) == 0o600
+        got = second.load()  # the snapshot in the dead saver's segment was adopted
+        assert (second.last_load.source, second.last_load.step) == ("memory", 1)
+        assert_state_of(got, 1, 4)
+        second.save(2, make_state(2, 4), storage_type=StorageType.DISK)
+        second.wait(timeout=60)
+    finally:
+        close_and_wait(second)
+    # Everything of the job, the dead saver's state included, is gone after the clean exit.
+    assert not os.path.exists(job_dir)
