@@ -1,13 +1,14 @@
 """State-dict trees without pickle: a JSON skeleton, a list of tensors and a list of opaque leaves.
 
-The skeleton is plain JSON. Containers are lists tagged by their first element; plain scalars (None,
-bool, int, float, str) appear as themselves. Tensors and opaque leaves are referenced by index:
+The skeleton is plain JSON. Containers are lists tagged by their first element; None, int and str
+appear as themselves; bools and floats are tagged so that equal skeletons are equal leaf for leaf
+(in Python ``1 == 1.0 == True`` and ``0.0 == -0.0``), which lets an unchanged tree reuse its JSON. Tensors and opaque leaves are referenced by index:
 
     ["d", [[key, value], ...]]   dict          ["od", [[key, value], ...]]   OrderedDict
     ["l", [v, ...]]              list          ["t", [v, ...]]               tuple
     ["T", i]                     tensors[i]    ["o", i]                      opaque[i]
     ["b", base64]  bytes   ["c", re, im]  complex   ["dt", name]  torch.dtype   ["sz", [...]]  torch.Size
-    ["dev", "cuda:0"] torch.device
+    ["dev", "cuda:0"] torch.device   ["B", true] bool   ["f", "0x1.0p-10"] float (exact, via float.hex)
 
 Opaque leaves (anything else) are pickled by the trainer into a blob that only a trainer decodes; the
 saver never unpickles them (it embeds them in persisted files as ``pickle.loads(raw)``).
@@ -31,6 +32,7 @@ __all__ = ["TensorMeta", "Flat", "SnapshotPlan", "flatten", "plan_snapshot", "un
 ALIGN = 64
 
 _PLAIN = (str, int, float, bool, type(None))
+_RAW = (str, int, type(None))  # appear in the skeleton as themselves
 
 
 def _align(n: int, a: int = ALIGN) -> int:
@@ -108,8 +110,12 @@ def flatten(obj: Any) -> Flat:
 
     def enc(x: Any) -> Any:
         tx = type(x)
-        if tx in _PLAIN:
+        if tx in _RAW:
             return x
+        if tx is float:
+            return ["f", x.hex()]
+        if tx is bool:
+            return ["B", x]
         if isinstance(x, torch.Tensor):
             _check_tensor(x, path)
             tensors.append(x)
@@ -143,8 +149,12 @@ def flatten(obj: Any) -> Flat:
         return ["o", len(opaque) - 1]
 
     def enc_key(k: Any) -> Any:
-        if type(k) in _PLAIN:
+        if type(k) in _RAW:
             return k
+        if type(k) is float:
+            return ["f", k.hex()]
+        if type(k) is bool:
+            return ["B", k]
         if type(k) is tuple:
             return ["t", [enc_key(v) for v in k]]
         if type(k) is bytes:
@@ -157,23 +167,29 @@ def flatten(obj: Any) -> Flat:
     return Flat(skeleton, tensors, opaque)
 
 
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
+
+
 def _check_tensor(t: torch.Tensor, path: list[Any]) -> None:
+    # Hot path (once per tensor per save): cheap attribute checks; messages are built only on error.
+    if t.layout is _STRIDED and not t.is_meta and not t.is_quantized and type(t) in _TENSOR_TYPES:
+        return
     where = _key_str(path)
     if t.layout != torch.strided:
         raise InvalidStateDictError(
             f"save(): tensor at {where} has layout {t.layout}; flashckpt stores dense tensors only. "
             "Convert it with .to_dense() (or keep its indices and values as separate dense tensors).")
-    if t.device.type == "meta":
+    if t.is_meta:
         raise InvalidStateDictError(
             f"save(): tensor at {where} is on the meta device and has no data; materialize it "
             "(for example with model.to_empty(device=...) and an init) before checkpointing.")
     if t.is_quantized:
         raise InvalidStateDictError(
             f"save(): tensor at {where} is quantized; store its int_repr() and quantization parameters instead.")
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise InvalidStateDictError(
-            f"save(): tensor at {where} is a {type(t).__name__}, a tensor subclass; pass its local data "
-            "(DTensor.to_local()) or use the sharded checkpointer (integrations.fsdp.FsdpShardCheckpointer).")
+    raise InvalidStateDictError(
+        f"save(): tensor at {where} is a {type(t).__name__}, a tensor subclass; pass its local data "
+        "(DTensor.to_local()) or use the sharded checkpointer (integrations.fsdp.FsdpShardCheckpointer).")
 
 
 def _check_opaque(x: Any, path: list[Any]) -> None:
@@ -206,21 +222,27 @@ class SnapshotPlan:
     metas_json: str
 
 
-def signature_of(tensors: list[torch.Tensor]) -> tuple[Any, ...]:
-    """The structure of a tensor list: equal signatures reuse one plan."""
-    seen: dict[tuple[str, int], int] = {}
+def signature_of(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], list[int]]:
+    """The structure of a tensor list (equal signatures reuse one plan) and each tensor's storage address.
+
+    Hot path: about ten cheap attribute reads per tensor, nothing that formats strings."""
+    seen: dict[tuple[int, int], int] = {}
     sig: list[Any] = []
+    ptrs: list[int] = []
+    param = torch.nn.Parameter
     for t in tensors:
         st = t.untyped_storage()
         n = st.nbytes()
         ptr = st.data_ptr()
+        dev = t.get_device() if t.is_cuda else -1
         if n:
-            group = seen.setdefault((str(t.device), ptr), len(seen))
+            group = seen.setdefault((dev, ptr), len(seen))
         else:
             group = -1
-        sig.append((t.dtype, t.shape, t.stride(), t.storage_offset(), n, group, t.device,
-                    t.requires_grad, type(t) is torch.nn.Parameter))
-    return tuple(sig)
+        ptrs.append(ptr)
+        sig.append((t.dtype, t.shape, t.stride(), t.storage_offset(), n, group, dev,
+                    t.requires_grad, type(t) is param))
+    return tuple(sig), ptrs
 
 
 def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...]) -> SnapshotPlan:
@@ -282,6 +304,10 @@ def unflatten(skeleton: Any, tensors: list[Any], opaque: list[Any]) -> Any:
             return tuple(dec(v) for v in x[1])
         if tag == "o":
             return opaque[x[1]]
+        if tag == "f":
+            return float.fromhex(x[1])
+        if tag == "B":
+            return bool(x[1])
         if tag == "b":
             return base64.b64decode(x[1])
         if tag == "c":

@@ -26,6 +26,7 @@ import mmap
 import os
 import re
 import struct
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -226,6 +227,7 @@ def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None =
             st = torch.UntypedStorage(m.nbytes)
             regions[key] = st
             if m.nbytes:
+                advise_huge_pages(st.data_ptr(), m.nbytes)
                 tasks.append((st.data_ptr(), data + m.offset, m.nbytes))
     copier.run(tasks)
     blob_off = seg.data_off(slot) + h.tensor_bytes
@@ -243,6 +245,32 @@ def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None =
             t = _to_device(t, m.device)
         tensors.append(t)
     return Snapshot(h.step, unflatten(meta["tree"], tensors, opaque), meta.get("name", ""), h.tensor_bytes)
+
+
+_HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_libc: Any = None
+
+
+def advise_huge_pages(addr: int, nbytes: int) -> None:
+    """Asks for transparent huge pages on the 2 MiB-aligned part of a fresh buffer before it is first
+    written: one fault per 2 MiB instead of per 4 KiB (a 1 GB copy into new memory goes from ~1 s of
+    page faults to ~0.1 s where THP is in "madvise" mode). Best effort; a no-op where unsupported."""
+    global _libc
+    if nbytes < 2 * _HUGE or not sys.platform.startswith("linux"):
+        return
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            _libc = False
+    if not _libc:
+        return
+    start = (addr + _HUGE - 1) // _HUGE * _HUGE
+    end = (addr + nbytes) // _HUGE * _HUGE
+    if end > start:
+        _libc.madvise(start, end - start, _MADV_HUGEPAGE)
 
 
 def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
@@ -280,6 +308,8 @@ class SharedMemoryHandler:
         self._lock = SharedLock(lock_path(job_dir, local_rank))
         self._seg: Segment | None = None
         self._plan: SnapshotPlan | None = None
+        self._tree_cache: tuple[SnapshotPlan, Any, str] | None = None
+        self._readers: dict[str, Segment] = {}
         self._cuda_registered: set[str] = set()
         self.slot_wait_timeout = slot_wait_timeout
 
@@ -301,7 +331,7 @@ class SharedMemoryHandler:
             CheckpointTimeoutError: no slot became free within ``slot_wait_timeout``.
         """
         flat = flatten(state_dict)
-        sig = signature_of(flat.tensors)
+        sig, ptrs = signature_of(flat.tensors)
         if self._plan is None or self._plan.signature != sig:
             self._plan = plan_snapshot(flat.tensors, sig)
         plan = self._plan
@@ -310,7 +340,7 @@ class SharedMemoryHandler:
         seg = self._segment_for(len(meta), plan.tensor_bytes + len(blob))
         slot = self._acquire_slot(seg)
         try:
-            self._copy_in(seg, slot, flat, plan)
+            self._copy_in(seg, slot, flat, plan, ptrs)
             if blob:
                 off = seg.data_off(slot) + plan.tensor_bytes
                 seg.mm[off: off + len(blob)] = blob
@@ -326,8 +356,16 @@ class SharedMemoryHandler:
 
     def _meta_json(self, step: int, name: str, flat: Flat, plan: SnapshotPlan, lengths: list[int]) -> bytes:
         head = json.dumps({"v": 1, "step": step, "name": name, "opaque": lengths}, separators=(",", ":"))
-        tree = json.dumps(flat.skeleton, separators=(",", ":"))
-        return (head[:-1] + ',"tree":' + tree + ',"tensors":' + plan.metas_json + "}").encode()
+        # The tree's JSON is reused while the tree (plain leaves included) is unchanged: comparing the
+        # skeletons is much cheaper than encoding thousands of entries again.
+        cached = self._tree_cache
+        if cached is not None and cached[0] is plan and cached[1] == flat.skeleton:
+            tail = cached[2]
+        else:
+            tree = json.dumps(flat.skeleton, separators=(",", ":"))
+            tail = ',"tree":' + tree + ',"tensors":' + plan.metas_json + "}"
+            self._tree_cache = (plan, flat.skeleton, tail)
+        return (head[:-1] + tail).encode()
 
     def _segment_for(self, meta_len: int, data_len: int) -> Segment:
         seg = self._seg
@@ -376,23 +414,23 @@ class SharedMemoryHandler:
         with self._lock:
             struct.pack_into("<I", seg.mm, seg.slot_off(slot), state)
 
-    def _copy_in(self, seg: Segment, slot: int, flat: Flat, plan: SnapshotPlan) -> None:
+    def _copy_in(self, seg: Segment, slot: int, flat: Flat, plan: SnapshotPlan, ptrs: list[int]) -> None:
         data = seg.base + seg.data_off(slot)
         tasks = []
         cuda = []
-        done: set[int] = set()
+        done = bytearray(len(plan.regions))
         regions = plan.regions
-        for t, ri in zip(flat.tensors, plan.tensor_region):
-            if ri in done:
+        for t, ri, ptr in zip(flat.tensors, plan.tensor_region, ptrs):
+            if done[ri]:
                 continue
-            done.add(ri)
+            done[ri] = 1
             off, n = regions[ri]
             if not n:
                 continue
-            if t.device.type == "cpu":
-                tasks.append((data + off, t.untyped_storage().data_ptr(), n))
-            else:
+            if t.is_cuda:
                 cuda.append((t, off, n))
+            else:
+                tasks.append((data + off, ptr, n))
         self._copier.run(tasks)
         if cuda:
             self._copy_cuda(seg, slot, cuda)
@@ -429,41 +467,49 @@ class SharedMemoryHandler:
                 seg.set_flags(ref.slot, h.flags & ~FLAG_PENDING)
 
     def _open(self, path: str) -> Segment:
+        """The segment at ``path``: the one we write, else a cached read-only mapping (not prefaulted:
+        a reader touches only the slot it reads)."""
         if self._seg is not None and self._seg.path == path:
             return self._seg
-        return Segment(path)
+        seg = self._readers.get(path)
+        if seg is None:
+            seg = self._readers[path] = Segment(path, populate=False)
+        return seg
+
+    def _forget_removed(self, live: list[tuple[int, str]]) -> None:
+        names = {p for _, p in live}
+        for path in [p for p in self._readers if p not in names]:
+            self._readers.pop(path).close()
 
     # ------------------------------------------------------------------- read
     def memory_steps(self) -> list[int]:
         """Steps of the COMPLETE snapshots held in shared memory for this local rank, newest first."""
         steps: set[int] = set()
-        for _epoch, path in segment_paths(self.job_dir, self.local_rank):
+        live = segment_paths(self.job_dir, self.local_rank)
+        self._forget_removed(live)
+        for _epoch, path in live:
             try:
                 seg = self._open(path)
             except (OSError, E.FlashCheckpointError):
                 continue
             steps.update(s for s, _ in seg.complete_steps())
-            if seg is not self._seg:
-                seg.close()
         return sorted(steps, reverse=True)
 
     def load_snapshot(self, step: int | None = None) -> Snapshot | None:
         """The newest COMPLETE snapshot (or the one of ``step``), copied out of shared memory."""
-        for _epoch, path in reversed(segment_paths(self.job_dir, self.local_rank)):
+        live = segment_paths(self.job_dir, self.local_rank)
+        self._forget_removed(live)
+        for _epoch, path in reversed(live):
             try:
                 seg = self._open(path)
             except (OSError, E.FlashCheckpointError):
                 continue
-            try:
-                for s, i in sorted(seg.complete_steps(), reverse=True):
-                    if step is not None and s != step:
-                        continue
-                    snap = read_snapshot(seg, i, self._copier, step=s)
-                    if snap is not None:
-                        return snap
-            finally:
-                if seg is not self._seg:
-                    seg.close()
+            for s, i in sorted(seg.complete_steps(), reverse=True):
+                if step is not None and s != step:
+                    continue
+                snap = read_snapshot(seg, i, self._copier, step=s)
+                if snap is not None:
+                    return snap
         return None
 
     def load_state_dict(self, step: int | None = None) -> Any:
@@ -477,6 +523,9 @@ class SharedMemoryHandler:
             self._cuda_registered.discard(seg.path)
 
     def close(self) -> None:
+        for seg in self._readers.values():
+            seg.close()
+        self._readers.clear()
         if self._seg is not None:
             self._unregister(self._seg)
             self._seg.close()
