@@ -7,8 +7,17 @@ from ._tree import TensorMeta
 from .commit import CommitLayout, Manifest
 from .config import StorageType
 from .engine import CheckpointEngine, LoadResult
-from .errors import (CheckpointCorruptError, CheckpointDirError, CheckpointTimeoutError, FlashCheckpointError,
-                     InvalidStateDictError, PersistError, ProtocolError, SaverError, SharedMemoryError)
+from .errors import (
+                     CheckpointCorruptError,
+                     CheckpointDirError,
+                     CheckpointTimeoutError,
+                     FlashCheckpointError,
+                     InvalidStateDictError,
+                     PersistError,
+                     ProtocolError,
+                     SaverError,
+                     SharedMemoryError,
+)
 from .ipc import SharedDict, SharedLock, SharedQueue
 from .retention import CheckpointDeletionStrategy, KeepLatestStepStrategy, KeepStepIntervalStrategy
 from .saver import CheckpointSaver

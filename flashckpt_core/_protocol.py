@@ -76,7 +76,7 @@ class Client:
         self.path = path
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
             self._sock.connect(path)
@@ -93,7 +93,7 @@ class Client:
             try:
                 send_msg(self._sock, {"op": op, **args})
                 reply = recv_msg(self._sock)
-            except socket.timeout as e:
+            except TimeoutError as e:
                 raise E.CheckpointTimeoutError(f"{op}: the saver did not answer within "
                                                f"{timeout or self.timeout:.0f} s") from e
             except (ConnectionError, OSError) as e:

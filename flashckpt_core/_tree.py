@@ -81,7 +81,7 @@ class TensorMeta:
                 self.storage_offset, self.device, self.requires_grad, self.parameter]
 
     @staticmethod
-    def from_json(v: list[Any]) -> "TensorMeta":
+    def from_json(v: list[Any]) -> TensorMeta:
         return TensorMeta(tuple(v[0]), v[1], v[2], v[3], tuple(v[4]), v[5], v[6], v[7], v[8])
 
 
@@ -212,6 +212,9 @@ class SnapshotPlan:
         metas: the TensorMeta of each tensor.
         tensor_bytes: bytes of the data area taken by tensor storages.
         metas_json: the metas, JSON-encoded once.
+        copies: (tensor index, region offset, nbytes) of the first tensor of every non-empty CPU region;
+            what a snapshot copies.
+        device_copies: the same for regions on an accelerator.
     """
 
     signature: tuple[Any, ...]
@@ -220,6 +223,8 @@ class SnapshotPlan:
     metas: tuple[TensorMeta, ...]
     tensor_bytes: int
     metas_json: str
+    copies: tuple[tuple[int, int, int], ...] = ()
+    device_copies: tuple[tuple[int, int, int], ...] = ()
 
 
 def signature_of(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], list[int]]:
@@ -265,10 +270,19 @@ def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...]) -> Sn
         tensor_region.append(ri)
         r_off, r_n = regions[ri]
         metas.append(TensorMeta(tuple(t.shape), dtype_name(t.dtype), r_off, r_n, tuple(t.stride()),
-                                t.storage_offset(), str(t.device), bool(t.requires_grad),
+                                int(t.storage_offset()), str(t.device), bool(t.requires_grad),
                                 type(t) is torch.nn.Parameter))
     metas_json = json.dumps([m.to_json() for m in metas], separators=(",", ":"))
-    return SnapshotPlan(signature, tuple(regions), tuple(tensor_region), tuple(metas), off, metas_json)
+    copies: list[tuple[int, int, int]] = []
+    device_copies: list[tuple[int, int, int]] = []
+    first: set[int] = set()
+    for i, (ri, s) in enumerate(zip(tensor_region, signature)):
+        if ri in first or not regions[ri][1]:
+            continue
+        first.add(ri)
+        (device_copies if s[6] >= 0 else copies).append((i, regions[ri][0], regions[ri][1]))
+    return SnapshotPlan(signature, tuple(regions), tuple(tensor_region), tuple(metas), off, metas_json,
+                        tuple(copies), tuple(device_copies))
 
 
 def encode_opaque(opaque: list[Any]) -> tuple[bytes, list[int]]:

@@ -18,8 +18,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 from . import errors as E
 from .storage import CheckpointStorage, FileRecord
@@ -67,7 +68,7 @@ class Manifest:
         return json.dumps(d, indent=1).encode()
 
     @staticmethod
-    def from_json(raw: bytes) -> "Manifest":
+    def from_json(raw: bytes) -> Manifest:
         d = json.loads(raw)
         if d.get("format") != MANIFEST_FORMAT:
             raise E.CheckpointCorruptError(f"unknown manifest format {d.get('format')!r}")
@@ -271,7 +272,7 @@ class CommitLayout:
                     break
                 d = os.path.dirname(d)
 
-    def clean_uncommitted(self, keep: set[int] = frozenset()) -> list[int]:
+    def clean_uncommitted(self, keep: frozenset[int] | set[int] = frozenset()) -> list[int]:
         """Removes half-written steps (no manifest) left by a crash, except those in ``keep``.
 
         Only called when no persist of those steps can be running (a saver that just started)."""

@@ -63,7 +63,7 @@ class Knobs:
     term_timeout_s: float = 120.0
 
     @staticmethod
-    def from_env() -> "Knobs":
+    def from_env() -> Knobs:
         try:
             ncpu = len(os.sched_getaffinity(0))
         except AttributeError:  # pragma: no cover - non-Linux
@@ -145,7 +145,7 @@ class RankInfo:
     node_rank: int
 
     @staticmethod
-    def current() -> "RankInfo":
+    def current() -> RankInfo:
         """From torch.distributed when it is initialized, else from torchrun's environment, else 1 rank."""
         import torch.distributed as dist
 

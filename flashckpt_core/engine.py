@@ -239,7 +239,7 @@ class CheckpointEngine:
         doomed = [s for s in self.deletion_strategy.steps_to_delete(sorted(committed)) if s != max(committed)]
         self._applied_retention = key
         if doomed:
-            self._client_call("delete_steps", steps=doomed)
+            self._client_call("delete_steps", steps=doomed, background=True)
 
     # ------------------------------------------------------------------ wait / close
     def wait(self, timeout: float | None = None) -> None:
@@ -250,9 +250,13 @@ class CheckpointEngine:
             CheckpointTimeoutError: ``timeout`` seconds passed first.
         """
         self._check_open("wait")
-        reply = self._client_call("wait", timeout_s=timeout or 0, cursor=self._cursor,
-                                  timeout=None if timeout is None else timeout + self.knobs.rpc_timeout_s)
-        self._after_reply(reply)
+        for _ in range(2):  # a second round covers the retention the first commit triggered
+            applied = self._applied_retention
+            reply = self._client_call("wait", timeout_s=timeout or 0, cursor=self._cursor,
+                                      timeout=None if timeout is None else timeout + self.knobs.rpc_timeout_s)
+            self._after_reply(reply)
+            if self._applied_retention == applied:
+                break
 
     def close(self, release: bool = True) -> None:
         """Detaches from the saver. Scheduled persists still complete in the saver.
@@ -280,7 +284,7 @@ class CheckpointEngine:
             self._handler.close()
             self._copier.close()
 
-    def __enter__(self) -> "CheckpointEngine":
+    def __enter__(self) -> CheckpointEngine:
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:

@@ -61,7 +61,7 @@ class SharedLock:
     def locked(self) -> bool:
         return self._fd is not None
 
-    def __enter__(self) -> "SharedLock":
+    def __enter__(self) -> SharedLock:
         self.acquire()
         return self
 

@@ -77,7 +77,7 @@ def last_words_for_job(job_id: str, timeout: float) -> dict[str, Any]:
 
 
 def _flash_agent_class(base: type, job_id: str, timeout: float, enabled: bool) -> type:
-    class FlashElasticAgent(base):  # type: ignore[misc, valid-type]
+    class FlashElasticAgent(base):
         """LocalElasticAgent that persists the newest snapshot whenever it stops its workers."""
 
         def _stop_workers(self, worker_group: Any, *args: Any, **kwargs: Any) -> None:
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     if not enabled:
         os.environ["FLASHCKPT_LAST_WORDS"] = "0"
     # The agent class launch_agent builds; only this launcher process is affected.
-    launcher_api.LocalElasticAgent = _flash_agent_class(launcher_api.LocalElasticAgent, job_id,
-                                                        args.term_timeout, enabled)
+    agent_class = _flash_agent_class(launcher_api.LocalElasticAgent, job_id, args.term_timeout, enabled)
+    launcher_api.LocalElasticAgent = agent_class  # type: ignore[misc,assignment]
     try:
         tdr.run(args)
     except SignalException as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import logging
 import os
 import pickle
@@ -34,8 +35,7 @@ from ._tree import TensorMeta, build_tensor, split_opaque, unflatten
 from .commit import CommitLayout
 from .config import Knobs, is_default_runtime_dir, make_private_dir
 from .ipc import SharedLock
-from .shm import (COMPLETE, FLAG_PENDING, FLAG_PINNED, Segment, lock_path, segment_path,
-                  segment_paths)
+from .shm import COMPLETE, FLAG_PENDING, FLAG_PINNED, Segment, lock_path, segment_path, segment_paths
 from .storage import CheckpointStorage, PosixDiskStorage
 
 __all__ = ["CheckpointSaver", "ensure_saver", "SOCKET_NAME"]
@@ -345,7 +345,14 @@ class CheckpointSaver:
             step = self.save_shm_to_storage(timeout=float(msg.get("timeout_s", self.knobs.commit_timeout_s)))
             return {"ok": True, "step": step, **self._status(int(msg.get("cursor", 0)))}
         if op == "delete_steps":
-            return {"ok": True, "deleted": self._delete_steps([int(s) for s in msg["steps"]])}
+            steps = [int(s) for s in msg["steps"]]
+            if msg.get("background", False):
+                # Unlinking a GB-sized file takes a fraction of a second: never inside a trainer's save().
+                with self._cv:
+                    self._inflight += 1
+                self._commit_q.put((-1, {"delete": steps}))
+                return {"ok": True, "scheduled": steps}
+            return {"ok": True, "deleted": self._delete_steps(steps)}
         if op == "bye":
             if info is not None:
                 info.final = bool(msg.get("final", True))
@@ -463,7 +470,7 @@ class CheckpointSaver:
                 self._spawn(self._persist_loop, f"persist{job.local_rank}", q)
         q.put(job)
 
-    def _persist_loop(self, q: "queue.Queue[_Job | None]") -> None:
+    def _persist_loop(self, q: queue.Queue[_Job | None]) -> None:
         while True:
             job = q.get()
             if job is None:
@@ -494,8 +501,8 @@ class CheckpointSaver:
         try:
             self.layout.write_intent(job.step, job.rank, [job.path])
             tree = self._zero_copy_tree(seg, job.slot, h)
-            rec = self.storage.write_file(job.path, lambda tmp: _torch_save(tree, tmp))
-            del tree
+            rec = self.storage.write_file(job.path, functools.partial(_torch_save, tree))
+            del tree  # drop the views of the segment before it may be unmapped
             self.layout.write_done(job.step, job.rank, [rec])
         finally:
             with lock:
@@ -615,6 +622,15 @@ class CheckpointSaver:
             if item is None:
                 return
             step, spec = item
+            if "delete" in spec:  # retention, ordered after the commits queued before it
+                try:
+                    self._delete_steps([int(x) for x in spec["delete"]])
+                except Exception:
+                    log.exception("retention failed to delete steps %s", spec["delete"])
+                with self._cv:
+                    self._inflight -= 1
+                    self._cv.notify_all()
+                continue
             try:
                 self.layout.commit(step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
                                    replicated=bool(spec.get("replicated", False)),

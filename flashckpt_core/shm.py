@@ -19,6 +19,7 @@ segment's SharedLock.
 from __future__ import annotations
 
 import ctypes
+import gc
 import glob
 import json
 import logging
@@ -28,16 +29,27 @@ import re
 import struct
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import xxhash
 
 from . import errors as E
 from ._copy import Copier
-from ._tree import (TensorMeta, Flat, SnapshotPlan, build_tensor, encode_opaque, flatten,
-                    plan_snapshot, signature_of, split_opaque, unflatten)
+from ._tree import (
+    Flat,
+    SnapshotPlan,
+    TensorMeta,
+    build_tensor,
+    encode_opaque,
+    flatten,
+    plan_snapshot,
+    signature_of,
+    split_opaque,
+    unflatten,
+)
 from .ipc import SharedLock
 
 __all__ = ["SharedMemoryHandler", "Segment", "SlotHeader", "SlotRef", "Snapshot",
@@ -315,6 +327,17 @@ class SharedMemoryHandler:
 
     # ------------------------------------------------------------------ write
     def save_state_dict(self, step: int, state_dict: Any, ckpt_name: str = "") -> SlotRef:
+        # The walk allocates ~5 containers per tensor; with thousands of tensors that triggers full
+        # garbage collections in the middle of the pause. Nothing here creates reference cycles.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._save_state_dict(step, state_dict, ckpt_name)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _save_state_dict(self, step: int, state_dict: Any, ckpt_name: str = "") -> SlotRef:
         """Copies ``state_dict`` into a free slot and marks it COMPLETE.
 
         Args:
@@ -416,24 +439,9 @@ class SharedMemoryHandler:
 
     def _copy_in(self, seg: Segment, slot: int, flat: Flat, plan: SnapshotPlan, ptrs: list[int]) -> None:
         data = seg.base + seg.data_off(slot)
-        tasks = []
-        cuda = []
-        done = bytearray(len(plan.regions))
-        regions = plan.regions
-        for t, ri, ptr in zip(flat.tensors, plan.tensor_region, ptrs):
-            if done[ri]:
-                continue
-            done[ri] = 1
-            off, n = regions[ri]
-            if not n:
-                continue
-            if t.is_cuda:
-                cuda.append((t, off, n))
-            else:
-                tasks.append((data + off, ptr, n))
-        self._copier.run(tasks)
-        if cuda:
-            self._copy_cuda(seg, slot, cuda)
+        self._copier.run([(data + off, ptrs[i], n) for i, off, n in plan.copies])
+        if plan.device_copies:
+            self._copy_cuda(seg, slot, [(flat.tensors[i], off, n) for i, off, n in plan.device_copies])
 
     def _copy_cuda(self, seg: Segment, slot: int, items: list[tuple[torch.Tensor, int, int]]) -> None:
         """Device-to-host copies on a side stream into the (pinned) segment; complete when its event is."""

@@ -71,7 +71,7 @@ class DdpCheckpointer:
         """See ``CheckpointEngine.close``."""
         self.engine.close(release)
 
-    def __enter__(self) -> "DdpCheckpointer":
+    def __enter__(self) -> DdpCheckpointer:
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:

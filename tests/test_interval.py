@@ -4,8 +4,13 @@ import math
 
 import pytest
 
-from flashckpt_core.interval import (daly_interval, expected_goodput, mtbf_from_failures_per_day,
-                                     optimal_interval, young_interval)
+from flashckpt_core.interval import (
+    daly_interval,
+    expected_goodput,
+    mtbf_from_failures_per_day,
+    optimal_interval,
+    young_interval,
+)
 
 
 @pytest.mark.parametrize("cost,mtbf", [(0.01, 3600.0), (1.0, 86400.0), (30.0, 7200.0), (5.0, 50.0)])
