@@ -7,8 +7,8 @@ Runs on CPU with gloo (2+ ranks)::
 
 Deterministic: the data of step ``s`` comes from a generator seeded with ``s`` and the model has no
 dropout, so a run that is interrupted and resumed reaches exactly the weights of an uninterrupted one.
-``--crash_at_step N --crash_rank R`` makes rank R kill itself with SIGKILL after step N (for demos and
-tests). ``--metrics FILE`` appends one JSON line per event (save timings, the resume source, the end).
+``--crash_at_step N --crash_rank R`` makes rank R kill itself with SIGKILL after step N, once: a run that
+resumed from a checkpoint does not crash again (for demos and tests). ``--metrics FILE`` appends one JSON line per event (save timings, the resume source, the end).
 """
 
 from __future__ import annotations
@@ -108,10 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
 
-    def emit(**ev: object) -> None:
-        if args.metrics and rank == 0:
+    def emit(*, any_rank: bool = False, **ev: object) -> None:
+        if args.metrics and (rank == 0 or any_rank):
             with open(args.metrics, "a") as f:
-                f.write(json.dumps(ev) + "\n")
+                f.write(json.dumps({**ev, "t": time.time(), "rank": rank}) + "\n")
 
     model = TinyGPT(args.vocab, args.dim, args.layers, ctx=args.ctx)
     ddp = nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
@@ -156,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
                 os.unlink(path)
         if rank == 0 and (step % 10 == 0 or step == args.steps):
             print(f"[rank 0] step {step} loss {loss.item():.4f}", flush=True)
-        if step == args.crash_at_step and rank == args.crash_rank:
+        if step == args.crash_at_step and rank == args.crash_rank and start == 1:
+            # Only a run that started from scratch crashes, so a restarted one cannot crash-loop.
             print(f"[rank {rank}] crashing (SIGKILL) after step {step}", flush=True)
+            emit(any_rank=True, event="crash", step=step)
             os.kill(os.getpid(), signal.SIGKILL)
 
     ckpt.wait_latest_checkpoint(timeout=600)

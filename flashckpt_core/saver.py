@@ -36,7 +36,7 @@ from .commit import CommitLayout
 from .config import Knobs, is_default_runtime_dir, make_private_dir
 from .ipc import SharedLock
 from .shm import COMPLETE, FLAG_PENDING, FLAG_PINNED, Segment, lock_path, segment_path, segment_paths
-from .storage import CheckpointStorage, PosixDiskStorage
+from .storage import CheckpointStorage, HashingWriter, PosixDiskStorage
 
 __all__ = ["CheckpointSaver", "ensure_saver", "SOCKET_NAME"]
 
@@ -700,20 +700,23 @@ def _page(n: int) -> int:
     return (n + 4095) // 4096 * 4096
 
 
-def _torch_save(tree: Any, path: str) -> None:
-    """``torch.save`` through a Python file object, so that a failing write surfaces as its OSError.
+def _torch_save(tree: Any, path: str) -> tuple[int, str]:
+    """``torch.save`` through a Python file object that checksums as it writes; returns (size, xxh3).
 
-    Given a path, torch's C++ writer reports ENOSPC, EDQUOT or EIO only as an opaque
-    ``RuntimeError: [enforce fail at inline_container.cc] unexpected pos ...``. Through a file object
-    the failing ``write`` raises the OSError, which torch leaves as the RuntimeError's context: re-raise
-    it, so the trainer's PersistError says "No space left on device"."""
+    Writing through a file object also makes a failing write surface as its OSError: given a path,
+    torch's C++ writer reports ENOSPC, EDQUOT or EIO only as an opaque ``RuntimeError: [enforce fail at
+    inline_container.cc] unexpected pos ...``, while here the failing ``write`` raises the OSError,
+    which torch leaves as the RuntimeError's context: re-raise it, so the trainer's PersistError says
+    "No space left on device"."""
     with open(path, "wb") as f:
+        w = HashingWriter(f)
         try:
-            torch.save(tree, f)
+            torch.save(tree, w)  # type: ignore[arg-type]
         except RuntimeError as e:
             if isinstance(e.__context__, OSError):
                 raise e.__context__ from e
             raise
+    return w.size, w.hexdigest()
 
 
 # ---------------------------------------------------------------------- daemon

@@ -7,12 +7,13 @@ import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, BinaryIO
 
 import xxhash
 
 from ._protocol import fsync_dir
 
-__all__ = ["FileRecord", "CheckpointStorage", "PosixDiskStorage", "file_checksum"]
+__all__ = ["FileRecord", "CheckpointStorage", "PosixDiskStorage", "file_checksum", "HashingWriter"]
 
 _CHUNK = 8 << 20
 
@@ -42,18 +43,40 @@ def file_checksum(path: str) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
+class HashingWriter:
+    """A binary file wrapper that checksums (xxh3-64) and counts what is written through it."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self._h = xxhash.xxh3_64()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        self._h.update(data)
+        n = self._f.write(data)
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
 class CheckpointStorage(ABC):
     """The storage a saver persists to. Paths are absolute.
 
     Call order for one persisted file: the saver calls ``write_file(path, fill)``; the backend calls
-    ``fill(tmp)`` to produce the complete content in a local temporary file and then makes it durable
+    ``fill(tmp)`` to produce the complete content in a local temporary file (``fill`` may return the
+    ``(size, xxh3 hex)`` it computed while writing, which spares a re-read) and then makes it durable
     and visible under ``path`` atomically; a reader never sees a partial file under ``path``. Only the
     saver process writes; trainers only read (``read_bytes``, ``local_path``). Implementations must be
     safe to call from several threads at once for different paths.
     """
 
     @abstractmethod
-    def write_file(self, path: str, fill: Callable[[str], None]) -> FileRecord:
+    def write_file(self, path: str, fill: Callable[[str], tuple[int, str] | None]) -> FileRecord:
         """Atomically creates ``path`` with the content ``fill`` writes to a temp file; returns its record."""
 
     @abstractmethod
@@ -103,13 +126,13 @@ class PosixDiskStorage(CheckpointStorage):
         for m in reversed(missing):  # make the new directory entries durable too
             fsync_dir(os.path.dirname(m))
 
-    def write_file(self, path: str, fill: Callable[[str], None]) -> FileRecord:
+    def write_file(self, path: str, fill: Callable[[str], tuple[int, str] | None]) -> FileRecord:
         d = os.path.dirname(path)
         self._makedirs(d)
         tmp = f"{path}.flashckpt-tmp"
         try:
-            fill(tmp)
-            size, digest = file_checksum(tmp)
+            known = fill(tmp)
+            size, digest = known if known is not None else file_checksum(tmp)
             fd = os.open(tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)
@@ -126,9 +149,10 @@ class PosixDiskStorage(CheckpointStorage):
         return FileRecord(path, size, digest)
 
     def write_bytes(self, path: str, data: bytes) -> FileRecord:
-        def fill(tmp: str) -> None:
+        def fill(tmp: str) -> tuple[int, str]:
             with open(tmp, "wb") as f:
                 f.write(data)
+            return len(data), xxhash.xxh3_64_hexdigest(data)
 
         return self.write_file(path, fill)
 
