@@ -188,8 +188,12 @@ class CheckpointSaver:
                 if not self._clients and self._inflight == 0:
                     if self._ever_clients and self._session_final:
                         break
-                    if time.monotonic() - self._idle_since >= self.knobs.grace_s:
-                        log.info("no client for %.0f s: exiting", self.knobs.grace_s)
+                    # A saver nobody attached to yet waits at least as long as its spawner does, so a
+                    # short grace cannot make it exit under the first trainer's hello.
+                    grace = self.knobs.grace_s if self._ever_clients else max(self.knobs.grace_s,
+                                                                              self.knobs.spawn_timeout_s)
+                    if time.monotonic() - self._idle_since >= grace:
+                        log.info("no client for %.0f s: exiting", grace)
                         break
                 self._cv.wait(timeout=0.5)
             # Decided to exit: say so under the lock hello registers under, so a trainer attaching at

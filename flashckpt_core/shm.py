@@ -66,6 +66,7 @@ EMPTY, WRITING, COMPLETE = 0, 1, 2
 FLAG_PINNED = 1   # the saver is reading this slot
 FLAG_PENDING = 2  # a persist of this slot was requested and has not finished
 
+_MADV_POPULATE_READ = 22
 _SEG_RE = re.compile(r"seg-r(\d+)-e(\d+)\.shm$")
 
 
@@ -206,6 +207,19 @@ class Segment:
             raise E.CheckpointCorruptError(f"slot {i} of {self.path}: metadata checksum mismatch")
         return json.loads(raw)
 
+    def populate(self, i: int, nbytes: int) -> None:
+        """Maps slot ``i``'s first ``nbytes`` of data in one go before it is read (MADV_POPULATE_READ,
+        Linux >= 5.14): faulting the source page by page while huge-page destinations fault too is
+        ~15x slower. Best effort: older kernels simply fault on read."""
+        start = self.data_off(i) // PAGE * PAGE
+        length = min(self.size - start, _page(nbytes + self.data_off(i) - start))
+        if length <= 0:
+            return
+        try:
+            self.mm.madvise(_MADV_POPULATE_READ, start, length)
+        except (OSError, ValueError, AttributeError):
+            pass
+
     def complete_steps(self) -> list[tuple[int, int]]:
         """(step, slot) of every COMPLETE slot."""
         out = []
@@ -231,6 +245,7 @@ def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None =
     meta = seg.read_meta(slot, h)
     metas = [TensorMeta.from_json(v) for v in meta["tensors"]]
     data = seg.base + seg.data_off(slot)
+    seg.populate(slot, h.tensor_bytes)
     regions: dict[tuple[int, int], torch.UntypedStorage] = {}
     tasks = []
     for m in metas:

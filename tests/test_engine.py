@@ -330,3 +330,14 @@ def test_closed_engine_and_bad_arguments(make_engine, ckpt_dir):
         eng.save(1, model_sd(1), storage_type=MEMORY)
     with pytest.raises(FlashCheckpointError, match="closed"):
         eng.load()
+
+
+def test_a_zero_grace_saver_still_serves_its_first_client(make_engine, ckpt_dir, monkeypatch):
+    # Regression: with FLASHCKPT_SAVER_GRACE_S=0 a freshly spawned saver used to exit before the first
+    # trainer's hello arrived, and every engine start failed after retrying.
+    monkeypatch.setenv("FLASHCKPT_SAVER_GRACE_S", "0")
+    eng = make_engine(max_to_keep=0)
+    eng.save(1, model_sd(1), storage_type=StorageType.DISK)
+    eng.wait(60)
+    assert committed(ckpt_dir) == [1]
+    eng.close()
