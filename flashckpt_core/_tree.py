@@ -27,7 +27,7 @@ import torch
 
 from .errors import InvalidStateDictError
 
-__all__ = ["TensorMeta", "Flat", "SnapshotPlan", "flatten", "plan_snapshot", "unflatten", "ALIGN"]
+__all__ = ["TensorMeta", "Flat", "SnapshotPlan", "flatten", "plan_snapshot", "unflatten", "decode_opaque", "ALIGN"]
 
 ALIGN = 64
 
@@ -287,8 +287,31 @@ def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...]) -> Sn
 
 def encode_opaque(opaque: list[Any]) -> tuple[bytes, list[int]]:
     """Pickle each opaque leaf separately; returns the concatenation and the lengths."""
-    parts = [pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL) for x in opaque]
+    # Protocol 2, as torch.save uses: torch's weights-only unpickler (which decodes these on a load with
+    # weights_only=True) does not take the framing opcodes of protocols 4 and 5.
+    parts = [pickle.dumps(x, protocol=2) for x in opaque]
     return b"".join(parts), [len(p) for p in parts]
+
+
+def decode_opaque(raw: bytes, *, weights_only: bool) -> Any:
+    """Unpickles an opaque leaf written by a trainer. With ``weights_only`` only the types that
+    ``torch.load(weights_only=True)`` accepts are allowed, as for a load from storage.
+
+    Raises:
+        InvalidStateDictError: ``weights_only`` and the leaf holds another type.
+    """
+    if not weights_only:
+        return pickle.loads(raw)
+    import io
+
+    from torch import _weights_only_unpickler
+
+    try:
+        return _weights_only_unpickler.load(io.BytesIO(raw), encoding="utf-8")
+    except pickle.UnpicklingError as e:
+        raise InvalidStateDictError(
+            f"load(): the snapshot holds a Python object that weights_only loading refuses ({e}). If the "
+            "snapshot is trusted, construct the engine with weights_only=False.") from e
 
 
 def split_opaque(blob: bytes | memoryview, lengths: list[int]) -> list[bytes]:

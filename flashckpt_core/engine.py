@@ -50,8 +50,9 @@ class CheckpointEngine:
         replicated: every rank holds the same state (DDP): local rank 0 of each node snapshots, global
             rank 0 persists, and every rank loads that one copy.
         process_group: the group whose ranks agree on the step to load (the default group when None).
-        weights_only: load persisted files with ``torch.load(weights_only=True)``; set False only for
-            trusted checkpoints holding arbitrary Python objects.
+        weights_only: load persisted files with ``torch.load(weights_only=True)``, and decode the
+            Python objects of memory snapshots under the same rules; set False only for trusted
+            checkpoints holding arbitrary Python objects.
 
     Raises:
         CheckpointDirError: ``checkpoint_dir`` cannot be created or written.
@@ -111,9 +112,9 @@ class CheckpointEngine:
         self._client: Client | None = client
         self._cursor = int(hello["cursor"])  # errors before we attached belong to an earlier run
         self._handler = SharedMemoryHandler(r.local_rank, self.job_dir, allocate=self._allocate,
-                                            copier=self._copier)
+                                            copier=self._copier, weights_only=weights_only)
         self._reader = (self._handler if not replicated or r.local_rank == 0 else
-                        SharedMemoryHandler(0, self.job_dir, copier=self._copier))
+                        SharedMemoryHandler(0, self.job_dir, copier=self._copier, weights_only=weights_only))
         self._closed = False
         self._retention_baseline = max(hello["committed"], default=-1)
 

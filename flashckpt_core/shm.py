@@ -43,6 +43,7 @@ from ._tree import (
     SnapshotPlan,
     TensorMeta,
     build_tensor,
+    decode_opaque,
     encode_opaque,
     flatten,
     plan_snapshot,
@@ -237,7 +238,8 @@ class Segment:
             log.debug("segment %s still has views; leaving the mapping to the garbage collector", self.path)
 
 
-def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None = None) -> Snapshot | None:
+def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None = None,
+                  weights_only: bool = False) -> Snapshot | None:
     """Copies slot ``slot`` out of shared memory; None when it is not a COMPLETE, untorn snapshot."""
     h = seg.header(slot)
     if h.state != COMPLETE or (step is not None and h.step != step):
@@ -262,9 +264,9 @@ def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None =
     h2 = seg.header(slot)
     if h2.state != COMPLETE or h2.generation != h.generation:
         return None  # overwritten while we read: torn
-    import pickle  # opaque leaves are decoded by a trainer only, from a 0600 segment of the same user
-
-    opaque = [pickle.loads(b) for b in split_opaque(blob, meta["opaque"])]
+    # Opaque leaves are decoded by a trainer only (never the saver), and with weights_only only into
+    # the types torch.load(weights_only=True) accepts.
+    opaque = [decode_opaque(b, weights_only=weights_only) for b in split_opaque(blob, meta["opaque"])]
     tensors = []
     for m in metas:
         t = build_tensor(regions[(m.offset, m.nbytes)], m)
@@ -320,13 +322,16 @@ class SharedMemoryHandler:
         allocate: asks the saver for a new segment; None for a read-only handler.
         copier: the thread pool that copies bytes (one is made when None).
         slot_wait_timeout: bound on waiting for a free slot while both are busy persisting.
+        weights_only: decode opaque leaves of loaded snapshots only into the types
+            ``torch.load(weights_only=True)`` accepts.
 
     Not thread-safe. While ``save_state_dict`` runs the caller must not mutate the tensors it passed;
     once it returns they are the caller's again.
     """
 
     def __init__(self, local_rank: int, job_dir: str, *, allocate: Allocator | None = None,
-                 copier: Copier | None = None, slot_wait_timeout: float = 600.0) -> None:
+                 copier: Copier | None = None, slot_wait_timeout: float = 600.0,
+                 weights_only: bool = False) -> None:
         self.local_rank = local_rank
         self.job_dir = job_dir
         self._allocate = allocate
@@ -339,6 +344,7 @@ class SharedMemoryHandler:
         self._readers: dict[str, Segment] = {}
         self._cuda_registered: set[str] = set()
         self.slot_wait_timeout = slot_wait_timeout
+        self.weights_only = weights_only
 
     # ------------------------------------------------------------------ write
     def save_state_dict(self, step: int, state_dict: Any, ckpt_name: str = "") -> SlotRef:
@@ -530,7 +536,7 @@ class SharedMemoryHandler:
             for s, i in sorted(seg.complete_steps(), reverse=True):
                 if step is not None and s != step:
                     continue
-                snap = read_snapshot(seg, i, self._copier, step=s)
+                snap = read_snapshot(seg, i, self._copier, step=s, weights_only=self.weights_only)
                 if snap is not None:
                     return snap
         return None

@@ -262,3 +262,24 @@ def test_weights_only_engine_refuses_opaque_file_with_a_hint(roundtrip):
     assert err is not None, "an engine with weights_only=True loaded a file holding pickled Python objects"
     assert "weights_only=False" in str(err)
     assert_same_tree(roundtrip["plain_src"], roundtrip["strict_plain"])
+
+
+def test_memory_load_decodes_python_objects_under_weights_only(runtime_dir, tmp_path):
+    """A snapshot's opaque leaves are pickles written by another process: weights_only engines decode
+    only what torch.load(weights_only=True) accepts, exactly as for a load from storage."""
+    import argparse
+
+    from flashckpt_core import CheckpointEngine, InvalidStateDictError, StorageType
+
+    ckpt = str(tmp_path / "wo")
+    writer = CheckpointEngine(ckpt, max_to_keep=0, weights_only=False)
+    writer.save(1, {"w": torch.ones(3), "safe": {1, 2}}, storage_type=StorageType.MEMORY)
+    assert writer.load()["safe"] == {1, 2}
+    writer.save(2, {"w": torch.ones(3), "args": argparse.Namespace(lr=0.1)}, storage_type=StorageType.MEMORY)
+    assert writer.load()["args"].lr == 0.1
+    writer.close(release=False)
+
+    strict = CheckpointEngine(ckpt, max_to_keep=0)  # weights_only=True by default
+    with pytest.raises(InvalidStateDictError, match="weights_only=False"):
+        strict.load()
+    strict.close()
