@@ -14,6 +14,7 @@ resumed from a checkpoint does not crash again (for demos and tests). ``--metric
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import os
@@ -79,7 +80,8 @@ def weights_digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for k, v in sorted(model.state_dict().items()):
         h.update(k.encode())
-        h.update(v.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        t = v.detach().contiguous()
+        h.update(ctypes.string_at(t.data_ptr(), t.nbytes))  # raw bytes; no numpy needed
     return h.hexdigest()
 
 

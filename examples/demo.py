@@ -36,7 +36,10 @@ def launch(ckpt_dir: str, metrics: str, job: str, *extra: str) -> int:
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("[rank ") or "last words" in line:
-            print("   ", line.replace("[flashckpt-run] ", "[flashckpt-run] "))
+            print("   ", line)
+    if proc.returncode != 0:
+        print(proc.stdout[-4000:])
+        raise SystemExit(f"the training job failed (exit {proc.returncode}); its output is above")
     return proc.returncode
 
 
