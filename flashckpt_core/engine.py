@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import uuid
@@ -16,6 +17,7 @@ from ._copy import Copier
 from ._protocol import Client
 from .commit import CommitLayout
 from .config import Knobs, RankInfo, StorageType, job_dir
+from .interval import AutoIntervals
 from .retention import CheckpointDeletionStrategy, KeepLatestStepStrategy
 from .saver import ensure_saver
 from .shm import SharedMemoryHandler
@@ -45,11 +47,15 @@ class CheckpointEngine:
         max_to_keep: committed checkpoints to keep when no ``deletion_strategy`` is given (0 keeps all).
         save_mem_interval: with ``save(storage_type=None)``, snapshot to memory every this many steps.
         save_storage_interval: with ``save(storage_type=None)``, persist every this many steps.
-        auto_save: choose the intervals automatically (not available yet: raises).
+        auto_save: with ``save(storage_type=None)``, choose memory and storage intervals from the measured
+            step time, snapshot pause and persist time and the given failure rates (Young/Daly).
         deletion_strategy: which committed checkpoints to delete after each commit.
         replicated: every rank holds the same state (DDP): local rank 0 of each node snapshots, global
             rank 0 persists, and every rank loads that one copy.
         process_group: the group whose ranks agree on the step to load (the default group when None).
+        process_mtbf_s / node_mtbf_s: with ``auto_save``, the mean seconds between failures that memory
+            survives (process crashes) and that lose the node (``interval.mtbf_from_failures_per_day``
+            converts a daily count); at least one is needed.
         weights_only: load persisted files with ``torch.load(weights_only=True)``, and decode the
             Python objects of memory snapshots under the same rules; set False only for trusted
             checkpoints holding arbitrary Python objects.
@@ -65,10 +71,10 @@ class CheckpointEngine:
     def __init__(self, checkpoint_dir: str, max_to_keep: int = 1, save_mem_interval: int = 0,
                  save_storage_interval: int = 0, auto_save: bool = False,
                  deletion_strategy: CheckpointDeletionStrategy | None = None, *, replicated: bool = False,
-                 process_group: Any = None, weights_only: bool = True) -> None:
-        if auto_save:
-            raise NotImplementedError("CheckpointEngine(auto_save=True): automatic intervals are not "
-                                      "implemented yet; pass save_mem_interval and save_storage_interval")
+                 process_group: Any = None, weights_only: bool = True, process_mtbf_s: float | None = None,
+                 node_mtbf_s: float | None = None) -> None:
+        self._auto = (AutoIntervals(process_mtbf_s=process_mtbf_s or math.inf, node_mtbf_s=node_mtbf_s or math.inf)
+                      if auto_save else None)
         for name, v in (("max_to_keep", max_to_keep), ("save_mem_interval", save_mem_interval),
                         ("save_storage_interval", save_storage_interval)):
             if not isinstance(v, int) or v < 0:
@@ -156,6 +162,12 @@ class CheckpointEngine:
         self._check_open("save")
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"save(step={step!r}): step must be an integer >= 0")
+        auto_kind = None
+        if storage_type is None and self._auto is not None:
+            auto_kind = self._auto.decide(step, time.monotonic())
+            if auto_kind is None:
+                return False
+            storage_type = StorageType.DISK if auto_kind == "storage" else StorageType.MEMORY
         if storage_type is None:
             if not (self.save_mem_interval or self.save_storage_interval):
                 raise ValueError(f"save(step={step}, storage_type=None): no interval is set, so nothing would "
@@ -175,6 +187,8 @@ class CheckpointEngine:
             ref = self._handler.save_state_dict(step, state_dict, ckpt_name=target)
             nbytes = self._handler._plan.tensor_bytes if self._handler._plan else 0
         blocked = time.perf_counter() - t0
+        if auto_kind is not None and self._auto is not None:
+            self._auto_observe(step, auto_kind, blocked)
         reply = None
         if storage_type == StorageType.DISK and self.persists:
             self._handler.mark_pending(ref)
@@ -202,6 +216,18 @@ class CheckpointEngine:
         return {"ranks": ranks, "world_size": self.ranks.world_size, "replicated": self.replicated,
                 "extra": {}, "tracker_files": {}}
 
+    def _auto_observe(self, step: int, kind: str, blocked: float) -> None:
+        auto = self._auto
+        assert auto is not None  # internal invariant, not user input
+        before = auto.choice
+        auto.observe_snapshot(step, kind, blocked)
+        if auto.choice is not None and (before is None or (before.memory_steps, before.storage_steps)
+                                        != (auto.choice.memory_steps, auto.choice.storage_steps)):
+            c = auto.choice
+            log.info("event=auto_intervals memory_steps=%d storage_steps=%d step_s=%.4f snapshot_s=%.4f "
+                     "persist_s=%.3f expected_goodput=%.4f", c.memory_steps, c.storage_steps, auto.step_time_s or 0,
+                     auto.snapshot_cost_s or 0, auto.persist_cost_s, c.expected_goodput)
+
     def _interval_type(self, step: int) -> StorageType | None:
         if self.save_storage_interval and step % self.save_storage_interval == 0:
             return StorageType.DISK
@@ -220,6 +246,8 @@ class CheckpointEngine:
 
     def _after_reply(self, reply: dict[str, Any]) -> None:
         self._cursor = int(reply.get("cursor", self._cursor))
+        if self._auto is not None:
+            self._auto.observe_persist(float(reply.get("last_persist_s", 0.0)))
         self._retain(reply.get("committed", []))
         errs = reply.get("errors") or []
         if errs:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["daly_interval", "young_interval", "expected_goodput", "IntervalChoice", "optimal_interval",
+__all__ = ["daly_interval", "young_interval", "expected_goodput", "IntervalChoice", "optimal_interval", "AutoIntervals",
            "mtbf_from_failures_per_day"]
 
 
@@ -104,3 +104,77 @@ def optimal_interval(*, step_time_s: float, snapshot_cost_s: float, persist_cost
     lost_n = 0.0 if math.isinf(node_mtbf_s) else ((tau_s + snapshot_cost_s) / 2 + restart_from_storage_s) / node_mtbf_s
     goodput = min(1.0, max(0.0, 1.0 - pause - lost_p - lost_n))
     return IntervalChoice(mem_steps, sto_steps, tau_m, tau_s, goodput)
+
+
+class AutoIntervals:
+    """Decides, step by step, whether to snapshot to memory, persist, or skip (``auto_save=True``).
+
+    It measures the step time (between ``decide`` calls, minus the pauses of our own snapshots), the
+    snapshot pause and the persist time (exponential moving averages), and places checkpoints by
+    ``optimal_interval``. The first call snapshots to memory (to measure), the second persists (so a
+    durable checkpoint exists early and the persist time is known). Pure: the caller passes the clock.
+
+    Args:
+        process_mtbf_s: mean time between failures memory survives (``math.inf`` for none).
+        node_mtbf_s: mean time between failures that lose the node's memory (``math.inf`` for none).
+        restart_from_memory_s / restart_from_storage_s: time to resume after each kind of failure.
+        smoothing: weight of a new measurement in the moving averages.
+    """
+
+    def __init__(self, *, process_mtbf_s: float, node_mtbf_s: float, restart_from_memory_s: float = 0.0,
+                 restart_from_storage_s: float = 0.0, smoothing: float = 0.3) -> None:
+        if math.isinf(process_mtbf_s) and math.isinf(node_mtbf_s):
+            raise ValueError("auto_save needs a failure rate: give process_mtbf_s and/or node_mtbf_s in seconds "
+                             "(interval.mtbf_from_failures_per_day converts a daily failure count)")
+        _check(0.0, process_mtbf_s)
+        _check(0.0, node_mtbf_s)
+        self.process_mtbf_s, self.node_mtbf_s = process_mtbf_s, node_mtbf_s
+        self.restart_from_memory_s, self.restart_from_storage_s = restart_from_memory_s, restart_from_storage_s
+        self.smoothing = smoothing
+        self.step_time_s: float | None = None
+        self.snapshot_cost_s: float | None = None
+        self.persist_cost_s = 0.0
+        self.choice: IntervalChoice | None = None
+        self._last_call: tuple[int, float] | None = None
+        self._paused = 0.0
+        self._last_memory: int | None = None
+        self._last_storage: int | None = None
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def decide(self, step: int, now: float) -> str | None:
+        """"memory", "storage" or None (skip) for ``step``, called once per training step at time ``now``."""
+        if self._last_call is not None and step > self._last_call[0]:
+            work = max(0.0, now - self._last_call[1] - self._paused) / (step - self._last_call[0])
+            if work > 0:
+                self.step_time_s = self._ewma(self.step_time_s, work)
+        self._last_call, self._paused = (step, now), 0.0
+        if self.snapshot_cost_s is None:
+            return "memory"
+        if self._last_storage is None:
+            return "storage"
+        if self.step_time_s is None:
+            return None
+        self.choice = optimal_interval(
+            step_time_s=self.step_time_s, snapshot_cost_s=self.snapshot_cost_s, persist_cost_s=self.persist_cost_s,
+            process_mtbf_s=self.process_mtbf_s, node_mtbf_s=self.node_mtbf_s,
+            restart_from_memory_s=self.restart_from_memory_s, restart_from_storage_s=self.restart_from_storage_s)
+        if step - self._last_storage >= self.choice.storage_steps:
+            return "storage"
+        if self._last_memory is None or step - self._last_memory >= self.choice.memory_steps:
+            return "memory"
+        return None
+
+    def observe_snapshot(self, step: int, kind: str, pause_s: float) -> None:
+        """Records a snapshot taken for ``step`` (``kind`` as returned by ``decide``) and its pause."""
+        self.snapshot_cost_s = self._ewma(self.snapshot_cost_s, pause_s)
+        self._paused += pause_s
+        self._last_memory = step
+        if kind == "storage":
+            self._last_storage = step
+
+    def observe_persist(self, seconds: float) -> None:
+        """Records how long the saver took to persist a snapshot."""
+        if seconds > 0:
+            self.persist_cost_s = self._ewma(self.persist_cost_s or None, seconds)

@@ -93,6 +93,7 @@ class _ClientInfo:
 class _Stats:
     persisted_bytes: int = 0
     persist_seconds: float = 0.0
+    last_persist_s: float = 0.0
     last: dict[str, Any] = field(default_factory=dict)
 
 
@@ -517,6 +518,7 @@ class CheckpointSaver:
         with self._cv:
             self.stats.persisted_bytes += rec.size
             self.stats.persist_seconds += dt
+            self.stats.last_persist_s = dt
         log.info("event=persist step=%d rank=%d bytes=%d seconds=%.3f path=%s", job.step, job.rank,
                  rec.size, dt, job.path)
 
@@ -668,7 +670,8 @@ class CheckpointSaver:
     def _status(self, cursor: int) -> dict[str, Any]:
         with self._cv:
             return {"committed": list(self._committed), "errors": self._errors[cursor:],
-                    "cursor": len(self._errors), "inflight": self._inflight}
+                    "cursor": len(self._errors), "inflight": self._inflight,
+                    "last_persist_s": self.stats.last_persist_s}
 
     def _wait(self, timeout: float, cursor: int) -> dict[str, Any]:
         deadline = time.monotonic() + timeout if timeout > 0 else None

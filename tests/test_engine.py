@@ -317,8 +317,8 @@ def test_reopening_right_after_a_final_close_works(make_engine, ckpt_dir):
 def test_closed_engine_and_bad_arguments(make_engine, ckpt_dir):
     with pytest.raises(ValueError, match="max_to_keep"):
         make_engine(max_to_keep=-1)
-    with pytest.raises(NotImplementedError):
-        make_engine(auto_save=True)
+    with pytest.raises(ValueError, match="failure rate"):
+        make_engine(auto_save=True)  # automatic intervals need a failure rate
     eng = make_engine()
     with pytest.raises(ValueError, match="step"):
         eng.save(-1, model_sd(1), storage_type=MEMORY)
@@ -340,4 +340,17 @@ def test_a_zero_grace_saver_still_serves_its_first_client(make_engine, ckpt_dir,
     eng.save(1, model_sd(1), storage_type=StorageType.DISK)
     eng.wait(60)
     assert committed(ckpt_dir) == [1]
+    eng.close()
+
+
+def test_auto_save_measures_then_checkpoints_by_the_optimum(make_engine, ckpt_dir):
+    # Failures so rare that the optimum interval is hours: after the first memory snapshot (to measure)
+    # and the first persist, every later step is skipped.
+    eng = make_engine(max_to_keep=0, auto_save=True, process_mtbf_s=1e9, node_mtbf_s=1e10)
+    taken = [eng.save(step, model_sd(step)) for step in range(1, 8)]
+    assert taken == [True, True, False, False, False, False, False]
+    eng.wait(60)
+    assert committed(ckpt_dir) == [2]
+    assert eng.memory_steps()[0] == 2
+    assert eng._auto.choice is not None and eng._auto.choice.memory_steps > 100
     eng.close()

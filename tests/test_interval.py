@@ -5,6 +5,7 @@ import math
 import pytest
 
 from flashckpt_core.interval import (
+    AutoIntervals,
     daly_interval,
     expected_goodput,
     mtbf_from_failures_per_day,
@@ -67,3 +68,29 @@ def test_no_failures_caps_intervals():
                          process_mtbf_s=math.inf, node_mtbf_s=math.inf, max_steps=1000)
     assert (c.memory_steps, c.storage_steps) == (1000, 1000)
     assert c.expected_goodput == pytest.approx(1 - 0.1 / 1000.1)
+
+
+def test_auto_intervals_follow_the_measured_costs():
+    auto = AutoIntervals(process_mtbf_s=100.0, node_mtbf_s=1000.0)
+    clock, kinds = 0.0, {}
+    for step in range(1, 12):
+        kind = auto.decide(step, clock)
+        kinds[step] = kind
+        pause = 0.01 if kind else 0.0
+        if kind:
+            auto.observe_snapshot(step, kind, pause)
+        if kind == "storage":
+            auto.observe_persist(2.0)
+        clock += 1.0 + pause  # one second of training per step, plus our own pause
+    # measure first (memory), then an early persist; then the optimum for step 1 s, pause 0.01 s:
+    # memory every round(daly(0.01, 100) / 1) = 1 step, storage every round(daly(0.01, 1000) / 1) = 4 steps.
+    assert auto.step_time_s == pytest.approx(1.0)
+    assert (auto.choice.memory_steps, auto.choice.storage_steps) == (
+        round(daly_interval(0.01, 100.0)), round(daly_interval(0.01, 1000.0)))
+    assert [s for s, k in kinds.items() if k == "storage"] == [2, 6, 10]
+    assert all(kinds[s] == "memory" for s in (1, 3, 4, 5, 7, 8, 9, 11))
+
+
+def test_auto_intervals_need_a_failure_rate():
+    with pytest.raises(ValueError, match="failure rate"):
+        AutoIntervals(process_mtbf_s=math.inf, node_mtbf_s=math.inf)
