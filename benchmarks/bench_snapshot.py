@@ -72,9 +72,10 @@ CHILD_TAG = "BENCH_CHILD_RESULT "
 def child_main(args: argparse.Namespace) -> int:
     """Runs in a fresh interpreter: loads the state one way, copies it into a preallocated model."""
     cfg = GPTConfig(**json.loads(args.child_cfg))
-    dst = iter_tensors(build_gpt_state_dict(cfg, fill="zeros"))  # the "model" that exists before loading
+    dst_tree = build_gpt_state_dict(cfg, fill="zeros")  # the "model" that exists before loading
+    dst = iter_tensors(dst_tree)
     out: dict[str, Any] = {"mode": args.child}
-    if args.child == "flashckpt":
+    if args.child in ("flashckpt", "flashckpt_into"):
         from flashckpt_core import CheckpointEngine
 
         t0 = time.perf_counter()
@@ -82,7 +83,8 @@ def child_main(args: argparse.Namespace) -> int:
         out["init_s"] = time.perf_counter() - t0
         try:
             t0 = time.perf_counter()
-            sd = engine.load()
+            # flashckpt_into: straight into the existing tensors, which are then already loaded
+            sd = engine.load(into=dst_tree) if args.child == "flashckpt_into" else engine.load()
             out["load_s"] = time.perf_counter() - t0
             ll = engine.last_load
             out["source"] = ll.source if ll else "?"
@@ -97,6 +99,10 @@ def child_main(args: argparse.Namespace) -> int:
     src = iter_tensors(sd)
     if len(src) != len(dst) or any(a.shape != b.shape for a, b in zip(src, dst, strict=False)):
         out["error"] = f"loaded {len(src)} tensors, expected {len(dst)} of the same shapes"
+    elif args.child == "flashckpt_into":
+        if not all(a.data_ptr() == b.data_ptr() for a, b in zip(src, dst, strict=False)):
+            out["error"] = "load(into=...) did not return the existing tensors"
+        out["copy_s"] = 0.0  # the load wrote into the model's tensors
     else:
         t0 = time.perf_counter()
         copy_tree_into(dst, src)
@@ -414,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append(f"load {mode}: {res['error']}")
                 log(f"load {mode} failed: {res['error']}")
                 return
-            if mode == "flashckpt" and res.get("source") != "memory":
+            if mode.startswith("flashckpt") and res.get("source") != "memory":
                 notes.append(f"load flashckpt: came from {res.get('source')!r}, not from memory")
             S.add(f"gpt.load.{mode}", res["load_s"])
             S.add(f"gpt.load.{mode}.child_wall", res["wall_s"])
@@ -440,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
             g2 = time.perf_counter()
             # C: load in a new process
             if not args.no_load:
-                for mode in rotated(["flashckpt", "torch", "torch_mmap"], r):
+                for mode in rotated(["flashckpt", "flashckpt_into", "torch", "torch_mmap"], r):
                     load(mode)
             if os.path.exists(torch_file):
                 os.unlink(torch_file)
@@ -554,6 +560,7 @@ def render(S: Samples, info: dict[str, Any], notes: list[str], args: argparse.Na
     row(g, "  O_DIRECT write + fsync, same bytes (disk ceiling, reference)", "gpt.seq.direct_fsync", sbytes, "gpt")
     row(g, "**flashckpt load() from memory, new process**", "gpt.load.flashckpt", gpt_b, "gpt")
     row(g, "  flashckpt load() + copy into model", "gpt.load.flashckpt+copy", gpt_b, "gpt")
+    row(g, "**flashckpt load(into=model), new process**", "gpt.load.flashckpt_into+copy", gpt_b, "gpt")
     row(g, "  (engine construction in the new process)", "gpt.load.flashckpt.init", None, "gpt")
     row(g, "torch.load, new process" + (" (cold cache)" if args.cold_cache else " (warm page cache)"),
         "gpt.load.torch", gpt_b, "gpt")
@@ -628,6 +635,12 @@ def render(S: Samples, info: dict[str, Any], notes: list[str], args: argparse.Na
                 extra += f" (vs torch.load(mmap=True) + copy: {S.median('gpt.load.torch_mmap+copy') / fc_copy:.2f} x)"
         target(pl >= 5, f"load from memory in a new process >= 5 x faster than torch.load: {pl:.2f} x (median of "
                         f"per-round ratios; medians: {fmt_time(f)} vs {fmt_time(tl)} = {tl / f:.2f} x){extra}")
+    if "gpt.load.flashckpt_into+copy" in S and "gpt.load.torch+copy" in S:
+        fi = S.median("gpt.load.flashckpt_into+copy")
+        pi = 1 / paired("gpt.load.flashckpt_into+copy", ["gpt.load.torch+copy"])
+        target(pi >= 5, f"load from memory into a model >= 5 x faster than torch.load + copy into it: {pi:.2f} x "
+                        f"(median of per-round ratios; medians: {fmt_time(fi)} vs "
+                        f"{fmt_time(S.median('gpt.load.torch+copy'))})")
     tied_ok = info.get("tied_snapshot_bytes")
     if tied_ok is not None:
         lines.append(f"- info: tied weights: snapshot holds {fmt_bytes(tied_ok)} of tensor data for "

@@ -367,6 +367,53 @@ def unflatten(skeleton: Any, tensors: list[Any], opaque: list[Any]) -> Any:
     return dec(skeleton)
 
 
+def tensor_paths(skeleton: Any) -> list[tuple[Any, ...]]:
+    """The key path of every tensor of a skeleton, in tensor-index order."""
+    out: dict[int, tuple[Any, ...]] = {}
+
+    def walk(x: Any, path: tuple[Any, ...]) -> None:
+        if type(x) is not list:
+            return
+        tag = x[0]
+        if tag == "T":
+            out[x[1]] = path
+        elif tag in ("d", "od"):
+            for k, v in x[1]:
+                walk(v, path + (unflatten(k, [], []) if type(k) is list else k,))
+        elif tag in ("l", "t"):
+            for i, v in enumerate(x[1]):
+                walk(v, path + (i,))
+
+    walk(skeleton, ())
+    return [out[i] for i in range(len(out))]
+
+
+def tensors_by_path(tree: Any) -> dict[tuple[Any, ...], torch.Tensor]:
+    """Every tensor of a state-dict tree by its key path (the paths ``tensor_paths`` gives)."""
+    out: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def walk(x: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(x, torch.Tensor):
+            out[path] = x
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, path + (k,))
+        elif type(x) in (list, tuple):
+            for i, v in enumerate(x):
+                walk(v, path + (i,))
+
+    walk(tree, ())
+    return out
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 def build_tensor(storage: torch.UntypedStorage, meta: TensorMeta) -> torch.Tensor:
     """A tensor of ``meta``'s dtype, shape and strides over ``storage`` (no copy)."""
     t = torch.empty(0, dtype=dtype_from_name(meta.dtype))

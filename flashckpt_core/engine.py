@@ -328,11 +328,16 @@ class CheckpointEngine:
         """Steps this rank could load from shared memory, newest first."""
         return self._reader.memory_steps()
 
-    def load(self, resume_path: str = "") -> Any:
+    def load(self, resume_path: str = "", *, into: Any = None) -> Any:
         """The newest state dict that every rank has: from memory when memory holds it, else storage.
 
         Args:
             resume_path: load this persisted file instead (verified against its manifest when listed).
+            into: a state-dict tree of existing tensors (for example ``{"model": model.state_dict()}``).
+                On a load from memory, every snapshot tensor whose key path, dtype and shape match a
+                contiguous CPU tensor of ``into`` is copied straight into it (no new memory; the model's
+                parameters are then already loaded) and that tensor is returned in its place. Loads from
+                storage ignore it.
 
         Returns:
             The state dict, or ``{}`` when there is no checkpoint. ``last_load`` tells where it came from.
@@ -350,7 +355,7 @@ class CheckpointEngine:
         committed = self.layout.committed_steps()
         step, source = self._agree(mem, committed)
         if source == "memory":
-            snap = self._reader.load_snapshot(step)
+            snap = self._reader.load_snapshot(step, into=into)
             if snap is None:
                 raise E.FlashCheckpointError(f"load(): the snapshot of step {step} vanished from memory while loading")
             self._loaded(step, "memory", t0, snap.nbytes)

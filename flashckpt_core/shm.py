@@ -43,12 +43,16 @@ from ._tree import (
     SnapshotPlan,
     TensorMeta,
     build_tensor,
+    contiguous_strides,
     decode_opaque,
+    dtype_name,
     encode_opaque,
     flatten,
     plan_snapshot,
     signature_of,
     split_opaque,
+    tensor_paths,
+    tensors_by_path,
     unflatten,
 )
 from .ipc import SharedLock
@@ -239,8 +243,12 @@ class Segment:
 
 
 def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None = None,
-                  weights_only: bool = False) -> Snapshot | None:
-    """Copies slot ``slot`` out of shared memory; None when it is not a COMPLETE, untorn snapshot."""
+                  weights_only: bool = False, into: Any = None) -> Snapshot | None:
+    """Copies slot ``slot`` out of shared memory; None when it is not a COMPLETE, untorn snapshot.
+
+    With ``into`` (a state-dict tree), a snapshot tensor whose key path, dtype and shape match a
+    contiguous CPU tensor of ``into`` is copied straight into that tensor, which is returned in its
+    place: no new memory, one copy at memcpy speed. Other tensors are copied into new storages."""
     h = seg.header(slot)
     if h.state != COMPLETE or (step is not None and h.step != step):
         return None
@@ -248,16 +256,32 @@ def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None =
     metas = [TensorMeta.from_json(v) for v in meta["tensors"]]
     data = seg.base + seg.data_off(slot)
     seg.populate(slot, h.tensor_bytes)
-    regions: dict[tuple[int, int], torch.UntypedStorage] = {}
+    direct: dict[int, torch.Tensor] = {}
     tasks = []
-    for m in metas:
+    if into is not None:
+        targets = tensors_by_path(into)
+        for i, (m, path) in enumerate(zip(metas, tensor_paths(meta["tree"]))):
+            t = targets.get(path)
+            if (t is not None and not t.is_cuda and t.layout == torch.strided and t.is_contiguous()
+                    and tuple(t.shape) == m.shape and dtype_name(t.dtype) == m.dtype
+                    and m.stride == contiguous_strides(m.shape) and m.device == "cpu"):
+                n = t.numel() * t.element_size()
+                start = m.storage_offset * t.element_size()
+                if start + n > m.nbytes:
+                    continue  # not a view inside its region (cannot happen for a valid snapshot)
+                if n:
+                    tasks.append((t.data_ptr(), data + m.offset + start, n))
+                direct[i] = t
+    regions: dict[tuple[int, int], torch.UntypedStorage] = {}
+    for i, m in enumerate(metas):
         key = (m.offset, m.nbytes)
-        if key not in regions:
-            st = torch.UntypedStorage(m.nbytes)
-            regions[key] = st
-            if m.nbytes:
-                advise_huge_pages(st.data_ptr(), m.nbytes)
-                tasks.append((st.data_ptr(), data + m.offset, m.nbytes))
+        if i in direct or key in regions:
+            continue
+        st = torch.UntypedStorage(m.nbytes)
+        regions[key] = st
+        if m.nbytes:
+            advise_huge_pages(st.data_ptr(), m.nbytes)
+            tasks.append((st.data_ptr(), data + m.offset, m.nbytes))
     copier.run(tasks)
     blob_off = seg.data_off(slot) + h.tensor_bytes
     blob = seg.mm[blob_off: blob_off + h.blob_len]
@@ -268,7 +292,10 @@ def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None =
     # the types torch.load(weights_only=True) accepts.
     opaque = [decode_opaque(b, weights_only=weights_only) for b in split_opaque(blob, meta["opaque"])]
     tensors = []
-    for m in metas:
+    for i, m in enumerate(metas):
+        if i in direct:
+            tensors.append(direct[i])
+            continue
         t = build_tensor(regions[(m.offset, m.nbytes)], m)
         if m.device != "cpu":
             t = _to_device(t, m.device)
@@ -524,8 +551,9 @@ class SharedMemoryHandler:
             steps.update(s for s, _ in seg.complete_steps())
         return sorted(steps, reverse=True)
 
-    def load_snapshot(self, step: int | None = None) -> Snapshot | None:
-        """The newest COMPLETE snapshot (or the one of ``step``), copied out of shared memory."""
+    def load_snapshot(self, step: int | None = None, *, into: Any = None) -> Snapshot | None:
+        """The newest COMPLETE snapshot (or the one of ``step``), copied out of shared memory (into the
+        matching tensors of ``into`` where given; see ``read_snapshot``)."""
         live = segment_paths(self.job_dir, self.local_rank)
         self._forget_removed(live)
         for _epoch, path in reversed(live):
@@ -536,7 +564,7 @@ class SharedMemoryHandler:
             for s, i in sorted(seg.complete_steps(), reverse=True):
                 if step is not None and s != step:
                     continue
-                snap = read_snapshot(seg, i, self._copier, step=s, weights_only=self.weights_only)
+                snap = read_snapshot(seg, i, self._copier, step=s, weights_only=self.weights_only, into=into)
                 if snap is not None:
                     return snap
         return None

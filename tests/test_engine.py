@@ -354,3 +354,21 @@ def test_auto_save_measures_then_checkpoints_by_the_optimum(make_engine, ckpt_di
     assert eng.memory_steps()[0] == 2
     assert eng._auto.choice is not None and eng._auto.choice.memory_steps > 100
     eng.close()
+
+
+def test_load_into_existing_tensors_copies_in_place(make_engine, ckpt_dir):
+    src = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    sd = {"model": src.state_dict(), "step": 3, "extra": torch.arange(5)}
+    eng = make_engine(max_to_keep=0)
+    eng.save(3, sd, storage_type=MEMORY)
+
+    dst = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    target = {"model": dst.state_dict(), "extra": torch.zeros(3)}  # "extra" has another shape
+    out = eng.load(into=target)
+    assert eng.last_load.source == "memory" and out["step"] == 3
+    for k, v in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[k], v), k          # the model itself is loaded
+        assert out["model"][k].data_ptr() == target["model"][k].data_ptr()
+    assert torch.equal(out["extra"], torch.arange(5))             # shape mismatch: a new tensor
+    assert out["extra"].data_ptr() != target["extra"].data_ptr() and torch.equal(target["extra"], torch.zeros(3))
+    eng.close()
