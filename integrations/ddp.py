@@ -54,9 +54,12 @@ class DdpCheckpointer:
         """
         return self.engine.save(step, state_dict, path or None, storage_type)
 
-    def load_checkpoint(self, resume_path: str = "") -> Any:
-        """The newest checkpoint every rank has, from memory when it holds it; ``{}`` when none."""
-        return self.engine.load(resume_path)
+    def load_checkpoint(self, resume_path: str = "", *, into: Any = None) -> Any:
+        """The newest checkpoint every rank has, from memory when it holds it; ``{}`` when none.
+
+        ``into`` (for example ``{"model": model.state_dict()}``) has a memory load copy straight into
+        those tensors; see ``CheckpointEngine.load``."""
+        return self.engine.load(resume_path, into=into)
 
     def wait_latest_checkpoint(self, timeout: float | None = 1800) -> None:
         """Blocks until every scheduled persist is committed; raises the first persist error."""
