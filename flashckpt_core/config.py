@@ -9,7 +9,7 @@ import tempfile
 from dataclasses import dataclass
 
 __all__ = ["StorageType", "Knobs", "RankInfo", "job_key", "runtime_root", "job_dir", "make_private_dir",
-           "is_default_runtime_dir"]
+           "is_default_runtime_dir", "is_job_key_of"]
 
 
 class StorageType(enum.Enum):
@@ -94,12 +94,27 @@ def job_key(checkpoint_dir: str) -> str:
     The hash of the absolute checkpoint dir is always part of the key, so two engines with different
     checkpoint dirs never share a saver, even inside one job.
     """
-    digest = hashlib.sha256(os.path.abspath(checkpoint_dir).encode()).hexdigest()[:10]
+    digest = hashlib.sha256(os.path.abspath(checkpoint_dir).encode()).hexdigest()[:_DIGEST_LEN]
     job = os.environ.get("FLASHCKPT_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
     if job in ("", "none"):
         return digest
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job)[:40]
-    return f"{safe}-{digest}"
+    return f"{_safe_job_id(job)}-{digest}"
+
+
+_DIGEST_LEN = 10
+_HEX = frozenset("0123456789abcdef")
+
+
+def _safe_job_id(job: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in job)[:40]
+
+
+def is_job_key_of(name: str, job_id: str) -> bool:
+    """Whether ``name`` is a job key ``job_key`` gives for ``job_id`` (any checkpoint dir). Exact: the
+    savers of job ``<job id>-eval`` are not those of ``<job id>``."""
+    prefix = _safe_job_id(job_id) + "-"
+    digest = name[len(prefix):]
+    return name.startswith(prefix) and len(digest) == _DIGEST_LEN and set(digest) <= _HEX
 
 
 def make_private_dir(path: str) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from . import errors as E
 from ._protocol import Client
-from .config import Knobs
+from .config import Knobs, is_job_key_of
 
 __all__ = ["main", "last_words_for_job"]
 
@@ -33,16 +33,11 @@ log = logging.getLogger(__name__)
 
 
 def _job_dirs(job_id: str, knobs: Knobs) -> list[str]:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job_id)[:40]
     try:
         names = os.listdir(knobs.runtime_dir)
     except FileNotFoundError:
         return []
-    # A job key is "<job id>-<10 hex digits of the checkpoint dir's hash>" (config.job_key). Match that
-    # exactly: a bare prefix test would also pick the savers of job "<job id>-eval" on the same node.
-    return [os.path.join(knobs.runtime_dir, n) for n in names
-            if n.startswith(safe + "-") and len(n) == len(safe) + 11
-            and all(c in "0123456789abcdef" for c in n[len(safe) + 1:])]
+    return [os.path.join(knobs.runtime_dir, n) for n in names if is_job_key_of(n, job_id)]
 
 
 def last_words_for_job(job_id: str, timeout: float) -> dict[str, Any]:

@@ -550,10 +550,14 @@ class CheckpointSaver:
             log.exception("last-words persist failed")
         finally:
             with self._cv:
-                self._inflight -= 1
-                if self._inflight == 0 and not self._clients:
-                    self._idle_since = time.monotonic()
-                self._cv.notify_all()
+                self._work_done()
+
+    def _work_done(self) -> None:
+        """One unit of in-flight work (persist, commit, deletion, last words) ended. Holds ``_cv``."""
+        self._inflight -= 1
+        if self._inflight == 0 and not self._clients:
+            self._idle_since = time.monotonic()
+        self._cv.notify_all()
 
     def save_shm_to_storage(self, timeout: float | None = None) -> int | None:
         """Persists and commits the newest snapshot that every persisting local rank holds in memory,
@@ -572,37 +576,47 @@ class CheckpointSaver:
                 newest_committed = max(self._committed, default=-1)
             if not persisters:
                 return None
-            held: set[int] | None = None
-            where: dict[int, tuple[str, int, int, str]] = {}
+            held: dict[int, dict[int, tuple[Segment, int]]] = {}  # local rank -> step -> (segment, slot)
             for lr in persisters:
-                steps: dict[int, tuple[str, int, int, str]] = {}
+                held[lr] = {}
                 for _epoch, path in segment_paths(self.job_dir, lr):
                     seg = self._segment(path)
-                    for step, slot in seg.complete_steps():
-                        h = seg.header(slot)
-                        try:
-                            name = str(seg.read_meta(slot, h).get("name", ""))
-                        except (E.FlashCheckpointError, ValueError):
-                            continue
-                        steps[step] = (path, slot, h.generation, name)
-                held = set(steps) if held is None else held & set(steps)
-                for step, loc in steps.items():
-                    where[lr * (1 << 40) + step] = loc
-            candidates = sorted((held or set()), reverse=True)
-            if not candidates or candidates[0] <= newest_committed:
+                    for s, slot in seg.complete_steps():
+                        held[lr][s] = (seg, slot)
+            common = set.intersection(*(set(steps) for steps in held.values()))
+            for step in sorted((s for s in common if s > newest_committed), reverse=True):
+                jobs = self._last_words_jobs(step, persisters, held)
+                if jobs is not None:
+                    break
+            else:
                 return None
-            step = candidates[0]
             if step not in known:
                 log.warning("event=last_words step=%d ranks=%s", step, sorted(i.rank for i in persisters.values()))
-                for lr, info in persisters.items():
-                    path, slot, gen, name = where[lr * (1 << 40) + step]
-                    if not name:
-                        log.error("step %d of local rank %d has no persist path; not persisted", step, lr)
+                for job in jobs:
+                    if not job["path"]:
+                        log.error("step %d of local rank %d has no persist path; not persisted", step,
+                                  job["local_rank"])
                         return None
-                    self._enqueue({"step": step, "rank": info.rank, "local_rank": lr, "seg_path": path,
-                                   "slot": slot, "generation": gen, "path": name, "commit": info.commit})
+                for job in jobs:
+                    self._enqueue(job)
         self._wait_step(step, timeout)
         return step
+
+    def _last_words_jobs(self, step: int, persisters: dict[int, _ClientInfo],
+                         held: dict[int, dict[int, tuple[Segment, int]]]) -> list[dict[str, Any]] | None:
+        """The persist requests of ``step`` for every persisting local rank; None when a slot's
+        metadata is unreadable (then an older step is tried)."""
+        jobs = []
+        for lr, info in persisters.items():
+            seg, slot = held[lr][step]
+            h = seg.header(slot)
+            try:
+                name = str(seg.read_meta(slot, h).get("name", ""))
+            except (E.FlashCheckpointError, ValueError):
+                return None
+            jobs.append({"step": step, "rank": info.rank, "local_rank": lr, "seg_path": seg.path, "slot": slot,
+                         "generation": h.generation, "path": name, "commit": info.commit})
+        return jobs
 
     def _wait_step(self, step: int, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -634,8 +648,7 @@ class CheckpointSaver:
                 except Exception:
                     log.exception("retention failed to delete steps %s", spec["delete"])
                 with self._cv:
-                    self._inflight -= 1
-                    self._cv.notify_all()
+                    self._work_done()
                 continue
             try:
                 self.layout.commit(step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
@@ -662,10 +675,7 @@ class CheckpointSaver:
                 st.status = "committed"
             elif st.status == "persisting":
                 st.status = "persisted"
-            self._inflight -= 1
-            if self._inflight == 0 and not self._clients:
-                self._idle_since = time.monotonic()
-            self._cv.notify_all()
+            self._work_done()
 
     def _status(self, cursor: int) -> dict[str, Any]:
         with self._cv:
