@@ -6,7 +6,7 @@ This package imports no training framework (torch only); adapters live in ``inte
 from ._tree import TensorMeta
 from .commit import CommitLayout, Manifest
 from .config import StorageType
-from .engine import CheckpointEngine, LoadResult
+from .engine import CheckpointEngine, LoadResult, Located
 from .errors import (
                      CheckpointCorruptError,
                      CheckpointDirError,
@@ -18,6 +18,7 @@ from .errors import (
                      SaverError,
                      SharedMemoryError,
 )
+from .files import FileEntry, FileSet
 from .ipc import SharedDict, SharedLock, SharedQueue
 from .retention import CheckpointDeletionStrategy, KeepLatestStepStrategy, KeepStepIntervalStrategy
 from .saver import CheckpointSaver
@@ -27,7 +28,7 @@ from .storage import CheckpointStorage, FileRecord, PosixDiskStorage
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointEngine", "LoadResult", "StorageType", "TensorMeta", "SharedMemoryHandler", "CheckpointSaver",
+    "CheckpointEngine", "LoadResult", "Located", "FileSet", "FileEntry", "StorageType", "TensorMeta", "SharedMemoryHandler", "CheckpointSaver",
     "SharedLock", "SharedQueue", "SharedDict", "CheckpointDeletionStrategy", "KeepLatestStepStrategy",
     "KeepStepIntervalStrategy", "CheckpointStorage", "PosixDiskStorage", "FileRecord", "CommitLayout",
     "Manifest", "FlashCheckpointError", "InvalidStateDictError", "CheckpointDirError", "SharedMemoryError",

@@ -7,6 +7,7 @@ Layout under the checkpoint dir (``META`` = ``.flashckpt``)::
     .flashckpt/steps/<step>/done_rank_R.json   rank R's files with sizes and checksums
     .flashckpt/steps/<step>/failed_rank_R.json rank R's persist failed
     .flashckpt/steps/<step>/manifest.json      the commit record: all files, sizes, checksums, world layout
+    .flashckpt/steps/<step>/staged/rank_R/     a FileSet's commit-time and tracker files until the commit
 
 A step is committed once its manifest exists; the tracker only names the newest one and is rewritten
 after the manifest. Files listed in manifests are relative to the checkpoint dir.
@@ -19,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from . import errors as E
@@ -114,9 +115,16 @@ class CommitLayout:
         body = json.dumps({"rank": rank, "paths": [self.rel(p) for p in paths]}).encode()
         self.storage.write_bytes(self._marker(step, "intent", rank), body)
 
-    def write_done(self, step: int, rank: int, files: list[FileRecord]) -> None:
-        recs = [asdict(FileRecord(self.rel(f.path), f.size, f.xxh3)) for f in files]
-        self.storage.write_bytes(self._marker(step, "done", rank), json.dumps({"rank": rank, "files": recs}).encode())
+    def write_done(self, step: int, rank: int, files: list[FileRecord], base: str = "") -> None:
+        """Rank ``rank``'s files of ``step`` are durable; ``base`` is where the rank's set lives."""
+        recs = [asdict(replace(f, path=self.rel(f.path), staged=self.rel(f.staged) if f.staged else ""))
+                for f in files]
+        body = {"rank": rank, "files": recs, "base": self.rel(base) if base else ""}
+        self.storage.write_bytes(self._marker(step, "done", rank), json.dumps(body).encode())
+
+    def staged_path(self, step: int, rank: int, index: int) -> str:
+        """Where a rank's commit-time or tracker file waits for the commit."""
+        return os.path.join(self.step_dir(step), "staged", f"rank_{rank}", f"{index:05d}")
 
     def write_failed(self, step: int, rank: int, error: str) -> None:
         try:
@@ -133,10 +141,9 @@ class CommitLayout:
 
     # commit --------------------------------------------------------------
     def commit(self, step: int, ranks: list[int], world_size: int, *, replicated: bool,
-               extra: dict[str, Any], tracker_files: dict[str, str], timeout: float,
-               stopping: Callable[[], bool] = lambda: False) -> Manifest:
-        """Waits for every rank's done marker, then writes the manifest, the tracker and the
-        framework tracker files, in that order.
+               extra: dict[str, Any], timeout: float, stopping: Callable[[], bool] = lambda: False) -> Manifest:
+        """Waits for every rank's done marker, moves the staged commit-time files into place, then writes
+        the manifest, the tracker and the framework tracker files, in that order.
 
         Raises:
             PersistError: a rank reported a failure.
@@ -144,6 +151,7 @@ class CommitLayout:
         """
         deadline = time.monotonic() + timeout
         files: dict[int, list[FileRecord]] = {}
+        bases: dict[int, str] = {}
         delay = 0.002
         while True:
             for r in ranks:
@@ -155,6 +163,7 @@ class CommitLayout:
                 done = self._read_marker(step, "done", r)
                 if done is not None:
                     files[r] = [FileRecord(**f) for f in done["files"]]
+                    bases[r] = str(done.get("base", ""))
             if len(files) == len(ranks):
                 break
             if time.monotonic() >= deadline or stopping():
@@ -163,13 +172,47 @@ class CommitLayout:
                                                f"within {timeout:.0f} s; the step is not committed")
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+        trackers: list[FileRecord] = []
+        for r, recs in files.items():
+            kept = []
+            for f in recs:
+                if f.kind == "tracker":
+                    trackers.append(f)
+                    continue
+                if f.kind == "commit" and f.staged:
+                    self._move_staged(f)
+                    f = replace(f, staged="")
+                kept.append(f)
+            files[r] = kept
         manifest = Manifest(step, world_size, files, replicated, time.time(),
-                            {**extra, "tracker_files": sorted(tracker_files)})
+                            {**extra, "bases": {str(r): b for r, b in bases.items() if b},
+                             "trackers": [asdict(f) for f in trackers]})
         self.storage.write_bytes(self.manifest_path(step), manifest.to_json())
         self.storage.write_bytes(self.tracker_path, json.dumps({"step": step}).encode())
-        for rel, content in tracker_files.items():
-            self.storage.write_bytes(self.abs(rel), content.encode())
+        for f in trackers:
+            self._move_staged(f)
         return manifest
+
+    def finish_trackers(self) -> None:
+        """Writes the framework tracker files of the newest committed step if a crash between its
+        manifest and its trackers left them staged (a new saver calls this at start)."""
+        steps = self.committed_steps()
+        if not steps:
+            return
+        try:
+            m = self.read_manifest(steps[-1])
+        except E.CheckpointCorruptError:
+            return
+        for t in m.extra.get("trackers", []):
+            f = FileRecord(**t)
+            if f.staged and self.storage.exists(self.abs(f.staged)):
+                self._move_staged(f)
+
+    def _move_staged(self, f: FileRecord) -> None:
+        src = self.abs(f.staged)
+        if not self.storage.exists(src) and self.storage.exists(self.abs(f.path)):
+            return  # moved by an earlier attempt at this commit
+        self.storage.move(src, self.abs(f.path))
 
     # reading -------------------------------------------------------------
     def committed_steps(self) -> list[int]:
@@ -193,6 +236,13 @@ class CommitLayout:
             raise E.CheckpointCorruptError(f"step {step} has no manifest in {self.meta}") from e
         except (ValueError, KeyError, TypeError) as e:
             raise E.CheckpointCorruptError(f"the manifest of step {step} is damaged: {e}") from e
+
+    def base(self, step: int, rank: int = 0) -> str | None:
+        """The absolute directory of rank ``rank``'s file set in committed ``step`` (None for single files)."""
+        m = self.read_manifest(step)
+        bases = m.extra.get("bases", {})
+        b = bases.get(str(0 if m.replicated else rank)) or bases.get("0")
+        return self.abs(b) if b else None
 
     def tracker_step(self) -> int | None:
         try:

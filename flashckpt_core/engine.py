@@ -7,6 +7,7 @@ import math
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,13 +18,14 @@ from ._copy import Copier
 from ._protocol import Client
 from .commit import CommitLayout
 from .config import Knobs, RankInfo, StorageType, job_dir
+from .files import FileEntry, FileSet, is_fileset_tree
 from .interval import AutoIntervals
 from .retention import CheckpointDeletionStrategy, KeepLatestStepStrategy
 from .saver import ensure_saver
 from .shm import SharedMemoryHandler
 from .storage import PosixDiskStorage
 
-__all__ = ["CheckpointEngine", "LoadResult"]
+__all__ = ["CheckpointEngine", "LoadResult", "Located"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,16 @@ class LoadResult:
     source: str
     seconds: float
     nbytes: int
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where the newest checkpoint every rank has lives: ``step``, ``source`` ("memory", "storage" or
+    "none") and ``path``: this rank's file (or ``FileSet`` directory) as given to ``save``."""
+
+    step: int | None
+    source: str
+    path: str | None
 
 
 class CheckpointEngine:
@@ -59,6 +71,7 @@ class CheckpointEngine:
         weights_only: load persisted files with ``torch.load(weights_only=True)``, and decode the
             Python objects of memory snapshots under the same rules; set False only for trusted
             checkpoints holding arbitrary Python objects.
+        overlap: ``save`` returns before its copy is done (see ``save`` and ``wait_snapshot``).
 
     Raises:
         CheckpointDirError: ``checkpoint_dir`` cannot be created or written.
@@ -72,7 +85,7 @@ class CheckpointEngine:
                  save_storage_interval: int = 0, auto_save: bool = False,
                  deletion_strategy: CheckpointDeletionStrategy | None = None, *, replicated: bool = False,
                  process_group: Any = None, weights_only: bool = True, process_mtbf_s: float | None = None,
-                 node_mtbf_s: float | None = None) -> None:
+                 node_mtbf_s: float | None = None, overlap: bool = False) -> None:
         self._auto = (AutoIntervals(process_mtbf_s=process_mtbf_s or math.inf, node_mtbf_s=node_mtbf_s or math.inf)
                       if auto_save else None)
         for name, v in (("max_to_keep", max_to_keep), ("save_mem_interval", save_mem_interval),
@@ -86,6 +99,9 @@ class CheckpointEngine:
         self.replicated = replicated
         self.weights_only = weights_only
         self.process_group = process_group
+        self.overlap = overlap
+        self._bg: ThreadPoolExecutor | None = None
+        self._pending: tuple[Any, int, StorageType, str] | None = None
         if deletion_strategy is None and max_to_keep > 0:
             deletion_strategy = KeepLatestStepStrategy(max_to_keep, self.checkpoint_dir)
         self.deletion_strategy = deletion_strategy
@@ -140,16 +156,22 @@ class CheckpointEngine:
         return os.path.join(self.checkpoint_dir, f"step_{step}", name)
 
     def save(self, step: int, state_dict: Any, path: str | None = None,
-             storage_type: StorageType | None = None) -> bool:
+             storage_type: StorageType | None = None, *, overlap: bool | None = None) -> bool:
         """Snapshots ``state_dict`` into shared memory and, for DISK, schedules its persist to ``path``.
 
-        Returns once the copy is in shared memory; the caller may then mutate its tensors.
+        Returns once the copy is in shared memory (with ``overlap``, once it started); the caller may
+        then mutate its tensors (with ``overlap``, after ``wait_snapshot()``).
 
         Args:
             step: the training step (the checkpoint's identity; newer steps are larger).
-            state_dict: a tree of dicts/lists/tuples with tensors and plain leaves.
-            path: the file to persist to, inside the checkpoint dir (default ``step_<N>/rank_<R>.pt``).
+            state_dict: a tree of dicts/lists/tuples with tensors and plain leaves, or a ``FileSet``
+                (several files in their own formats; see ``flashckpt_core.files``).
+            path: the file to persist to, inside the checkpoint dir (default ``step_<N>/rank_<R>.pt``);
+                for a ``FileSet``, the directory its files go to (default ``step_<N>``).
             storage_type: MEMORY or DISK; None lets the intervals decide (and may skip the step).
+            overlap: return before the copy is done; it runs in the background (a thread for CPU
+                tensors, a CUDA stream for GPU ones) while training goes on, and the tensors must not
+                change until ``wait_snapshot()``. Default: the engine's ``overlap``.
 
         Returns:
             True when a snapshot was taken, False when the intervals skipped this step.
@@ -178,43 +200,72 @@ class CheckpointEngine:
                 return False
         if storage_type not in (StorageType.MEMORY, StorageType.DISK):
             raise ValueError(f"save(storage_type={storage_type!r}): use StorageType.MEMORY or StorageType.DISK")
-        target = os.path.abspath(os.path.join(self.checkpoint_dir, path) if path else self.default_path(step))
+        if isinstance(state_dict, FileSet):
+            state_dict = state_dict.encode()
+            default = os.path.join(self.checkpoint_dir, f"step_{step}")
+        else:
+            default = self.default_path(step)
+        target = os.path.abspath(os.path.join(self.checkpoint_dir, path) if path else default)
         if storage_type == StorageType.DISK:
             self.layout.rel(target)  # refuses paths outside the checkpoint dir before anything is written
+        self.wait_snapshot()
+        overlap = self.overlap if overlap is None else overlap
         t0 = time.perf_counter()
-        nbytes = 0
-        if self.snapshots:
-            ref = self._handler.save_state_dict(step, state_dict, ckpt_name=target)
-            nbytes = self._handler._plan.tensor_bytes if self._handler._plan else 0
+        finish = self._handler.start_save(step, state_dict, ckpt_name=target) if self.snapshots else None
+        nbytes = self._handler._plan.tensor_bytes if finish is not None and self._handler._plan else 0
+        if overlap and finish is not None:
+            if self._bg is None:
+                self._bg = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-snapshot")
+            self._pending = (self._bg.submit(finish), step, storage_type, target)
+            finish = None
+        ref = finish() if finish is not None else None
         blocked = time.perf_counter() - t0
         if auto_kind is not None and self._auto is not None:
             self._auto_observe(step, auto_kind, blocked)
+        log.info("event=save step=%d storage=%s bytes=%d seconds=%.4f overlap=%d", step, storage_type.value,
+                 nbytes, blocked, int(overlap))
+        if self._pending is None:
+            self._after_snapshot(step, storage_type, target, ref)
+        return True
+
+    def wait_snapshot(self) -> None:
+        """Waits for the overlapped snapshot of the last ``save(overlap=True)`` to be in shared memory;
+        then its tensors may change. Call it before the optimizer step (the adapters do); every other
+        engine call waits for it first. A no-op when no snapshot is in flight.
+
+        Raises:
+            whatever the snapshot's copy raised (the slot is then left empty; earlier snapshots stay).
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        fut, step, storage_type, target = pending
+        self._after_snapshot(step, storage_type, target, fut.result())
+
+    def _after_snapshot(self, step: int, storage_type: StorageType, target: str, ref: Any) -> None:
+        """Schedules the persist of a DISK snapshot and collects the saver's news."""
         reply = None
         if storage_type == StorageType.DISK and self.persists:
             self._handler.mark_pending(ref)
-            commit = self._commit_spec()
             try:
                 reply = self._client_call("persist", step=step, rank=self.ranks.rank,
                                           local_rank=self.ranks.local_rank, seg_path=ref.path, slot=ref.slot,
-                                          generation=ref.generation, path=target, commit=commit,
+                                          generation=ref.generation, path=target, commit=self._commit_spec(),
                                           cursor=self._cursor)
             except BaseException:
                 self._handler.clear_pending(ref)
                 raise
-        log.info("event=save step=%d storage=%s bytes=%d seconds=%.4f", step, storage_type.value, nbytes, blocked)
         if reply is None:
             # local_rank lets the saver free a segment this snapshot outgrew (a re-planned, larger state).
             reply = self._client_call("status", cursor=self._cursor, local_rank=self.ranks.local_rank)
         self._after_reply(reply)
-        return True
 
     def _commit_spec(self) -> dict[str, Any] | None:
         """What global rank 0's saver needs to commit a step; None on other ranks."""
         if self.ranks.rank != 0:
             return None
         ranks = [0] if self.replicated else list(range(self.ranks.world_size))
-        return {"ranks": ranks, "world_size": self.ranks.world_size, "replicated": self.replicated,
-                "extra": {}, "tracker_files": {}}
+        return {"ranks": ranks, "world_size": self.ranks.world_size, "replicated": self.replicated, "extra": {}}
 
     def _auto_observe(self, step: int, kind: str, blocked: float) -> None:
         auto = self._auto
@@ -279,6 +330,7 @@ class CheckpointEngine:
             CheckpointTimeoutError: ``timeout`` seconds passed first.
         """
         self._check_open("wait")
+        self.wait_snapshot()
         for _ in range(2):  # a second round covers the retention the first commit triggered
             applied = self._applied_retention
             reply = self._client_call("wait", timeout_s=timeout or 0, cursor=self._cursor,
@@ -300,6 +352,13 @@ class CheckpointEngine:
             return
         self._closed = True
         try:
+            try:
+                self.wait_snapshot()
+            except Exception as e:  # closing anyway; the error was the snapshot's, not the close's
+                log.warning("close(): the last overlapped snapshot failed: %s", e)
+            finally:
+                if self._bg is not None:
+                    self._bg.shutdown(wait=True)
             if self._client is not None:
                 try:
                     self._client.call("bye", final=release)
@@ -328,44 +387,91 @@ class CheckpointEngine:
         """Steps this rank could load from shared memory, newest first."""
         return self._reader.memory_steps()
 
+    def locate(self) -> Located:
+        """Where the newest checkpoint that every rank has lives, without loading it.
+
+        All ranks of the process group must call it (one ``all_gather``, and an ``all_reduce`` per
+        storage step verified). Memory wins when it holds the agreed step; storage steps are
+        checksum-verified on every rank, falling back to the previous committed step when damaged."""
+        self._check_open("locate")
+        self.wait_snapshot()
+        mem = self._reader.memory_steps()[:2]
+        committed = self.layout.committed_steps()
+        step, source = self._agree(mem, committed)
+        if source == "memory" and step is not None:
+            return Located(step, "memory", self._reader.snapshot_name(step) or None)
+        if source == "storage":
+            step = self._verified_step(committed, step)
+            return Located(step, "storage", self._storage_path(step))
+        return Located(None, "none", None)
+
     def load(self, resume_path: str = "", *, into: Any = None) -> Any:
         """The newest state dict that every rank has: from memory when memory holds it, else storage.
 
         Args:
-            resume_path: load this persisted file instead (verified against its manifest when listed).
-            into: a state-dict tree of existing tensors (for example ``{"model": model.state_dict()}``).
-                On a load from memory, every snapshot tensor whose key path, dtype and shape match a
-                contiguous CPU tensor of ``into`` is copied straight into it (no new memory; the model's
-                parameters are then already loaded) and that tensor is returned in its place. Loads from
-                storage ignore it.
+            resume_path: load this persisted file (or ``FileSet`` directory) instead (verified against
+                its manifest when listed).
+            into: a state-dict tree of existing tensors (for example ``{"model": model.state_dict()}``;
+                for a ``FileSet``, ``{file name: tree}``). On a load from memory, every snapshot tensor
+                whose key path, dtype and shape match a contiguous CPU tensor of ``into`` is copied
+                straight into it (no new memory; the model's parameters are then already loaded) and that
+                tensor is returned in its place. Loads from storage ignore it.
 
         Returns:
-            The state dict, or ``{}`` when there is no checkpoint. ``last_load`` tells where it came from.
+            The state dict (a ``FileSet`` for sets), or ``{}`` when there is no checkpoint. ``last_load``
+            tells where it came from.
 
         Raises:
             CheckpointCorruptError: ``resume_path`` does not match its manifest.
         """
         self._check_open("load")
+        self.wait_snapshot()
         t0 = time.perf_counter()
         if resume_path:
             sd = self._load_file(os.path.abspath(os.path.join(self.checkpoint_dir, resume_path)))
             self._loaded(None, "storage", t0, 0)
             return sd
-        mem = self._reader.memory_steps()[:2]
-        committed = self.layout.committed_steps()
-        step, source = self._agree(mem, committed)
-        if source == "memory":
-            snap = self._reader.load_snapshot(step, into=into)
-            if snap is None:
-                raise E.FlashCheckpointError(f"load(): the snapshot of step {step} vanished from memory while loading")
-            self._loaded(step, "memory", t0, snap.nbytes)
-            return snap.state_dict
-        if source == "storage":
-            sd, step = self._load_committed(committed, step)
-            self._loaded(step, "storage", t0, 0)
+        loc = self.locate()
+        if loc.source == "memory":
+            return self.load_memory(loc.step, into=into, _t0=t0)
+        if loc.source == "storage" and loc.step is not None:
+            sd = self._load_step(loc.step)
+            self._loaded(loc.step, "storage", t0, 0)
             return sd
         self._loaded(None, "none", t0, 0)
         return {}
+
+    def load_memory(self, step: int | None, *, into: Any = None, _t0: float | None = None) -> Any:
+        """This rank's snapshot of ``step`` (the newest when None) from shared memory, without agreeing
+        with other ranks (``locate`` does that). A ``FileSet`` for sets; see ``load`` for ``into``.
+
+        Raises:
+            FlashCheckpointError: memory holds no such snapshot (any more)."""
+        self._check_open("load_memory")
+        self.wait_snapshot()
+        t0 = time.perf_counter() if _t0 is None else _t0
+        snap = self._reader.load_snapshot(step, into=into)
+        if snap is None:
+            raise E.FlashCheckpointError(f"load(): the snapshot of step {step} is not (or no longer) in memory")
+        self._loaded(snap.step, "memory", t0, snap.nbytes)
+        sd = snap.state_dict
+        return FileSet.decode(sd) if is_fileset_tree(sd) else sd
+
+    def committed_steps(self) -> list[int]:
+        """The committed steps on storage, ascending."""
+        return self.layout.committed_steps()
+
+    def step_path(self, step: int) -> str | None:
+        """Rank 0's file (or ``FileSet`` directory) of committed ``step``; None when it has none."""
+        return self._storage_path(step, rank=0)
+
+    def _storage_path(self, step: int, rank: int | None = None) -> str | None:
+        r = self.ranks.rank if rank is None else rank
+        base = self.layout.base(step, r)
+        if base is not None:
+            return base
+        files = self.layout.read_manifest(step).files_for(r)
+        return self.layout.abs(files[0].path) if len(files) == 1 else None
 
     def _loaded(self, step: int | None, source: str, t0: float, nbytes: int) -> None:
         self.last_load = LoadResult(step, source, time.perf_counter() - t0, nbytes)
@@ -408,8 +514,8 @@ class CheckpointEngine:
             return n if n > 1 else None
         return None
 
-    def _load_committed(self, committed: list[int], newest: int | None) -> tuple[Any, int]:
-        """Loads the newest committed step whose files verify on every rank, falling back step by step."""
+    def _verified_step(self, committed: list[int], newest: int | None) -> int:
+        """The newest committed step (not newer than ``newest``) whose files verify on every rank."""
         import torch.distributed as dist
 
         for step in reversed([s for s in committed if newest is None or s <= newest]):
@@ -419,30 +525,57 @@ class CheckpointEngine:
                 if dist.get_backend(self.process_group) == "nccl":
                     ok = ok.cuda()
                 dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.process_group)
-            if int(ok.item()) != 1:
-                log.warning("load(): step %d is damaged (%s); falling back to the previous committed step",
-                            step, "; ".join(problems) or "on another rank")
-                continue
-            m = self.layout.read_manifest(step)
-            files = m.files_for(self.ranks.rank)
-            if len(files) != 1:
-                raise E.CheckpointCorruptError(f"load(): step {step} lists {len(files)} files for rank "
-                                               f"{self.ranks.rank}; this engine writes one per rank")
-            return self._torch_load(self.layout.abs(files[0].path)), step
+            if int(ok.item()) == 1:
+                return step
+            log.warning("load(): step %d is damaged (%s); falling back to the previous committed step",
+                        step, "; ".join(problems) or "on another rank")
         raise E.CheckpointCorruptError(f"load(): every committed step in {self.checkpoint_dir} is damaged; "
                                        "run `flashckpt verify` for details")
+
+    def _load_step(self, step: int) -> Any:
+        files = self.layout.read_manifest(step).files_for(self.ranks.rank)
+        if any(f.name for f in files):
+            return self._load_fileset(files)
+        if len(files) != 1:
+            raise E.CheckpointCorruptError(f"load(): step {step} lists {len(files)} files for rank "
+                                           f"{self.ranks.rank}; expected one")
+        return self._torch_load(self.layout.abs(files[0].path))
+
+    def _load_fileset(self, files: list[Any]) -> FileSet:
+        fs = FileSet()
+        for f in files:
+            path = self.layout.abs(f.path)
+            if f.fmt == "torch":
+                fs[f.name] = FileEntry("torch", self._torch_load(path), f.kind)
+            else:
+                fs[f.name] = FileEntry("raw", [self.layout.storage.read_bytes(path)], f.kind)
+        return fs
 
     def _load_file(self, path: str) -> Any:
         rel = self.layout.rel(path)
         for step in reversed(self.layout.committed_steps()):
             m = self.layout.read_manifest(step)
+            if rel in m.extra.get("bases", {}).values():
+                for r, b in m.extra["bases"].items():
+                    if b == rel:
+                        listed = m.files[int(r)]
+                        bad = [p for f in listed for p in self._mismatch(f, step)]
+                        if bad:
+                            raise E.CheckpointCorruptError("load(): " + "; ".join(bad))
+                        return self._load_fileset(listed)
             for f in m.all_files():
                 if f.path == rel:
-                    size, digest = self.layout.storage.checksum(path)
-                    if (size, digest) != (f.size, f.xxh3):
-                        raise E.CheckpointCorruptError(f"load(): {path} does not match the manifest of step {step}")
+                    bad = self._mismatch(f, step)
+                    if bad:
+                        raise E.CheckpointCorruptError("load(): " + bad[0])
                     return self._torch_load(path)
         return self._torch_load(path)
+
+    def _mismatch(self, f: Any, step: int) -> list[str]:
+        path = self.layout.abs(f.path)
+        if self.layout.storage.checksum(path) != (f.size, f.xxh3):
+            return [f"{path} does not match the manifest of step {step}"]
+        return []
 
     def _torch_load(self, path: str) -> Any:
         try:

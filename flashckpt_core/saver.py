@@ -34,9 +34,10 @@ from ._protocol import Client, peer_uid, recv_msg, send_msg
 from ._tree import TensorMeta, build_tensor, split_opaque, unflatten
 from .commit import CommitLayout
 from .config import Knobs, is_default_runtime_dir, make_private_dir
+from .files import FileSet, is_fileset_tree, write_raw
 from .ipc import SharedLock
 from .shm import COMPLETE, FLAG_PENDING, FLAG_PINNED, Segment, lock_path, segment_path, segment_paths
-from .storage import CheckpointStorage, HashingWriter, PosixDiskStorage
+from .storage import CheckpointStorage, FileRecord, HashingWriter, PosixDiskStorage
 
 __all__ = ["CheckpointSaver", "ensure_saver", "SOCKET_NAME"]
 
@@ -144,6 +145,7 @@ class CheckpointSaver:
         cleaned = self.layout.clean_uncommitted()
         if cleaned:
             log.warning("removed half-written, uncommitted steps %s left by an earlier run", cleaned)
+        self.layout.finish_trackers()
         path = os.path.join(self.job_dir, SOCKET_NAME)
         if os.path.exists(path):
             os.unlink(path)
@@ -504,23 +506,45 @@ class CheckpointSaver:
                 raise E.PersistError(f"the snapshot of step {job.step} was overwritten before it was persisted")
             seg.set_flags(job.slot, h.flags | FLAG_PINNED)
         try:
-            self.layout.write_intent(job.step, job.rank, [job.path])
             tree = self._zero_copy_tree(seg, job.slot, h)
-            rec = self.storage.write_file(job.path, functools.partial(_torch_save, tree))
+            if is_fileset_tree(tree):
+                recs = self._persist_fileset(job, FileSet.decode(tree))
+            else:
+                self.layout.write_intent(job.step, job.rank, [job.path])
+                recs = [self.storage.write_file(job.path, functools.partial(_torch_save, tree))]
             del tree  # drop the views of the segment before it may be unmapped
-            self.layout.write_done(job.step, job.rank, [rec])
+            self.layout.write_done(job.step, job.rank, recs, base=job.path if recs and recs[0].name else "")
         finally:
             with lock:
                 h2 = seg.header(job.slot)
                 if h2.generation == job.generation:
                     seg.set_flags(job.slot, h2.flags & ~(FLAG_PINNED | FLAG_PENDING))
         dt = time.perf_counter() - t0
+        size = sum(r.size for r in recs)
         with self._cv:
-            self.stats.persisted_bytes += rec.size
+            self.stats.persisted_bytes += size
             self.stats.persist_seconds += dt
             self.stats.last_persist_s = dt
         log.info("event=persist step=%d rank=%d bytes=%d seconds=%.3f path=%s", job.step, job.rank,
-                 rec.size, dt, job.path)
+                 size, dt, job.path)
+
+    def _persist_fileset(self, job: _Job, fs: FileSet) -> list[FileRecord]:
+        """Writes a rank's file set: plain files in place; commit-time and tracker files staged for the
+        commit. The intent names every final path a crash could leave behind (not trackers: they are
+        only written once the step is committed)."""
+        targets = {}
+        for i, (name, e) in enumerate(sorted(fs.items())):
+            final = self.layout.abs(name) if e.kind == "tracker" else os.path.join(job.path, name)
+            self.layout.rel(final)  # inside the checkpoint dir
+            targets[name] = (final, self.layout.staged_path(job.step, job.rank, i) if e.kind != "file" else "")
+        self.layout.write_intent(job.step, job.rank, [f for n, (f, _) in targets.items() if fs[n].kind != "tracker"])
+        recs = []
+        for name, e in sorted(fs.items()):
+            final, staged = targets[name]
+            writer = _torch_save if e.format == "torch" else _raw_save
+            rec = self.storage.write_file(staged or final, functools.partial(writer, e.data))
+            recs.append(FileRecord(final, rec.size, rec.xxh3, e.format, name, e.kind, staged))
+        return recs
 
     def _zero_copy_tree(self, seg: Segment, slot: int, h: Any) -> Any:
         """The snapshot's tree with tensors viewing the segment (no copy) and opaque leaves embedded."""
@@ -654,7 +678,6 @@ class CheckpointSaver:
                 self.layout.commit(step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
                                    replicated=bool(spec.get("replicated", False)),
                                    extra=dict(spec.get("extra", {})),
-                                   tracker_files={str(k): str(v) for k, v in spec.get("tracker_files", {}).items()},
                                    timeout=self.knobs.commit_timeout_s,
                                    stopping=lambda: self._stop.is_set() and not self._signalled)
                 with self._cv:
@@ -715,6 +738,11 @@ class CheckpointSaver:
 
 def _page(n: int) -> int:
     return (n + 4095) // 4096 * 4096
+
+
+def _raw_save(parts: list[Any], path: str) -> tuple[int, str]:
+    with open(path, "wb") as f:
+        return write_raw(parts, f)
 
 
 def _torch_save(tree: Any, path: str) -> tuple[int, str]:

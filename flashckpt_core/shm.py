@@ -55,6 +55,7 @@ from ._tree import (
     tensors_by_path,
     unflatten,
 )
+from .files import FILES_KEY
 from .ipc import SharedLock
 
 __all__ = ["SharedMemoryHandler", "Segment", "SlotHeader", "SlotRef", "Snapshot",
@@ -260,7 +261,10 @@ def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None =
     tasks = []
     if into is not None:
         targets = tensors_by_path(into)
-        for i, (m, path) in enumerate(zip(metas, tensor_paths(meta["tree"]))):
+        paths = tensor_paths(meta["tree"])
+        if paths and all(len(p) >= 3 and p[0] == FILES_KEY and p[2] == "d" for p in paths):
+            paths = [(p[1], *p[3:]) for p in paths]  # a FileSet: ``into`` is {file name: tree}
+        for i, (m, path) in enumerate(zip(metas, paths)):
             t = targets.get(path)
             if (t is not None and not t.is_cuda and t.layout == torch.strided and t.is_contiguous()
                     and tuple(t.shape) == m.shape and dtype_name(t.dtype) == m.dtype
@@ -370,60 +374,76 @@ class SharedMemoryHandler:
         self._tree_cache: tuple[SnapshotPlan, Any, str] | None = None
         self._readers: dict[str, Segment] = {}
         self._cuda_registered: set[str] = set()
+        self._stream: Any = None
         self.slot_wait_timeout = slot_wait_timeout
         self.weights_only = weights_only
 
     # ------------------------------------------------------------------ write
     def save_state_dict(self, step: int, state_dict: Any, ckpt_name: str = "") -> SlotRef:
-        # The walk allocates ~5 containers per tensor; with thousands of tensors that triggers full
-        # garbage collections in the middle of the pause. Nothing here creates reference cycles.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return self._save_state_dict(step, state_dict, ckpt_name)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
+        """Copies ``state_dict`` into a free slot and marks it COMPLETE; see ``start_save``."""
+        return self.start_save(step, state_dict, ckpt_name)()
 
-    def _save_state_dict(self, step: int, state_dict: Any, ckpt_name: str = "") -> SlotRef:
-        """Copies ``state_dict`` into a free slot and marks it COMPLETE.
+    def start_save(self, step: int, state_dict: Any, ckpt_name: str = "") -> Callable[[], SlotRef]:
+        """Plans the snapshot, claims a free slot and queues device-to-host copies; returns ``finish``,
+        which copies the host tensors and marks the slot COMPLETE (on any thread; the overlapped mode
+        runs it in the background while training goes on).
 
         Args:
             step: the training step the snapshot belongs to.
-            state_dict: the tree to snapshot.
+            state_dict: the tree to snapshot. Its tensors must not change until ``finish`` returned.
             ckpt_name: where the snapshot is to be persisted (kept in its metadata).
-
-        Returns:
-            The slot holding the snapshot.
 
         Raises:
             InvalidStateDictError: something in ``state_dict`` cannot be stored (nothing was written).
             SharedMemoryError: /dev/shm cannot hold the snapshot.
             CheckpointTimeoutError: no slot became free within ``slot_wait_timeout``.
         """
-        flat = flatten(state_dict)
-        sig, ptrs = signature_of(flat.tensors)
-        if self._plan is None or self._plan.signature != sig:
-            self._plan = plan_snapshot(flat.tensors, sig)
-        plan = self._plan
-        blob, lengths = encode_opaque(flat.opaque)
-        meta = self._meta_json(step, ckpt_name, flat, plan, lengths)
-        seg = self._segment_for(len(meta), plan.tensor_bytes + len(blob))
-        slot = self._acquire_slot(seg)
+        # The walk allocates ~5 containers per tensor; with thousands of tensors that triggers full
+        # garbage collections in the middle of the pause. Nothing here creates reference cycles.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
         try:
-            self._copy_in(seg, slot, flat, plan, ptrs)
-            if blob:
-                off = seg.data_off(slot) + plan.tensor_bytes
-                seg.mm[off: off + len(blob)] = blob
-            moff = seg.meta_off(slot)
-            seg.mm[moff: moff + len(meta)] = meta
-        except BaseException:
-            self._set_state(seg, slot, EMPTY)
-            raise
-        gen = seg.header(slot).generation
-        seg.write_header(slot, SlotHeader(COMPLETE, 0, step, gen, len(meta), xxhash.xxh64_intdigest(meta),
-                                          plan.tensor_bytes, len(blob), time.time()))
-        return SlotRef(seg.path, slot, gen, step)
+            flat = flatten(state_dict)
+            sig, ptrs = signature_of(flat.tensors)
+            if self._plan is None or self._plan.signature != sig:
+                self._plan = plan_snapshot(flat.tensors, sig)
+            plan = self._plan
+            blob, lengths = encode_opaque(flat.opaque)
+            meta = self._meta_json(step, ckpt_name, flat, plan, lengths)
+            seg = self._segment_for(len(meta), plan.tensor_bytes + len(blob))
+            slot = self._acquire_slot(seg)
+            try:
+                device_done = self._copy_cuda(seg, slot, [(flat.tensors[i], off, n) for i, off, n in plan.device_copies]) \
+                    if plan.device_copies else None
+            except BaseException:
+                self._set_state(seg, slot, EMPTY)
+                raise
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        host = [(off, ptrs[i], n) for i, off, n in plan.copies]
+        del flat  # ``ptrs`` stay valid: the caller keeps its tensors unchanged until finish() returns
+
+        def finish() -> SlotRef:
+            try:
+                data = seg.base + seg.data_off(slot)
+                self._copier.run([(data + off, src, n) for off, src, n in host])
+                if blob:
+                    off = seg.data_off(slot) + plan.tensor_bytes
+                    seg.mm[off: off + len(blob)] = blob
+                moff = seg.meta_off(slot)
+                seg.mm[moff: moff + len(meta)] = meta
+                if device_done is not None:
+                    device_done.synchronize()
+            except BaseException:
+                self._set_state(seg, slot, EMPTY)
+                raise
+            gen = seg.header(slot).generation
+            seg.write_header(slot, SlotHeader(COMPLETE, 0, step, gen, len(meta), xxhash.xxh64_intdigest(meta),
+                                              plan.tensor_bytes, len(blob), time.time()))
+            return SlotRef(seg.path, slot, gen, step)
+
+        return finish
 
     def _meta_json(self, step: int, name: str, flat: Flat, plan: SnapshotPlan, lengths: list[int]) -> bytes:
         head = json.dumps({"v": 1, "step": step, "name": name, "opaque": lengths}, separators=(",", ":"))
@@ -485,26 +505,25 @@ class SharedMemoryHandler:
         with self._lock:
             struct.pack_into("<I", seg.mm, seg.slot_off(slot), state)
 
-    def _copy_in(self, seg: Segment, slot: int, flat: Flat, plan: SnapshotPlan, ptrs: list[int]) -> None:
-        data = seg.base + seg.data_off(slot)
-        self._copier.run([(data + off, ptrs[i], n) for i, off, n in plan.copies])
-        if plan.device_copies:
-            self._copy_cuda(seg, slot, [(flat.tensors[i], off, n) for i, off, n in plan.device_copies])
-
-    def _copy_cuda(self, seg: Segment, slot: int, items: list[tuple[torch.Tensor, int, int]]) -> None:
-        """Device-to-host copies on a side stream into the (pinned) segment; complete when its event is."""
+    def _copy_cuda(self, seg: Segment, slot: int, items: list[tuple[torch.Tensor, int, int]]) -> Any:
+        """Queues device-to-host copies on a side stream into the (pinned) segment, ordered after the
+        work already queued on the current stream; returns the event that completes them."""
         if seg.path not in self._cuda_registered and torch.cuda.is_available():
             # Page-lock the segment once so the copies are true asynchronous DMA.
             torch.cuda.cudart().cudaHostRegister(seg.base, seg.size, 0)
             self._cuda_registered.add(seg.path)
-        stream = torch.cuda.Stream()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for t, off, n in items:
                 dst = torch.frombuffer(seg.mm, dtype=torch.uint8, count=n, offset=seg.data_off(slot) + off)
                 src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
                 dst.copy_(src, non_blocking=True)
-        stream.synchronize()
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
 
     def mark_pending(self, ref: SlotRef) -> None:
         """Flags ``ref``'s slot as awaiting a persist, so no later snapshot overwrites it first."""
@@ -550,6 +569,18 @@ class SharedMemoryHandler:
                 continue
             steps.update(s for s, _ in seg.complete_steps())
         return sorted(steps, reverse=True)
+
+    def snapshot_name(self, step: int) -> str | None:
+        """Where the COMPLETE snapshot of ``step`` is to be persisted (its ``ckpt_name``); None if absent."""
+        for _epoch, path in reversed(segment_paths(self.job_dir, self.local_rank)):
+            try:
+                seg = self._open(path)
+                for s, i in seg.complete_steps():
+                    if s == step:
+                        return str(seg.read_meta(i, seg.header(i)).get("name", ""))
+            except (OSError, ValueError, E.FlashCheckpointError):
+                continue
+        return None
 
     def load_snapshot(self, step: int | None = None, *, into: Any = None) -> Snapshot | None:
         """The newest COMPLETE snapshot (or the one of ``step``), copied out of shared memory (into the

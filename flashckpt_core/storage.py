@@ -20,11 +20,18 @@ _CHUNK = 8 << 20
 
 @dataclass(frozen=True)
 class FileRecord:
-    """A persisted file: its path, size in bytes and xxh3-64 checksum (hex)."""
+    """A persisted file: its path, size in bytes and xxh3-64 checksum (hex).
+
+    Files of a ``FileSet`` also carry their ``name`` in the set, ``fmt`` ("torch" or "raw"), ``kind``
+    ("file", "commit", "tracker") and, until the commit moves them into place, where they are ``staged``."""
 
     path: str
     size: int
     xxh3: str
+    fmt: str = "torch"
+    name: str = ""
+    kind: str = "file"
+    staged: str = ""
 
 
 def file_checksum(path: str) -> tuple[int, str]:
@@ -106,6 +113,12 @@ class CheckpointStorage(ABC):
     def checksum(self, path: str) -> tuple[int, str]:
         """(size, xxh3-64 hex) of the stored file."""
 
+    def move(self, src: str, dst: str) -> None:
+        """Atomically replaces ``dst`` with the complete file ``src`` (which then no longer exists).
+        Backends without a rename override this; the default copies, then removes ``src``."""
+        self.write_bytes(dst, self.read_bytes(src))
+        self.remove(src)
+
     def local_path(self, path: str) -> str | None:
         """A local file system path for ``path`` when the backend has one (for torch.load), else None."""
         return None
@@ -183,3 +196,11 @@ class PosixDiskStorage(CheckpointStorage):
 
     def local_path(self, path: str) -> str | None:
         return path
+
+    def move(self, src: str, dst: str) -> None:
+        d = os.path.dirname(dst)
+        self._makedirs(d)
+        os.replace(src, dst)
+        fsync_dir(d)
+        if os.path.dirname(src) != d:
+            fsync_dir(os.path.dirname(src))

@@ -60,8 +60,12 @@ def _stop_savers(pids: dict[int, list[str]], runtime_dir: str) -> None:
 @pytest.fixture(autouse=True)
 def _env_hygiene():
     """Fails a test that leaves environment variables changed (set up first, checked last)."""
-    def env():  # pytest itself updates PYTEST_CURRENT_TEST around every phase
-        return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    # pytest itself updates PYTEST_CURRENT_TEST around every phase; torch's inductor sets its cache dir
+    # once, on first use (AdamW's compiled paths import it), in every process.
+    ignored = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+
+    def env():
+        return {k: v for k, v in os.environ.items() if k not in ignored}
 
     before = env()
     yield
