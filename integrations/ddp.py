@@ -36,12 +36,16 @@ class DdpCheckpointer:
         max_to_keep: committed checkpoints kept without a ``deletion_strategy`` (0 keeps all).
         process_group: the group whose ranks agree on what to load (default group when None).
         weights_only: load persisted files with ``torch.load(weights_only=True)``.
+        overlap: ``save_checkpoint`` returns before the copy is done; call ``wait_snapshot()`` before
+            the optimizer step (see ``CheckpointEngine.save``).
     """
 
     def __init__(self, checkpoint_dir: str, *, deletion_strategy: CheckpointDeletionStrategy | None = None,
-                 max_to_keep: int = 0, process_group: Any = None, weights_only: bool = True) -> None:
+                 max_to_keep: int = 0, process_group: Any = None, weights_only: bool = True,
+                 overlap: bool = False) -> None:
         self.engine = CheckpointEngine(checkpoint_dir, max_to_keep=max_to_keep, deletion_strategy=deletion_strategy,
-                                       replicated=True, process_group=process_group, weights_only=weights_only)
+                                       replicated=True, process_group=process_group, weights_only=weights_only,
+                                       overlap=overlap)
         self.checkpoint_dir = self.engine.checkpoint_dir
 
     def save_checkpoint(self, step: int, state_dict: Any, path: str = "",
@@ -53,6 +57,10 @@ class DdpCheckpointer:
         ``<checkpoint_dir>/step_<step>/checkpoint.pt``; a relative path is taken inside the checkpoint dir.
         """
         return self.engine.save(step, state_dict, path or None, storage_type)
+
+    def wait_snapshot(self) -> None:
+        """With ``overlap``: waits until the last snapshot is in memory; call it before the optimizer step."""
+        self.engine.wait_snapshot()
 
     def load_checkpoint(self, resume_path: str = "", *, into: Any = None) -> Any:
         """The newest checkpoint every rank has, from memory when it holds it; ``{}`` when none.

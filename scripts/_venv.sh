@@ -10,7 +10,8 @@ fi
 STAMP="$VENV/.flashckpt-installed-$(echo "$EXTRAS" | tr ',' '-')-$(cat "$ROOT/pyproject.toml" "$ROOT/constraints.txt" | sha1sum | cut -c1-12)"
 if [ ! -f "$STAMP" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -c "$ROOT/constraints.txt" -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+  # DS_BUILD_OPS=0: DeepSpeed builds its ops on first use instead of at install time.
+  DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q -c "$ROOT/constraints.txt" -e "$ROOT${EXTRAS:+[$EXTRAS]}"
   touch "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
