@@ -8,10 +8,13 @@ from __future__ import annotations
 import ctypes
 import datetime as _dt
 import json
+import logging
 import math
 import mmap
 import os
 import platform
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -28,7 +31,9 @@ __all__ = [
     "REPO_ROOT", "GB", "GPTConfig", "gpt_config_for_bytes", "gpt_param_shapes", "build_gpt_state_dict",
     "build_tiny_state_dict", "iter_tensors", "distinct_storages", "tensor_bytes", "copy_tree_into",
     "ShmCopyTarget", "Samples", "timed", "median", "fmt_time", "fmt_bytes", "fmt_rate", "markdown_table",
-    "machine_info", "drop_file_cache",
+    "machine_info", "drop_file_cache", "cores", "rotated", "fsync_file", "torch_save_file", "dir_bytes", "SaveLog",
+    "saver_persist", "saver_pids", "wait_savers_gone", "fingerprint", "mem_available", "fs_free", "logger",
+    "loadavg_note", "finite", "write_json",
 ]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -473,3 +478,171 @@ def to_jsonable(x: Any) -> Any:
     if hasattr(x, "__dataclass_fields__"):
         return asdict(x)
     return json.loads(json.dumps(x, default=str))
+
+
+# ---------------------------------------------------------------------------- shared by the benchmarks
+def cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def rotated(items: list[Any], r: int) -> list[Any]:
+    """``items`` rotated left by ``r``: round ``r`` of an interleaved benchmark starts with a different system."""
+    if not items:
+        return []
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def torch_save_file(sd: Any, path: str, fsync: bool) -> None:
+    """``torch.save(sd, path)``, then (with ``fsync``) an fsync of the file."""
+    torch.save(sd, path)
+    if fsync:
+        fsync_file(path)
+
+
+def dir_bytes(path: str) -> int:
+    """Bytes of the regular files under ``path`` (a file: its size; missing: 0)."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return total
+
+
+class SaveLog(logging.Handler):
+    """Captures the engine's ``event=save ... seconds=`` log line (the copy part of save(), without the RPC).
+
+    Attach it to the ``flashckpt_core.engine`` logger; ``last`` is the newest save's seconds."""
+
+    _SECONDS = re.compile(r"seconds=([0-9.]+)")
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.last: float | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if isinstance(record.msg, str) and record.msg.startswith("event=save"):
+            m = self._SECONDS.search(record.getMessage())
+            if m:
+                self.last = float(m.group(1))
+
+
+_PERSIST_RE = re.compile(r"event=persist step=(\d+) rank=\d+ bytes=(\d+) seconds=([0-9.]+)")
+
+
+def saver_persist(engine: Any, step: int) -> tuple[int, float] | None:
+    """(bytes, seconds) of a step's persist from the saver's log (``<engine.job_dir>/saver.log``)."""
+    path = os.path.join(engine.job_dir, "saver.log")
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    for m in _PERSIST_RE.finditer(text):
+        if int(m.group(1)) == step:
+            return int(m.group(2)), float(m.group(3))
+    return None
+
+
+def saver_pids(job_dirs: list[str]) -> list[int]:
+    """Saver daemons serving one of ``job_dirs`` (by their command line)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"flashckpt_core.saver" in argv and any(j.encode() in argv for j in job_dirs):
+            out.append(int(pid))
+    return out
+
+
+def wait_savers_gone(job_dirs: list[str], timeout: float = 30.0) -> str | None:
+    """Waits until the savers of ``job_dirs`` have exited and removed their runtime dirs (after every
+    engine closed with ``release=True``); a note on what is left after ``timeout``, else None."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (any(os.path.exists(j) for j in job_dirs) or saver_pids(job_dirs)):
+        time.sleep(0.2)
+    left = [j for j in job_dirs if os.path.exists(j)]
+    pids = saver_pids(job_dirs)
+    return f"left behind after close(): runtime dirs {left}, saver pids {pids}" if (left or pids) else None
+
+
+def fingerprint(tree: Any, k: int = 3) -> list[float]:
+    """Float64 sums of the first, middle and last ``k`` tensors: a cheap check that two trees hold the same data."""
+    ts = iter_tensors(tree)
+    if not ts:
+        return []
+    picks = sorted(set(list(range(min(k, len(ts)))) + [len(ts) // 2] + list(range(max(0, len(ts) - k), len(ts)))))
+    return [float(ts[i].detach().double().sum()) for i in picks]
+
+
+def mem_available() -> int:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable)."""
+    for ln in _read("/proc/meminfo").splitlines():
+        if ln.startswith("MemAvailable"):
+            return int(ln.split()[1]) * 1024
+    return 0
+
+
+def fs_free(path: str) -> int:
+    """Free bytes on the file system of ``path`` (for /dev/shm: tmpfs space left)."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path) or "/"
+    return shutil.disk_usage(path).free
+
+
+def logger(prefix: str) -> Callable[[str], None]:
+    """A ``log(msg)`` that prints ``[prefix HH:MM:SS] msg`` to stderr."""
+    def log(msg: str) -> None:
+        print(f"[{prefix} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    return log
+
+
+def loadavg_note(start: float, n: int) -> str | None:
+    """A note when the 1-minute load average (at start or now) shows other processes using the cores."""
+    now = os.getloadavg()[0]
+    if max(start, now) > 0.5 * n:
+        return (f"load average (1 min) {start:.2f} at the start, {now:.2f} at the end, on {n} cores: other "
+                "processes competed for the machine during this run; the numbers are noisier than usual")
+    return None
+
+
+def finite(x: Any) -> Any:
+    """``x`` with NaN and infinite floats (nested in dicts, lists, tuples) replaced by None: strict JSON."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite(v) for v in x]
+    return x
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Writes ``obj`` as indented, strict JSON (NaN/inf as null, other non-JSON values as strings)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(finite(json.loads(json.dumps(obj, default=str))), f, indent=1, allow_nan=False)
+    os.replace(tmp, path)

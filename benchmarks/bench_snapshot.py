@@ -32,9 +32,7 @@ import gc
 import json
 import logging
 import os
-import re
 import shutil
-import subprocess
 import sys
 import time
 from typing import Any
@@ -42,117 +40,33 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     GB,
     REPO_ROOT,
-    GPTConfig,
     Samples,
+    SaveLog,
     ShmCopyTarget,
     build_gpt_state_dict,
     build_tiny_state_dict,
-    copy_tree_into,
     drop_file_cache,
     fmt_bytes,
     fmt_rate,
     fmt_time,
     gpt_config_for_bytes,
     iter_tensors,
+    logger,
     machine_info,
     markdown_table,
     median,
+    rotated,
+    saver_persist,
     tensor_bytes,
     timed,
+    torch_save_file,
+    wait_savers_gone,
 )
-
-CHILD_TAG = "BENCH_CHILD_RESULT "
-
-# ---------------------------------------------------------------------------------------------- child
-def child_main(args: argparse.Namespace) -> int:
-    """Runs in a fresh interpreter: loads the state one way, copies it into a preallocated model."""
-    cfg = GPTConfig(**json.loads(args.child_cfg))
-    dst_tree = build_gpt_state_dict(cfg, fill="zeros")  # the "model" that exists before loading
-    dst = iter_tensors(dst_tree)
-    out: dict[str, Any] = {"mode": args.child}
-    if args.child in ("flashckpt", "flashckpt_into"):
-        from flashckpt_core import CheckpointEngine
-
-        t0 = time.perf_counter()
-        engine = CheckpointEngine(args.child_dir, max_to_keep=1)
-        out["init_s"] = time.perf_counter() - t0
-        try:
-            t0 = time.perf_counter()
-            # flashckpt_into: straight into the existing tensors, which are then already loaded
-            sd = engine.load(into=dst_tree) if args.child == "flashckpt_into" else engine.load()
-            out["load_s"] = time.perf_counter() - t0
-            ll = engine.last_load
-            out["source"] = ll.source if ll else "?"
-            out["step"] = ll.step if ll else None
-        finally:
-            engine.close()  # release=True: the benchmark's own engine keeps the saver and its snapshots
-    else:
-        t0 = time.perf_counter()
-        sd = torch.load(args.child_file, map_location="cpu", weights_only=True, mmap=args.child == "torch_mmap")
-        out["load_s"] = time.perf_counter() - t0
-        out["source"] = "file"
-    src = iter_tensors(sd)
-    if len(src) != len(dst) or any(a.shape != b.shape for a, b in zip(src, dst, strict=False)):
-        out["error"] = f"loaded {len(src)} tensors, expected {len(dst)} of the same shapes"
-    elif args.child == "flashckpt_into":
-        if not all(a.data_ptr() == b.data_ptr() for a, b in zip(src, dst, strict=False)):
-            out["error"] = "load(into=...) did not return the existing tensors"
-        out["copy_s"] = 0.0  # the load wrote into the model's tensors
-    else:
-        t0 = time.perf_counter()
-        copy_tree_into(dst, src)
-        out["copy_s"] = time.perf_counter() - t0
-    print(CHILD_TAG + json.dumps(out), flush=True)
-    sys.stderr.flush()
-    os._exit(0)  # skip tearing down 2 GB of tensors and the interpreter: nothing is left to clean up
-
-
-def run_child(mode: str, cfg: GPTConfig, ckpt_dir: str, file: str) -> dict[str, Any]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--child-dir", ckpt_dir,
-           "--child-file", file, "--child-cfg", json.dumps(cfg.__dict__)]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith(CHILD_TAG):
-            res: dict[str, Any] = json.loads(line[len(CHILD_TAG):])
-            res["wall_s"] = time.perf_counter() - t0
-            return res
-    return {"mode": mode, "error": f"exit {p.returncode}: {p.stderr.strip()[-2000:]}"}
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-class _SaveLog(logging.Handler):
-    """Captures the engine's ``event=save ... seconds=`` (the copy part of save(), without the RPC)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.last: float | None = None
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if isinstance(record.msg, str) and record.msg.startswith("event=save") and record.args:
-            self.last = float(record.args[-1])  # type: ignore[index,arg-type]
-
-
-_PERSIST_RE = re.compile(r"event=persist step=(\d+) rank=\d+ bytes=(\d+) seconds=([0-9.]+)")
-
-
-def saver_persist(engine: Any, step: int) -> tuple[int, float] | None:
-    """(bytes, seconds) of a step's persist from the saver's log."""
-    path = os.path.join(engine.job_dir, "saver.log")
-    try:
-        with open(path, errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return None
-    for m in _PERSIST_RE.finditer(text):
-        if int(m.group(1)) == step:
-            return int(m.group(2)), float(m.group(3))
-    return None
+from benchmarks._load import run_child  # noqa: E402
 
 
 def seq_write_fsync(path: str, buf: memoryview, nbytes: int, chunk: int = 64 << 20) -> None:
@@ -190,45 +104,13 @@ def direct_write_fsync(path: str, buf: memoryview, nbytes: int, chunk: int = 64 
         os.close(fd)
 
 
-def torch_save(sd: Any, path: str, fsync: bool) -> None:
-    torch.save(sd, path)
-    if fsync:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def rotated(items: list[Any], r: int) -> list[Any]:
-    k = r % len(items)
-    return items[k:] + items[:k]
-
-
-def log(msg: str) -> None:
-    print(f"[bench_snapshot {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("bench_snapshot")
 
 
 def rmtree_contents(d: str) -> None:
     if os.path.isdir(d):
         shutil.rmtree(d)
     os.makedirs(d, exist_ok=True)
-
-
-def saver_pids(job_dirs: list[str]) -> list[int]:
-    """Saver daemons serving one of ``job_dirs`` (by their command line)."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"flashckpt_core.saver" in argv and any(j.encode() in argv for j in job_dirs):
-            out.append(int(pid))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -252,17 +134,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cold-cache", action="store_true",
                    help="evict the torch.save file from the page cache before each torch.load (default: warm)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint directory")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--child-dir", help=argparse.SUPPRESS)
-    p.add_argument("--child-file", help=argparse.SUPPRESS)
-    p.add_argument("--child-cfg", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.child:
-        return child_main(args)
     if args.rounds < 1 or args.inner < 1:
         raise SystemExit("--rounds and --inner must be >= 1")
     # A benchmark that dies must not leave savers holding GBs of /dev/shm for the default 10 minutes.
@@ -285,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     for d in dirs.values():
         rmtree_contents(d)
 
-    save_log = _SaveLog()
+    save_log = SaveLog()
     elog = logging.getLogger("flashckpt_core.engine")
     elog.addHandler(save_log)
     elog.setLevel(logging.INFO)
@@ -365,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         def torch_save_case(case: str, sd: Any, fsync: bool, keep: bool = False) -> None:
             path = os.path.join(dirs["torch"], f"{case}_{'fsync' if fsync else 'nofsync'}.pt")
             os.sync()
-            dt, _ = timed(lambda: torch_save(sd, path, fsync))
+            dt, _ = timed(lambda: torch_save_file(sd, path, fsync))
             S.add(f"{case}.torch.save_{'fsync' if fsync else 'nofsync'}", dt)
             S.add(f"{case}.torch.file_bytes_{'fsync' if fsync else 'nofsync'}", os.path.getsize(path))
             if not keep:
@@ -415,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         def load(mode: str) -> None:
             if mode != "flashckpt" and args.cold_cache:
                 drop_file_cache(torch_file)
-            res = run_child(mode, cfg, dirs["fc_gpt"], torch_file)
+            res = run_child(mode, cfg, ckpt_dir=dirs["fc_gpt"], file=torch_file)
             if "error" in res:
                 notes.append(f"load {mode}: {res['error']}")
                 log(f"load {mode} failed: {res['error']}")
@@ -483,14 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         elog.removeHandler(save_log)
 
     # ---------------------------------------------------------------- leftovers
-    job_dirs = [e.job_dir for e in engines.values()]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (any(os.path.exists(j) for j in job_dirs) or saver_pids(job_dirs)):
-        time.sleep(0.2)
-    left = [j for j in job_dirs if os.path.exists(j)]
-    pids = saver_pids(job_dirs)
-    if left or pids:
-        notes.append(f"left behind after close(): runtime dirs {left}, saver pids {pids}")
+    left = wait_savers_gone([e.job_dir for e in engines.values()])
+    if left:
+        notes.append(left)
     if not args.keep:  # only what this run created; --dir itself goes only when left empty
         for d in dirs.values():
             shutil.rmtree(d, ignore_errors=True)

@@ -9,6 +9,14 @@ Deterministic: the data of step ``s`` comes from a generator seeded with ``s`` a
 dropout, so a run that is interrupted and resumed reaches exactly the weights of an uninterrupted one.
 ``--crash_at_step N --crash_rank R`` makes rank R kill itself with SIGKILL after step N, once: a run that
 resumed from a checkpoint does not crash again (for demos and tests). ``--metrics FILE`` appends one JSON line per event (save timings, the resume source, the end).
+
+For overhead comparisons (``benchmarks/overhead.py``), ``--ckpt_mode`` picks the checkpointing:
+``flashckpt`` (the default: a memory snapshot every ``--save_memory_interval`` steps, a persist every
+``--save_every`` (else ``--save_storage_interval``) steps; ``--overlap`` runs each snapshot's copy in the
+background during the next forward/backward), ``torch_save`` (rank 0 ``torch.save`` every ``--save_every``
+steps, keeping the newest file), ``dcp_async`` (``torch.distributed.checkpoint.async_save`` on all ranks every
+``--save_every`` steps, on its own gloo group; ``--dcp_stager shm`` reuses a shared-memory ``DefaultStager``)
+or ``none``. The ``end`` event carries rank 0's wall time of every step (``step_seconds``).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from flashckpt_core import CheckpointEngine  # noqa: E402
 from integrations.ddp import DdpCheckpointer, StorageType  # noqa: E402
 
 
@@ -85,6 +94,58 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+class OtherCheckpointing:
+    """The baselines of the overhead comparison: ``torch.save`` on rank 0, or DCP ``async_save`` on all ranks.
+
+    torch_save keeps only the newest file (``step_<N>.pt``). dcp_async waits for the previous save
+    before starting the next (one in flight, as DCP asks) and runs its collectives on a gloo group of
+    its own, so they never interleave with DDP's all-reduces on the default group."""
+
+    def __init__(self, args: argparse.Namespace, rank: int) -> None:
+        self.mode, self.rank, self.dir = args.ckpt_mode, rank, args.checkpoint_dir
+        os.makedirs(self.dir, exist_ok=True)
+        self.last: str | None = None
+        self.future: object = None
+        self.stager = None
+        self.group = None
+        if self.mode == "dcp_async":
+            if dist.is_initialized():
+                self.group = dist.new_group(backend="gloo")
+            if args.dcp_stager == "shm":
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
+                                                           use_async_staging=False, use_non_blocking_copy=False))
+
+    def save(self, step: int, sd: dict) -> None:
+        if self.mode == "torch_save":
+            if self.rank == 0:
+                path = os.path.join(self.dir, f"step_{step}.pt")
+                torch.save(sd, path)
+                if self.last:
+                    os.unlink(self.last)
+                self.last = path
+            return
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        kw = {"async_stager": self.stager} if self.stager is not None else {}
+        self.future = dcp.async_save(sd, checkpoint_id=os.path.join(self.dir, f"dcp_step_{step}"),
+                                     process_group=self.group, **kw)
+
+    def wait(self) -> None:
+        fut, self.future = self.future, None
+        if fut is not None:
+            (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=40)
@@ -102,7 +163,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--ctx", type=int, default=64)
+    p.add_argument("--ckpt_mode", choices=("flashckpt", "none", "torch_save", "dcp_async"), default="flashckpt",
+                   help="checkpointing to use (for overhead comparisons; default flashckpt)")
+    p.add_argument("--save_every", type=int, default=0,
+                   help="persist every this many steps (all modes; default: --save_storage_interval)")
+    p.add_argument("--dcp_stager", choices=("default", "shm"), default="default",
+                   help="dcp_async: async_save's default stager, or a reused shared-memory DefaultStager")
+    p.add_argument("--overlap", action="store_true",
+                   help="flashckpt: overlapped snapshots (the copy runs during the next forward/backward)")
     args = p.parse_args(argv)
+    if args.save_every < 0:
+        p.error("--save_every must be >= 0")
+    persist_every = args.save_every or args.save_storage_interval
+    if args.ckpt_mode != "flashckpt" and (args.resume or args.crash_at_step >= 0 or args.overlap):
+        p.error("--resume, --crash_at_step and --overlap need --ckpt_mode flashckpt")
+    if args.ckpt_mode in ("torch_save", "dcp_async") and persist_every <= 0:
+        p.error(f"--ckpt_mode {args.ckpt_mode} needs --save_every (or --save_storage_interval) > 0")
+    if args.overlap and not hasattr(CheckpointEngine, "wait_snapshot"):
+        p.error("--overlap: this flashckpt has no overlapped snapshots (CheckpointEngine.wait_snapshot)")
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -118,10 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     model = TinyGPT(args.vocab, args.dim, args.layers, ctx=args.ctx)
     ddp = nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ckpt = DdpCheckpointer(args.checkpoint_dir)
+    ckpt = DdpCheckpointer(args.checkpoint_dir) if args.ckpt_mode == "flashckpt" else None
+    other = OtherCheckpointing(args, rank) if args.ckpt_mode in ("torch_save", "dcp_async") else None
+    step_seconds: list[float] = []
 
     start = 1
-    if args.resume:
+    if args.resume and ckpt is not None:
         sd = ckpt.load_checkpoint()
         if sd:
             model.load_state_dict(sd["model"])
@@ -135,20 +215,31 @@ def main(argv: list[str] | None = None) -> int:
                   f"in {info.seconds if info else 0:.3f} s", flush=True)
 
     for step in range(start, args.steps + 1):
+        t_step = time.perf_counter()
         x, y = batch(step, rank, bs=args.batch_size, ctx=args.ctx, vocab=args.vocab)
         loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if args.overlap and ckpt is not None:
+            ckpt.engine.wait_snapshot()  # the last snapshot's copy must be done before the weights change
         opt.step()
         sd = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
         kind = None
-        if args.save_storage_interval and step % args.save_storage_interval == 0:
-            kind = StorageType.DISK
-        elif args.save_memory_interval and step % args.save_memory_interval == 0:
-            kind = StorageType.MEMORY
-        if kind is not None:
+        if ckpt is not None:
+            if persist_every and step % persist_every == 0:
+                kind = StorageType.DISK
+            elif args.save_memory_interval and step % args.save_memory_interval == 0:
+                kind = StorageType.MEMORY
+        elif other is not None and step % persist_every == 0:
             t0 = time.perf_counter()
-            ckpt.save_checkpoint(step, sd, storage_type=kind)
+            other.save(step, sd)
+            emit(event="save", step=step, storage=args.ckpt_mode, seconds=time.perf_counter() - t0)
+        if kind is not None and ckpt is not None:
+            t0 = time.perf_counter()
+            if args.overlap:
+                ckpt.engine.save(step, sd, None, kind, overlap=True)
+            else:
+                ckpt.save_checkpoint(step, sd, storage_type=kind)
             emit(event="save", step=step, storage=kind.value, seconds=time.perf_counter() - t0)
             if kind == StorageType.DISK and args.compare_torch_save and rank == 0:
                 path = os.path.join(args.checkpoint_dir, ".torch_save_compare.pt")
@@ -163,13 +254,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[rank {rank}] crashing (SIGKILL) after step {step}", flush=True)
             emit(any_rank=True, event="crash", step=step)
             os.kill(os.getpid(), signal.SIGKILL)
+        step_seconds.append(time.perf_counter() - t_step)
 
-    ckpt.wait_latest_checkpoint(timeout=600)
+    if ckpt is not None:
+        ckpt.wait_latest_checkpoint(timeout=600)
+    if other is not None:
+        other.close()
     digest = weights_digest(model)
-    emit(event="end", step=args.steps, digest=digest)
+    emit(event="end", step=args.steps, digest=digest, mode=args.ckpt_mode, overlap=args.overlap,
+         first_step=start, step_seconds=step_seconds)
     if rank == 0:
         print(f"[rank 0] done: {args.steps} steps, weights sha256 {digest[:16]}", flush=True)
-    ckpt.close()
+    if ckpt is not None:
+        ckpt.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
