@@ -171,7 +171,7 @@ def _tensor_view(t: torch.Tensor) -> memoryview:
     flat = t.contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def write_raw(parts: list[Any], f: BinaryIO) -> tuple[int, str]:

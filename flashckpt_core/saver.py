@@ -507,13 +507,14 @@ class CheckpointSaver:
             seg.set_flags(job.slot, h.flags | FLAG_PINNED)
         try:
             tree = self._zero_copy_tree(seg, job.slot, h)
-            if is_fileset_tree(tree):
+            is_set = is_fileset_tree(tree)
+            if is_set:
                 recs = self._persist_fileset(job, FileSet.decode(tree))
             else:
                 self.layout.write_intent(job.step, job.rank, [job.path])
                 recs = [self.storage.write_file(job.path, functools.partial(_torch_save, tree))]
             del tree  # drop the views of the segment before it may be unmapped
-            self.layout.write_done(job.step, job.rank, recs, base=job.path if recs and recs[0].name else "")
+            self.layout.write_done(job.step, job.rank, recs, base=job.path if is_set else "")
         finally:
             with lock:
                 h2 = seg.header(job.slot)

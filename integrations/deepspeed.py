@@ -1,0 +1,519 @@
+"""DeepSpeedCheckpointer: flash checkpoints for DeepSpeed engines (ZeRO stages 0-3, fp32/bf16/fp16),
+through DeepSpeed's own checkpoint-engine interface.
+
+The checkpointer installs ``FlashDeepSpeedCheckpointEngine`` as ``engine.checkpoint_engine``. Inside
+``DeepSpeedCheckpointer.save_checkpoint`` DeepSpeed builds its state dicts exactly as it always does and
+hands them to that engine (``create`` / ``save`` / ``commit``); instead of ``torch.save`` the engine
+collects them into one ``FileSet`` per rank, under DeepSpeed's own file names, and at ``commit`` copies
+the set into shared memory (the only pause) and, for DISK, has the saver persist it in the background.
+DeepSpeed's ``latest`` file is a tracker entry: written only once the tag is committed on every rank, so
+it never names a tag that is missing a file. The tag directory holds exactly the files vanilla DeepSpeed
+writes, so ``engine.load_checkpoint`` and ``zero_to_fp32`` read it without flashckpt.
+
+``load_checkpoint`` serves DeepSpeed's ``checkpoint_engine.load`` calls from the snapshot in shared
+memory when memory holds the newest checkpoint (after a crash and restart, in the same job), and
+otherwise lets DeepSpeed load from storage. Outside the checkpointer's own calls the installed engine
+behaves like the one it replaced, so ``engine.save_checkpoint`` / ``engine.load_checkpoint`` called
+directly stay vanilla (synchronous ``torch.save`` / ``torch.load``).
+
+Tags and steps: flashckpt identifies a checkpoint by an integer step, DeepSpeed by a tag (a directory
+name, ``global_step<N>`` by default). A checkpoint's step is ``engine.global_steps`` when it is saved;
+each step is saved under one tag, and a tag directory that holds one committed step is never rewritten
+with another (a crash mid-persist would damage it).
+
+Example::
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(...), config=cfg)
+    ckpt = DeepSpeedCheckpointer(engine, "/ckpt")
+    load_path, client_state = ckpt.load_checkpoint("/ckpt")        # (None, None) on a fresh start
+    for step in ...:
+        ...
+        ckpt.save_checkpoint("/ckpt", storage_type=StorageType.MEMORY)      # every few steps
+        if engine.global_steps % 100 == 0:
+            ckpt.save_checkpoint("/ckpt", client_state={"epoch": e})        # also persisted
+    ckpt.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+from flashckpt_core import CheckpointEngine as FlashEngine
+from flashckpt_core import FlashCheckpointError, LoadResult, StorageType
+from flashckpt_core.files import FileSet
+from flashckpt_core.retention import CheckpointDeletionStrategy
+
+__all__ = ["DeepSpeedCheckpointer", "FlashDeepSpeedCheckpointEngine", "StorageType"]
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"  # DeepSpeed's tracker file, in the save dir
+
+
+@dataclass
+class _Capture:
+    """One ``save_checkpoint`` in progress: the files DeepSpeed hands over, and how to commit them."""
+
+    tag: str
+    set_dir: str  # absolute <save_dir>/<tag>
+    files: FileSet
+    on_commit: Any  # callable(_Capture), run at DeepSpeed's commit
+    committed: bool = False
+    error: BaseException | None = None
+    pause_s: float = 0.0
+
+
+@dataclass
+class _Serve:
+    """One memory load in progress: DeepSpeed's reads under ``set_dir`` come from ``files``."""
+
+    set_dir: str
+    files: dict[str, Any] = field(default_factory=dict)
+
+
+def _inside(path: str, root: str) -> bool:
+    rel = os.path.relpath(os.path.abspath(path), root)
+    return rel == "." or not (rel == ".." or rel.startswith(".." + os.sep))
+
+
+class FlashDeepSpeedCheckpointEngine(CheckpointEngine):
+    """DeepSpeed ``CheckpointEngine`` that ``DeepSpeedCheckpointer`` installs as ``engine.checkpoint_engine``.
+
+    DeepSpeed calls, on every rank: ``create(info)``, then ``makedirs`` / ``save(state_dict, path)`` for
+    each file this rank writes, then ``commit(info)``; on load, ``load(path)`` for each file it reads.
+    While the checkpointer captures a save, ``save`` collects the state dicts (no copy yet: DeepSpeed does
+    not touch them before ``commit``) and ``commit`` snapshots them; while it serves a memory load,
+    ``load`` returns the snapshot's trees. Otherwise every call goes to the engine it replaced.
+    """
+
+    def __init__(self, inner: CheckpointEngine) -> None:
+        super().__init__(None)
+        self.name = "FlashDeepSpeedCheckpointEngine"
+        self.inner = inner
+        self.capture: _Capture | None = None
+        self.serve: _Serve | None = None
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        if self.capture is None:
+            self.inner.create(info)
+        elif str(info.tag) != self.capture.tag:
+            raise FlashCheckpointError(f"DeepSpeed is saving tag {info.tag!r} while flashckpt captures tag "
+                                       f"{self.capture.tag!r}")
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        # The saver creates the tag directory when it persists; a memory snapshot leaves no trace on storage.
+        if self.capture is not None and _inside(path, self.capture.set_dir):
+            return
+        self.inner.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        cap = self.capture
+        if cap is None:
+            self.inner.save(state_dict, path)
+            return
+        if not _inside(path, cap.set_dir) or os.path.abspath(path) == cap.set_dir:
+            raise FlashCheckpointError(f"DeepSpeed saves {path}, outside the tag directory {cap.set_dir} that "
+                                       "flashckpt captures; this DeepSpeed feature is not supported by "
+                                       "DeepSpeedCheckpointer (save it with engine.save_checkpoint)")
+        name = os.path.relpath(os.path.abspath(path), cap.set_dir).replace(os.sep, "/")
+        cap.files.add_torch(name, state_dict)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        srv = self.serve
+        if srv is None:
+            return self.inner.load(path, map_location=map_location)
+        name = os.path.relpath(os.path.abspath(path), srv.set_dir).replace(os.sep, "/")
+        if name not in srv.files:
+            raise FlashCheckpointError(f"DeepSpeed reads {name!r}, which the memory snapshot does not hold "
+                                       f"(it holds {sorted(srv.files)})")
+        tree = srv.files[name]
+        return dict(tree) if type(tree) is dict else tree  # DeepSpeed may add or pop top-level keys
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        cap = self.capture
+        if cap is None:
+            return bool(self.inner.commit(info))
+        # An error here must not skip DeepSpeed's closing barrier (the other ranks would hang in it): it
+        # is kept and raised by save_checkpoint once DeepSpeed returns.
+        try:
+            cap.on_commit(cap)
+            cap.committed = True
+        except BaseException as e:  # noqa: B036 - re-raised by DeepSpeedCheckpointer.save_checkpoint
+            cap.error = e
+        return cap.committed
+
+    def is_data_parallel_writer(self, dp_rank: int) -> bool:
+        return bool(self.inner.is_data_parallel_writer(dp_rank))
+
+    def preserves_storage_sharing(self) -> bool:
+        return bool(self.inner.preserves_storage_sharing())
+
+
+class DeepSpeedCheckpointer:
+    """Flash checkpoints for a ``DeepSpeedEngine`` with DeepSpeed's ``save_checkpoint`` /
+    ``load_checkpoint`` arguments, meaning and return values (deepspeed 0.19.8), plus ``storage_type``.
+
+    Construct it on every rank after ``deepspeed.initialize``; it replaces ``engine.checkpoint_engine``
+    until ``close``.
+
+    Args:
+        engine: the ``DeepSpeedEngine`` (ZeRO stage 0-3, fp32, bf16 or fp16), with DeepSpeed's default
+            checkpoint engine.
+        checkpoint_dir: where checkpoints are persisted; every ``save_dir`` must lie inside it (usually it
+            is the same directory).
+        deletion_strategy: which committed checkpoints to delete after each commit; None keeps the newest
+            ``max_to_keep``.
+        max_to_keep: committed checkpoints kept without a ``deletion_strategy`` (0 keeps all, as
+            DeepSpeed does).
+        process_group: the ranks that agree on what to load (the default group when None).
+
+    Raises:
+        TypeError: ``engine`` is not a DeepSpeed engine.
+        ValueError: the engine uses a checkpoint writer, datastates or NVMe optimizer offload (their
+            files are written outside DeepSpeed's checkpoint-engine interface), or already has a
+            checkpointer.
+        CheckpointDirError: ``checkpoint_dir`` cannot be created or written.
+    """
+
+    def __init__(self, engine: Any, checkpoint_dir: str, *,
+                 deletion_strategy: CheckpointDeletionStrategy | None = None, max_to_keep: int = 0,
+                 process_group: Any = None) -> None:
+        inner = getattr(engine, "checkpoint_engine", None)
+        if inner is None or not hasattr(engine, "save_checkpoint") or not hasattr(engine, "global_steps"):
+            raise TypeError(f"DeepSpeedCheckpointer(engine={type(engine).__name__}): pass the engine returned by "
+                            "deepspeed.initialize")
+        if isinstance(inner, FlashDeepSpeedCheckpointEngine):
+            raise ValueError("DeepSpeedCheckpointer: this engine already has a DeepSpeedCheckpointer; close it first")
+        if not isinstance(inner, TorchCheckpointEngine):
+            raise ValueError(f"DeepSpeedCheckpointer: the engine's checkpoint engine is {type(inner).__name__}; "
+                             "flashckpt replaces DeepSpeed's default TorchCheckpointEngine. Remove the "
+                             "'checkpoint.writer' / 'datastates' settings from the DeepSpeed config")
+        if engine.zero_nvme_offload_optimizer():
+            raise ValueError("DeepSpeedCheckpointer: NVMe optimizer offload keeps optimizer state in swap files that "
+                             "DeepSpeed copies outside its checkpoint engine; use engine.save_checkpoint, or offload "
+                             "the optimizer to 'cpu' instead")
+        if getattr(inner, "zipfile_serialization", True) is False:
+            log.warning("DeepSpeedCheckpointer: checkpoint_serialization=false is not honoured: persisted files "
+                        "use torch's zipfile format, which torch.load reads either way")
+        self.engine = engine
+        self.checkpoint_dir = os.path.abspath(checkpoint_dir)
+        self.process_group = process_group
+        # DeepSpeed's files hold Python objects (configs, enums, shapes) and DeepSpeed loads them with
+        # weights_only=False; memory snapshots are decoded the same way (they are this job's own, mode 0600).
+        self._core = FlashEngine(checkpoint_dir, max_to_keep=max_to_keep, deletion_strategy=deletion_strategy,
+                                 replicated=False, process_group=process_group, weights_only=False)
+        self._ds_engine = FlashDeepSpeedCheckpointEngine(inner)
+        engine.checkpoint_engine = self._ds_engine
+        self._step_dirs: dict[int, str] = {}  # step -> tag dir, of this run's saves
+        self._disk_dirs: dict[str, int] = {}  # tag dir -> step, of this run's DISK saves
+        self._dirs_of_committed: dict[int, str | None] = {}
+        self.last_load: LoadResult | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ save
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True, storage_type: StorageType = StorageType.DISK, *,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """``DeepSpeedEngine.save_checkpoint``, with the files snapshotted to shared memory and, for DISK,
+        persisted in the background. Call it on every rank.
+
+        Returns once this rank's files are in shared memory; training may then go on. ``latest`` (with
+        ``save_latest``) is written when the tag is committed on every rank; a MEMORY checkpoint is
+        persisted and committed only if the trainer dies while it is the newest (last words).
+
+        Args:
+            save_dir: the directory of DeepSpeed's tag directories and ``latest``; inside ``checkpoint_dir``.
+            tag: the checkpoint's name (default ``global_step<engine.global_steps>``); the same on all ranks.
+            client_state: extra entries for the model-states file, returned by ``load_checkpoint``.
+            save_latest: point ``<save_dir>/latest`` at this tag once it is committed.
+            storage_type: MEMORY (shared memory only) or DISK (memory, then storage).
+            exclude_frozen_parameters: as in DeepSpeed.
+
+        Returns:
+            True, as DeepSpeed does.
+
+        Raises:
+            ValueError: ``save_dir`` outside ``checkpoint_dir``; a bad tag; this step already saved under
+                another tag; a tag directory that holds another committed step (nothing is written).
+            PersistError: an earlier persist failed (raised after this snapshot was taken).
+        """
+        self._check_open("save_checkpoint")
+        if storage_type not in (StorageType.MEMORY, StorageType.DISK):
+            raise ValueError(f"save_checkpoint(storage_type={storage_type!r}): use StorageType.MEMORY or "
+                             "StorageType.DISK")
+        if not save_dir:
+            raise ValueError(f"save_checkpoint(save_dir={save_dir!r}): save_dir must be a non-empty string")
+        root = os.path.abspath(save_dir)
+        if not _inside(root, self.checkpoint_dir):
+            raise ValueError(f"save_checkpoint(save_dir={save_dir!r}): must lie inside the checkpoint dir "
+                             f"{self.checkpoint_dir} given to DeepSpeedCheckpointer")
+        step = int(self.engine.global_steps)
+        tag = f"global_step{step}" if tag is None else str(tag)
+        set_dir = os.path.join(root, _check_tag(tag))
+        self._check_step_and_dir(step, tag, set_dir)
+        files = FileSet()
+        if save_latest and _rank() == 0:
+            tracker = os.path.relpath(os.path.join(root, LATEST), self.checkpoint_dir).replace(os.sep, "/")
+            files.add_raw(tracker, tag.encode(), kind="tracker")
+
+        def snapshot(cap: _Capture) -> None:
+            t0 = time.perf_counter()
+            self._core.save(step, cap.files, path=cap.set_dir, storage_type=storage_type)
+            cap.pause_s = time.perf_counter() - t0
+
+        cap = _Capture(tag, set_dir, files, snapshot)
+        t0 = time.perf_counter()
+        self._ds_engine.capture = cap
+        try:
+            self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False,
+                                        exclude_frozen_parameters=exclude_frozen_parameters)
+        finally:
+            self._ds_engine.capture = None
+        seconds = time.perf_counter() - t0
+        if cap.error is not None:
+            raise cap.error
+        if not cap.committed:
+            raise FlashCheckpointError(f"save_checkpoint(tag={tag!r}): DeepSpeed returned without committing the "
+                                       "checkpoint; nothing was saved")
+        self._step_dirs[step] = set_dir
+        if storage_type == StorageType.DISK:
+            self._disk_dirs[set_dir] = step
+        log.info("event=ds_save tag=%s step=%d storage=%s files=%d snapshot_s=%.4f seconds=%.4f", tag, step,
+                 storage_type.value, len(files), cap.pause_s, seconds)
+        return True
+
+    def _check_step_and_dir(self, step: int, tag: str, set_dir: str) -> None:
+        """A step has one tag; a tag directory that holds another committed step (or another step this run
+        is persisting) is not rewritten, which a crash mid-persist would leave damaged."""
+        prev = self._step_dirs.get(step)
+        if prev is not None and prev != set_dir:
+            raise ValueError(f"save_checkpoint(tag={tag!r}): global step {step} was already saved as "
+                             f"{prev}; flashckpt identifies checkpoints by engine.global_steps, so save each step "
+                             "under one tag")
+        committed = self._core.committed_steps()
+        owners = [s for s in committed if self._committed_dir(s) == set_dir]
+        newest = committed[-1] if committed else -1
+        owners += [s for d, s in self._disk_dirs.items() if d == set_dir and s > newest]  # being persisted
+        other = [s for s in owners if s != step]
+        if other:
+            raise ValueError(f"save_checkpoint(tag={tag!r}): {set_dir} holds the checkpoint of step {other[-1]}; "
+                             f"writing step {step} over it would damage that checkpoint if the persist were "
+                             "interrupted. Use a new tag (the default is global_step<N>), or delete that "
+                             "checkpoint first")
+
+    def _committed_dir(self, step: int) -> str | None:
+        if step not in self._dirs_of_committed:  # a manifest never changes: read each once
+            try:
+                p = self._core.step_path(step)
+            except FlashCheckpointError:
+                p = None
+            self._dirs_of_committed[step] = os.path.abspath(p) if p else None
+        return self._dirs_of_committed[step]
+
+    # ------------------------------------------------------------------ load
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, *, custom_load_fn: Any = None) -> tuple[Any, Any]:
+        """``DeepSpeedEngine.load_checkpoint``: from shared memory when memory holds the newest checkpoint
+        every rank has, else from storage with DeepSpeed's own loader. Call it on every rank.
+
+        With ``tag=None`` the newest checkpoint is loaded: the newest snapshot in memory, else the newest
+        committed tag on storage that verifies against its checksums (normally the one ``latest`` names),
+        else what ``<load_dir>/latest`` names. A given ``tag`` loads from memory when it is that newest
+        snapshot, else from storage.
+
+        Returns:
+            ``(load_path, client_state)`` as DeepSpeed returns them: the path of the model-states file
+            (under ``load_dir``) and the remaining entries of it; ``(None, None)`` when there is nothing
+            to load.
+
+        Raises:
+            FileNotFoundError: ``tag`` names no checkpoint in memory or in ``load_dir``.
+        """
+        self._check_open("load_checkpoint")
+        t0 = time.perf_counter()
+        root = os.path.abspath(load_dir)
+        loc = self._core.locate()  # every rank: agreement on the newest step
+        newest = None
+        if loc.source == "memory":
+            newest = loc.path
+        elif loc.source == "storage" and loc.step is not None:
+            newest = self._core.step_path(loc.step)
+        newest_tag = None  # the newest checkpoint's tag, when it is a checkpoint of load_dir
+        if newest and os.path.dirname(os.path.abspath(newest)) == root:
+            newest_tag = os.path.basename(newest)
+        want = newest_tag if tag is None else str(tag)
+        kw = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+                  load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                  custom_load_fn=custom_load_fn)
+        if loc.source == "memory" and want is not None and want == newest_tag:
+            why = self._memory_unsupported(load_optimizer_states)
+            if why:
+                log.warning("load_checkpoint: the newest checkpoint (%s, step %s) is in memory, but %s; loading "
+                            "from storage instead", newest_tag, loc.step, why)
+                if tag is None:
+                    want = None  # DeepSpeed's `latest`: the newest committed tag
+            else:
+                out = self._load_from_memory(load_dir, want, loc.step, kw)
+                if out is not None:
+                    self._loaded(loc.step, "memory", t0)
+                    return out
+                if tag is None:
+                    want = None
+        if want is not None and not os.path.isdir(os.path.join(root, want)):
+            raise FileNotFoundError(f"load_checkpoint(tag={want!r}): {os.path.join(root, want)} does not exist; "
+                                    f"the newest checkpoint is {newest_tag!r} (from {loc.source}). Pass tag=None "
+                                    "to load the newest")
+        load_path, client_state = self.engine.load_checkpoint(load_dir, want, **kw)
+        step = loc.step if load_path is not None and want == newest_tag and loc.source == "storage" else None
+        self._loaded(step, "storage" if load_path is not None else "none", t0)
+        return load_path, client_state
+
+    def _memory_unsupported(self, load_optimizer_states: bool) -> str:
+        """Why DeepSpeed's load of this engine cannot be served from memory ("" when it can)."""
+        e = self.engine
+        if e.zero_optimization_partition_weights() and not load_optimizer_states and not e.has_moe_layers:
+            return "ZeRO-3 without optimizer states reads every rank's files itself (zero_to_fp32)"
+        if e.has_moe_layers:
+            return "memory loads do not cover MoE expert files"
+        if getattr(e, "pipeline_parallelism", False):
+            return "memory loads do not cover pipeline-parallel layer files"
+        if e.load_universal_checkpoint():
+            return "universal checkpoints are read by DeepSpeed itself"
+        if e.mp_world_size != 1:
+            return "memory loads do not cover model parallelism"
+        if e.zero_optimization() and e.zero_elastic_checkpoint():
+            return "ZeRO elastic checkpoints read every rank's optimizer file"
+        return ""
+
+    def _load_from_memory(self, load_dir: str, tag: str, step: int | None, kw: dict[str, Any]) -> tuple[Any, Any] | None:
+        """Runs DeepSpeed's load with its reads served from this rank's snapshot; None (on every rank)
+        when a rank cannot read its snapshot."""
+        files: dict[str, Any] = {}
+        ok = 1
+        try:
+            fs = self._core.load_memory(step)
+            files = {n: e.data for n, e in fs.items() if e.kind == "file" and e.format == "torch"}
+        except FlashCheckpointError as e:
+            log.warning("load_checkpoint: rank %d cannot read step %s from memory (%s)", _rank(), step, e)
+            ok = 0
+        world = self._world()
+        if world > 1:
+            flag = torch.tensor([ok], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group)
+            ok = int(flag.item())
+        if not ok:
+            return None
+        vroot = tempfile.mkdtemp(prefix="flashckpt-ds-")
+        try:
+            set_dir = os.path.join(vroot, tag)
+            if world > 1 and not self._share_model_states(files, tag, world):
+                return None
+            # DeepSpeed finds its files with glob and os.path.exists before it reads them through the
+            # checkpoint engine: empty placeholders answer those, the reads come from memory.
+            for name in files:
+                p = os.path.join(set_dir, *name.split("/"))
+                os.makedirs(os.path.dirname(p), exist_ok=True)
+                open(p, "wb").close()
+            self._ds_engine.serve = _Serve(set_dir, files)
+            try:
+                load_path, client_state = self.engine.load_checkpoint(vroot, tag, **kw)
+            finally:
+                self._ds_engine.serve = None
+        finally:
+            shutil.rmtree(vroot, ignore_errors=True)
+        if isinstance(load_path, str) and _inside(load_path, vroot):
+            load_path = os.path.join(load_dir, os.path.relpath(load_path, vroot))
+        return load_path, client_state
+
+    def _share_model_states(self, files: dict[str, Any], tag: str, world: int) -> bool:
+        """DeepSpeed writes the model-states file of ZeRO 0-2 on data-parallel rank 0 only and every rank
+        reads it: ranks whose snapshot lacks the file they read get it from a rank that has it. False (on
+        every rank) when no rank has it."""
+        need = os.path.relpath(self.engine._get_ckpt_name("/", tag), posixpath.join("/", tag)).replace(os.sep, "/")
+        table: list[Any] = [None] * world
+        dist.all_gather_object(table, (sorted(files), need), group=self.process_group)
+        ranks = _group_ranks(self.process_group, world)
+        wanted = sorted({n for held, n in table if n not in held})
+        holders = {n: [i for i, (held, _n) in enumerate(table) if n in held] for n in wanted}
+        missing = [n for n, h in holders.items() if not h]
+        if missing:
+            log.warning("load_checkpoint: no rank's memory snapshot of tag %s holds %s; loading from storage",
+                        tag, missing)
+            return False
+        for name in wanted:
+            buf = [files.get(name)]
+            dist.broadcast_object_list(buf, src=ranks[holders[name][0]], group=self.process_group)
+            if name not in files:
+                files[name] = buf[0]
+        return True
+
+    def _loaded(self, step: int | None, source: str, t0: float) -> None:
+        self.last_load = LoadResult(step, source, time.perf_counter() - t0, 0)
+        log.info("event=ds_load step=%s source=%s seconds=%.4f", step, source, self.last_load.seconds)
+
+    def _world(self) -> int:
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_world_size(self.process_group))
+        return 1
+
+    # ------------------------------------------------------------------ wait / close
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until every scheduled persist is committed; raises the first persist error."""
+        self._core.wait(timeout)
+
+    wait_latest_checkpoint = wait
+
+    def close(self, release: bool = True) -> None:
+        """Gives the engine its checkpoint engine back and detaches from the saver (persists in flight
+        still complete). ``release=False`` keeps the snapshots for a restarted process; see
+        ``CheckpointEngine.close``."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.engine.checkpoint_engine is self._ds_engine:
+            self.engine.checkpoint_engine = self._ds_engine.inner
+        self._core.close(release)
+
+    def __enter__(self) -> DeepSpeedCheckpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(release=exc_type is None)
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise FlashCheckpointError(f"{op}(): the DeepSpeedCheckpointer is closed")
+
+
+def _check_tag(tag: str) -> str:
+    norm = posixpath.normpath(tag)
+    if not tag or "\0" in tag or "\\" in tag or tag.startswith("/") or norm.startswith("..") or norm == "." \
+            or norm.split("/")[0] == ".flashckpt":
+        raise ValueError(f"save_checkpoint(tag={tag!r}): a tag names a directory inside save_dir; use a "
+                         "non-empty relative name without '..'")
+    return norm
+
+
+def _rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return int(os.environ.get("RANK", "0"))
+
+
+def _group_ranks(group: Any, world: int) -> list[int]:
+    if group is None:
+        return list(range(world))
+    return [int(r) for r in dist.get_process_group_ranks(group)]
