@@ -387,15 +387,16 @@ class CheckpointEngine:
         """Steps this rank could load from shared memory, newest first."""
         return self._reader.memory_steps()
 
-    def locate(self) -> Located:
+    def locate(self, *, memory: bool = True) -> Located:
         """Where the newest checkpoint that every rank has lives, without loading it.
 
         All ranks of the process group must call it (one ``all_gather``, and an ``all_reduce`` per
         storage step verified). Memory wins when it holds the agreed step; storage steps are
-        checksum-verified on every rank, falling back to the previous committed step when damaged."""
+        checksum-verified on every rank, falling back to the previous committed step when damaged.
+        ``memory=False`` considers storage only (for a caller that cannot use the memory snapshot)."""
         self._check_open("locate")
         self.wait_snapshot()
-        mem = self._reader.memory_steps()[:2]
+        mem = self._reader.memory_steps()[:2] if memory else []
         committed = self.layout.committed_steps()
         step, source = self._agree(mem, committed)
         if source == "memory" and step is not None:

@@ -1,0 +1,306 @@
+"""FsdpShardCheckpointer: flash checkpoints for sharded training (FSDP2 ``fully_shard``, FSDP, DTensor)
+through PyTorch Distributed Checkpoint (DCP).
+
+Every rank holds a unique shard, so every rank snapshots its own into the node's shared memory. The save
+runs ``torch.distributed.checkpoint.save`` with a ``StorageWriter`` that stages the rank's items instead of
+writing them (``integrations._dcp``; the save plan is computed once and reused while the state dict's
+structure is unchanged); the saver then persists them in DCP's own layout (``__{rank}_0.distcp`` per rank,
+``.metadata`` last, as the commit marker), so ``dcp.load`` with a ``FileSystemReader`` loads a persisted
+checkpoint without flashckpt, on any number of ranks.
+
+Example::
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    checkpointer = FsdpShardCheckpointer("/ckpt")
+    extra = checkpointer.load_checkpoint(model, optimizer)      # {} on a fresh start
+    start = extra.get("step", 0) + 1
+    for step in range(start, steps + 1):
+        ...
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        sd = {"model": model_sd, "optim": optim_sd, "step": step}
+        if step % 10 == 0:
+            checkpointer.save_checkpoint(step, sd, f"step_{step}", storage_type=StorageType.MEMORY)
+        if step % 100 == 0:
+            checkpointer.save_checkpoint(step, sd, f"step_{step}", storage_type=StorageType.DISK)
+
+Or with DCP's own API: ``reader = checkpointer.get_storage_reader()`` and ``dcp.load(sd, storage_reader=reader)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from flashckpt_core import CheckpointEngine, FileSet, StorageType
+from flashckpt_core.engine import LoadResult
+from flashckpt_core.errors import CheckpointCorruptError
+from flashckpt_core.retention import CheckpointDeletionStrategy
+
+__all__ = ["FsdpShardCheckpointer", "StorageType", "SaveTiming"]
+
+log = logging.getLogger(__name__)
+
+MODEL_KEY = "model"
+OPTIM_KEY = "optim"
+
+
+@dataclass(frozen=True)
+class SaveTiming:
+    """Where the pause of the last ``save_checkpoint`` went: DCP's planning and its collectives
+    (``plan_s``), and the copy into shared memory (``snapshot_s``)."""
+
+    step: int
+    plan_s: float
+    snapshot_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.plan_s + self.snapshot_s
+
+
+class FsdpShardCheckpointer:
+    """Checkpointer for sharded state dicts (DTensor / ShardedTensor), in DCP's format.
+
+    Args:
+        checkpoint_dir: where checkpoints are persisted (shared by all nodes); one DCP checkpoint
+            directory per step lives inside it.
+        deletion_strategy: which committed checkpoints to delete; None keeps the newest ``max_to_keep``.
+        max_to_keep: committed checkpoints kept without a ``deletion_strategy`` (0 keeps all).
+        process_group: the group that saves and loads (the default group when None); DCP's coordinator is
+            its rank 0.
+
+    Every rank of the group constructs one and makes the same calls (they are collective).
+    """
+
+    def __init__(self, checkpoint_dir: str, *, deletion_strategy: CheckpointDeletionStrategy | None = None,
+                 max_to_keep: int = 0, process_group: Any = None) -> None:
+        from ._dcp import CachingSavePlanner, FileSetStorageWriter
+
+        self.engine = CheckpointEngine(checkpoint_dir, max_to_keep=max_to_keep, deletion_strategy=deletion_strategy,
+                                       replicated=False, process_group=process_group)
+        self.checkpoint_dir = self.engine.checkpoint_dir
+        self.process_group = process_group
+        self._writer = FileSetStorageWriter()
+        self._planner = CachingSavePlanner()
+        self.last_save: SaveTiming | None = None
+        self.last_load: LoadResult | None = None
+
+    # ------------------------------------------------------------------ save
+    def save_checkpoint(self, step: int, state_dict: Any, path: str = "",
+                        storage_type: StorageType = StorageType.DISK) -> bool:
+        """Snapshots this rank's shard of ``state_dict`` to memory and, with DISK, persists the step in
+        the background as a DCP checkpoint in directory ``path``.
+
+        Call it on every rank with the same arguments. Returns once the shard is in shared memory; the
+        state may then be changed. The step is committed (``.metadata`` written) only once every rank's
+        data file is durable.
+
+        Args:
+            step: the training step (newer steps are larger).
+            state_dict: what ``dcp.save`` accepts: a dict of DTensors / ShardedTensors / tensors / plain
+                values or ``Stateful`` objects, e.g. ``{"model": m_sd, "optim": o_sd, "step": step}`` with
+                ``m_sd, o_sd = get_state_dict(model, optimizer)`` (what ``load_checkpoint`` expects).
+            path: the checkpoint's directory, relative to ``checkpoint_dir`` or absolute inside it; use one
+                per step. Default ``step_<step>``.
+            storage_type: MEMORY (snapshot only; still persisted if the trainer dies) or DISK.
+
+        Returns:
+            True (a snapshot was taken).
+
+        Raises:
+            ValueError: a bad ``step``, ``storage_type`` or ``path`` (nothing saved).
+            CheckpointException: DCP's planning failed on some rank (raised on every rank).
+            PersistError: an earlier persist failed (raised once, after this snapshot was taken).
+        """
+        import torch.distributed.checkpoint as dcp
+
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"save_checkpoint(step={step!r}): step must be an integer >= 0")
+        if storage_type not in (StorageType.MEMORY, StorageType.DISK):
+            raise ValueError(f"save_checkpoint(storage_type={storage_type!r}): use StorageType.MEMORY or "
+                             "StorageType.DISK")
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"save_checkpoint(state_dict=...): a dict is needed (as for dcp.save), not "
+                             f"{type(state_dict).__name__}")
+        target = self._dir(path or f"step_{step}", "save_checkpoint")
+        if os.path.isfile(target):
+            raise ValueError(f"save_checkpoint(path={path!r}): {target} is a file; a DCP checkpoint is a directory")
+        t0 = time.perf_counter()
+        self._writer.reset(target)
+        dcp.save(state_dict, checkpoint_id=target, storage_writer=self._writer, planner=self._planner,
+                 process_group=self.process_group)
+        fs = self._writer.take_fileset()
+        t1 = time.perf_counter()
+        self.engine.save(step, fs, path=target, storage_type=storage_type)
+        t2 = time.perf_counter()
+        self.last_save = SaveTiming(step, t1 - t0, t2 - t1)
+        log.info("event=fsdp_save step=%d storage=%s plan_seconds=%.4f snapshot_seconds=%.4f path=%s", step,
+                 storage_type.value, t1 - t0, t2 - t1, target)
+        return True
+
+    # ------------------------------------------------------------------ load
+    def get_storage_reader(self, resume_path: str = "") -> Any:
+        """A DCP ``StorageReader`` for the newest checkpoint every rank has, or None when there is none.
+
+        From memory when every rank holds the agreed step in memory and the checkpoint's layout matches
+        the current ranks (same number of ranks holding its data files); otherwise from storage (a
+        plain ``FileSystemReader`` on the newest committed step that verifies on every rank), which
+        also reshards: a checkpoint saved by N ranks loads on M. Collective: call it on every rank.
+
+        Args:
+            resume_path: read this persisted DCP directory instead (relative to ``checkpoint_dir`` or
+                absolute); it must hold a ``.metadata``.
+
+        Raises:
+            CheckpointCorruptError: ``resume_path`` is not a committed DCP checkpoint, or every
+                committed step is damaged.
+        """
+        from torch.distributed.checkpoint import FileSystemReader
+
+        from ._dcp import METADATA_NAME, open_memory_reader
+
+        t0 = time.perf_counter()
+        if resume_path:
+            d = self._dir(resume_path, "get_storage_reader")
+            if not os.path.isfile(os.path.join(d, METADATA_NAME)):
+                raise CheckpointCorruptError(f"get_storage_reader(resume_path={resume_path!r}): {d} has no "
+                                             f"{METADATA_NAME}, so it is not a committed DCP checkpoint")
+            self._loaded(None, "storage", t0)
+            return FileSystemReader(d)
+        loc = self.engine.locate()
+        if loc.source == "memory" and loc.step is not None:
+            fs = None
+            try:
+                fs = self.engine.load_memory(loc.step)
+            except Exception as e:  # the others still need this rank in the collective below
+                log.warning("get_storage_reader(): %s; reading from storage", e)
+            if fs is not None and not isinstance(fs, FileSet):
+                log.warning("get_storage_reader(): the snapshot of step %s is not a DCP checkpoint of this "
+                            "checkpointer; reading from storage", loc.step)
+                fs = None
+            reader = open_memory_reader(fs, loc.path or self.checkpoint_dir, process_group=self.process_group)
+            del fs
+            if reader is not None:
+                self._loaded(loc.step, "memory", t0)
+                return reader
+            loc = self.engine.locate(memory=False)
+        if loc.source == "storage" and loc.step is not None:
+            step, path = loc.step, loc.path
+        else:
+            self._loaded(None, "none", t0)
+            return None
+        if not path or not os.path.isfile(os.path.join(path, METADATA_NAME)):
+            raise CheckpointCorruptError(f"get_storage_reader(): committed step {step} at {path} has no "
+                                         f"{METADATA_NAME}; it was not written by this checkpointer")
+        self._loaded(step, "storage", t0)
+        return FileSystemReader(path)
+
+    def load_checkpoint(self, model: Any, optimizer: Any = None, resume_path: str = "") -> dict[str, Any]:
+        """Loads the newest checkpoint (see ``get_storage_reader``) into ``model`` and ``optimizer``.
+
+        The checkpoint must have been saved as ``{"model": model_sd, "optim": optim_sd, ...}`` with
+        ``get_state_dict(model, optimizer)``; it is loaded with ``dcp.load`` and applied with
+        ``set_state_dict``, resharding as needed. Collective: call it on every rank.
+
+        Returns:
+            The checkpoint's other top-level entries (e.g. ``{"step": 10}``); ``{}`` when there is no
+            checkpoint (``model`` and ``optimizer`` are then untouched). ``last_load`` tells where it came
+            from.
+
+        Raises:
+            CheckpointCorruptError: the checkpoint lacks ``"model"`` (or ``"optim"`` when an optimizer is
+                given).
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_state_dict,
+            set_model_state_dict,
+            set_state_dict,
+        )
+
+        t0 = time.perf_counter()
+        reader = self.get_storage_reader(resume_path)
+        if reader is None:
+            return {}
+        located = self.last_load
+        metadata = reader.read_metadata()
+        top = _top_level_keys(metadata)
+        for key in (MODEL_KEY, OPTIM_KEY) if optimizer is not None else (MODEL_KEY,):
+            if key not in top:
+                raise CheckpointCorruptError(
+                    f"load_checkpoint(): the checkpoint has no {key!r} entry (it has {sorted(top)}); it must be saved "
+                    "as {'model': model_sd, 'optim': optim_sd, ...} from get_state_dict(model, optimizer), or "
+                    "loaded with get_storage_reader() and dcp.load")
+        if optimizer is not None:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            sd: dict[str, Any] = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
+        else:
+            sd = {MODEL_KEY: get_model_state_dict(model)}
+        extra = _extra_template(metadata, skip={MODEL_KEY, OPTIM_KEY})
+        sd.update(extra)
+        dcp.load(sd, storage_reader=reader, process_group=self.process_group)
+        if optimizer is not None:
+            set_state_dict(model, optimizer, model_state_dict=sd[MODEL_KEY], optim_state_dict=sd[OPTIM_KEY])
+        else:
+            set_model_state_dict(model, sd[MODEL_KEY])
+        del reader
+        step, source = (located.step, located.source) if located else (None, "storage")
+        self._loaded(step, source, t0)
+        return {k: sd[k] for k in extra}
+
+    def _loaded(self, step: int | None, source: str, t0: float) -> None:
+        self.last_load = LoadResult(step, source, time.perf_counter() - t0, 0)
+        log.info("event=fsdp_load step=%s source=%s seconds=%.4f", step, source, self.last_load.seconds)
+
+    def _dir(self, path: str, op: str) -> str:
+        d = os.path.abspath(os.path.join(self.checkpoint_dir, path))
+        if os.path.relpath(d, self.checkpoint_dir).startswith(".."):
+            raise ValueError(f"{op}(path={path!r}): {d} is outside the checkpoint dir {self.checkpoint_dir}")
+        if d == self.checkpoint_dir:
+            raise ValueError(f"{op}(path={path!r}): use a directory inside the checkpoint dir, one per step")
+        return d
+
+    # ------------------------------------------------------------------ lifecycle
+    def wait_latest_checkpoint(self, timeout: float | None = 1800) -> None:
+        """Blocks until every scheduled persist is committed; raises the first persist error."""
+        self.engine.wait(timeout)
+
+    def close(self, release: bool = True) -> None:
+        """See ``CheckpointEngine.close``; also drops the cached save plan."""
+        self._planner.forget()
+        self.engine.close(release)
+
+    def __enter__(self) -> FsdpShardCheckpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(release=exc_type is None)
+
+
+def _top_level_keys(metadata: Any) -> set[str]:
+    mappings = getattr(metadata, "planner_data", None) or {}
+    keys = {path[0] for path in mappings.values() if path}
+    return keys | {fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata if fqn not in mappings}
+
+
+def _extra_template(metadata: Any, *, skip: set[str]) -> dict[str, Any]:
+    """Placeholders for the checkpoint's top-level entries outside ``skip``: None for plain values, an empty
+    full-size CPU tensor for tensors (DCP loads into them)."""
+    import torch
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    mappings = getattr(metadata, "planner_data", None) or {}
+    out: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        path = mappings.get(fqn, (fqn,))
+        if not path or path[0] in skip:
+            continue
+        value = (torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None)
+        set_element(out, path, value)
+    return out
