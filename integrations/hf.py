@@ -1,0 +1,862 @@
+"""FlashCkptTrainer: flash checkpoints for the HuggingFace ``transformers.Trainer`` (and Accelerate).
+
+Replace ``Trainer`` with ``FlashCkptTrainer`` and change nothing else. Every checkpoint the Trainer
+would write (``checkpoint-N/`` at ``save_steps``) is copied into host shared memory while training
+pauses, then persisted in the background by flashckpt's saver, with exactly the files and formats of a
+vanilla ``checkpoint-N/`` (``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``, ``rng_state*.pth``,
+``trainer_state.json``, ``training_args.bin``, ``config.json``, ...), so a vanilla ``Trainer`` resumes from
+it. ``FlashCkptConfig(memory_snapshot_steps=k)`` adds memory-only snapshots every ``k`` steps in
+between; when the process dies, the saver persists the newest one as ``checkpoint-N/``, and
+``train(resume_from_checkpoint=True)`` in a restarted process resumes from memory when memory holds a
+newer step than storage.
+
+Example::
+
+    trainer = FlashCkptTrainer(model=model, args=args, train_dataset=ds,
+                               flashckpt_config=FlashCkptConfig(memory_snapshot_steps=10))
+    trainer.train(resume_from_checkpoint=True)   # or a checkpoint path, or nothing
+
+How a checkpoint reaches memory: the Trainer's own save methods (``save_model``,
+``_save_optimizer_and_scheduler``, ``_save_scaler``, ``_save_rng_state``, ``TrainerState.save_to_json``)
+run with their output aimed at a private scratch directory. While they run, ``torch.save`` and
+``safetensors.torch.save_file`` calls that target that directory are captured as tensor trees (nothing is
+serialized; the tensors are copied once, into shared memory), and the small files they write there
+(JSON, pickles) are read back as bytes. Those calls are patched only for the duration of the save and
+pass every other path through unchanged.
+
+Overridden Trainer hooks (all documented in docs/hf.md): ``train``, ``_save_checkpoint``,
+``_maybe_log_save_evaluate``, ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``,
+``_load_best_model``.
+
+Accelerate users get the same through ``AcceleratorCheckpointer(accelerator, checkpoint_dir)``:
+``save_state`` / ``load_state`` with Accelerate's own layout, memory first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flashckpt_core import CheckpointEngine, FileEntry, FileSet, Located, StorageType
+from flashckpt_core.commit import CommitLayout
+from flashckpt_core.retention import CheckpointDeletionStrategy
+from flashckpt_core.storage import PosixDiskStorage
+
+try:
+    import transformers
+    from transformers import Trainer
+except ImportError as _e:  # pragma: no cover - the extra is missing
+    raise ImportError("integrations.hf needs transformers: pip install 'flashckpt[hf]'") from _e
+
+__all__ = ["FlashCkptTrainer", "FlashCkptConfig", "AcceleratorCheckpointer", "get_last_checkpoint",
+           "StorageType", "TESTED_TRANSFORMERS"]
+
+log = logging.getLogger(__name__)
+
+TESTED_TRANSFORMERS = "5.23.0"
+PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+_CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_TREE_MIN_BYTES = 1 << 16  # torch.save'd trees with fewer tensor bytes are captured as their exact bytes
+_OPTIMIZER = "optimizer.pt"
+_SCHEDULER = "scheduler.pt"
+_TRAINER_STATE = "trainer_state.json"
+_WEIGHTS = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class FlashCkptConfig:
+    """Options of ``FlashCkptTrainer``.
+
+    Attributes:
+        memory_snapshot_steps: also snapshot the full checkpoint into memory (not storage) every this
+            many optimizer steps, between the Trainer's ``save_steps`` (0: only at ``save_steps``). A
+            snapshot costs a memory copy; after a crash the newest one is persisted as ``checkpoint-N/``
+            and a restarted ``train(resume_from_checkpoint=True)`` loads it from memory.
+        wait_on_train_end: when ``train()`` returns, every checkpoint it saved is committed on storage
+            (as with the vanilla Trainer, whose files are written when it returns). False returns at
+            once; the saver still persists them.
+        scratch_dir: where the small files of a checkpoint are staged while it is captured (default
+            ``/dev/shm`` when present, else the system temp dir). Nothing large is written there, except
+            for a DeepSpeed resume from memory (see docs/hf.md).
+    """
+
+    memory_snapshot_steps: int = 0
+    wait_on_train_end: bool = True
+    scratch_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.memory_snapshot_steps, int) or self.memory_snapshot_steps < 0:
+            raise ValueError(f"FlashCkptConfig(memory_snapshot_steps={self.memory_snapshot_steps!r}): "
+                             "must be an integer >= 0 (0 turns memory-only snapshots off)")
+
+
+# ---------------------------------------------------------------------------------------------- capture
+_PATCH_LOCK = threading.Lock()
+# Modules that bind ``safetensors.torch.save_file`` under their own name (checked at capture time).
+_SAFETENSORS_USERS = ("transformers.modeling_utils", "transformers.trainer", "peft.peft_model",
+                      "peft.utils.save_and_load", "accelerate.utils.other", "accelerate.checkpointing")
+
+
+class _Capture:
+    """Routes the writes aimed into ``root`` into ``fs`` (see the module docstring)."""
+
+    def __init__(self, root: str, fs: FileSet) -> None:
+        self.root = os.path.abspath(root)
+        self.fs = fs
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def rel(self, f: Any) -> str | None:
+        if not isinstance(f, (str, os.PathLike)):
+            return None
+        p = os.path.abspath(os.fspath(f))
+        if not p.startswith(self.root + os.sep):
+            return None
+        return os.path.relpath(p, self.root).replace(os.sep, "/")
+
+    def __enter__(self) -> _Capture:
+        import safetensors.torch as st
+
+        _PATCH_LOCK.acquire()
+        try:
+            orig_torch_save, orig_st_save = torch.save, st.save_file
+
+            def torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+                rel = self.rel(f)
+                if rel is None:
+                    return orig_torch_save(obj, f, *args, **kwargs)
+                if _tensor_bytes(obj, _TREE_MIN_BYTES) >= _TREE_MIN_BYTES:
+                    self.fs.add_torch(rel, obj)
+                else:
+                    buf = io.BytesIO()
+                    orig_torch_save(obj, buf, *args, **kwargs)
+                    self.fs.add_raw(rel, buf.getvalue())
+                return None
+
+            def save_file(tensors: dict[str, torch.Tensor], filename: Any, metadata: dict[str, str] | None = None) -> None:
+                rel = self.rel(filename)
+                if rel is None:
+                    return orig_st_save(tensors, filename, metadata=metadata)
+                self.fs.add_safetensors(rel, dict(tensors), metadata=metadata)
+                return None
+
+            self._patch(torch, "save", torch_save)
+            self._patch(st, "save_file", save_file)
+            for name in _SAFETENSORS_USERS:
+                mod = sys.modules.get(name)
+                for attr in ("safe_save_file", "save_file"):
+                    if mod is not None and getattr(mod, attr, None) is orig_st_save:
+                        self._patch(mod, attr, save_file)
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def _patch(self, obj: Any, attr: str, value: Any) -> None:
+        self._undo.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, value)
+
+    def _restore(self) -> None:
+        try:
+            for obj, attr, value in reversed(self._undo):
+                setattr(obj, attr, value)
+            self._undo.clear()
+        finally:
+            _PATCH_LOCK.release()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._restore()
+
+    def collect(self) -> None:
+        """Adds every file written into ``root`` (and not captured) to the set, as its bytes."""
+        for dirpath, _dirs, files in os.walk(self.root):
+            for n in sorted(files):
+                path = os.path.join(dirpath, n)
+                rel = os.path.relpath(path, self.root).replace(os.sep, "/")
+                if rel not in self.fs:
+                    with open(path, "rb") as f:
+                        self.fs.add_raw(rel, f.read())
+
+
+def _tensor_bytes(obj: Any, stop: int) -> int:
+    """Bytes of the tensors in ``obj`` (containers walked), counting stops once ``stop`` is reached."""
+    total = 0
+    todo = [obj]
+    while todo and total < stop:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+    return total
+
+
+def _scratch_root(cfg: FlashCkptConfig) -> str:
+    if cfg.scratch_dir:
+        return cfg.scratch_dir
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+@contextlib.contextmanager
+def _scratch(root: str, name: str) -> Iterator[str]:
+    """A private directory ``<tmp>/<name>`` (removed afterwards)."""
+    base = tempfile.mkdtemp(prefix="flashckpt-hf-", dir=root)
+    try:
+        path = os.path.join(base, name)
+        os.makedirs(path)
+        yield path
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- lookup
+def _step_of(path: str) -> int | None:
+    m = _CHECKPOINT_RE.match(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else None
+
+
+def get_last_checkpoint(folder: str, *, verify: bool = False) -> str | None:
+    """The newest ``checkpoint-N`` in ``folder`` that is safe to resume from, or None.
+
+    In a folder written by flashckpt only committed checkpoints count (never one still being persisted,
+    nor the remains of one a crash interrupted); with ``verify`` their checksums are checked too, falling
+    back to older ones. In a folder flashckpt never wrote to (a vanilla Trainer's), the newest
+    ``checkpoint-N`` holding a ``trainer_state.json`` (the file the Trainer writes last).
+    """
+    layout = CommitLayout(folder, PosixDiskStorage())
+    committed = layout.committed_steps() if os.path.isdir(layout.meta) else []
+    if committed or (os.path.isdir(layout.meta) and layout.uncommitted_steps()):
+        for step in reversed(committed):
+            try:
+                base = layout.base(step, 0)
+            except Exception as e:  # a damaged manifest: fall back to the previous step
+                log.warning("get_last_checkpoint(%s): step %d: %s", folder, step, e)
+                continue
+            if not base or _step_of(base) is None or not os.path.isdir(base):
+                continue
+            if verify:
+                problems = layout.verify(step)
+                if problems:
+                    log.warning("get_last_checkpoint(%s): %s is damaged (%s); trying an older one", folder, base,
+                                "; ".join(problems[:3]))
+                    continue
+            return base
+        return None
+    if not os.path.isdir(folder):
+        return None
+    found = [(s, n) for n in os.listdir(folder) if (s := _step_of(n)) is not None
+             and os.path.isfile(os.path.join(folder, n, _TRAINER_STATE))]
+    return os.path.join(folder, max(found)[1]) if found else None
+
+
+class _TrainerRetention(CheckpointDeletionStrategy):
+    """``save_total_limit`` as the Trainer applies it: keep the newest ``limit`` committed checkpoints,
+    and always the newest one and the best one (``state.best_model_checkpoint``)."""
+
+    def __init__(self, limit: int, best_step: Callable[[], int | None]) -> None:
+        self.limit = limit
+        self.best_step = best_step
+
+    def steps_to_delete(self, committed_steps: Sequence[int]) -> list[int]:
+        steps = sorted(committed_steps)
+        if len(steps) <= self.limit:
+            return []
+        protected = {steps[-1]}
+        best = self.best_step()
+        if best in steps:
+            protected.add(best)
+        keep = max(self.limit, len(protected))
+        doomed: list[int] = []
+        remaining = len(steps)
+        for s in steps:
+            if remaining <= keep:
+                break
+            if s not in protected:
+                doomed.append(s)
+                remaining -= 1
+        return doomed
+
+
+# ---------------------------------------------------------------------------------------------- ranks
+class _TRef:
+    """A tensor's place in a tree sent to other ranks."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+def _map_tree(x: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(x, (torch.Tensor, _TRef)):
+        return fn(x)
+    if isinstance(x, dict):
+        d = x.copy()
+        for k in d:
+            d[k] = _map_tree(d[k], fn)
+        return d
+    if isinstance(x, list):
+        return [_map_tree(v, fn) for v in x]
+    if isinstance(x, tuple):
+        vals = [_map_tree(v, fn) for v in x]
+        return type(x)(*vals) if hasattr(x, "_fields") else type(x)(vals)
+    return x
+
+
+def _dist_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _broadcast_fileset(fs: FileSet | None, src: int) -> FileSet:
+    """``fs`` of rank ``src`` on every rank (every rank calls it)."""
+    import torch.distributed as dist
+
+    rank, _ = _dist_world()
+    tensors: list[torch.Tensor] = []
+    if rank == src:
+        assert fs is not None  # internal invariant
+
+        def strip(t: torch.Tensor) -> _TRef:
+            tensors.append(t)
+            return _TRef(len(tensors) - 1)
+
+        skel = [(name, e.format, e.kind, _map_tree(e.data, strip)) for name, e in fs.items()]
+        metas = [(tuple(t.shape), t.dtype) for t in tensors]
+        box: list[Any] = [skel, metas]
+    else:
+        box = [None, None]
+    dist.broadcast_object_list(box, src=src)
+    skel, metas = box
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    got: list[torch.Tensor] = []
+    for i, (shape, dtype) in enumerate(metas):
+        if rank == src:
+            t = tensors[i].detach()
+            buf = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else None
+            if buf is not None:
+                dist.broadcast(buf.to(dev), src=src)
+            got.append(t)
+        else:
+            out = torch.empty(shape, dtype=dtype)
+            if out.numel():
+                buf = torch.empty(out.numel() * out.element_size(), dtype=torch.uint8, device=dev)
+                dist.broadcast(buf, src=src)
+                out.reshape(-1).view(torch.uint8).copy_(buf.cpu())
+            got.append(out)
+    result = FileSet()
+    for name, fmt, kind, data in skel:
+        result[name] = FileEntry(fmt, _map_tree(data, lambda r: got[r.i]), kind)
+    return result
+
+
+def _all_ranks_files(mine: FileSet) -> FileSet:
+    """The union of every rank's files of one step (each rank holds its own; all ranks call it)."""
+    rank, world = _dist_world()
+    if world == 1:
+        return mine
+    merged = FileSet()
+    for src in range(world):
+        got = _broadcast_fileset(mine if src == rank else None, src)
+        for name, e in got.items():
+            if name not in merged or src == rank:
+                merged[name] = e
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------- memory view
+@dataclass
+class _MemoryView:
+    """A memory snapshot laid out for the Trainer: small files written into ``dir``; the model weights
+    and optimizer state (when the Trainer's plain path loads them) kept as tensors."""
+
+    step: int
+    dir: str
+    origin: str
+    weights: dict[str, torch.Tensor] | None = None
+    optimizer: Any = None
+    _base: str = ""
+
+    def close(self) -> None:
+        self.weights = self.optimizer = None
+        if self._base:
+            shutil.rmtree(self._base, ignore_errors=True)
+
+
+def _safetensors_tensors(e: FileEntry) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors entry of a memory snapshot (no copy when the parts line up)."""
+    import safetensors.torch as st
+
+    parts = e.data if isinstance(e.data, list) else [e.data]
+    head = parts[0] if parts and isinstance(parts[0], bytes) else b""
+    if len(head) >= 8:
+        n = int.from_bytes(head[:8], "little")
+        header = json.loads(head[8:8 + n]) if len(head) >= 8 + n else None
+        if header is not None:
+            header.pop("__metadata__", None)
+            names = sorted(header, key=lambda k: (header[k]["data_offsets"][0], header[k]["data_offsets"][1], k))
+            body = parts[1:]
+            if len(body) == len(names) and all(isinstance(t, torch.Tensor) for t in body):
+                out = {}
+                for name, t in zip(names, body, strict=True):
+                    h = header[name]
+                    if list(t.shape) != h["shape"] or t.numel() * t.element_size() != h["data_offsets"][1] - h["data_offsets"][0]:
+                        break
+                    out[name] = t
+                else:
+                    return out
+    joined = b"".join(p if isinstance(p, bytes) else p.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                      for p in parts)
+    return st.load(joined)
+
+
+def _write_entry(path: str, e: FileEntry) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if e.format == "torch":
+        torch.save(e.data, path)
+        return
+    parts = e.data if isinstance(e.data, list) else [e.data]
+    with open(path, "wb") as f:
+        for p in parts:
+            if isinstance(p, torch.Tensor):
+                if p.numel():
+                    f.write(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            else:
+                f.write(p)
+
+
+def _materialize(files: FileSet, root: str, name: str, origin: str, step: int, *,
+                 direct: Callable[[str], bool] = lambda _n: False) -> _MemoryView:
+    """Writes the set's files into a private ``<root>/.../<name>``, except those ``direct`` keeps."""
+    base = tempfile.mkdtemp(prefix="flashckpt-hf-resume-", dir=root)
+    view = _MemoryView(step, os.path.join(base, name), origin, _base=base)
+    try:
+        os.makedirs(view.dir)
+        weights: dict[str, torch.Tensor] = {}
+        for n, e in files.items():
+            if e.kind == "tracker":
+                continue
+            if direct(n) and n == _OPTIMIZER:
+                view.optimizer = e.data if e.format == "torch" else torch.load(io.BytesIO(files.raw_bytes(n)),
+                                                                               weights_only=True)
+            elif direct(n) and (n == _WEIGHTS or _SHARD_RE.match(n)):
+                weights.update(_safetensors_tensors(e))
+            else:
+                _write_entry(os.path.join(view.dir, *n.split("/")), e)
+        view.weights = weights or None
+    except BaseException:
+        view.close()
+        raise
+    return view
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+class FlashCkptTrainer(Trainer):
+    """``transformers.Trainer`` whose checkpoints go to host memory first and to storage in the background.
+
+    Takes every argument of ``Trainer``, plus:
+
+    Args:
+        flashckpt_config: see ``FlashCkptConfig`` (memory-only snapshots between ``save_steps``, ...).
+
+    Raises:
+        ValueError: FSDP is enabled (not supported yet, see docs/hf.md), or the Trainer runs on XLA/SageMaker
+            model parallelism.
+
+    The checkpoint dir is the run's output dir (``args.output_dir``); flashckpt keeps its bookkeeping in
+    ``<output_dir>/.flashckpt/``. ``save_total_limit`` and the best checkpoint are honoured by flashckpt's
+    retention after each commit, which never deletes a checkpoint still being persisted. Use this module's
+    ``get_last_checkpoint`` (not transformers') to find the newest committed checkpoint.
+
+    Thread safety: as the Trainer (one training thread).
+    """
+
+    def __init__(self, *args: Any, flashckpt_config: FlashCkptConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.flashckpt_config = flashckpt_config or FlashCkptConfig()
+        if self.is_fsdp_enabled or getattr(self, "is_fsdp_xla_enabled", False):
+            raise ValueError(
+                "FlashCkptTrainer: FSDP through the Trainer is not supported yet (its sharded checkpoints could "
+                "not be verified here: accelerate's FSDP does not run on CPU). Use the vanilla Trainer for FSDP "
+                "runs, or integrations.fsdp.FsdpShardCheckpointer in a custom loop.")
+        from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+
+        if is_torch_xla_available() or is_sagemaker_mp_enabled():
+            raise ValueError("FlashCkptTrainer: XLA and SageMaker model parallelism write checkpoints their own way; "
+                             "use the vanilla Trainer there")
+        self.flashckpt_last_resume: Located | None = None  # where the last train() resumed from
+        self._flash: CheckpointEngine | None = None
+        self._flash_view: _MemoryView | None = None
+        self._flash_disk_steps: set[int] = set()
+        self._flash_last_step = -1
+        self._flash_run_dir = ""
+
+    # ------------------------------------------------------------------ engine
+    def flashckpt_engine(self, run_dir: str | None = None) -> CheckpointEngine:
+        """The engine of ``run_dir`` (default: ``args.output_dir``), created on first use."""
+        run_dir = os.path.abspath(run_dir or self._get_output_dir(trial=getattr(self, "_trial", None)))
+        if self._flash is not None and self._flash.checkpoint_dir == run_dir:
+            return self._flash
+        self.flashckpt_close()
+        limit = self.args.save_total_limit
+        strategy = _TrainerRetention(limit, self._flash_best_step) if limit and limit > 0 else None
+        self._flash = CheckpointEngine(run_dir, max_to_keep=0, deletion_strategy=strategy, replicated=False,
+                                       weights_only=not self.is_deepspeed_enabled)
+        self._flash_run_dir = run_dir
+        return self._flash
+
+    def flashckpt_wait(self, timeout: float | None = None) -> None:
+        """Blocks until every checkpoint saved so far is committed (on every rank); raises a persist error."""
+        if self._flash is not None:
+            self._flash.wait(timeout)
+        _barrier()
+
+    def flashckpt_close(self, release: bool = True) -> None:
+        """Detaches from the saver (see ``CheckpointEngine.close``); ``train()`` does it when it returns."""
+        eng, self._flash = self._flash, None
+        if eng is not None:
+            eng.close(release)
+
+    def _flash_best_step(self) -> int | None:
+        best = self.state.best_model_checkpoint
+        if not best or os.path.dirname(os.path.abspath(best)) != self._flash_run_dir:
+            return None
+        return _step_of(best)
+
+    # ------------------------------------------------------------------ train
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
+        """``Trainer.train``; ``resume_from_checkpoint=True`` resumes from the newest checkpoint every rank
+        has, in memory or committed on storage; a path resumes from it (from memory when memory holds it).
+
+        When it returns (``wait_on_train_end``), every checkpoint it saved is committed. When it raises,
+        the snapshots stay in memory for a restart and the newest one is persisted."""
+        ok = False
+        self._flash_last_step = -1
+        self._flash_disk_steps.clear()
+        try:
+            resume = self._flash_resolve(resume_from_checkpoint, trial)
+            out = super().train(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
+                                **kwargs)
+            if self.flashckpt_config.wait_on_train_end:
+                self.flashckpt_wait()
+            ok = True
+            return out
+        finally:
+            view, self._flash_view = self._flash_view, None
+            if view is not None:
+                view.close()
+            self.flashckpt_close(release=ok)
+
+    def _flash_resolve(self, resume: str | bool | None, trial: Any) -> str | None:
+        """Where to resume from: a storage path, a memory view's directory, or None."""
+        self.flashckpt_last_resume = None
+        if resume is None or resume is False:
+            return None
+        run_dir = os.path.abspath(self._get_output_dir(trial=trial))
+        engine = self.flashckpt_engine(run_dir)
+        loc = engine.locate()  # every rank: they agree on the step
+        want = None if resume is True else os.path.abspath(os.fspath(resume))
+        if loc.source == "memory" and loc.step is not None and (want is None or want == loc.path):
+            self._flash_view = self._flash_memory_view(engine, loc)
+            self.flashckpt_last_resume = loc
+            log.info("event=resume step=%d source=memory path=%s", loc.step, loc.path)
+            return self._flash_view.dir
+        if want is None:
+            path = loc.path if loc.source == "storage" else get_last_checkpoint(run_dir)
+            if path is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({run_dir}): nothing committed "
+                                 "by flashckpt, in memory, or written by a vanilla Trainer")
+            self.flashckpt_last_resume = loc if loc.source == "storage" else Located(_step_of(path), "storage", path)
+            log.info("event=resume step=%s source=storage path=%s", _step_of(path), path)
+            return path
+        step = _step_of(want)
+        if os.path.dirname(want) == run_dir and step is not None:
+            layout = engine.layout
+            if step in layout.uncommitted_steps() and step not in layout.committed_steps():
+                raise ValueError(f"resume_from_checkpoint={resume!r}: this checkpoint is not committed (it is "
+                                 "still being persisted, or a crash interrupted it); pass "
+                                 "resume_from_checkpoint=True to resume from the newest committed or in-memory one")
+        self.flashckpt_last_resume = Located(step, "storage", want)
+        return os.fspath(resume)  # type: ignore[arg-type]
+
+    def _flash_memory_view(self, engine: CheckpointEngine, loc: Located) -> _MemoryView:
+        files = _all_ranks_files(engine.load_memory(loc.step))
+        plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+        from transformers.modeling_utils import PreTrainedModel
+
+        direct_weights = plain and isinstance(self.model, PreTrainedModel)
+
+        def direct(name: str) -> bool:
+            if name == _OPTIMIZER:
+                return plain
+            return direct_weights
+
+        assert loc.step is not None and loc.path is not None  # memory locations have both
+        return _materialize(files, _scratch_root(self.flashckpt_config), os.path.basename(loc.path), loc.path,
+                            loc.step, direct=direct)
+
+    # ------------------------------------------------------------------ save
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's checkpoint, into memory and persisted in the background."""
+        self._flash_save(trial, StorageType.DISK)
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log/evaluate/save, then a memory-only snapshot when one is due."""
+        super()._maybe_log_save_evaluate(*args, **kwargs)
+        every = self.flashckpt_config.memory_snapshot_steps
+        step = self.state.global_step
+        if every and step > 0 and step % every == 0 and step != self._flash_last_step:
+            self._flash_save(getattr(self, "_trial", None), StorageType.MEMORY)
+
+    def _flash_save(self, trial: Any, storage: StorageType) -> None:
+        """Builds this rank's files of ``checkpoint-<global_step>`` (what the vanilla Trainer writes) and
+        snapshots them; DISK also persists them."""
+        from transformers.trainer_utils import SaveStrategy
+
+        step = self.state.global_step
+        run_dir = os.path.abspath(self._get_output_dir(trial=trial))
+        name = f"{PREFIX}-{step}"
+        engine = self.flashckpt_engine(run_dir)
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        fs = FileSet()
+        with _scratch(_scratch_root(self.flashckpt_config), name) as scratch:
+            cap = _Capture(scratch, fs)
+            with cap:
+                self.save_model(scratch, _internal_call=True)
+                if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST):
+                    self._flash_update_best(run_dir, step, storage == StorageType.DISK)
+                if not self.args.save_only_model:
+                    self._save_optimizer_and_scheduler(scratch)
+                    self._save_scaler(scratch)
+                    self._save_rng_state(scratch)
+                if self.args.should_save:
+                    self._flash_export_callback_states()
+                    self.state.save_to_json(os.path.join(scratch, _TRAINER_STATE))
+            cap.collect()
+            engine.save(step, fs, path=name, storage_type=storage)
+        self._flash_last_step = step
+        if storage == StorageType.DISK:
+            self._flash_disk_steps.add(step)
+            if self.args.push_to_hub:
+                self.flashckpt_wait()  # the Hub gets files, so they must be on storage first
+                self._push_from_checkpoint(os.path.join(run_dir, name))
+
+    def _flash_update_best(self, run_dir: str, step: int, disk: bool) -> None:
+        """``state.best_model_checkpoint`` as the Trainer sets it: the best step's checkpoint, once it exists."""
+        best = self.state.best_global_step
+        if not best:
+            return
+        path = os.path.join(run_dir, f"{PREFIX}-{best}")
+        if (disk and best == step) or best in self._flash_disk_steps or os.path.isdir(path):
+            self.state.best_model_checkpoint = path
+
+    def _flash_export_callback_states(self) -> None:
+        """Stores the ``ExportableState`` callbacks' state in ``state.stateful_callbacks`` (as the Trainer does)."""
+        from transformers.trainer_callback import ExportableState
+
+        stored: Any = self.state.stateful_callbacks  # a dict by name once the state is initialised
+        for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+            name = cb.__class__.__name__
+            if isinstance(stored[name], list):
+                stored[name].append(cb.state())
+            else:
+                stored[name] = cb.state()
+
+    # ------------------------------------------------------------------ load
+    def _flash_view_for(self, path: str | None) -> _MemoryView | None:
+        v = self._flash_view
+        return v if v is not None and path is not None and os.path.abspath(path) == v.dir else None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Loads the model weights; from memory when resuming from a memory snapshot."""
+        view = self._flash_view_for(resume_from_checkpoint)
+        if view is None or view.weights is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        model = self.model if model is None else model
+        result = model.load_state_dict(view.weights, False)
+        view.weights = None
+        self._issue_warnings_after_load(result)
+        return None
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Loads optimizer and scheduler state; the optimizer's from memory when resuming from memory."""
+        view = self._flash_view_for(checkpoint)
+        if view is None or view.optimizer is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        scheduler = os.path.join(view.dir, _SCHEDULER)
+        if not os.path.isfile(scheduler):  # as the Trainer: both or neither
+            return None
+        from transformers.trainer_pt_utils import reissue_pt_warnings
+
+        optimizer: Any = self.optimizer
+        lr_scheduler: Any = self.lr_scheduler
+        optimizer.load_state_dict(view.optimizer)
+        view.optimizer = None
+        with warnings.catch_warnings(record=True) as caught:
+            lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        reissue_pt_warnings(caught)
+        return None
+
+    def _load_best_model(self) -> None:
+        """Waits until the best checkpoint is committed, then loads it as the Trainer does."""
+        self.flashckpt_wait()
+        super()._load_best_model()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------- accelerate
+class AcceleratorCheckpointer:
+    """``Accelerator.save_state`` / ``load_state`` through flashckpt: memory first, persisted in the
+    background in Accelerate's own layout (``model.safetensors``, ``optimizer.bin``, ``scheduler.bin``,
+    ``random_states_<rank>.pkl``, ...), so ``accelerator.load_state(dir)`` reads it without flashckpt.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` whose prepared objects are saved.
+        checkpoint_dir: where checkpoints live (flashckpt's bookkeeping goes to its ``.flashckpt/``); with
+            ``ProjectConfiguration(automatic_checkpoint_naming=True)`` it defaults to the project dir, the
+            checkpoints go to ``<project_dir>/checkpoints/checkpoint_<i>`` as Accelerate names them, and
+            ``total_limit`` is the retention.
+        config: ``scratch_dir`` is used; the other fields are the Trainer's.
+
+    Example::
+
+        ckpt = AcceleratorCheckpointer(accelerator, "/ckpt")
+        ckpt.load_state()                       # newest, from memory when it has it; no-op when none
+        for step in range(start, steps):
+            ...
+            ckpt.save_state(f"/ckpt/step_{step}", step=step, storage_type=StorageType.MEMORY)
+        ckpt.close()
+
+    Every process calls every method (as with ``Accelerator.save_state``).
+    """
+
+    def __init__(self, accelerator: Any, checkpoint_dir: str | None = None, *,
+                 config: FlashCkptConfig | None = None) -> None:
+        pc = accelerator.project_configuration
+        self.accelerator = accelerator
+        self.config = config or FlashCkptConfig()
+        self.automatic = bool(pc.automatic_checkpoint_naming)
+        if checkpoint_dir is None:
+            if not self.automatic:
+                raise ValueError("AcceleratorCheckpointer(checkpoint_dir=None): pass the directory checkpoints go "
+                                 "to, or use ProjectConfiguration(automatic_checkpoint_naming=True)")
+            # The project dir, not its checkpoints/ (where Accelerate expects only checkpoint_<i> folders).
+            checkpoint_dir = accelerator.project_dir
+        limit = pc.total_limit if self.automatic and pc.total_limit else 0
+        self.engine = CheckpointEngine(checkpoint_dir, max_to_keep=limit, replicated=False,
+                                       weights_only=accelerator.distributed_type.value != "DEEPSPEED")
+        self.checkpoint_dir = self.engine.checkpoint_dir
+        self.last_load: Located | None = None
+
+    def save_state(self, output_dir: str | None = None, *, step: int | None = None,
+                   storage_type: StorageType = StorageType.DISK, **kwargs: Any) -> str:
+        """Like ``Accelerator.save_state``; returns the checkpoint's directory.
+
+        Args:
+            output_dir: the checkpoint's directory inside ``checkpoint_dir``; with automatic checkpoint
+                naming, leave it None (``checkpoint_<iteration>``).
+            step: the checkpoint's step (increasing); with automatic naming, the iteration.
+            storage_type: MEMORY (a snapshot only) or DISK (also persisted in the background).
+            kwargs: passed to ``Accelerator.save_state`` (``safe_serialization``, ...).
+        """
+        pc = self.accelerator.project_configuration
+        if self.automatic:
+            if output_dir is not None:
+                raise ValueError("save_state(output_dir=...): automatic checkpoint naming picks the directory; "
+                                 "leave output_dir None")
+            step = pc.iteration if step is None else step
+            output_dir = os.path.join(self.accelerator.project_dir, "checkpoints", f"checkpoint_{pc.iteration}")
+        if output_dir is None or step is None:
+            raise ValueError("save_state(): pass output_dir and step=<the training step> (flashckpt orders "
+                             "checkpoints by step)")
+        target = os.path.abspath(output_dir)
+        rel = self.engine.layout.rel(target)
+        fs = FileSet()
+        with _scratch(_scratch_root(self.config), os.path.basename(target)) as scratch:
+            cap = _Capture(scratch, fs)
+            auto = pc.automatic_checkpoint_naming
+            pc.automatic_checkpoint_naming = False  # save_state must write where we say and delete nothing
+            try:
+                with cap:
+                    self.accelerator.save_state(scratch, **kwargs)
+            finally:
+                pc.automatic_checkpoint_naming = auto
+            cap.collect()
+            self.engine.save(step, fs, path=rel, storage_type=storage_type)
+        return target
+
+    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> Located:
+        """Like ``Accelerator.load_state``: the newest checkpoint every process has (from memory when it
+        holds it), or ``input_dir``. Returns where it came from (``source`` "none": nothing to load)."""
+        loc = self.engine.locate()
+        want = os.path.abspath(input_dir) if input_dir is not None else None
+        if loc.source == "memory" and loc.step is not None and loc.path and (want is None or want == loc.path):
+            files = _all_ranks_files(self.engine.load_memory(loc.step))
+            view = _materialize(files, _scratch_root(self.config), os.path.basename(loc.path), loc.path, loc.step)
+            try:
+                self.accelerator.load_state(view.dir, **kwargs)
+            finally:
+                view.close()
+        elif want is not None:
+            self.accelerator.load_state(want, **kwargs)
+            loc = Located(None, "storage", want)
+        elif loc.source == "storage" and loc.path:
+            self.accelerator.load_state(loc.path, **kwargs)
+        if self.automatic and loc.source != "none":
+            m = re.search(r"(\d+)$", os.path.basename(loc.path or ""))
+            if m:
+                self.accelerator.project_configuration.iteration = int(m.group(1)) + 1
+        self.last_load = loc
+        return loc
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until every checkpoint saved so far is committed; raises a persist error."""
+        self.engine.wait(timeout)
+        _barrier()
+
+    def close(self, release: bool = True) -> None:
+        """See ``CheckpointEngine.close``."""
+        self.engine.close(release)
+
+    def __enter__(self) -> AcceleratorCheckpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(release=exc_type is None)
+
+
+def _check_version() -> None:
+    """The overridden hooks are private Trainer methods: say so when another minor release runs."""
+    if transformers.__version__.split(".")[:2] != TESTED_TRANSFORMERS.split(".")[:2]:
+        log.warning("integrations.hf was tested with transformers %s; this is %s (see docs/hf.md for the "
+                    "Trainer hooks it overrides)", TESTED_TRANSFORMERS, transformers.__version__)
+
+
+_check_version()
