@@ -1,0 +1,678 @@
+"""FlashCheckpointIO: flash checkpoints for PyTorch Lightning (``lightning`` and ``pytorch_lightning`` 2.6).
+
+Add the plugin to the ``Trainer`` and keep your ``ModelCheckpoint`` callbacks. Every checkpoint Lightning
+saves is copied into the node's shared memory (training pauses for that copy only) and written to its
+``.ckpt`` path in Lightning's own format (``torch.save`` of the checkpoint dict) in the background by
+the node's saver daemon, which also writes the newest snapshot when the training process crashes.
+``FlashMemorySnapshot`` adds memory-only snapshots between ``ModelCheckpoint`` saves; after a crash,
+``resume_path()`` names the newest checkpoint and ``load_checkpoint`` serves it from memory.
+
+Example::
+
+    from integrations.lightning import FlashCheckpointIO, FlashMemorySnapshot
+
+    ckpt_io = FlashCheckpointIO("ckpts")
+    trainer = L.Trainer(max_steps=1000, plugins=[ckpt_io], callbacks=[
+        ModelCheckpoint(dirpath="ckpts", every_n_train_steps=100, save_top_k=3, monitor="step", mode="max"),
+        FlashMemorySnapshot(every_n_train_steps=5)])
+    trainer.fit(model, ckpt_path=ckpt_io.resume_path())   # None on a fresh start
+
+The two Lightning packages have separate class trees (a ``lightning.Trainer`` refuses a
+``pytorch_lightning`` plugin): ``FlashCheckpointIO`` / ``FlashMemorySnapshot`` are built on ``lightning``,
+``PLFlashCheckpointIO`` / ``PLFlashMemorySnapshot`` on ``pytorch_lightning``. The package is imported
+when a name is first used. DeepSpeed, sharded FSDP and ``ModelParallelStrategy`` with distributed
+checkpoints save without ``CheckpointIO``; ``check_strategy`` (run by ``FlashMemorySnapshot``) refuses
+them. See docs/lightning.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from flashckpt_core import (
+    CheckpointEngine,
+    CommitLayout,
+    FlashCheckpointError,
+    PersistError,
+    PosixDiskStorage,
+    SharedMemoryHandler,
+    StorageType,
+)
+from flashckpt_core.config import job_dir
+
+# The four Lightning classes are built on first use by the module's __getattr__ (their package is imported then).
+__all__ = ["FlashCheckpointIO", "FlashMemorySnapshot", "PLFlashCheckpointIO", "PLFlashMemorySnapshot",  # noqa: F822
+           "StorageType", "UnsupportedStrategyError", "check_strategy", "find_resume_path"]
+
+log = logging.getLogger(__name__)
+
+# The exported name of each class, by Lightning package.
+_NAMES = {"lightning": ("FlashCheckpointIO", "FlashMemorySnapshot"),
+          "pytorch_lightning": ("PLFlashCheckpointIO", "PLFlashMemorySnapshot")}
+
+
+class UnsupportedStrategyError(FlashCheckpointError, TypeError):
+    """The Trainer's strategy saves checkpoints without ``CheckpointIO``, or the plugin is set up wrongly."""
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def _local_path(path: Any, op: str) -> str | None:
+    """The absolute local path of ``path``; None for a URL (``s3://...``), which flashckpt does not write."""
+    p = os.fspath(path)
+    if "://" in p and not p.startswith("file://"):
+        return None
+    return os.path.abspath(p.removeprefix("file://"))
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _link_target(path: str) -> str:
+    """``path`` with a final symbolic link resolved (``save_last="link"`` makes ``last.ckpt`` one)."""
+    seen = 0
+    while os.path.islink(path) and seen < 40:
+        path = os.path.abspath(os.path.join(os.path.dirname(path), os.readlink(path)))
+        seen += 1
+    return path
+
+
+def _remove_path(path: str) -> None:
+    """Removes a file, a symbolic link or a directory (DeepSpeed checkpoints are directories)."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.remove(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+def _storage_type(storage_options: Any, memory_only: bool) -> StorageType:
+    if memory_only:
+        return StorageType.MEMORY
+    if storage_options is None:
+        return StorageType.DISK
+    if isinstance(storage_options, StorageType):
+        return storage_options
+    if isinstance(storage_options, str) and storage_options.lower() in ("memory", "mem", "disk"):
+        return StorageType.DISK if storage_options.lower() == "disk" else StorageType.MEMORY
+    raise TypeError(f"FlashCheckpointIO.save_checkpoint(storage_options={storage_options!r}): pass None (persist), "
+                    "StorageType.MEMORY or StorageType.DISK (or 'memory' / 'disk')")
+
+
+def _single_file_steps(layout: CommitLayout) -> dict[int, str]:
+    """Committed steps of ``layout`` whose manifest lists one file: step -> its absolute path."""
+    out = {}
+    for step in layout.committed_steps():
+        try:
+            files = layout.read_manifest(step).files_for(0)
+        except FlashCheckpointError:
+            continue
+        if len(files) == 1 and not files[0].name:
+            out[step] = layout.abs(files[0].path)
+    return out
+
+
+def _map_tensors(tree: Any, map_location: Any) -> Any:
+    """Applies a ``torch.load``-style ``map_location`` to the CPU tensors of a memory snapshot."""
+    import torch
+
+    if map_location is None:
+        return tree
+    if isinstance(map_location, dict):
+        map_location = map_location.get("cpu")
+        if map_location is None:
+            return tree
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if callable(map_location):
+            st = map_location(t.untyped_storage(), "cpu")
+            dev = st.device if isinstance(st, (torch.UntypedStorage, torch.TypedStorage)) else t.device
+            return t if dev == t.device else t.to(dev)
+        return t.to(map_location)
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return move(x)
+        if isinstance(x, dict):
+            out = type(x)() if type(x) is not dict else {}
+            for k, v in x.items():
+                out[k] = walk(v)
+            return out
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, tuple) and not hasattr(x, "_fields"):
+            return tuple(walk(v) for v in x)
+        return x
+
+    return walk(tree)
+
+
+def find_resume_path(checkpoint_dir: str) -> str | None:
+    """The path of the newest checkpoint flashckpt saved under ``checkpoint_dir``, or None.
+
+    Looks at this node's shared memory (snapshots the job's saver still holds, including memory-only
+    ones and saves whose persist has not finished) and at the committed checkpoints on storage whose
+    file exists, and returns the path of the newest. Pass it as ``trainer.fit(ckpt_path=...)``:
+    ``FlashCheckpointIO.load_checkpoint`` then serves it from memory when memory holds it, even if
+    the file is not (yet) on storage. Reads only; safe to call in every process before ``fit``.
+    The job is found as the engine finds it (the checkpoint dir, ``FLASHCKPT_JOB_ID`` /
+    ``TORCHELASTIC_RUN_ID``), so call it with the same environment as the run that saved.
+    """
+    root = os.path.abspath(checkpoint_dir)
+    best: tuple[int, str | None] = (-1, None)
+    jd = job_dir(root)
+    if os.path.isdir(jd):
+        reader = SharedMemoryHandler(0, jd)
+        try:
+            for step in reader.memory_steps():
+                name = reader.snapshot_name(step)
+                if name:
+                    best = (step, name)
+                    break
+        finally:
+            reader.close()
+    if os.path.isdir(root):
+        for step, path in sorted(_single_file_steps(CommitLayout(root, PosixDiskStorage())).items(), reverse=True):
+            if step <= best[0]:
+                break
+            if os.path.exists(path):
+                best = (step, path)
+                break
+    return best[1]
+
+
+def check_strategy(strategy: Any) -> None:
+    """Raises ``UnsupportedStrategyError`` when ``strategy`` would save without its ``CheckpointIO``.
+
+    Lightning's DeepSpeed strategy (``deepspeed_engine.save_checkpoint``), FSDP with
+    ``state_dict_type="sharded"`` and ``ModelParallelStrategy`` with ``save_distributed_checkpoint=True``
+    (torch.distributed.checkpoint) write their checkpoints themselves: a ``FlashCheckpointIO`` given to
+    them would never see a save. Also refuses ``FlashCheckpointIO`` wrapped in ``AsyncCheckpointIO``
+    (it is asynchronous already, and would be called from another thread).
+    """
+    names = {c.__name__ for c in type(strategy).__mro__}
+    why = None
+    if "DeepSpeedStrategy" in names:
+        why = ("DeepSpeedStrategy saves through deepspeed_engine.save_checkpoint, not CheckpointIO; use "
+               "integrations.deepspeed for DeepSpeed, or a strategy that saves one .ckpt (ddp, fsdp with "
+               "state_dict_type='full')")
+    elif "FSDPStrategy" in names and getattr(strategy, "_state_dict_type", "full") == "sharded":
+        why = ("FSDPStrategy(state_dict_type='sharded') saves with torch.distributed.checkpoint, not CheckpointIO; "
+               "use FSDPStrategy(state_dict_type='full'), or integrations.fsdp for sharded checkpoints")
+    elif "ModelParallelStrategy" in names and getattr(strategy, "_save_distributed_checkpoint", False):
+        why = ("ModelParallelStrategy(save_distributed_checkpoint=True) saves with torch.distributed.checkpoint, "
+               "not CheckpointIO; use ModelParallelStrategy(save_distributed_checkpoint=False)")
+    elif "XLAFSDPStrategy" in names:
+        why = "XLAFSDPStrategy is not supported by FlashCheckpointIO"
+    if why:
+        raise UnsupportedStrategyError(f"{type(strategy).__name__}: {why}.")
+    io = getattr(strategy, "_checkpoint_io", None)
+    if io is not None and not isinstance(io, _FlashIOImpl) and isinstance(getattr(io, "checkpoint_io", None),
+                                                                         _FlashIOImpl):
+        raise UnsupportedStrategyError(f"{type(io).__name__} wraps a FlashCheckpointIO: pass the FlashCheckpointIO "
+                                       "itself in Trainer(plugins=[...]); it is asynchronous already")
+
+
+# ---------------------------------------------------------------------------------------- the plugin
+class _FlashIOImpl:
+    """The body of ``FlashCheckpointIO`` (mixed into each Lightning package's ``CheckpointIO``)."""
+
+    _tree = "lightning"
+    _torch_io_cls: Any = None
+
+    def __init__(self, checkpoint_dir: str | None = None, *, weights_only: bool = True,
+                 teardown_timeout_s: float | None = 1800.0, load_wait_s: float = 600.0) -> None:
+        super().__init__()
+        if teardown_timeout_s is not None and teardown_timeout_s <= 0:
+            raise ValueError(f"FlashCheckpointIO(teardown_timeout_s={teardown_timeout_s!r}): must be > 0 or None")
+        self.checkpoint_dir = os.path.abspath(checkpoint_dir) if checkpoint_dir else None
+        self.weights_only = weights_only
+        self.teardown_timeout_s = teardown_timeout_s
+        self.load_wait_s = load_wait_s
+        self.last_load: tuple[str, str] | None = None  # (source: "memory" | "storage", path)
+        self.deferred_removals = 0  # removals that waited for a persist of their path
+        self._warned_dir = False
+        self._memory_only = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self._engine: CheckpointEngine | None = None
+        self._names: SharedMemoryHandler | None = None  # reads the names of local rank 0's snapshots
+        self._seq = 0  # the engine step of the next save: one per save, increasing across restarts
+        self._pending: dict[int, str] = {}  # engine step -> path of DISK saves not known finished
+        self._live: dict[str, list[int]] = {}  # path -> committed engine steps that list it
+        self._doomed: set[str] = set()  # removed paths whose removal waits for their persists
+        self._high = -1  # newest committed engine step seen
+
+    def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the Trainer: no engine crosses over
+        state = dict(self.__dict__)
+        for k in ("_engine", "_names", "_pending", "_live", "_doomed"):
+            state.pop(k, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+    def __repr__(self) -> str:
+        other = _NAMES["pytorch_lightning" if self._tree == "lightning" else "lightning"][0]
+        pkg = "pytorch_lightning" if self._tree == "lightning" else "lightning"
+        return (f"{type(self).__name__}(checkpoint_dir={self.checkpoint_dir!r}) [a '{self._tree}' CheckpointIO; "
+                f"with a {pkg}.Trainer use integrations.lightning.{other}]")
+
+    # ------------------------------------------------------------------ CheckpointIO API
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        """Copies ``checkpoint`` into shared memory and schedules its persist to ``path``.
+
+        Returns once the copy is in shared memory (the tensors may then change). The ``.ckpt`` is
+        written in the background, atomically, as ``torch.save(checkpoint)`` would write it.
+
+        Args:
+            checkpoint: the dict Lightning built (``Trainer.save_checkpoint``).
+            path: the ``.ckpt`` to write, a local path inside ``checkpoint_dir`` (default: the directory
+                of the first checkpoint this plugin saves or loads).
+            storage_options: None or ``StorageType.DISK`` to persist; ``StorageType.MEMORY`` for a
+                memory-only snapshot (persisted only if the process dies before a newer one).
+
+        Raises:
+            FlashCheckpointError: ``path`` is a URL or outside ``checkpoint_dir`` (nothing written).
+            PersistError: an earlier persist failed (raised after this snapshot was taken).
+        """
+        storage = _storage_type(storage_options, self._memory_only > 0)
+        target = _local_path(path, "save_checkpoint")
+        if target is None:
+            raise FlashCheckpointError(f"FlashCheckpointIO.save_checkpoint({os.fspath(path)!r}): flashckpt writes "
+                                       "local or mounted (POSIX) paths only; use a local dirpath")
+        engine = self._ensure_engine(target, "save_checkpoint")
+        self._reconcile()
+        seq, self._seq = self._seq, self._seq + 1
+        self._doomed.discard(target)  # saved again after a removal: the new file stays
+        if storage == StorageType.DISK:
+            self._pending[seq] = target
+        t0 = time.perf_counter()
+        try:
+            engine.save(seq, checkpoint, path=target, storage_type=storage)
+        except PersistError:
+            raise  # about an earlier persist; this one was scheduled
+        except BaseException:
+            self._pending.pop(seq, None)
+            raise
+        log.info("event=lightning_save path=%s engine_step=%d global_step=%s storage=%s seconds=%.4f", target, seq,
+                 checkpoint.get("global_step"), storage.value, time.perf_counter() - t0)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """Loads ``path``: from shared memory when memory holds its newest save, else from the file.
+
+        With several processes (DDP) every rank must call it (Lightning does): global rank 0's choice
+        of path and save is broadcast, and a rank whose node does not hold that save in memory waits
+        (up to ``load_wait_s``) for it to be committed on storage. ``weights_only`` applies to file
+        loads; Python objects in memory snapshots are decoded under the plugin's ``weights_only``.
+
+        Raises:
+            FileNotFoundError: neither memory nor storage has ``path``.
+        """
+        target = _local_path(path, "load_checkpoint")
+        seq = None
+        if target is not None:
+            target = _link_target(target)
+            root = self.checkpoint_dir or (self._engine.checkpoint_dir if self._engine else os.path.dirname(target))
+            # An engine is made for a load only where a saver of this job may hold snapshots (its runtime
+            # dir exists): loading someone else's checkpoint never starts a saver or writes into its dir.
+            if _inside(target, root) and (self._engine is not None or os.path.isdir(job_dir(root))):
+                self._ensure_engine(target, "load_checkpoint")
+                seq = self._memory_choice(target)
+        target, seq = self._agree(target, seq)
+        if target is not None and seq is not None and self._engine is not None:
+            if seq in self._engine.memory_steps() and self._names is not None and \
+                    self._names.snapshot_name(seq) == target:
+                sd = self._engine.load_memory(seq)
+                self.last_load = ("memory", target)
+                log.info("event=lightning_load path=%s engine_step=%d source=memory", target, seq)
+                return _map_tensors(sd, map_location)
+            self._wait_committed(target, seq)
+        io = self._torch_io_cls()
+        kw: dict[str, Any] = {"weights_only": weights_only}
+        if map_location is not None:
+            kw["map_location"] = map_location
+        sd = io.load_checkpoint(target if target is not None else path, **kw)
+        self.last_load = ("storage", str(target if target is not None else path))
+        log.info("event=lightning_load path=%s source=storage", target or path)
+        return sd
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Removes ``path`` once every persist of it scheduled so far is done; never before.
+
+        Removal is immediate when no persist of ``path`` is pending, else it happens at a later call
+        (the next save, removal or ``teardown``). A path saved again after its removal is kept.
+        """
+        target = _local_path(path, "remove_checkpoint")
+        if target is not None and os.path.isdir(target) and not os.path.islink(target) and not self._warned_dir:
+            self._warned_dir = True
+            log.warning("FlashCheckpointIO.remove_checkpoint(%r): a directory, which this plugin never writes: the "
+                        "Trainer's strategy saves without CheckpointIO (DeepSpeed, sharded FSDP), so its checkpoints "
+                        "are not flash checkpoints; see integrations.lightning.check_strategy", target)
+        if target is None or self._engine is None or not _inside(target, self._engine.checkpoint_dir):
+            if target is None:
+                self._torch_io_cls().remove_checkpoint(path)
+            else:
+                _remove_path(target)
+            return
+        self._reconcile()
+        if target in self._pending.values():
+            self._doomed.add(target)
+            self.deferred_removals += 1
+            log.debug("removal of %s waits for its persist", target)
+            return
+        self._delete(target)
+
+    def teardown(self) -> None:
+        """Waits for the scheduled persists, applies the removals that waited for them, and detaches.
+
+        Called by Lightning at the end of ``fit``/``validate``/``test``. After an exception (Lightning
+        tears down inside its exception handler) it does not wait: the saver finishes the persists,
+        writes the newest snapshot as last words and keeps the snapshots in memory for a restart.
+
+        Raises:
+            PersistError: a persist failed (earlier committed checkpoints are intact).
+            CheckpointTimeoutError: persists still running after ``teardown_timeout_s``.
+        """
+        engine = self._engine
+        if engine is None:
+            return
+        failing = sys.exc_info()[1] is not None
+        error: BaseException | None = None
+        try:
+            if not failing:
+                try:
+                    engine.wait(self.teardown_timeout_s)
+                    self._reconcile(all_done=True)
+                except PersistError as e:
+                    error = e
+                    self._reconcile(all_done=True)  # wait() returns only once no persist runs
+                except FlashCheckpointError as e:
+                    error = e
+            if self._doomed:
+                log.warning("FlashCheckpointIO.teardown: %d removal(s) still wait for their persists and are "
+                            "skipped: %s", len(self._doomed), sorted(self._doomed))
+        finally:
+            self._close(release=not failing)
+        if error is not None:
+            raise error
+
+    # ------------------------------------------------------------------ more API
+    @contextlib.contextmanager
+    def memory_only(self) -> Iterator[None]:
+        """Inside this block, saves are memory-only snapshots (``FlashMemorySnapshot`` uses it, since
+        some strategies refuse ``storage_options``)."""
+        self._memory_only += 1
+        try:
+            yield
+        finally:
+            self._memory_only -= 1
+
+    def resume_path(self, checkpoint_dir: str | None = None) -> str | None:
+        """``find_resume_path`` of ``checkpoint_dir`` (default: the plugin's ``checkpoint_dir``)."""
+        d = checkpoint_dir or self.checkpoint_dir
+        if not d:
+            raise ValueError("FlashCheckpointIO.resume_path(): pass the checkpoint dir, or construct the plugin "
+                             "with FlashCheckpointIO(checkpoint_dir=...)")
+        return find_resume_path(d)
+
+    @property
+    def engine(self) -> CheckpointEngine | None:
+        """The engine of this process (None before the first save or load, and after ``teardown``)."""
+        return self._engine
+
+    # ------------------------------------------------------------------ internals
+    def _ensure_engine(self, target: str, op: str) -> CheckpointEngine:
+        engine = self._engine
+        if engine is None:
+            root = self.checkpoint_dir or os.path.dirname(target)
+            if not _inside(target, root):
+                raise FlashCheckpointError(self._outside(op, target, root))
+            engine = CheckpointEngine(root, max_to_keep=0, replicated=True, weights_only=self.weights_only)
+            self._engine = engine
+            try:
+                self._names = SharedMemoryHandler(0, engine.job_dir, weights_only=self.weights_only)
+                self._scan(engine)
+            except BaseException:
+                self._close(release=False)  # keeps what memory holds
+                raise
+        if not _inside(target, engine.checkpoint_dir):
+            raise FlashCheckpointError(self._outside(op, target, engine.checkpoint_dir))
+        return engine
+
+    @staticmethod
+    def _outside(op: str, target: str, root: str) -> str:
+        return (f"FlashCheckpointIO.{op}({target!r}): the path is outside {root}, the directory this plugin "
+                "checkpoints into (the first checkpoint's directory unless given). Construct "
+                "FlashCheckpointIO(checkpoint_dir=...) with a directory that contains every ModelCheckpoint dirpath.")
+
+    def _scan(self, engine: CheckpointEngine) -> None:
+        """Learns the committed checkpoints on storage and the next engine step (after every step on
+        storage or in memory, so a restarted run never reuses one)."""
+        steps = _single_file_steps(engine.layout)
+        for step, path in sorted(steps.items()):
+            self._live.setdefault(path, []).append(step)
+        used = list(steps) + engine.layout.uncommitted_steps() + engine.memory_steps() + engine.committed_steps()
+        self._seq = max(used, default=-1) + 1
+        self._high = max(steps, default=-1)
+        if engine.ranks.rank == 0:  # only the saving rank changes records (others only load)
+            for path in list(self._live):
+                self._supersede(path)
+        else:
+            self._live = {p: s[-1:] for p, s in self._live.items()}
+
+    def _reconcile(self, *, all_done: bool = False) -> None:
+        """Takes note of the persists that finished and applies the removals that waited for them.
+
+        The saver persists and commits one rank's saves in order, so a save is finished (committed or
+        failed) once a newer one is committed."""
+        engine = self._engine
+        if engine is None or not (self._pending or self._doomed):
+            return
+        committed = engine.committed_steps()
+        if committed:
+            self._high = max(self._high, committed[-1])
+        done = set(committed)
+        for seq in sorted(self._pending):
+            if all_done or seq <= self._high:
+                path = self._pending.pop(seq)
+                if seq in done:
+                    self._live.setdefault(path, []).append(seq)
+                    self._supersede(path)
+        waiting = set(self._pending.values())
+        for path in sorted(self._doomed - waiting):
+            self._doomed.discard(path)
+            self._delete(path)
+
+    def _supersede(self, path: str) -> None:
+        """Drops the bookkeeping of older saves of ``path`` (its file belongs to the newest one)."""
+        steps = sorted(self._live.get(path, []))
+        if len(steps) > 1:
+            for s in steps[:-1]:
+                self._drop_step(s)  # keeps the file: the newest committed step lists it
+            self._live[path] = steps[-1:]
+
+    def _drop_step(self, step: int) -> None:
+        """Deletes committed ``step``'s bookkeeping and its files that no other committed step lists."""
+        if self._engine is None:
+            return
+        try:
+            self._engine.layout.delete_step(step)
+        except OSError as e:  # bookkeeping only: never fail a save over it
+            log.warning("FlashCheckpointIO: could not delete the records of step %d in %s: %s", step,
+                        self._engine.layout.meta, e)
+
+    def _delete(self, path: str) -> None:
+        """Removes ``path`` and the bookkeeping of its saves (no persist of it may be pending)."""
+        for s in sorted(self._live.pop(path, [])):
+            self._drop_step(s)
+        _remove_path(path)
+        log.debug("removed checkpoint %s", path)
+
+    def _memory_choice(self, target: str) -> int | None:
+        """The engine step of the snapshot in memory to serve ``target`` from, if memory holds its newest save."""
+        engine, names = self._engine, self._names
+        if engine is None or names is None:
+            return None
+        self._reconcile()
+        newest_on_storage = max(self._live.get(target, []), default=-1)
+        for step in engine.memory_steps():
+            if names.snapshot_name(step) == target and step >= newest_on_storage:
+                return step
+        return newest_on_storage if newest_on_storage >= 0 else None
+
+    def _agree(self, target: str | None, seq: int | None) -> tuple[str | None, int | None]:
+        """Global rank 0's (path, save) for every rank, so all ranks load the same checkpoint."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return target, seq
+        obj: list[Any] = [(target, seq)]
+        dist.broadcast_object_list(obj, src=0)
+        return obj[0]
+
+    def _wait_committed(self, target: str, seq: int) -> None:
+        """Waits until save ``seq`` of ``target`` is on storage (another node's saver may be writing it)."""
+        engine = self._engine
+        if engine is None or seq in self._live.get(target, []):
+            return
+        deadline = time.monotonic() + self.load_wait_s
+        delay = 0.01
+        while seq not in engine.committed_steps():
+            if time.monotonic() >= deadline:
+                raise FlashCheckpointError(
+                    f"FlashCheckpointIO.load_checkpoint({target!r}): save {seq} of it is neither in this node's "
+                    f"shared memory nor committed on storage after {self.load_wait_s:.0f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def _close(self, *, release: bool) -> None:
+        engine, names = self._engine, self._names
+        self._reset()
+        try:
+            if names is not None:
+                names.close()
+        finally:
+            if engine is not None:
+                engine.close(release=release)
+
+
+# ---------------------------------------------------------------------------------------- the callback
+class _MemorySnapshotImpl:
+    """The body of ``FlashMemorySnapshot`` (mixed into each Lightning package's ``Callback``)."""
+
+    _tree = "lightning"
+
+    def __init__(self, every_n_train_steps: int = 1, *, filename: str = "last-flash.ckpt",
+                 dirpath: str | None = None) -> None:
+        super().__init__()
+        if not isinstance(every_n_train_steps, int) or every_n_train_steps < 1:
+            raise ValueError(f"FlashMemorySnapshot(every_n_train_steps={every_n_train_steps!r}): must be an "
+                             "integer >= 1")
+        if not filename or os.sep in filename or not filename.endswith(".ckpt"):
+            raise ValueError(f"FlashMemorySnapshot(filename={filename!r}): a file name ending in .ckpt, without "
+                             "a directory (use dirpath=...)")
+        self.every_n_train_steps = every_n_train_steps
+        self.filename = filename
+        self.dirpath = os.path.abspath(dirpath) if dirpath else None
+        self._io: _FlashIOImpl | None = None
+        self._last_step = -1
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Checks that the Trainer saves through a ``FlashCheckpointIO`` of the same Lightning package."""
+        io = trainer.strategy.checkpoint_io
+        want = _NAMES[self._tree][0]
+        if not isinstance(io, _FlashIOImpl) or io._tree != self._tree:
+            got = repr(io) if isinstance(io, _FlashIOImpl) else type(io).__name__
+            raise UnsupportedStrategyError(
+                f"{type(self).__name__} needs the Trainer to save through {want}: pass "
+                f"Trainer(plugins=[{want}(...)]) (the Trainer's CheckpointIO is {got})")
+        check_strategy(trainer.strategy)
+        self._io = io
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if (self._io is None or step == 0 or step % self.every_n_train_steps or step == self._last_step
+                or trainer.sanity_checking or trainer.fast_dev_run):
+            return
+        self._last_step = step
+        with self._io.memory_only():
+            trainer.save_checkpoint(self.snapshot_path(trainer), weights_only=False)
+
+    def snapshot_path(self, trainer: Any) -> str:
+        """Where the snapshots would be persisted: ``dirpath``, else the plugin's ``checkpoint_dir``, else
+        the first ``ModelCheckpoint``'s dirpath, else ``<default_root_dir>/checkpoints``."""
+        d = self.dirpath or (self._io.checkpoint_dir if self._io else None)
+        if not d:
+            cb = trainer.checkpoint_callback
+            d = getattr(cb, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
+        return os.path.join(os.path.abspath(d), self.filename)
+
+
+# ---------------------------------------------------------------------------------------- class trees
+_IO_DOC = """Lightning ``CheckpointIO`` that snapshots checkpoints to shared memory and persists them in the
+background (see the module docstring of ``integrations.lightning``).
+
+Args:
+    checkpoint_dir: the directory that contains every ``.ckpt`` path Lightning saves (default: the
+        directory of the first checkpoint saved or loaded). flashckpt keeps its bookkeeping in
+        ``<checkpoint_dir>/.flashckpt``; the job's saver and shared memory are keyed by it.
+    weights_only: how Python objects in memory snapshots are decoded (torch's weights-only rules).
+    teardown_timeout_s: how long ``teardown`` waits for the persists (None: no bound).
+    load_wait_s: how long a rank that does not hold a checkpoint in memory waits for it on storage.
+
+Thread safety: Lightning calls it from the training thread only; so must you.
+"""
+
+_CB_DOC = """Callback that takes memory-only snapshots every ``every_n_train_steps`` optimizer steps.
+
+Each snapshot is a complete Lightning checkpoint in the node's shared memory (no file is written).
+When the training process dies, the saver persists the newest snapshot to ``<dir>/<filename>``
+(``last-flash.ckpt`` by default, which ``ckpt_path="last"`` also finds); ``resume_path()`` and
+``load_checkpoint`` resume from it in memory.
+
+Args:
+    every_n_train_steps: snapshot interval in optimizer steps (use more often than ``ModelCheckpoint``).
+    filename: the snapshot's file name.
+    dirpath: its directory (default: the plugin's ``checkpoint_dir``, else the first ModelCheckpoint's).
+"""
+
+_built: dict[str, dict[str, type]] = {}
+
+
+def _build(tree: str) -> dict[str, type]:
+    if tree in _built:
+        return _built[tree]
+    fabric, trainer_pkg = ("lightning.fabric", "lightning.pytorch") if tree == "lightning" else (
+        "lightning_fabric", "pytorch_lightning")
+    checkpoint_io = importlib.import_module(f"{fabric}.plugins.io.checkpoint_io").CheckpointIO
+    torch_io = importlib.import_module(f"{fabric}.plugins.io.torch_io").TorchCheckpointIO
+    callback = importlib.import_module(f"{trainer_pkg}.callbacks").Callback
+    io_name, cb_name = _NAMES[tree]
+    io_cls = type(io_name, (_FlashIOImpl, checkpoint_io), {
+        "__module__": __name__, "__qualname__": io_name, "__doc__": _IO_DOC, "_tree": tree,
+        "_torch_io_cls": torch_io})
+    cb_cls = type(cb_name, (_MemorySnapshotImpl, callback), {
+        "__module__": __name__, "__qualname__": cb_name, "__doc__": _CB_DOC, "_tree": tree})
+    _built[tree] = {io_name: io_cls, cb_name: cb_cls}
+    return _built[tree]
+
+
+def __getattr__(name: str) -> Any:
+    for tree, names in _NAMES.items():
+        if name in names:
+            try:
+                return _build(tree)[name]
+            except ImportError as e:
+                raise ImportError(f"integrations.lightning.{name} needs the '{tree}' package (pip install "
+                                  f"{'lightning' if tree == 'lightning' else 'pytorch-lightning'}==2.6.6): {e}") from e
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,326 @@
+"""FlashCheckpointIO and FlashMemorySnapshot with the real Lightning 2.6 Trainer (CPU).
+
+The model is a small MLP whose batch of step ``s`` comes from a generator seeded with ``s`` (the
+dataloader only paces the loop), so a run interrupted at any step and resumed reaches bit-identical
+weights; DDP ranks see the same batch, so two ranks (gradients averaged: (g + g) / 2 == g) reach the
+weights of one process. Crash tests run the trainers as real subprocesses killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import torch  # noqa: E402
+from _fault_helpers import saver_pid, small_tmpfs, wait_for  # noqa: E402
+from helpers import assert_same_tree, launch_ranks  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+
+from flashckpt_core import PersistError  # noqa: E402
+from integrations.lightning import (  # noqa: E402
+    FlashCheckpointIO,
+    FlashMemorySnapshot,
+    StorageType,
+    UnsupportedStrategyError,
+    check_strategy,
+)
+
+QUIET: dict[str, Any] = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu"}
+
+
+# ------------------------------------------------------------------------------------------ the model
+class Regressor(L.LightningModule):
+    def __init__(self, width: int = 64, inputs: int = 16) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(inputs, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + self.global_step)
+        x = torch.randn(8, self.hparams["inputs"], generator=g)
+        return torch.nn.functional.mse_loss(self.net(x), x.sum(1, keepdim=True))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 5, 0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(10)), batch_size=1)
+
+
+def new_model(**kw: int) -> Regressor:
+    torch.manual_seed(0)
+    return Regressor(**kw)
+
+
+class KillAt(Callback):
+    """SIGKILLs this process at the end of step ``step`` (after the callbacks listed before it)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StartStep(Callback):
+    """Records the global step training (re)started from."""
+
+    start: int | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start = trainer.global_step
+
+
+def weights(model: L.LightningModule) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference_weights(steps: int) -> dict[str, torch.Tensor]:
+    model = new_model()
+    L.Trainer(max_steps=steps, devices=1, enable_checkpointing=False, **QUIET).fit(model)
+    return weights(model)
+
+
+# ------------------------------------------------------------------------------------------ rank functions
+def train_rank(ckpt: str, steps: int, kill_at: int = -1, devices: int = 1, every: int = 10) -> dict:
+    """One rank of a run with FlashCheckpointIO (launched by ``launch_ranks``): resumes from
+    ``resume_path()``, saves every ``every`` steps (top 2 by step, plus last.ckpt) and snapshots every
+    step; with ``kill_at`` it SIGKILLs itself after the snapshot of that step."""
+    torch.set_num_threads(1)
+    io = FlashCheckpointIO(ckpt)
+    resume = io.resume_path()
+    start = StartStep()
+    callbacks = [FlashMemorySnapshot(every_n_train_steps=1), start]
+    if kill_at >= 0:
+        callbacks.append(KillAt(kill_at))
+    callbacks.append(ModelCheckpoint(dirpath=ckpt, every_n_train_steps=every, save_top_k=2, monitor="step",
+                                     mode="max", save_last=True))
+    model = new_model()
+    strategy = "ddp" if devices > 1 else "auto"
+    trainer = L.Trainer(max_steps=steps, devices=devices, strategy=strategy, plugins=[io], callbacks=callbacks,
+                        **QUIET)
+    trainer.fit(model, ckpt_path=resume)
+    out = os.path.join(ckpt, f"final_rank{trainer.global_rank}.pt")
+    torch.save(weights(model), out)
+    return {"resume": resume, "start": start.start, "load": list(io.last_load or ()), "final": out}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def crash_and_resume(tmp_path, ckpt: str, devices: int, kill_at: int, steps: int) -> list[dict]:
+    """Runs ``train_rank`` on ``devices`` ranks until they kill themselves at ``kill_at``, then again."""
+    # The saver the crashed run started keeps its snapshots this long for the restart (the default
+    # test grace can run out while the restarted ranks import Lightning on a busy machine).
+    env = {"MASTER_PORT": str(free_port()), "FLASHCKPT_SAVER_GRACE_S": "300"}
+    crashed = launch_ranks(train_rank, devices, str(tmp_path / "crash"), dist=False, env=env,
+                           args={"ckpt": ckpt, "steps": steps, "kill_at": kill_at, "devices": devices})
+    try:
+        wait_for(lambda: all(p.poll() is not None for p in crashed.procs), 120, "the ranks to kill themselves")
+    finally:
+        crashed.kill()
+    assert [p.returncode for p in crashed.procs] == [-signal.SIGKILL] * devices, crashed.logs()
+    env = {"MASTER_PORT": str(free_port())}
+    return launch_ranks(train_rank, devices, str(tmp_path / "resume"), dist=False, env=env,
+                        args={"ckpt": ckpt, "steps": steps, "devices": devices}).wait(180)
+
+
+def assert_resumed_from_memory(results: list[dict], ckpt: str, step: int, steps: int) -> None:
+    want = reference_weights(steps)
+    snapshot = os.path.join(ckpt, "last-flash.ckpt")
+    for r, res in enumerate(results):
+        assert res["resume"] == snapshot, res
+        assert res["start"] == step, f"rank {r} restarted at step {res['start']}, not {step}"
+        assert res["load"] == ["memory", snapshot], f"rank {r} loaded {res['load']}"
+        got = torch.load(res["final"], weights_only=True)
+        for k in want:
+            assert torch.equal(got[k], want[k]), f"rank {r}: {k} differs from the uninterrupted run"
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_native_files_top_k_and_vanilla_resume(tmp_path) -> None:
+    """ModelCheckpoint with fast saves (every step), save_top_k and both save_last modes: exactly the
+    expected files remain; their content is what Lightning's own TorchCheckpointIO writes; a Trainer
+    without the plugin resumes from them; flashckpt's records hold only the live checkpoints."""
+    steps = 12
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+
+    def callbacks(root: str) -> list[Callback]:
+        return [ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max",
+                                save_last="link"),
+                ModelCheckpoint(dirpath=os.path.join(root, "copies"), every_n_train_steps=3, save_top_k=1,
+                                monitor="step", mode="max", save_last=True)]
+
+    io = FlashCheckpointIO(ours)
+    model = new_model(width=256)
+    L.Trainer(max_steps=steps, devices=1, plugins=[io], callbacks=[*callbacks(ours), FlashMemorySnapshot(2)],
+              **QUIET).fit(model)
+    assert io.engine is None  # teardown closed it
+    vanilla = new_model(width=256)
+    L.Trainer(max_steps=steps, devices=1, callbacks=callbacks(theirs), **QUIET).fit(vanilla)
+
+    top = ["epoch=1-step=11.ckpt", "epoch=1-step=12.ckpt"]
+    assert sorted(os.listdir(ours)) == sorted([".flashckpt", "copies", "last.ckpt", *top])
+    assert os.readlink(os.path.join(ours, "last.ckpt")) == top[1]
+    assert sorted(os.listdir(os.path.join(ours, "copies"))) == ["epoch=1-step=12.ckpt", "last.ckpt"]
+    assert sorted(os.listdir(os.path.join(theirs, "copies"))) == ["epoch=1-step=12.ckpt", "last.ckpt"]
+    # One flashckpt record per live file: records of removed and overwritten saves are gone.
+    records = os.listdir(os.path.join(ours, ".flashckpt", "steps"))
+    assert len(records) == 4, records
+
+    for name in [*top, "copies/last.ckpt", "copies/epoch=1-step=12.ckpt"]:
+        mine = torch.load(os.path.join(ours, name), weights_only=True)
+        ref = torch.load(os.path.join(theirs, name), weights_only=True)
+        assert sorted(mine) == sorted(ref), name
+        for key in ("state_dict", "optimizer_states", "lr_schedulers", "loops", "epoch", "global_step",
+                    "hyper_parameters", "pytorch-lightning_version"):
+            assert_same_tree(ref[key], mine[key], f"{name}[{key!r}]")
+
+    # A Trainer without flashckpt resumes from our checkpoint, through the symlink save_last="link" made.
+    resumed = new_model(width=256)
+    start = StartStep()
+    trainer = L.Trainer(max_steps=steps + 3, devices=1, enable_checkpointing=False, callbacks=[start], **QUIET)
+    trainer.fit(resumed, ckpt_path=os.path.join(ours, "last.ckpt"))
+    assert (start.start, trainer.global_step) == (steps, steps + 3)
+    assert Regressor.load_from_checkpoint(os.path.join(ours, top[0])).hparams["width"] == 256
+
+
+def test_removal_waits_for_pending_persist(tmp_path, runtime_dir) -> None:
+    """remove_checkpoint of a path whose persist has not finished removes it only after the persist,
+    so it never reappears (the saver is stopped with SIGSTOP right after a 32 MB persist was requested,
+    which holds that persist); a path saved again after its removal stays, with the newer content."""
+    root = str(tmp_path / "ckpt")
+    a, c, keep = (os.path.join(root, n) for n in ("a.ckpt", "c.ckpt", "keep.ckpt"))
+    io = FlashCheckpointIO(root)
+
+    def ckpt(v: int, numel: int = 1000) -> dict:
+        return {"state_dict": {"w": torch.full((numel,), float(v))}, "global_step": v}
+
+    try:
+        io.save_checkpoint(ckpt(0), keep)
+        pid = saver_pid(runtime_dir, io.engine.job_dir)
+        io.save_checkpoint(ckpt(1, 8 << 20), a)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            io.remove_checkpoint(a)  # reads storage only: no request to the stopped saver
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        io.save_checkpoint(ckpt(2), c)
+        io.remove_checkpoint(c)
+        io.save_checkpoint(ckpt(3), c)  # saved again after its removal: it stays
+        io.save_checkpoint(ckpt(4), keep, storage_options=StorageType.MEMORY)  # memory only: no file
+        io.teardown()
+    finally:
+        io.teardown()
+    assert sorted(os.listdir(root)) == [".flashckpt", "c.ckpt", "keep.ckpt"]
+    assert torch.load(c, weights_only=True)["global_step"] == 3
+    assert torch.load(keep, weights_only=True)["global_step"] == 0
+    print(f"removals that waited for their persist: {io.deferred_removals}")
+
+
+def test_teardown_surfaces_persist_error(tmp_path) -> None:
+    """The last save does not fit on the (8 MiB tmpfs) checkpoint dir: trainer.fit raises the
+    PersistError from teardown; the earlier checkpoint is intact; no partial file is left."""
+    root = str(tmp_path / "small")
+    with small_tmpfs(root, "8m"):
+        model = new_model(width=6000, inputs=64)  # ~4.8 MB per checkpoint: one fits, two do not
+        io = FlashCheckpointIO(root)
+        trainer = L.Trainer(max_steps=4, devices=1, plugins=[io], **QUIET, callbacks=[
+            ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1)])
+        with pytest.raises(PersistError, match="No space left on device"):
+            trainer.fit(model)
+        assert io.engine is None
+        files = sorted(os.listdir(root))
+        assert files == [".flashckpt", "epoch=0-step=2.ckpt"], files
+        first = torch.load(os.path.join(root, "epoch=0-step=2.ckpt"), weights_only=True)
+        assert first["global_step"] == 2
+
+
+def test_kill9_resume_from_memory_single_process(tmp_path) -> None:
+    """Killed with SIGKILL at step 23 (last disk checkpoint: step 20): the restarted process resumes
+    from the memory snapshot of step 23 and ends with the weights of an uninterrupted run."""
+    ckpt = str(tmp_path / "ckpt")
+    results = crash_and_resume(tmp_path, ckpt, devices=1, kill_at=23, steps=30)
+    assert_resumed_from_memory(results, ckpt, 23, 30)
+    assert sorted(f for f in os.listdir(ckpt) if f.endswith(".ckpt")) == [
+        "epoch=1-step=20.ckpt", "epoch=2-step=30.ckpt", "last-flash.ckpt", "last.ckpt"]
+
+
+@pytest.mark.multiproc
+def test_ddp_two_ranks_kill9_resume_from_memory(tmp_path) -> None:
+    """DDP on 2 gloo ranks: only global rank 0 saves; both ranks are killed after the snapshot of step
+    13 (last disk checkpoint: step 10); both resume from memory and reach the reference weights."""
+    ckpt = str(tmp_path / "ckpt")
+    results = crash_and_resume(tmp_path, ckpt, devices=2, kill_at=13, steps=20)
+    assert_resumed_from_memory(results, ckpt, 13, 20)
+    assert sorted(f for f in os.listdir(ckpt) if f.endswith(".ckpt")) == [
+        "epoch=1-step=10.ckpt", "epoch=3-step=20.ckpt", "last-flash.ckpt", "last.ckpt"]
+
+
+def test_wrong_setups_fail_clearly(tmp_path) -> None:
+    """Strategies that bypass CheckpointIO, a missing plugin, a path outside the checkpoint dir and a
+    plugin of the other Lightning package are refused with errors that say what to do."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    with pytest.raises(UnsupportedStrategyError, match="state_dict_type='full'"):
+        check_strategy(FSDPStrategy(state_dict_type="sharded"))
+    check_strategy(FSDPStrategy(state_dict_type="full"))
+    with pytest.raises(UnsupportedStrategyError, match="save_distributed_checkpoint=False"):
+        check_strategy(ModelParallelStrategy())
+
+    trainer = L.Trainer(max_steps=1, devices=1, callbacks=[FlashMemorySnapshot()], **QUIET)
+    with pytest.raises(UnsupportedStrategyError, match=r"plugins=\[FlashCheckpointIO"):
+        trainer.fit(new_model())
+
+    io = FlashCheckpointIO(str(tmp_path / "a"))
+    with pytest.raises(Exception, match="outside"):
+        io.save_checkpoint({"w": torch.zeros(1)}, str(tmp_path / "b" / "x.ckpt"))
+    io.teardown()
+    with pytest.raises(TypeError, match="StorageType.MEMORY"):
+        io.save_checkpoint({"w": torch.zeros(1)}, str(tmp_path / "a" / "x.ckpt"), storage_options={"x": 1})
+    io.teardown()
+
+    pl = pytest.importorskip("pytorch_lightning")
+    from integrations.lightning import PLFlashCheckpointIO, PLFlashMemorySnapshot
+
+    with pytest.raises(Exception, match="PLFlashCheckpointIO"):
+        pl.Trainer(plugins=[FlashCheckpointIO()], logger=False, accelerator="cpu")
+    # The pytorch_lightning tree works with a pytorch_lightning Trainer.
+
+    class PLRegressor(pl.LightningModule):  # type: ignore[name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+            return self.net(torch.ones(2, 4)).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(4)), batch_size=1)
+
+    root = str(tmp_path / "pl")
+    pio = PLFlashCheckpointIO(root)
+    pl.Trainer(max_steps=2, plugins=[pio], callbacks=[PLFlashMemorySnapshot(),
+                                                      pl.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=1)],
+               **QUIET).fit(PLRegressor())
+    assert sorted(os.listdir(root)) == [".flashckpt", "epoch=0-step=2.ckpt"]
