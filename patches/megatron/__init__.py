@@ -1,6 +1,40 @@
-"""Drop-in Megatron-LM save_checkpoint / load_checkpoint with a storage_type argument.
+"""flashckpt for Megatron: drop-in ``save_checkpoint`` / ``load_checkpoint`` with a ``storage_type``.
 
-Not implemented yet (tracked by its own issue); importing the functions raises ImportError.
+Megatron-LM users change one import in their training script::
+
+    from patches.megatron import save_checkpoint, load_checkpoint, StorageType
+
+and may pass ``storage_type=StorageType.MEMORY`` to ``save_checkpoint`` every few iterations (a snapshot
+in host shared memory, a pause of a memory copy); ``StorageType.DISK`` (the default) also persists it in
+the background, in Megatron-LM's own layout (``iter_XXXXXXX/``, ``latest_checkpointed_iteration.txt``
+written once the iteration is committed). ``load_checkpoint`` resumes from memory when memory holds the
+newest iteration. Both wrap Megatron-LM's own functions (see ``patches.megatron._lm``) and need a
+Megatron-LM checkout on the path; ``finalize()`` at the end of training waits for the persists.
+
+With megatron-core alone, ``patches.megatron.dist_ckpt`` provides ``save`` / ``load`` for
+``megatron.core.dist_checkpointing`` and ``FlashCkptSaveStrategy`` (a ``sharded_strategy``).
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from typing import Any
+
+from flashckpt_core import StorageType
+
+__all__ = ["save_checkpoint", "load_checkpoint", "StorageType", "configure", "get_checkpointer", "finalize",
+           "MegatronCheckpointer", "FlashCkptSaveStrategy"]
+
+_LAZY = {"save_checkpoint": "_lm", "load_checkpoint": "_lm", "configure": "_lm", "get_checkpointer": "_lm",
+         "finalize": "_lm", "MegatronCheckpointer": "dist_ckpt", "FlashCkptSaveStrategy": "dist_ckpt"}
+
+
+def __getattr__(name: str) -> Any:
+    """The functions import megatron-core (slow) on first use, not when ``StorageType`` is imported."""
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'patches.megatron' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value

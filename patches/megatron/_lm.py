@@ -1,0 +1,479 @@
+"""Drop-in ``save_checkpoint`` / ``load_checkpoint`` for Megatron-LM's training loop.
+
+Both call Megatron-LM's own functions (``megatron.training.checkpointing``, or ``megatron.checkpointing``
+in older checkouts), so everything Megatron-LM puts into a checkpoint and restores from it stays its
+business. Only the I/O is routed through flashckpt, while the call runs:
+
+- save: the files Megatron-LM writes into ``<save>/iter_XXXXXXX/`` (``torch.save`` of the legacy
+  ``mp_rank_XX/model_optim_rng.pt`` and ``distrib_optim.pt``; ``dist_checkpointing.save`` of the
+  ``torch_dist`` format) and its tracker ``latest_checkpointed_iteration.txt`` are staged in shared
+  memory instead of written; the node's saver persists them (DISK) and writes the tracker only once every
+  rank's files are durable (the commit). Megatron-LM's ``async_save`` is turned off for the call: the save
+  already returns as soon as the state is in memory.
+- load: when memory holds an iteration at least as new as storage's, Megatron-LM's
+  ``_load_base_checkpoint`` is answered from memory (each rank's own files in place; files only another
+  rank holds, like replicas and ``common.pt``, exchanged once); otherwise Megatron-LM loads from storage
+  as usual.
+
+The swaps are module attributes of Megatron-LM (and ``megatron.core.optimizer.distrib_optimizer``) set
+for the duration of the call and restored after it; one training thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import io
+import logging
+import os
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flashckpt_core import FileSet, StorageType
+from flashckpt_core.errors import FlashCheckpointError
+from flashckpt_core.retention import CheckpointDeletionStrategy
+
+from ._torchfile import load_parts, torch_save_parts
+from .dist_ckpt import TRACKER_NAME, MegatronCheckpointer, iteration_dir
+
+__all__ = ["save_checkpoint", "load_checkpoint", "configure", "get_checkpointer", "finalize", "megatron_lm"]
+
+log = logging.getLogger(__name__)
+
+_MODULES = ("megatron.training.checkpointing", "megatron.checkpointing")
+_CHECKPOINTERS: dict[str, MegatronCheckpointer] = {}
+_OPTIONS: dict[str, Any] = {"max_to_keep": 0, "deletion_strategy": None, "weights_only": True}
+
+
+def megatron_lm() -> ModuleType:
+    """Megatron-LM's checkpointing module.
+
+    Raises:
+        ImportError: Megatron-LM is not importable (it is not on PyPI: run from a checkout, or put it on
+            ``PYTHONPATH``); megatron-core alone is served by ``patches.megatron.dist_ckpt``.
+    """
+    for name in _MODULES:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name not in (name, name.rsplit(".", 1)[0], "megatron"):
+                raise
+    raise ImportError("patches.megatron.save_checkpoint/load_checkpoint wrap Megatron-LM's checkpointing module "
+                      f"({' or '.join(_MODULES)}), which is not importable. Megatron-LM is not on PyPI: run from a "
+                      "Megatron-LM checkout (or add it to PYTHONPATH). With megatron-core alone, use "
+                      "patches.megatron.dist_ckpt (save/load/FlashCkptSaveStrategy).")
+
+
+def configure(*, max_to_keep: int = 0, deletion_strategy: CheckpointDeletionStrategy | None = None,
+              weights_only: bool = True) -> None:
+    """Options of the checkpointers ``save_checkpoint``/``load_checkpoint`` create (call before the first).
+
+    Args:
+        max_to_keep: committed iterations to keep (0 keeps all, as Megatron-LM does).
+        deletion_strategy: which committed iterations to delete after each commit.
+        weights_only: ``torch.load(weights_only=...)`` for legacy files served from memory.
+    """
+    if _CHECKPOINTERS:
+        raise FlashCheckpointError("patches.megatron.configure(): call it before the first save_checkpoint/"
+                                   "load_checkpoint (checkpointers already exist)")
+    _OPTIONS.update(max_to_keep=max_to_keep, deletion_strategy=deletion_strategy, weights_only=weights_only)
+
+
+def get_checkpointer(checkpoint_dir: str) -> MegatronCheckpointer:
+    """The checkpointer of ``checkpoint_dir`` (Megatron-LM's ``--save`` / ``--load``), created on first use."""
+    key = os.path.abspath(checkpoint_dir)
+    ck = _CHECKPOINTERS.get(key)
+    if ck is None:
+        ck = MegatronCheckpointer(key, **_OPTIONS)
+        _CHECKPOINTERS[key] = ck
+    return ck
+
+
+def finalize(*, release: bool = True, timeout: float | None = None) -> None:
+    """Waits for the scheduled persists (raising the first error) and closes every checkpointer. Call it
+    at the end of training; ``release=False`` keeps the snapshots for a restart that follows at once."""
+    try:
+        for ck in _CHECKPOINTERS.values():
+            ck.wait(timeout)
+    finally:
+        while _CHECKPOINTERS:
+            _, ck = _CHECKPOINTERS.popitem()
+            ck.close(release)
+
+
+# ------------------------------------------------------------------------------------------ swapping
+@contextlib.contextmanager
+def _swapped(swaps: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Sets ``obj.name = value`` for each swap; restores (or removes) them on exit."""
+    missing = object()
+    saved = []
+    try:
+        for obj, name, value in swaps:
+            saved.append((obj, name, obj.__dict__.get(name, missing) if hasattr(obj, "__dict__") else missing))
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, old in reversed(saved):
+            if old is missing:
+                with contextlib.suppress(AttributeError):
+                    delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+
+class _Proxy:
+    """A module with some attributes replaced."""
+
+    def __init__(self, module: Any, **overrides: Any) -> None:
+        self._module = module
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _distrib_optimizer() -> ModuleType | None:
+    try:
+        return importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    except ImportError:
+        return None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+# ------------------------------------------------------------------------------------------ save
+class _TrackerFile(io.StringIO):
+    """What Megatron-LM writes to its tracker; staged as a commit-time tracker entry on close."""
+
+    def __init__(self, fileset: FileSet) -> None:
+        super().__init__()
+        self._fileset = fileset
+
+    def close(self) -> None:
+        if not self.closed:
+            self._fileset.add_raw(TRACKER_NAME, self.getvalue().encode(), kind="tracker")
+        super().close()
+
+
+def _save_swaps(mlm: ModuleType, ck: MegatronCheckpointer, col: Any) -> list[tuple[Any, str, Any]]:
+    from . import dist_ckpt
+
+    base = col.path
+    tracker = os.path.join(ck.checkpoint_dir, TRACKER_NAME)
+
+    def routed(path: Any) -> str | None:
+        if not isinstance(path, (str, os.PathLike)):
+            return None
+        p = os.path.abspath(os.fspath(path))
+        return os.path.relpath(p, base) if os.path.commonpath([p, base]) == base and p != base else None
+
+    def torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        rel = routed(f)
+        if rel is None:
+            torch.save(obj, f, *args, **kwargs)
+        else:
+            col.fileset.add_raw(rel, torch_save_parts(obj))
+
+    real_dist_checkpointing = mlm.dist_checkpointing
+
+    def dist_save(sharded_state_dict: Any, checkpoint_dir: Any, sharded_strategy: Any = None,
+                  common_strategy: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if os.path.abspath(os.fspath(checkpoint_dir)) != base:
+            return real_dist_checkpointing.save(sharded_state_dict, checkpoint_dir, sharded_strategy,
+                                               common_strategy, *args, **kwargs)
+        known = inspect.signature(dist_ckpt.save).parameters
+        unused = sorted(k for k in kwargs if k not in known)
+        if unused:  # newer megatron-cores add options (async_strategy, ...) that a memory snapshot has no use for
+            log.info("dist_checkpointing.save(%s=...): not used by flashckpt", ", ".join(unused))
+        return dist_ckpt.save(sharded_state_dict, base, sharded_strategy, common_strategy, *args,
+                              checkpointer=ck, step=col.step, storage_type=col.storage_type,
+                              **{k: v for k, v in kwargs.items() if k in known})
+
+    orig_ensure = getattr(mlm, "ensure_directory_exists", None)
+
+    def ensure_directory_exists(filename: Any, check_parent: bool = True) -> None:
+        if routed(os.path.join(os.fspath(filename), "x")) is None and orig_ensure is not None:
+            orig_ensure(filename, check_parent)
+
+    def opener(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            if isinstance(file, (str, os.PathLike)) and os.path.abspath(os.fspath(file)) == tracker and "w" in mode:
+                return _TrackerFile(col.fileset)
+            return orig(file, mode, *args, **kwargs)
+        return open_
+
+    torch_proxy = _Proxy(torch, save=torch_save)
+    swaps: list[tuple[Any, str, Any]] = [
+        (mlm, "torch", torch_proxy),
+        (mlm, "dist_checkpointing", _Proxy(real_dist_checkpointing, save=dist_save)),
+        (mlm, "open", opener(open)),
+    ]
+    if orig_ensure is not None:
+        swaps.append((mlm, "ensure_directory_exists", ensure_directory_exists))
+    if hasattr(mlm, "open_file"):  # Megatron-LM up to core 0.18
+        swaps.append((mlm, "open_file", opener(mlm.open_file)))
+    msc = getattr(mlm, "maybe_msc", None)
+    if msc is not None and hasattr(msc, "open"):  # core 0.19 and later: maybe_msc.open(tracker, "w")
+        swaps.append((mlm, "maybe_msc", _Proxy(msc, open=opener(msc.open))))
+    dopt = _distrib_optimizer()
+    if dopt is not None:
+        swaps.append((dopt, "torch", torch_proxy))
+    return swaps
+
+
+def _call(fn: Callable[..., Any], values: dict[str, Any], kwargs: dict[str, Any]) -> Any:
+    """Calls ``fn`` with those of ``values`` its signature has (older Megatron-LMs take fewer)."""
+    params = inspect.signature(fn).parameters
+    return fn(**{k: v for k, v in values.items() if k in params}, **kwargs)
+
+
+def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
+                    num_floating_point_operations_so_far: int = 0, checkpointing_context: dict[str, Any] | None = None,
+                    *, storage_type: StorageType = StorageType.DISK, **kwargs: Any) -> None:
+    """Megatron-LM's ``save_checkpoint`` with ``storage_type``: MEMORY takes a snapshot in shared memory
+    only; DISK also persists it, in Megatron-LM's layout, in the background.
+
+    Same arguments and return value (None) as Megatron-LM's; call it on every rank where Megatron-LM's is
+    called. Returns once the state is in shared memory. ``latest_checkpointed_iteration.txt`` is written
+    when the iteration is committed (every rank's files durable), never before. ``non_persistent_ckpt``
+    saves are passed to Megatron-LM unchanged.
+
+    Raises:
+        ImportError: Megatron-LM is not importable.
+        FlashCheckpointError: the state could not be staged (nothing was saved) or an earlier persist
+            failed (``PersistError``; the snapshot was taken).
+    """
+    mlm = megatron_lm()
+    values = {"iteration": iteration, "model": model, "optimizer": optimizer, "opt_param_scheduler": opt_param_scheduler,
+              "num_floating_point_operations_so_far": num_floating_point_operations_so_far,
+              "checkpointing_context": checkpointing_context}
+    if kwargs.get("non_persistent_ckpt"):
+        _call(mlm.save_checkpoint, values, kwargs)
+        return
+    args = mlm.get_args()
+    ck = get_checkpointer(args.save)
+    path = os.path.join(ck.checkpoint_dir, "release") if kwargs.get("release") else iteration_dir(ck.checkpoint_dir,
+                                                                                                  iteration)
+    async_save = getattr(args, "async_save", False)
+    with ck.collecting(iteration, path, storage_type) as col, _swapped(_save_swaps(mlm, ck, col)):
+        args.async_save = False
+        try:
+            _call(mlm.save_checkpoint, values, kwargs)
+        finally:
+            args.async_save = async_save
+
+
+# ------------------------------------------------------------------------------------------ load
+def _read_tracker(load_dir: str) -> int | None:
+    try:
+        with open(os.path.join(load_dir, TRACKER_NAME)) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else 0 if text == "release" else None
+
+
+def _exchange_files(held: dict[str, list[Any]], wanted: list[str]) -> dict[str, list[Any]]:
+    """Every rank gets the files it wants, from itself or from the lowest rank that holds them (one
+    ``all_gather_object`` and one broadcast per rank serving something). Collective; errors are raised
+    on every rank."""
+    mine = {n: held[n] for n in wanted if n in held}
+    if _world() == 1:
+        missing = [n for n in wanted if n not in held]
+        if missing:
+            raise FlashCheckpointError(f"load_checkpoint(): {missing} are in no snapshot")
+        return mine
+    table: list[Any] = [None] * _world()
+    dist.all_gather_object(table, (sorted(held), [n for n in wanted if n not in held]))
+    owner: dict[str, int] = {}
+    for r, (names, _) in enumerate(table):
+        for n in names:
+            owner.setdefault(n, r)
+    serve: dict[int, set[str]] = {}
+    for r, (_, want) in enumerate(table):
+        for n in want:
+            if n not in owner:
+                raise FlashCheckpointError(f"load_checkpoint(): rank {r} needs {n}, which no rank holds in memory")
+            serve.setdefault(owner[n], set()).add(n)
+    for r in sorted(serve):
+        payload: list[Any] = [None]
+        if r == _rank():
+            payload[0] = {n: [b"".join(bytes(memoryview(_as_bytes(p))) for p in held[n])] for n in sorted(serve[r])}
+        dist.broadcast_object_list(payload, src=r)
+        mine.update({n: v for n, v in payload[0].items() if n in wanted and n not in mine})
+    return mine
+
+
+def _as_bytes(p: Any) -> Any:
+    if isinstance(p, (bytes, bytearray, memoryview)):
+        return p
+    t = p.detach().cpu().contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy() if t.numel() else b""
+
+
+class _MemoryLoad:
+    """Serves one Megatron-LM ``load_checkpoint`` call from the snapshot of ``step``."""
+
+    def __init__(self, mlm: ModuleType, ck: MegatronCheckpointer, step: int, path: str) -> None:
+        self.mlm = mlm
+        self.ck = ck
+        self.step = step
+        self.path = path
+        self.files: dict[str, list[Any]] = {}
+        self.view: Any = None
+
+    def prepare(self, args: Any) -> bool:
+        """Collective: fetches what this rank will read. False (on every rank) when memory cannot serve."""
+        fs = self.ck.engine.load_memory(self.step)
+        held = {n: (e.data if isinstance(e.data, list) else [e.data]) for n, e in fs.items()
+                if e.format == "raw" and e.kind == "file"} if isinstance(fs, FileSet) else {}
+        flag: list[Any] = ["metadata.json" in held] if _rank() == 0 else [None]
+        if _world() > 1:
+            dist.broadcast_object_list(flag, src=0)
+        if flag[0]:  # torch_dist
+            self.view = self.ck.memory_view(self.path, _located=(self.step, self.path), _fileset=fs)
+            return self.view is not None
+        mlm = self.mlm
+        own = os.path.relpath(mlm.get_checkpoint_name(self.ck.checkpoint_dir, self.step, False), self.path)
+        wanted = [own]
+        if getattr(args, "use_distributed_optimizer", False):
+            wanted.append(os.path.join(os.path.dirname(own), "distrib_optim.pt"))
+        if getattr(args, "auto_detect_ckpt_format", False) or getattr(args, "ckpt_format", "torch") == "torch_dist":
+            wanted.append(self._rank0_name(held))
+        wanted = [n for n in dict.fromkeys(wanted) if n]
+        try:
+            self.files = _exchange_files(held, wanted)
+        except FlashCheckpointError as e:
+            log.warning("%s; loading from storage", e)
+            return False
+        return True
+
+    def _rank0_name(self, held: dict[str, list[Any]]) -> str:
+        names: list[Any] = [sorted(n for n in held if n.startswith("mp_rank_00") and n.endswith("model_optim_rng.pt"))
+                            if _rank() == 0 else None]
+        if _world() > 1:
+            dist.broadcast_object_list(names, src=0)
+        return names[0][0] if names[0] else ""
+
+    def _result(self, state_dict: Any, name: str, kind: str) -> Any:
+        ckpt_type = getattr(self.mlm, "CheckpointType", None)
+        return (state_dict, name, False) if ckpt_type is None else (state_dict, name, False, getattr(ckpt_type, kind))
+
+    def load_base(self, orig: Callable[..., Any], load_dir: str, *a: Any, **kw: Any) -> Any:
+        if os.path.abspath(load_dir) != self.ck.checkpoint_dir:
+            return orig(load_dir, *a, **kw)
+        bound = inspect.signature(orig).bind(load_dir, *a, **kw)
+        rank0 = bound.arguments.get("rank0", False)
+        sharded_state_dict = bound.arguments.get("sharded_state_dict")
+        context = bound.arguments.get("checkpointing_context")
+        mlm = self.mlm
+        args = mlm.get_args()
+        if hasattr(mlm, "set_loaded_iteration"):
+            mlm.set_loaded_iteration(self.step)
+        if self.view is not None:
+            from megatron.core import dist_checkpointing
+            from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+
+            with self.view:
+                if rank0:
+                    return self._result(dist_checkpointing.load_common_state_dict(self.path), self.path, "GLOBAL")
+                strategy = get_default_load_sharded_strategy(self.path)
+                if getattr(args, "ckpt_fully_parallel_load", False):
+                    from megatron.core import mpu
+                    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+                        FullyParallelLoadStrategyWrapper,
+                    )
+
+                    strategy = FullyParallelLoadStrategyWrapper(
+                        strategy, mpu.get_data_parallel_group(with_context_parallel=True))
+                if context is not None:
+                    context["load_strategy"] = strategy
+                sd = dist_checkpointing.load(sharded_state_dict, self.path, strategy,
+                                             strict=getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected"))
+                return self._result(sd, self.path, "GLOBAL")
+        if rank0:
+            name = next((n for n in self.files if n.startswith("mp_rank_00") and n.endswith("model_optim_rng.pt")), "")
+        else:
+            name = os.path.relpath(mlm.get_checkpoint_name(self.ck.checkpoint_dir, self.step, False), self.path)
+        if name not in self.files:
+            raise FlashCheckpointError(f"load_checkpoint(): {name} of iteration {self.step} was not fetched from memory")
+        sd = load_parts(self.files[name], weights_only=self.ck.weights_only)
+        return self._result(sd, os.path.join(self.path, name), "LEGACY")
+
+    def swaps(self) -> list[tuple[Any, str, Any]]:
+        mlm = self.mlm
+        orig = mlm._load_base_checkpoint
+        tracker = os.path.join(self.ck.checkpoint_dir, TRACKER_NAME)
+        orig_read = mlm.read_metadata
+        step = self.step
+
+        def load_base(load_dir: str, *a: Any, **kw: Any) -> Any:
+            return self.load_base(orig, load_dir, *a, **kw)
+
+        def read_metadata(tracker_filename: str) -> Any:
+            if os.path.abspath(tracker_filename) == tracker:
+                return step, False
+            return orig_read(tracker_filename)
+
+        def torch_load(f: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(f, (str, os.PathLike)):
+                p = os.path.abspath(os.fspath(f))
+                rel = os.path.relpath(p, self.path) if os.path.commonpath([p, self.path]) == self.path else None
+                if rel in self.files:
+                    return load_parts(self.files[rel], weights_only=kwargs.get("weights_only", self.ck.weights_only))
+            return torch.load(f, *args, **kwargs)
+
+        swaps: list[tuple[Any, str, Any]] = [(mlm, "_load_base_checkpoint", load_base),
+                                             (mlm, "read_metadata", read_metadata)]
+        dopt = _distrib_optimizer()
+        if dopt is not None:
+            swaps.append((dopt, "torch", _Proxy(torch, load=torch_load)))
+        return swaps
+
+
+def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load", strict: bool = True,
+                    **kwargs: Any) -> Any:
+    """Megatron-LM's ``load_checkpoint``, served from memory when memory holds the newest iteration.
+
+    Same arguments and return value as Megatron-LM's (the iteration, and in recent versions also
+    ``num_floating_point_operations_so_far``). Collective: call it on every rank. Memory wins when every
+    rank holds an iteration at least as new as the tracker's; otherwise Megatron-LM reads storage (when
+    the tracker's iteration is a committed one that fails its checksums, the newest intact committed
+    iteration is loaded instead, through ``args.ckpt_step``).
+    """
+    mlm = megatron_lm()
+    args = mlm.get_args()
+    load_dir = getattr(args, load_arg, None)
+    values = {"model": model, "ddp_model": model, "optimizer": optimizer, "opt_param_scheduler": opt_param_scheduler,
+              "load_arg": load_arg, "strict": strict}
+    if not load_dir or getattr(args, "ckpt_step", None):
+        return _call(mlm.load_checkpoint, values, kwargs)
+    ck = get_checkpointer(load_dir)
+    loc = ck.engine.locate()
+    tracked = _read_tracker(ck.checkpoint_dir)
+    if loc.source == "memory" and loc.step is not None and loc.path is not None and (tracked is None or loc.step >= tracked):
+        served = _MemoryLoad(mlm, ck, loc.step, loc.path)
+        if served.prepare(args):
+            log.info("event=megatron_lm_load step=%d source=memory", loc.step)
+            with _swapped(served.swaps()):
+                return _call(mlm.load_checkpoint, values, kwargs)
+    if (loc.source == "storage" and loc.step is not None and tracked is not None and tracked != loc.step
+            and tracked in ck.engine.committed_steps() and hasattr(args, "ckpt_step")):
+        log.warning("load_checkpoint(): iteration %d (the tracker's) is damaged; loading iteration %d", tracked, loc.step)
+        args.ckpt_step = loc.step
+        try:
+            return _call(mlm.load_checkpoint, values, kwargs)
+        finally:
+            args.ckpt_step = None
+    return _call(mlm.load_checkpoint, values, kwargs)
