@@ -126,7 +126,16 @@ def flatten(obj: Any) -> Flat:
                 path.append(k)
                 items.append([enc_key(k), enc(v)])
                 path.pop()
-            return ["d" if tx is dict else "od", items]
+            if tx is OrderedDict:
+                # nn.Module.state_dict() attaches per-module versions as ``_metadata``; torch.save keeps it.
+                md = getattr(x, "_metadata", None)
+                if md is not None:
+                    path.append("_metadata")
+                    enc_md = enc(md)
+                    path.pop()
+                    return ["od", items, enc_md]
+                return ["od", items]
+            return ["d", items]
         if tx is list or tx is tuple:
             out = []
             for i, v in enumerate(x):
@@ -334,7 +343,10 @@ def unflatten(skeleton: Any, tensors: list[Any], opaque: list[Any]) -> Any:
         if tag == "d":
             return {dec_key(k): dec(v) for k, v in x[1]}
         if tag == "od":
-            return OrderedDict((dec_key(k), dec(v)) for k, v in x[1])
+            od = OrderedDict((dec_key(k), dec(v)) for k, v in x[1])
+            if len(x) > 2:
+                od._metadata = dec(x[2])  # type: ignore[attr-defined]
+            return od
         if tag == "l":
             return [dec(v) for v in x[1]]
         if tag == "t":

@@ -187,8 +187,13 @@ def test_last_words_persist_a_memory_only_set(runtime_dir, ckpt_dir, tmp_path):
     assert saver_pids(runtime_dir)
     wait_for(lambda: committed(ckpt_dir) == [1, 2], 60, "the last-words commit of step 2")
     check_on_storage(ckpt_dir, 2)
-    with open(os.path.join(ckpt_dir, "latest"), "rb") as f:
-        assert f.read() == b"checkpoint-2"
+
+    def latest() -> bytes:
+        with open(os.path.join(ckpt_dir, "latest"), "rb") as f:
+            return f.read()
+
+    # The tracker follows the manifest (a reader of the tracker never sees an uncommitted step).
+    wait_for(lambda: latest() == b"checkpoint-2", 30, "the tracker to name step 2")
     (res,) = run_ranks(restarted_set_trainer, 1, str(tmp_path / "restart"), args={"ckpt_dir": ckpt_dir}, dist=False)
     assert res == {"source": "memory", "step": 2, "path": os.path.join(ckpt_dir, "checkpoint-2"),
                    "state": json.dumps({"global_step": 2})}

@@ -283,3 +283,21 @@ def test_memory_load_decodes_python_objects_under_weights_only(runtime_dir, tmp_
     with pytest.raises(InvalidStateDictError, match="weights_only=False"):
         strict.load()
     strict.close()
+
+
+def test_module_state_dict_metadata_survives_like_torch_save(make_engine, ckpt_dir):
+    """nn.Module.state_dict() carries per-module versions in ``_metadata``; torch.save keeps them, and so do
+    memory snapshots and persisted files."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    sd = model.state_dict()
+    assert sd._metadata  # what torch gives us
+    flat = flatten({"model": sd})
+    back = unflatten(json.loads(json.dumps(flat.skeleton)), flat.tensors, flat.opaque)
+    assert back["model"]._metadata == sd._metadata
+    eng = make_engine(max_to_keep=0)
+    eng.save(1, {"model": sd}, storage_type=StorageType.DISK)
+    eng.wait(60)
+    assert eng.load()["model"]._metadata == sd._metadata
+    on_disk = torch.load(os.path.join(ckpt_dir, "step_1", "rank_00000.pt"), weights_only=True)
+    assert on_disk["model"]._metadata == sd._metadata
+    eng.close()
