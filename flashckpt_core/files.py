@@ -34,7 +34,7 @@ import torch
 from . import errors as E
 from .storage import HashingWriter
 
-__all__ = ["FileSet", "FileEntry", "FILES_KEY", "is_fileset_tree", "safetensors_dtype", "write_raw"]
+__all__ = ["FileSet", "FileEntry", "FILES_KEY", "is_fileset_tree", "safetensors_dtype", "tensor_view", "write_raw"]
 
 FILES_KEY = "__flashckpt_files__"
 KINDS = ("file", "commit", "tracker")
@@ -161,10 +161,11 @@ def _check_name(name: str, kind: str) -> str:
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return bytes(_tensor_view(t))
+    return bytes(tensor_view(t))
 
 
-def _tensor_view(t: torch.Tensor) -> memoryview:
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes in C order (copied to the CPU and made contiguous only when it is not already)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -180,7 +181,7 @@ def write_raw(parts: list[Any], f: BinaryIO) -> tuple[int, str]:
     for p in parts:
         if isinstance(p, torch.Tensor):
             if p.numel():
-                w.write(_tensor_view(p))
+                w.write(tensor_view(p))
         elif p:
             w.write(p)
     return w.size, w.hexdigest()

@@ -50,7 +50,7 @@ import pickle
 import re
 import uuid
 from dataclasses import dataclass
-from typing import IO, Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,8 @@ from torch.futures import Future
 
 from flashckpt_core import FileSet
 from flashckpt_core.errors import CheckpointCorruptError, FlashCheckpointError
+from flashckpt_core.files import tensor_view
+from flashckpt_core.torchfile import torch_save_parts
 
 __all__ = ["FileSetStorageWriter", "FileSetStorageReader", "CachingSavePlanner", "open_memory_reader",
            "torch_save_frame", "data_file_name", "METADATA_NAME"]
@@ -94,37 +96,6 @@ def data_file_name(rank: int) -> str:
 
 
 # ------------------------------------------------------------------------------------- tensor records
-class _Sink:
-    """A write-only stream that remembers written bytes and the gaps ``torch.save`` seeks over."""
-
-    def __init__(self) -> None:
-        self.pos = 0
-        self.chunks: list[tuple[int, bytes]] = []
-        self.gaps: list[tuple[int, int]] = []
-
-    def write(self, b: Any) -> int:
-        data = bytes(b)
-        if data:
-            self.chunks.append((self.pos, data))
-        self.pos += len(data)
-        return len(data)
-
-    def seek(self, off: int, whence: int = 0) -> int:
-        new = off if whence == 0 else self.pos + off if whence == 1 else -1
-        if new < 0:
-            raise OSError("unsupported seek")
-        if new > self.pos:
-            self.gaps.append((self.pos, new - self.pos))
-        self.pos = new
-        return new
-
-    def tell(self) -> int:
-        return self.pos
-
-    def flush(self) -> None:
-        pass
-
-
 _FRAMES: dict[tuple[torch.dtype, tuple[int, ...]], tuple[bytes, bytes]] = {}
 
 
@@ -141,34 +112,18 @@ def torch_save_frame(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes,
     frame = _FRAMES.get(key)
     if frame is not None:
         return frame
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    t = torch.empty(shape, dtype=dtype)  # never touched (skip_data only records its size): no pages are used
-    sink = _Sink()
-    with torch.serialization.skip_data():
-        torch.save(t, cast(IO[bytes], sink))  # a file-like object: write/seek/tell/flush
-    written = b"".join(c for _, c in sorted(sink.chunks))
-    if nbytes == 0 and not sink.gaps:
-        frame = (written, b"")
-    elif len(sink.gaps) == 1 and sink.gaps[0][1] == nbytes and len(written) + nbytes == sink.pos:
-        at = sink.gaps[0][0]
-        frame = (written[:at], written[at:])
+    # The tensor is never touched (skip_data only records its size): no pages are used.
+    parts = torch_save_parts(torch.empty(shape, dtype=dtype))
+    if len(parts) == 1 and isinstance(parts[0], bytes):  # no data (a zero-size tensor)
+        frame = (parts[0], b"")
+    elif len(parts) == 3 and isinstance(parts[0], bytes) and isinstance(parts[2], bytes):
+        frame = (parts[0], parts[2])
     else:
         raise FlashCheckpointError(f"torch_save_frame({dtype}, {tuple(shape)}): torch {torch.__version__} wrote the "
-                                   f"tensor's data in an unexpected way (gaps {sink.gaps}); flashckpt's DCP writer "
-                                   "does not support this torch version")
+                                   "tensor's data in an unexpected way; flashckpt's DCP writer does not support this "
+                                   "torch version")
     _FRAMES[key] = frame
     return frame
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    flat = t.contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
 # ------------------------------------------------------------------------------------------- planning
@@ -392,7 +347,7 @@ class _Parts:
             lo, hi = max(s, offset), min(e, offset + length)
             if lo >= hi:
                 continue
-            view = memoryview(p) if isinstance(p, bytes) else _tensor_bytes(p)
+            view = memoryview(p) if isinstance(p, bytes) else tensor_view(p)
             out += view[lo - s: hi - s]
         return bytes(out)
 

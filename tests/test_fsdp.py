@@ -231,7 +231,8 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_torch_save_frame_around_the_data_is_a_torch_save_file(dtype):
-    from integrations._dcp import _tensor_bytes, torch_save_frame
+    from flashckpt_core.files import tensor_view as _tensor_bytes
+    from integrations._dcp import torch_save_frame
 
     for shape in [(), (0,), (7,), (3, 5), (2, 0, 4), (64, 33)]:
         t = (torch.rand(shape) > 0.5) if dtype == torch.bool else (torch.randn(shape) * 50).to(dtype)

@@ -348,7 +348,7 @@ def test_torch_save_parts_is_torch_save():
     import zipfile
     from argparse import Namespace
 
-    from patches.megatron._torchfile import load_parts, parts_size, torch_save_parts
+    from flashckpt_core.torchfile import load_parts, parts_size, torch_save_parts
 
     w = torch.randn(10, 4)
     state = {"model": {"w": w, "w_t": w.t(), "rows": w[2:4], "b": torch.arange(3).to(torch.bfloat16),

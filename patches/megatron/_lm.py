@@ -37,8 +37,8 @@ import torch.distributed as dist
 from flashckpt_core import FileSet, StorageType
 from flashckpt_core.errors import FlashCheckpointError
 from flashckpt_core.retention import CheckpointDeletionStrategy
+from flashckpt_core.torchfile import load_parts, torch_save_parts
 
-from ._torchfile import load_parts, torch_save_parts
 from .dist_ckpt import TRACKER_NAME, MegatronCheckpointer, iteration_dir
 
 __all__ = ["save_checkpoint", "load_checkpoint", "configure", "get_checkpointer", "finalize", "megatron_lm"]

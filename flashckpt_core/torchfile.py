@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from flashckpt_core.errors import FlashCheckpointError
+from .errors import FlashCheckpointError
+from .files import tensor_view
 
 __all__ = ["torch_save_parts", "parts_size", "PartsReader", "load_parts"]
 
@@ -135,13 +136,7 @@ def parts_size(parts: list[Any]) -> int:
 
 
 def _part_view(p: Any) -> memoryview:
-    if isinstance(p, (bytes, bytearray, memoryview)):
-        return memoryview(p)
-    t = p.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    flat = t.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return memoryview(p) if isinstance(p, (bytes, bytearray, memoryview)) else tensor_view(p)
 
 
 class PartsReader(io.RawIOBase):
