@@ -27,14 +27,13 @@ import json
 import os
 import posixpath
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
 from . import errors as E
-from .storage import HashingWriter
 
-__all__ = ["FileSet", "FileEntry", "FILES_KEY", "is_fileset_tree", "safetensors_dtype", "tensor_view", "write_raw"]
+__all__ = ["FileSet", "FileEntry", "FILES_KEY", "is_fileset_tree", "safetensors_dtype", "tensor_view"]
 
 FILES_KEY = "__flashckpt_files__"
 KINDS = ("file", "commit", "tracker")
@@ -173,15 +172,3 @@ def tensor_view(t: torch.Tensor) -> memoryview:
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
-
-
-def write_raw(parts: list[Any], f: BinaryIO) -> tuple[int, str]:
-    """Writes raw parts to ``f``; returns (size, xxh3 hex)."""
-    w = HashingWriter(f)
-    for p in parts:
-        if isinstance(p, torch.Tensor):
-            if p.numel():
-                w.write(tensor_view(p))
-        elif p:
-            w.write(p)
-    return w.size, w.hexdigest()

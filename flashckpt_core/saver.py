@@ -34,10 +34,12 @@ from ._protocol import Client, peer_uid, recv_msg, send_msg
 from ._tree import TensorMeta, build_tensor, split_opaque, unflatten
 from .commit import CommitLayout
 from .config import Knobs, is_default_runtime_dir, make_private_dir
-from .files import FileSet, is_fileset_tree, write_raw
+from .files import FileSet, is_fileset_tree
+from .filewriter import write_parts
 from .ipc import SharedLock
 from .shm import COMPLETE, FLAG_PENDING, FLAG_PINNED, Segment, lock_path, segment_path, segment_paths
 from .storage import CheckpointStorage, FileRecord, HashingWriter, PosixDiskStorage
+from .torchfile import torch_save_parts, zip_crc_slots
 
 __all__ = ["CheckpointSaver", "ensure_saver", "SOCKET_NAME"]
 
@@ -742,11 +744,32 @@ def _page(n: int) -> int:
 
 
 def _raw_save(parts: list[Any], path: str) -> tuple[int, str]:
-    with open(path, "wb") as f:
-        return write_raw(parts, f)
+    return write_parts(path, parts)
 
 
 def _torch_save(tree: Any, path: str) -> tuple[int, str]:
+    """Writes ``torch.save(tree)``'s file to ``path``; returns (size, xxh3).
+
+    The file is split into its ``torch.save`` bytes and the storages' data (``torch_save_parts``) and
+    streamed to disk with direct I/O (``write_parts``), the zip CRC-32s filled in on the way when torch's
+    CRC option is on (its default). A torch whose archive layout the split does not recognize gets a
+    plain ``torch.save`` instead (``_torch_save_plain``)."""
+    try:
+        parts = torch_save_parts(tree)
+        slots = zip_crc_slots(parts) if torch.serialization.get_crc32_options() else None
+    except E.FlashCheckpointError as e:
+        global _warned_plain
+        if not _warned_plain:
+            _warned_plain = True
+            log.warning("%s; persisting with torch.save instead", e)
+        return _torch_save_plain(tree, path)
+    return write_parts(path, parts, crc_slots=slots)
+
+
+_warned_plain = False
+
+
+def _torch_save_plain(tree: Any, path: str) -> tuple[int, str]:
     """``torch.save`` through a Python file object that checksums as it writes; returns (size, xxh3).
 
     Writing through a file object also makes a failing write surface as its OSError: given a path,

@@ -8,6 +8,8 @@ records). A second pickling pass with the same protocol lists the storages in th
 numbers them (first appearance while pickling); each gap is filled by a uint8 view of its storage.
 Differences from a plain ``torch.save`` of the same object into a buffer: none in layout; the zip
 CRC-32 of the data records is 0 and ``.data/serialization_id`` differs (``torch.load`` checks neither).
+``zip_crc_slots`` says where those CRC-32s go, so a writer can fill them in as it streams the data
+(``filewriter.write_parts``); the file is then a zip archive any zip tool verifies.
 A ``torch.save`` to a path names the archive's records after the file (``model_optim_rng/...``), one
 to a buffer ``archive/...``; ``torch.load`` reads both.
 
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
+import types
 from typing import Any
 
 import torch
@@ -25,7 +29,7 @@ import torch
 from .errors import FlashCheckpointError
 from .files import tensor_view
 
-__all__ = ["torch_save_parts", "parts_size", "PartsReader", "load_parts"]
+__all__ = ["torch_save_parts", "parts_size", "PartsReader", "load_parts", "zip_crc_slots"]
 
 
 class _Sink:
@@ -91,6 +95,46 @@ def _u8(st: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
 
 
+class _RecordingPickler(pickle.Pickler):
+    """The base of ``torch.save``'s pickler (through ``pickle_module``): records each storage its
+    ``persistent_id`` saves, in torch's key order (first appearance, deduplicated by storage)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        inner = self.persistent_id  # torch's, bound: it subclasses this class and overrides the method
+        rec: dict[int, torch.UntypedStorage] = {}
+        _recording.storages = rec
+
+        def persistent_id(o: Any) -> Any:
+            r = inner(o)
+            if r is not None:
+                st = o._untyped_storage if isinstance(o, torch.storage.TypedStorage) else o
+                rec.setdefault(st._cdata, st)
+            return r
+
+        pickle.Pickler.persistent_id.__set__(self, persistent_id)  # type: ignore[attr-defined]
+
+
+_recording = threading.local()
+_RECORDING_MODULE = types.SimpleNamespace(__name__="pickle", Pickler=_RecordingPickler,
+                                          Unpickler=pickle.Unpickler)
+
+
+def _save_recording_storages(obj: Any, sink: Any) -> list[torch.UntypedStorage] | None:
+    """``torch.save(obj, sink)`` that also returns the storages it saved, in key order, from the same
+    pickling pass; None where this Python's pickler does not allow it (the caller walks ``obj`` then)."""
+    _recording.storages = None
+    try:
+        torch.save(obj, sink, pickle_module=_RECORDING_MODULE)  # type: ignore[arg-type]
+    except (AttributeError, TypeError) as e:
+        if "persistent_id" not in str(e):
+            raise
+        return None
+    rec = _recording.storages
+    _recording.storages = None
+    return None if rec is None else list(rec.values())
+
+
 def torch_save_parts(obj: Any) -> list[Any]:
     """``torch.save(obj, buffer)`` as parts: bytes, and uint8 views of the storages (any device, no copy)
     where their data goes. ``b"".join`` of the parts' bytes is a ``torch.save`` file of ``obj``.
@@ -102,8 +146,11 @@ def torch_save_parts(obj: Any) -> list[Any]:
     """
     sink = _Sink()
     with torch.serialization.skip_data():
-        storages = _storages_in_save_order(obj)
-        torch.save(obj, sink)  # type: ignore[arg-type]  # a file-like object: only write/seek/tell/flush
+        storages = _save_recording_storages(obj, sink)
+        if storages is None:
+            sink = _Sink()
+            storages = _storages_in_save_order(obj)
+            torch.save(obj, sink)  # type: ignore[arg-type]  # a file-like object: only write/seek/tell/flush
     filled = iter([st for st in storages if st.nbytes() > 0])
     parts: list[Any] = []
     pending = bytearray()
@@ -127,6 +174,79 @@ def torch_save_parts(obj: Any) -> list[Any]:
     if pending:
         parts.append(bytes(pending))
     return parts
+
+
+def _u16(b: Any, at: int) -> int:
+    return int.from_bytes(b[at:at + 2], "little")
+
+
+def _u32(b: Any, at: int) -> int:
+    return int.from_bytes(b[at:at + 4], "little")
+
+
+def zip_crc_slots(parts: list[Any]) -> dict[int, list[tuple[int, int]]]:
+    """Where the CRC-32 of each storage of ``torch_save_parts`` output belongs: {tensor part index:
+    [(bytes part index, offset), ...]}, its data descriptor (the record's ``PK\\x07\\x08`` right after the
+    data) and its central directory entry. Turns the bytes parts that hold slots into ``bytearray``
+    (in place) so they can be filled in.
+
+    Raises:
+        FlashCheckpointError: the parts are not laid out as ``torch.save`` writes a zip archive.
+    """
+    def bad(why: str) -> FlashCheckpointError:
+        return FlashCheckpointError(f"zip_crc_slots: {why}; torch {torch.__version__} writes archives in a "
+                                    "layout flashckpt does not expect")
+
+    names: dict[bytes, int] = {}
+    slots: dict[int, list[tuple[int, int]]] = {}
+    for i, p in enumerate(parts):
+        if not isinstance(p, torch.Tensor):
+            continue
+        if i == 0 or i + 1 >= len(parts) or isinstance(parts[i - 1], torch.Tensor) \
+                or isinstance(parts[i + 1], torch.Tensor):
+            raise bad(f"storage part {i} is not between two headers")
+        head, tail = parts[i - 1], parts[i + 1]
+        lh = bytes(head).rfind(b"PK\x03\x04")
+        if lh < 0:
+            raise bad("no local file header before a storage")
+        n_name, n_extra = _u16(head, lh + 26), _u16(head, lh + 28)
+        if lh + 30 + n_name + n_extra != len(head) or bytes(tail[:4]) != b"PK\x07\x08":
+            raise bad("a storage's local header or data descriptor is not where expected")
+        names[bytes(head[lh + 30:lh + 30 + n_name])] = i
+        parts[i + 1] = bytearray(tail)
+        slots[i] = [(i + 1, 4)]
+    if not slots:
+        return slots
+    last = len(parts) - 1
+    if isinstance(parts[last], torch.Tensor):
+        raise bad("the archive does not end with its directory")
+    end = parts[last] = bytearray(parts[last])
+    start_of_last = parts_size(parts[:last])
+    eocd = bytes(end).rfind(b"PK\x05\x06")
+    if eocd < 0:
+        raise bad("no end of central directory record")
+    count, cd = _u16(end, eocd + 10), _u32(end, eocd + 16)
+    if cd == 0xFFFFFFFF or count == 0xFFFF:  # zip64: the locator before the record points at the zip64 record
+        loc = eocd - 20
+        if bytes(end[loc:loc + 4]) != b"PK\x06\x07":
+            raise bad("no zip64 locator")
+        z = int.from_bytes(end[loc + 8:loc + 16], "little") - start_of_last
+        if bytes(end[z:z + 4]) != b"PK\x06\x06":
+            raise bad("no zip64 end of central directory record")
+        count = int.from_bytes(end[z + 32:z + 40], "little")
+        cd = int.from_bytes(end[z + 48:z + 56], "little")
+    at = cd - start_of_last
+    for _ in range(count):
+        if at < 0 or bytes(end[at:at + 4]) != b"PK\x01\x02":
+            raise bad("a central directory entry is not where expected")
+        n_name, n_extra, n_comment = _u16(end, at + 28), _u16(end, at + 30), _u16(end, at + 32)
+        i = names.pop(bytes(end[at + 46:at + 46 + n_name]), -1)
+        if i >= 0:
+            slots[i].append((last, at + 16))
+        at += 46 + n_name + n_extra + n_comment
+    if names:
+        raise bad("storages missing from the central directory")
+    return slots
 
 
 def parts_size(parts: list[Any]) -> int:
