@@ -129,10 +129,11 @@ def write_parts(path: str, parts: Sequence[Any], *,
         writer.full.put((cur, n))
         cur, fill = None, 0
 
-    def take() -> None:
+    def take() -> mmap.mmap:
         nonlocal cur, cur_addr
         cur = writer.free.get()
         cur_addr = addrs[id(cur)]
+        return cur
 
     try:
         for i, p in enumerate(parts):
@@ -140,7 +141,7 @@ def write_parts(path: str, parts: Sequence[Any], *,
                 t = _cpu_contiguous(p)
                 n = t.numel() * t.element_size()
                 addr = t.data_ptr() if n else 0
-                src = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if n else memoryview(b"")
+                src = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if n else memoryview(b"")  # type: ignore[arg-type]
             else:
                 src = memoryview(p).cast("B")
                 n = len(src)
@@ -148,14 +149,13 @@ def write_parts(path: str, parts: Sequence[Any], *,
             crc = 0
             off = 0
             while off < n:
-                if cur is None:
-                    take()
+                buf = cur if cur is not None else take()
                 k = min(n - off, BUFFER_BYTES - fill)
                 chunk = src[off:off + k]
                 if addr:
                     ctypes.memmove(cur_addr + fill, addr + off, k)  # releases the GIL
                 else:
-                    memoryview(cur)[fill:fill + k] = chunk  # type: ignore[index]
+                    memoryview(buf)[fill:fill + k] = chunk
                 h.update(chunk)
                 if crc_slots is not None and i in crc_slots:
                     crc = zlib.crc32(chunk, crc)
@@ -170,7 +170,7 @@ def write_parts(path: str, parts: Sequence[Any], *,
         if fill:
             assert cur is not None
             padded = -(-fill // _ALIGN) * _ALIGN
-            memoryview(cur)[fill:padded] = bytes(padded - fill)  # type: ignore[index]
+            memoryview(cur)[fill:padded] = bytes(padded - fill)
             flush(padded)
         writer.full.put(None)
         writer.join()

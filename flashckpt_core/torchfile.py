@@ -125,7 +125,7 @@ def _save_recording_storages(obj: Any, sink: Any) -> list[torch.UntypedStorage] 
     pickling pass; None where this Python's pickler does not allow it (the caller walks ``obj`` then)."""
     _recording.storages = None
     try:
-        torch.save(obj, sink, pickle_module=_RECORDING_MODULE)  # type: ignore[arg-type]
+        torch.save(obj, sink, pickle_module=_RECORDING_MODULE)
     except (AttributeError, TypeError) as e:
         if "persistent_id" not in str(e):
             raise
