@@ -16,6 +16,7 @@ saver never unpickles them (it embeds them in persisted files as ``pickle.loads(
 
 from __future__ import annotations
 
+import array
 import base64
 import json
 import pickle
@@ -30,6 +31,7 @@ from .errors import InvalidStateDictError
 __all__ = ["TensorMeta", "Flat", "SnapshotPlan", "flatten", "plan_snapshot", "unflatten", "decode_opaque", "ALIGN"]
 
 ALIGN = 64
+SMALL_COPY = 256 << 10  # storages below this are copied by one native call (when built), not on threads
 
 _PLAIN = (str, int, float, bool, type(None))
 _RAW = (str, int, type(None))  # appear in the skeleton as themselves
@@ -98,51 +100,49 @@ def _key_str(path: list[Any]) -> str:
     return "".join(f"[{p!r}]" for p in path) or "<root>"
 
 
-def flatten(obj: Any) -> Flat:
+def flatten(obj: Any, *, check_tensors: bool = True) -> Flat:
     """Split a state dict into a JSON skeleton, its tensors and its opaque leaves.
+
+    Hot path (once per save): no per-item bookkeeping; where a leaf cannot be stored the walk stops and
+    ``_path_to`` finds its key for the message. ``check_tensors=False`` leaves the per-tensor checks
+    (layout, meta, quantized) to the caller (the native scan does them in C++); tensor subclasses are
+    refused either way.
 
     Raises:
         InvalidStateDictError: a sparse, meta, quantized or otherwise unstorable tensor, naming its key.
     """
     tensors: list[torch.Tensor] = []
     opaque: list[Any] = []
-    path: list[Any] = []
+    add_tensor = tensors.append
+    tensor_t, param_t, strided = torch.Tensor, torch.nn.Parameter, _STRIDED
+    raw = _RAW
 
     def enc(x: Any) -> Any:
         tx = type(x)
-        if tx in _RAW:
+        if tx is tensor_t or tx is param_t:
+            if check_tensors and not (x.layout is strided and not x.is_meta and not x.is_quantized):
+                _check_tensor(x, _path_to(obj, x))
+            add_tensor(x)
+            return ["T", len(tensors) - 1]
+        if tx in raw:
             return x
+        if tx is dict or tx is OrderedDict:
+            items = [[k if type(k) in raw else enc_key(k), enc(v)] for k, v in x.items()]
+            if tx is OrderedDict:
+                # nn.Module.state_dict() attaches per-module versions as ``_metadata``; torch.save keeps it.
+                md = getattr(x, "_metadata", None)
+                if md is not None:
+                    return ["od", items, enc(md)]
+                return ["od", items]
+            return ["d", items]
+        if tx is list or tx is tuple:
+            return ["l" if tx is list else "t", [enc(v) for v in x]]
         if tx is float:
             return ["f", x.hex()]
         if tx is bool:
             return ["B", x]
         if isinstance(x, torch.Tensor):
-            _check_tensor(x, path)
-            tensors.append(x)
-            return ["T", len(tensors) - 1]
-        if tx is dict or tx is OrderedDict:
-            items = []
-            for k, v in x.items():
-                path.append(k)
-                items.append([enc_key(k), enc(v)])
-                path.pop()
-            if tx is OrderedDict:
-                # nn.Module.state_dict() attaches per-module versions as ``_metadata``; torch.save keeps it.
-                md = getattr(x, "_metadata", None)
-                if md is not None:
-                    path.append("_metadata")
-                    enc_md = enc(md)
-                    path.pop()
-                    return ["od", items, enc_md]
-                return ["od", items]
-            return ["d", items]
-        if tx is list or tx is tuple:
-            out = []
-            for i, v in enumerate(x):
-                path.append(i)
-                out.append(enc(v))
-                path.pop()
-            return ["l" if tx is list else "t", out]
+            _check_tensor(x, _path_to(obj, x))
         if tx is bytes:
             return ["b", base64.b64encode(x).decode("ascii")]
         if tx is complex:
@@ -153,12 +153,12 @@ def flatten(obj: Any) -> Flat:
             return ["sz", list(x)]
         if tx is torch.device:
             return ["dev", str(x)]
-        _check_opaque(x, path)
+        _check_opaque(x, obj)
         opaque.append(x)
         return ["o", len(opaque) - 1]
 
     def enc_key(k: Any) -> Any:
-        if type(k) in _RAW:
+        if type(k) in raw:
             return k
         if type(k) is float:
             return ["f", k.hex()]
@@ -168,12 +168,34 @@ def flatten(obj: Any) -> Flat:
             return ["t", [enc_key(v) for v in k]]
         if type(k) is bytes:
             return ["b", base64.b64encode(k).decode("ascii")]
-        _check_opaque(k, path)
+        _check_opaque(k, obj)
         opaque.append(k)
         return ["o", len(opaque) - 1]
 
     skeleton = enc(obj)
     return Flat(skeleton, tensors, opaque)
+
+
+def _path_to(root: Any, target: Any) -> list[Any]:
+    """The keys leading from ``root`` to the object ``target`` (or to the dict key that is ``target``),
+    for error messages; [] when it is not found."""
+    stack: list[tuple[Any, list[Any]]] = [(root, [])]
+    while stack:
+        x, path = stack.pop()
+        if x is target:
+            return path
+        tx = type(x)
+        if tx is dict or tx is OrderedDict:
+            for k, v in x.items():
+                if k is target:
+                    return path + [k]
+                stack.append((v, path + [k]))
+            md = getattr(x, "_metadata", None) if tx is OrderedDict else None
+            if md is not None:
+                stack.append((md, path + ["_metadata"]))
+        elif tx is list or tx is tuple:
+            stack.extend((v, path + [i]) for i, v in enumerate(x))
+    return []
 
 
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -201,12 +223,12 @@ def _check_tensor(t: torch.Tensor, path: list[Any]) -> None:
         "(DTensor.to_local()) or use the sharded checkpointer (integrations.fsdp.FsdpShardCheckpointer).")
 
 
-def _check_opaque(x: Any, path: list[Any]) -> None:
+def _check_opaque(x: Any, root: Any) -> None:
     try:
         pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:
         raise InvalidStateDictError(
-            f"save(): the value at {_key_str(path)} of type {type(x).__qualname__} can be neither stored "
+            f"save(): the value at {_key_str(_path_to(root, x))} of type {type(x).__qualname__} can be neither stored "
             f"natively nor pickled ({e}); replace it with plain types or tensors.") from e
 
 
@@ -224,6 +246,9 @@ class SnapshotPlan:
         copies: (tensor index, region offset, nbytes) of the first tensor of every non-empty CPU region;
             what a snapshot copies.
         device_copies: the same for regions on an accelerator.
+        native_signature: the native scan's signature of the tensors (b"" without the extension).
+        small_copies_packed: ``copies`` below ``SMALL_COPY`` bytes as packed int64 triples, which the
+            native fast path copies in one call; large_copies: the others, which copy on threads.
     """
 
     signature: tuple[Any, ...]
@@ -234,6 +259,9 @@ class SnapshotPlan:
     metas_json: str
     copies: tuple[tuple[int, int, int], ...] = ()
     device_copies: tuple[tuple[int, int, int], ...] = ()
+    native_signature: bytes = b""
+    small_copies_packed: bytes = b""
+    large_copies: tuple[tuple[int, int, int], ...] = ()
 
 
 def signature_of(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], list[int]]:
@@ -259,7 +287,8 @@ def signature_of(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], list[int
     return tuple(sig), ptrs
 
 
-def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...]) -> SnapshotPlan:
+def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...], *,
+                  native_signature: bytes = b"") -> SnapshotPlan:
     """Lay out every distinct storage once, 64-byte aligned, in traversal order."""
     regions: list[tuple[int, int]] = []
     group_region: dict[int, int] = {}
@@ -290,8 +319,10 @@ def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...]) -> Sn
             continue
         first.add(ri)
         (device_copies if s[6] >= 0 else copies).append((i, regions[ri][0], regions[ri][1]))
+    small = array.array("q", [v for c in copies if c[2] < SMALL_COPY for v in c])
+    large = tuple(c for c in copies if c[2] >= SMALL_COPY)
     return SnapshotPlan(signature, tuple(regions), tuple(tensor_region), tuple(metas), off, metas_json,
-                        tuple(copies), tuple(device_copies))
+                        tuple(copies), tuple(device_copies), native_signature, small.tobytes(), large)
 
 
 def encode_opaque(opaque: list[Any]) -> tuple[bytes, list[int]]:

@@ -3,6 +3,7 @@
     flashckpt ls DIR                 steps in DIR: committed or not, size, age, files
     flashckpt verify DIR [--step N]  checks sizes and checksums against the manifests (exit 1 on damage)
     flashckpt gc [--dry-run]         removes runtime dirs (segments, sockets, locks) of dead jobs
+    flashckpt native [--build]       the C++ fast path for many small tensors: built or not; build it now
 """
 
 from __future__ import annotations
@@ -144,6 +145,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_native(args: argparse.Namespace) -> int:
+    from . import _native
+
+    if args.build:
+        try:
+            _native.build()
+        except Exception as e:  # the message says what is missing (compiler, ninja, headers)
+            print(f"build failed: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+    print(_native.status())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flashckpt", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -159,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("gc", help="remove shared memory and sockets of jobs whose saver is gone")
     g.add_argument("--dry-run", action="store_true")
     g.set_defaults(fn=cmd_gc)
+    n = sub.add_parser("native", help="the C++ fast path for many small tensors: its state; --build builds it now")
+    n.add_argument("--build", action="store_true", help="compile it now (needs a C++ compiler and ninja)")
+    n.set_defaults(fn=cmd_native)
     args = p.parse_args(argv)
     return int(args.fn(args))
 

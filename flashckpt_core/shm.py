@@ -18,6 +18,7 @@ segment's SharedLock.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import gc
 import glob
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 import xxhash
 
+from . import _native
 from . import errors as E
 from ._copy import Copier
 from ._tree import (
@@ -403,11 +405,23 @@ class SharedMemoryHandler:
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            flat = flatten(state_dict)
-            sig, ptrs = signature_of(flat.tensors)
-            if self._plan is None or self._plan.signature != sig:
-                self._plan = plan_snapshot(flat.tensors, sig)
-            plan = self._plan
+            native = _native.get()
+            flat = flatten(state_dict, check_tensors=native is None)
+            if native is not None:
+                # One C++ call for the signature and storage addresses (and the tensor checks).
+                nsig, nptrs, bad = native.scan(flat.tensors, torch.nn.Parameter)
+                if bad >= 0:
+                    flatten(state_dict)  # raises, naming the key
+                    raise E.InvalidStateDictError(f"save(): tensor {bad} of the state dict cannot be stored")
+                plan = self._plan
+                if plan is None or plan.native_signature != nsig:
+                    sig, _ = signature_of(flat.tensors)
+                    plan = self._plan = plan_snapshot(flat.tensors, sig, native_signature=nsig)
+            else:
+                sig, ptrs = signature_of(flat.tensors)
+                if self._plan is None or self._plan.signature != sig:
+                    self._plan = plan_snapshot(flat.tensors, sig)
+                plan = self._plan
             blob, lengths = encode_opaque(flat.opaque)
             meta = self._meta_json(step, ckpt_name, flat, plan, lengths)
             seg = self._segment_for(len(meta), plan.tensor_bytes + len(blob))
@@ -421,13 +435,19 @@ class SharedMemoryHandler:
         finally:
             if gc_was_enabled:
                 gc.enable()
-        host = [(off, ptrs[i], n) for i, off, n in plan.copies]
-        del flat  # ``ptrs`` stay valid: the caller keeps its tensors unchanged until finish() returns
+        if native is not None:
+            addr = array.array("q", nptrs)
+            large = [(off, addr[i], n) for i, off, n in plan.large_copies]
+        else:
+            large = [(off, ptrs[i], n) for i, off, n in plan.copies]
+        del flat  # the addresses stay valid: the caller keeps its tensors unchanged until finish() returns
 
         def finish() -> SlotRef:
             try:
                 data = seg.base + seg.data_off(slot)
-                self._copier.run([(data + off, src, n) for off, src, n in host])
+                if native is not None:
+                    native.copy_storages(data, nptrs, plan.small_copies_packed)
+                self._copier.run([(data + off, src, n) for off, src, n in large])
                 if blob:
                     off = seg.data_off(slot) + plan.tensor_bytes
                     seg.mm[off: off + len(blob)] = blob

@@ -57,6 +57,18 @@ def _stop_savers(pids: dict[int, list[str]], runtime_dir: str) -> None:
                 pass
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _native_fast_path():
+    """Builds the C++ fast path once (cached across runs), before any test: engines then use it, as on a
+    machine where it was built, and no test starts a background build. FLASHCKPT_NATIVE=0 runs the whole
+    suite on the Python fallback instead; tests/test_native.py covers both either way."""
+    from flashckpt_core import _native
+
+    if os.environ.get("FLASHCKPT_NATIVE", "auto").strip().lower() not in _native._OFF:
+        _native.build()
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _env_hygiene():
     """Fails a test that leaves environment variables changed (set up first, checked last)."""
