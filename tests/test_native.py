@@ -17,7 +17,6 @@ from flashckpt_core import InvalidStateDictError, StorageType, _native
 from flashckpt_core._tree import flatten, signature_of
 
 
-
 @pytest.fixture
 def native():
     """The extension (built by the session fixture in conftest); skips under FLASHCKPT_NATIVE=0."""
