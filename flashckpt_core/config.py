@@ -49,6 +49,9 @@ class Knobs:
         spawn_timeout_s: bound on starting the saver daemon; FLASHCKPT_SPAWN_TIMEOUT_S.
         last_words: persist the newest snapshot when a trainer dies or on SIGTERM; FLASHCKPT_LAST_WORDS (1/0).
         term_timeout_s: bound on the last-words persist after SIGTERM; FLASHCKPT_TERM_TIMEOUT_S.
+        persist_nice: how much lower the saver's persist threads run than training (Linux nice
+            increment, 0-19; 0 = the same); FLASHCKPT_PERSIST_NICE. Persisting is background work: where
+            host cores are short, training gets them first.
     """
 
     runtime_dir: str
@@ -61,6 +64,7 @@ class Knobs:
     spawn_timeout_s: float
     last_words: bool = True
     term_timeout_s: float = 120.0
+    persist_nice: int = 10
 
     @staticmethod
     def from_env() -> Knobs:
@@ -79,6 +83,7 @@ class Knobs:
             spawn_timeout_s=_env_float("FLASHCKPT_SPAWN_TIMEOUT_S", 60.0),
             last_words=os.environ.get("FLASHCKPT_LAST_WORDS", "1").lower() not in ("0", "false", "no", "off"),
             term_timeout_s=_env_float("FLASHCKPT_TERM_TIMEOUT_S", 120.0),
+            persist_nice=max(0, min(19, _env_int("FLASHCKPT_PERSIST_NICE", 10))),
         )
 
 

@@ -480,6 +480,14 @@ class CheckpointSaver:
         q.put(job)
 
     def _persist_loop(self, q: queue.Queue[_Job | None]) -> None:
+        if self.knobs.persist_nice:
+            # Linux nice is per thread; the writer threads this one starts inherit it. The saver's other
+            # threads (snapshot bookkeeping, commits) keep their priority.
+            try:
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.knobs.persist_nice)
+            except OSError as e:
+                log.warning("could not lower the persist thread's priority: %s", e)
         while True:
             job = q.get()
             if job is None:

@@ -372,3 +372,21 @@ def test_load_into_existing_tensors_copies_in_place(make_engine, ckpt_dir):
     assert torch.equal(out["extra"], torch.arange(5))             # shape mismatch: a new tensor
     assert out["extra"].data_ptr() != target["extra"].data_ptr() and torch.equal(target["extra"], torch.zeros(3))
     eng.close()
+
+
+def test_persisting_runs_at_a_lower_priority_than_training(make_engine, ckpt_dir, runtime_dir, monkeypatch):
+    """The saver's persist threads run FLASHCKPT_PERSIST_NICE (here 7) below the saver's other threads,
+    which keep the trainer's priority."""
+    monkeypatch.setenv("FLASHCKPT_PERSIST_NICE", "7")
+    engine = make_engine()
+    engine.save(1, {"w": torch.randn(1000)}, storage_type=StorageType.DISK)
+    engine.wait(timeout=60)
+    (pid,) = saver_pids(runtime_dir)
+    nices = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        nices.append(int(fields[16]))  # field 19 of stat: nice (fields counted after the command name)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert base in nices and base + 7 in nices, nices
+    engine.close()
