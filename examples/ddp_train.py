@@ -37,7 +37,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flashckpt_core import CheckpointEngine  # noqa: E402
+from flashckpt_core import (
+    CheckpointEngine,  # noqa: E402
+    storage_type_for,  # noqa: E402
+)
 from integrations.ddp import DdpCheckpointer, StorageType  # noqa: E402
 
 
@@ -226,10 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         sd = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
         kind = None
         if ckpt is not None:
-            if persist_every and step % persist_every == 0:
-                kind = StorageType.DISK
-            elif args.save_memory_interval and step % args.save_memory_interval == 0:
-                kind = StorageType.MEMORY
+            kind = storage_type_for(step, args.save_memory_interval, persist_every)
         elif other is not None and step % persist_every == 0:
             t0 = time.perf_counter()
             other.save(step, sd)

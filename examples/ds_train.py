@@ -34,7 +34,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from integrations.deepspeed import DeepSpeedCheckpointer, StorageType  # noqa: E402
+from flashckpt_core import storage_type_for  # noqa: E402
+from integrations.deepspeed import DeepSpeedCheckpointer  # noqa: E402
 
 
 def build(args: argparse.Namespace):
@@ -110,11 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
-        kind = None
-        if args.save_storage_interval and step % args.save_storage_interval == 0:
-            kind = StorageType.DISK
-        elif args.save_memory_interval and step % args.save_memory_interval == 0:
-            kind = StorageType.MEMORY
+        kind = storage_type_for(step, args.save_memory_interval, args.save_storage_interval)
         if kind is not None:
             t0 = time.perf_counter()
             ckpt.save_checkpoint(args.checkpoint_dir, client_state={"loss": loss.item()}, storage_type=kind)

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples.ddp_train import TinyGPT, batch  # noqa: E402
-from integrations.fsdp import FsdpShardCheckpointer, StorageType  # noqa: E402
+from flashckpt_core import storage_type_for  # noqa: E402
+from integrations.fsdp import FsdpShardCheckpointer  # noqa: E402
 
 
 def full_weights_digest(model: torch.nn.Module) -> str:
@@ -108,11 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        kind = None
-        if args.save_storage_interval and step % args.save_storage_interval == 0:
-            kind = StorageType.DISK
-        elif args.save_memory_interval and step % args.save_memory_interval == 0:
-            kind = StorageType.MEMORY
+        kind = storage_type_for(step, args.save_memory_interval, args.save_storage_interval)
         if kind is not None:
             t0 = time.perf_counter()
             model_sd, optim_sd = get_state_dict(model, opt)

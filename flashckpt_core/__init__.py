@@ -19,6 +19,7 @@ from .errors import (
                      SharedMemoryError,
 )
 from .files import FileEntry, FileSet
+from .interval import storage_type_for
 from .ipc import SharedDict, SharedLock, SharedQueue
 from .retention import CheckpointDeletionStrategy, KeepLatestStepStrategy, KeepStepIntervalStrategy
 from .saver import CheckpointSaver
@@ -28,7 +29,7 @@ from .storage import CheckpointStorage, FileRecord, PosixDiskStorage
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointEngine", "LoadResult", "Located", "FileSet", "FileEntry", "StorageType", "TensorMeta", "SharedMemoryHandler", "CheckpointSaver",
+    "CheckpointEngine", "LoadResult", "Located", "storage_type_for", "FileSet", "FileEntry", "StorageType", "TensorMeta", "SharedMemoryHandler", "CheckpointSaver",
     "SharedLock", "SharedQueue", "SharedDict", "CheckpointDeletionStrategy", "KeepLatestStepStrategy",
     "KeepStepIntervalStrategy", "CheckpointStorage", "PosixDiskStorage", "FileRecord", "CommitLayout",
     "Manifest", "FlashCheckpointError", "InvalidStateDictError", "CheckpointDirError", "SharedMemoryError",

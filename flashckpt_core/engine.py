@@ -19,7 +19,7 @@ from ._protocol import Client
 from .commit import CommitLayout
 from .config import Knobs, RankInfo, StorageType, job_dir
 from .files import FileEntry, FileSet, is_fileset_tree
-from .interval import AutoIntervals
+from .interval import AutoIntervals, storage_type_for
 from .retention import CheckpointDeletionStrategy, KeepLatestStepStrategy
 from .saver import ensure_saver
 from .shm import SharedMemoryHandler
@@ -280,11 +280,7 @@ class CheckpointEngine:
                      auto.snapshot_cost_s or 0, auto.persist_cost_s, c.expected_goodput)
 
     def _interval_type(self, step: int) -> StorageType | None:
-        if self.save_storage_interval and step % self.save_storage_interval == 0:
-            return StorageType.DISK
-        if self.save_mem_interval and step % self.save_mem_interval == 0:
-            return StorageType.MEMORY
-        return None
+        return storage_type_for(step, self.save_mem_interval, self.save_storage_interval)
 
     def _allocate(self, local_rank: int, meta_cap: int, data_cap: int) -> str:
         return str(self._client_call("alloc", local_rank=local_rank, meta_cap=meta_cap, data_cap=data_cap,

@@ -18,8 +18,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["daly_interval", "young_interval", "expected_goodput", "IntervalChoice", "optimal_interval", "AutoIntervals",
+from .config import StorageType
+
+__all__ = ["storage_type_for", "daly_interval", "young_interval", "expected_goodput", "IntervalChoice", "optimal_interval", "AutoIntervals",
            "mtbf_from_failures_per_day"]
+
+
+def storage_type_for(step: int, memory_interval: int, storage_interval: int) -> StorageType | None:
+    """What fixed intervals ask for at ``step``: DISK every ``storage_interval`` steps, else MEMORY every
+    ``memory_interval`` steps, else None (0 turns an interval off)."""
+    if storage_interval and step % storage_interval == 0:
+        return StorageType.DISK
+    if memory_interval and step % memory_interval == 0:
+        return StorageType.MEMORY
+    return None
 
 
 def young_interval(cost_s: float, mtbf_s: float) -> float:

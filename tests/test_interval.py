@@ -94,3 +94,13 @@ def test_auto_intervals_follow_the_measured_costs():
 def test_auto_intervals_need_a_failure_rate():
     with pytest.raises(ValueError, match="failure rate"):
         AutoIntervals(process_mtbf_s=math.inf, node_mtbf_s=math.inf)
+
+
+def test_storage_type_for_fixed_intervals():
+    from flashckpt_core import StorageType, storage_type_for
+
+    assert [storage_type_for(s, 1, 10) for s in (1, 9, 10, 20)] == [StorageType.MEMORY, StorageType.MEMORY,
+                                                                      StorageType.DISK, StorageType.DISK]
+    assert storage_type_for(4, 2, 0) is StorageType.MEMORY and storage_type_for(5, 2, 0) is None
+    assert storage_type_for(10, 0, 10) is StorageType.DISK and storage_type_for(3, 0, 10) is None
+    assert storage_type_for(7, 0, 0) is None
