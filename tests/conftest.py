@@ -65,7 +65,13 @@ def _native_fast_path():
     from flashckpt_core import _native
 
     if os.environ.get("FLASHCKPT_NATIVE", "auto").strip().lower() not in _native._OFF:
-        _native.build()
+        try:
+            _native.build()
+        except Exception as e:  # no compiler here: the suite runs the Python path; test_native says why
+            import warnings
+
+            warnings.warn(f"the native fast path did not build ({e}); testing the Python path only", stacklevel=1)
+            os.environ["FLASHCKPT_NATIVE"] = "0"
     yield
 
 

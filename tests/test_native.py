@@ -5,6 +5,7 @@ a failed build remembered instead of retried."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -120,6 +121,7 @@ def _run(code: str, env: dict[str, str], timeout: float) -> subprocess.Completed
 
 
 @pytest.mark.multiproc
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler on this machine")
 def test_first_use_builds_in_the_background_and_a_failed_build_is_remembered(tmp_path) -> None:
     """In a fresh cache dir, get() does not wait: it starts a low-priority build and the Python path runs
     meanwhile; a later get() loads the result. A build that fails (no working compiler here) leaves a
