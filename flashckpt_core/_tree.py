@@ -28,7 +28,7 @@ import torch
 
 from .errors import InvalidStateDictError
 
-__all__ = ["TensorMeta", "Flat", "SnapshotPlan", "flatten", "plan_snapshot", "unflatten", "decode_opaque", "ALIGN"]
+__all__ = ["TensorMeta", "Flat", "SnapshotPlan", "flatten", "flatten_like", "plan_snapshot", "unflatten", "decode_opaque", "ALIGN"]
 
 ALIGN = 64
 SMALL_COPY = 256 << 10  # storages below this are copied by one native call (when built), not on threads
@@ -174,6 +174,72 @@ def flatten(obj: Any, *, check_tensors: bool = True) -> Flat:
 
     skeleton = enc(obj)
     return Flat(skeleton, tensors, opaque)
+
+
+def flatten_like(obj: Any, skeleton: Any, *, check_tensors: bool = True) -> Flat | None:
+    """``flatten(obj)`` when ``obj`` has exactly the structure and plain leaves of ``skeleton`` (a
+    skeleton ``flatten`` made): the tensors in order, with ``skeleton`` itself reused; None as soon as
+    anything differs or ``obj`` holds opaque leaves (then call ``flatten``).
+
+    The common case of a training loop (the same keys every step, new tensor objects) without building
+    a new skeleton: no allocation per item, and nothing to free after the save."""
+    tensors: list[torch.Tensor] = []
+    add_tensor = tensors.append
+    tensor_t, param_t, strided = torch.Tensor, torch.nn.Parameter, _STRIDED
+    raw = _RAW
+
+    def ok_tensor(t: Any) -> bool:
+        if check_tensors and not (t.layout is strided and not t.is_meta and not t.is_quantized):
+            return False  # flatten raises, naming the key
+        add_tensor(t)
+        return True
+
+    def match(x: Any, sk: Any) -> bool:
+        tx = type(x)
+        if tx is tensor_t or tx is param_t:
+            return type(sk) is list and sk[0] == "T" and sk[1] == len(tensors) and ok_tensor(x)
+        if tx in raw:
+            return type(sk) is tx and sk == x
+        if type(sk) is not list:
+            return False
+        if tx is dict or tx is OrderedDict:
+            if sk[0] != ("d" if tx is dict else "od"):
+                return False
+            items = sk[1]
+            if len(items) != len(x):
+                return False
+            for (k, v), pair in zip(x.items(), items):
+                if type(k) not in raw or type(pair[0]) is not type(k) or pair[0] != k:
+                    return False
+                sv = pair[1]
+                tv = type(v)
+                if tv is tensor_t or tv is param_t:
+                    if type(sv) is not list or sv[0] != "T" or sv[1] != len(tensors) or not ok_tensor(v):
+                        return False
+                elif not match(v, sv):
+                    return False
+            if tx is OrderedDict:
+                md = getattr(x, "_metadata", None)
+                if (md is None) != (len(sk) == 2) or (md is not None and not match(md, sk[2])):
+                    return False
+            return True
+        if tx is list or tx is tuple:
+            vals = sk[1]
+            if sk[0] != ("l" if tx is list else "t") or len(vals) != len(x):
+                return False
+            for v, sv in zip(x, vals):
+                if not match(v, sv):
+                    return False
+            return True
+        if tx is float:
+            return sk[0] == "f" and sk[1] == x.hex()
+        if tx is bool:
+            return sk[0] == "B" and sk[1] is x
+        return False  # bytes, dtypes, opaque leaves, ...: the full walk
+
+    if not match(obj, skeleton):
+        return None
+    return Flat(skeleton, tensors, [])
 
 
 def _path_to(root: Any, target: Any) -> list[Any]:

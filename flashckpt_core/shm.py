@@ -50,6 +50,7 @@ from ._tree import (
     dtype_name,
     encode_opaque,
     flatten,
+    flatten_like,
     plan_snapshot,
     signature_of,
     split_opaque,
@@ -406,7 +407,10 @@ class SharedMemoryHandler:
         gc.disable()
         try:
             native = _native.get()
-            flat = flatten(state_dict, check_tensors=native is None)
+            cached = self._tree_cache
+            flat = flatten_like(state_dict, cached[1], check_tensors=native is None) if cached else None
+            if flat is None:
+                flat = flatten(state_dict, check_tensors=native is None)
             if native is not None:
                 # One C++ call for the signature and storage addresses (and the tensor checks).
                 nsig, nptrs, bad = native.scan(flat.tensors, torch.nn.Parameter)
@@ -470,7 +474,7 @@ class SharedMemoryHandler:
         # The tree's JSON is reused while the tree (plain leaves included) is unchanged: comparing the
         # skeletons is much cheaper than encoding thousands of entries again.
         cached = self._tree_cache
-        if cached is not None and cached[0] is plan and cached[1] == flat.skeleton:
+        if cached is not None and cached[0] is plan and (cached[1] is flat.skeleton or cached[1] == flat.skeleton):
             tail = cached[2]
         else:
             tree = json.dumps(flat.skeleton, separators=(",", ":"))

@@ -24,7 +24,7 @@ import torch
 from helpers import assert_bit_identical, assert_same_tree, leftovers, wait_savers_gone
 
 from flashckpt_core import CheckpointEngine, FlashCheckpointError, StorageType
-from flashckpt_core._tree import ALIGN, flatten, plan_snapshot, signature_of, unflatten
+from flashckpt_core._tree import ALIGN, Flat, flatten, flatten_like, plan_snapshot, signature_of, unflatten
 
 DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -178,6 +178,47 @@ def test_flatten_gives_a_json_skeleton_and_unflatten_restores_the_tree():
     assert sorted(type(o).__name__ for o in flat.opaque) == ["Point", "Point", "Point", "frozenset", "ndarray", "set"]
     assert len(flat.tensors) == len(DTYPES) + len(make_layouts(torch.Generator())) + 1 + 1
     assert_same_tree(sd, unflatten(skeleton, flat.tensors, flat.opaque))
+
+
+def test_flatten_like_reuses_the_skeleton_exactly_when_nothing_but_tensors_changed():
+    """The per-step fast walk: same structure and plain leaves -> the cached skeleton and the new
+    tensors in flatten's order; any other difference -> None (the caller runs the full flatten)."""
+    def tree(**over):
+        md = OrderedDict(layer=OrderedDict(w=torch.randn(2)))
+        md._metadata = {"": {"version": 1}}  # as nn.Module.state_dict() sets it
+        t = {"model": md, "optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2)}},
+                                        "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "amsgrad": False,
+                                                          "params": [0], "name": None}]},
+             "step": 7, "tag": "run"}
+        t.update(over)
+        return t
+
+    base = flatten(tree())
+    same = tree()
+    got = flatten_like(same, base.skeleton)
+    assert got is not None and got.skeleton is base.skeleton and got.opaque == []
+    assert [id(t) for t in got.tensors] == [id(t) for t in flatten(same).tensors]
+    p = torch.nn.Parameter(torch.randn(2))
+    assert flatten_like(tree(model=OrderedDict(layer=OrderedDict(w=p))), base.skeleton) is None  # _metadata gone
+    changed = {
+        "an int leaf": tree(step=8), "a str leaf": tree(tag="other"), "a key": {**tree(), "extra": 1},
+        "a float": tree(optimizer={**tree()["optimizer"], "param_groups": [{**tree()["optimizer"]["param_groups"][0],
+                                                                             "lr": 0.2}]}),
+        "-0.0 for 0.0": flatten_like(tree(x=-0.0), flatten(tree(x=0.0)).skeleton),
+        "True for 1": flatten_like(tree(step=True), flatten(tree(step=1)).skeleton),
+        "a tuple for a list": flatten_like(tree(step=(1,)), flatten(tree(step=[1])).skeleton),
+        "a dict for an OrderedDict": flatten_like(tree(model={"layer": {"w": torch.ones(2)}}),
+                                                  flatten(tree(model=OrderedDict(layer={"w": torch.ones(2)}))).skeleton),
+        "a tensor for an int": tree(step=torch.tensor(7)),
+        "an int for a tensor": tree(model=OrderedDict(layer=OrderedDict(w=3))),
+        "an opaque leaf": flatten_like(tree(tag={1, 2}), flatten(tree(tag={1, 2})).skeleton),
+        "a meta tensor": tree(model=OrderedDict(layer=OrderedDict(w=torch.empty(2, device="meta")))),
+    }
+    for what, t in changed.items():
+        res = t if t is None or isinstance(t, Flat) else flatten_like(t, base.skeleton)
+        assert res is None, what
+    # An int key that equals a str key's value in another type never matches.
+    assert flatten_like({0: torch.ones(1)}, flatten({"0": torch.ones(1)}).skeleton) is None
 
 
 def test_plan_stores_shared_storage_once_and_aligns_regions():
