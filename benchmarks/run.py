@@ -137,6 +137,9 @@ class Op:
     def __call__(self, case: Case) -> None:
         if self.name in case.failed:
             return
+        # Dirty pages of the previous op (torch.save does not fsync) would be written back while this
+        # one runs and bill it for the other's I/O: flush them first, outside the timing.
+        os.sync()
         try:
             res = self.fn()
         except Exception as e:  # a system that cannot do this case: say why, keep measuring the others
