@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["Copier"]
@@ -34,20 +35,25 @@ class Copier:
         self._pool = (ThreadPoolExecutor(self.threads - 1, thread_name_prefix="flashckpt-copy")
                       if self.threads > 1 else None)
 
-    def run(self, tasks: list[tuple[int, int, int]]) -> None:
+    def run(self, tasks: list[tuple[int, int, int]], extra: Callable[[], None] | None = None,
+            extra_work: int = 0) -> None:
+        """Runs the copies; ``extra`` (other copying, worth about ``extra_work`` bytes of memmove) runs
+        on the calling thread first, and the threads' shares of ``tasks`` are balanced around it."""
         total = 0
         for t in tasks:
             total += t[2]
         if self._pool is None or total < _INLINE_BYTES:
+            if extra is not None:
+                extra()
             _run(tasks)
             return
         small = [t for t in tasks if t[2] < _SMALL]
         large = [t for t in tasks if t[2] >= _SMALL]
         large_total = total - sum(t[2] for t in small)
         nbins = self.threads
-        per = max(1, -(-large_total // nbins))
+        per = max(1, -(-(large_total + extra_work) // nbins))
         bins: list[list[tuple[int, int, int]]] = [[] for _ in range(nbins)]
-        cur, filled = 0, 0
+        cur, filled = 0, min(extra_work, per)
         for dst, src, n in large:
             while n > 0:
                 take = n if cur == nbins - 1 else min(n, per - filled)
@@ -57,6 +63,8 @@ class Copier:
                     cur, filled = cur + 1, 0
         futures = [self._pool.submit(_run, b) for b in bins[1:] if b]
         try:
+            if extra is not None:
+                extra()
             _run(bins[0])
             _run(small)
         finally:

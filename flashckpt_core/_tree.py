@@ -314,7 +314,9 @@ class SnapshotPlan:
         device_copies: the same for regions on an accelerator.
         native_signature: the native scan's signature of the tensors (b"" without the extension).
         small_copies_packed: ``copies`` below ``SMALL_COPY`` bytes as packed int64 triples, which the
-            native fast path copies in one call; large_copies: the others, which copy on threads.
+            native fast path copies in one call; large_copies: the others, which copy on threads;
+            small_copy_work: what the small copies cost, in bytes of large memmove (each copy counts
+            4 KiB more than its size: scattered small copies run far below memmove speed).
     """
 
     signature: tuple[Any, ...]
@@ -328,6 +330,7 @@ class SnapshotPlan:
     native_signature: bytes = b""
     small_copies_packed: bytes = b""
     large_copies: tuple[tuple[int, int, int], ...] = ()
+    small_copy_work: int = 0
 
 
 def signature_of(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], list[int]]:
@@ -385,10 +388,12 @@ def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...], *,
             continue
         first.add(ri)
         (device_copies if s[6] >= 0 else copies).append((i, regions[ri][0], regions[ri][1]))
-    small = array.array("q", [v for c in copies if c[2] < SMALL_COPY for v in c])
+    small_list = [c for c in copies if c[2] < SMALL_COPY]
+    small = array.array("q", [v for c in small_list for v in c])
     large = tuple(c for c in copies if c[2] >= SMALL_COPY)
+    work = sum(c[2] + 4096 for c in small_list)
     return SnapshotPlan(signature, tuple(regions), tuple(tensor_region), tuple(metas), off, metas_json,
-                        tuple(copies), tuple(device_copies), native_signature, small.tobytes(), large)
+                        tuple(copies), tuple(device_copies), native_signature, small.tobytes(), large, work)
 
 
 def encode_opaque(opaque: list[Any]) -> tuple[bytes, list[int]]:

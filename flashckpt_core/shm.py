@@ -449,9 +449,11 @@ class SharedMemoryHandler:
         def finish() -> SlotRef:
             try:
                 data = seg.base + seg.data_off(slot)
-                if native is not None:
-                    native.copy_storages(data, nptrs, plan.small_copies_packed)
-                self._copier.run([(data + off, src, n) for off, src, n in large])
+                small = None
+                if native is not None and plan.small_copies_packed:
+                    def small() -> None:
+                        native.copy_storages(data, nptrs, plan.small_copies_packed)
+                self._copier.run([(data + off, src, n) for off, src, n in large], small, plan.small_copy_work)
                 if blob:
                     off = seg.data_off(slot) + plan.tensor_bytes
                     seg.mm[off: off + len(blob)] = blob
