@@ -325,9 +325,14 @@ class Systems:
                 return {"blocking": dt}
 
             self.ops.append(Op("dlrover.snapshot", snap))
-            closer = getattr(getattr(ck, "_engine", None), "close", None)
+            eng = getattr(ck, "_engine", None)
+            closer = getattr(eng, "close", None)
             if closer is not None:
                 self.closers.append(closer)
+            # Without DLRover's agent nobody unlinks its segment (/dev/shm/ckpt_shm_<local rank>): do it here.
+            unlink = getattr(getattr(eng, "_shm_handler", None), "unlink", None)
+            if unlink is not None:
+                self.closers.append(unlink)
         except Exception as e:
             c.failed["dlrover.snapshot"] = f"{type(e).__name__}: {e}"[:300]
             log(f"{c.name}: DLRover failed: {c.failed['dlrover.snapshot']}")
