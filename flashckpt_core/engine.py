@@ -51,6 +51,10 @@ class Located:
     path: str | None
 
 
+# Memory snapshots ask the saver for news (failed persists, commits) at most this often; wait(), load()
+# and every persist ask at once.
+_STATUS_EVERY_S = 0.5
+
 class CheckpointEngine:
     """Checkpoints one rank's state dict: into node shared memory at once, to storage in the background.
 
@@ -111,6 +115,8 @@ class CheckpointEngine:
         self.layout = CommitLayout(self.checkpoint_dir, PosixDiskStorage())
         self.last_load: LoadResult | None = None
         self._cursor = 0
+        self._status_at = 0.0  # monotonic time of the last round trip to the saver
+        self._status_seg: str | None = None  # the segment the saver last heard of from this engine
         self._applied_retention: tuple[int, ...] = ()
         self._retention_baseline = -1  # newest step committed before this engine started
         self._copier = Copier(self.knobs.copy_threads)
@@ -256,8 +262,16 @@ class CheckpointEngine:
                 self._handler.clear_pending(ref)
                 raise
         if reply is None:
-            # local_rank lets the saver free a segment this snapshot outgrew (a re-planned, larger state).
+            # A memory snapshot needs no round trip: the saver reads slot headers itself. Its news (failed
+            # persists, commits for retention) is collected at most every _STATUS_EVERY_S, and at once
+            # when this snapshot went to a new segment, so that the saver frees the one it outgrew
+            # (local_rank says whose).
+            seg = ref.path if ref is not None else None
+            if seg == self._status_seg and time.monotonic() - self._status_at < _STATUS_EVERY_S:
+                return
             reply = self._client_call("status", cursor=self._cursor, local_rank=self.ranks.local_rank)
+            self._status_seg = seg
+        self._status_at = time.monotonic()
         self._after_reply(reply)
 
     def _commit_spec(self) -> dict[str, Any] | None:

@@ -390,3 +390,32 @@ def test_persisting_runs_at_a_lower_priority_than_training(make_engine, ckpt_dir
     base = os.getpriority(os.PRIO_PROCESS, 0)
     assert base in nices and base + 7 in nices, nices
     engine.close()
+
+
+def test_memory_snapshots_skip_the_round_trip_to_the_saver(make_engine, monkeypatch):
+    """A memory snapshot only asks the saver for news when its segment is new or the last ask is older
+    than half a second; persists and wait() always ask."""
+    import time as _time
+
+    engine = make_engine()
+    calls = []
+    real = engine._client_call
+
+    def counting(op, **kw):
+        calls.append(op)
+        return real(op, **kw)
+
+    monkeypatch.setattr(engine, "_client_call", counting)
+    sd = {"w": torch.randn(1000)}
+    for step in range(1, 11):
+        engine.save(step, sd, storage_type=StorageType.MEMORY)
+    assert calls.count("status") == 1, calls  # the first snapshot into the new segment
+    _time.sleep(0.6)
+    engine.save(11, sd, storage_type=StorageType.MEMORY)
+    assert calls.count("status") == 2, calls
+    engine.save(12, {"w": torch.randn(100_000)}, storage_type=StorageType.MEMORY)  # outgrows its segment
+    assert calls.count("status") == 3, calls
+    engine.save(13, sd, storage_type=StorageType.DISK)
+    engine.wait(timeout=60)
+    assert "persist" in calls and "wait" in calls
+    engine.close()
