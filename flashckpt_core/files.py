@@ -33,7 +33,7 @@ import torch
 
 from . import errors as E
 
-__all__ = ["FileSet", "FileEntry", "FILES_KEY", "is_fileset_tree", "safetensors_dtype", "tensor_view"]
+__all__ = ["FileSet", "FileEntry", "FILES_KEY", "is_fileset_tree", "safetensors_dtype", "tensor_view", "host_bytes"]
 
 FILES_KEY = "__flashckpt_files__"
 KINDS = ("file", "commit", "tracker")
@@ -163,12 +163,18 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return bytes(tensor_view(t))
 
 
-def tensor_view(t: torch.Tensor) -> memoryview:
-    """A tensor's bytes in C order (copied to the CPU and made contiguous only when it is not already)."""
+def host_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes in C order as a flat uint8 CPU tensor: its own memory when it is contiguous on
+    the CPU, else a copy made so."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    flat = t.contiguous().reshape(-1)
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes in C order (copied to the CPU and made contiguous only when it is not already)."""
+    flat = host_bytes(t)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
+    return memoryview(flat.numpy())  # type: ignore[arg-type]

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import xxhash
 
+from .files import host_bytes
+
 __all__ = ["write_parts", "BUFFER_BYTES"]
 
 BUFFER_BYTES = 16 << 20  # per bounce buffer; three of them
@@ -36,21 +38,13 @@ _ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses on this boundar
 _BUFFERS = 3
 
 
-def _cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """The tensor itself when its bytes lie in C order in host memory, else such a copy."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return t.contiguous()
-
-
 class _Writer(threading.Thread):
     """Writes full buffers in order; keeps the first error for the producer to raise."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, direct: bool) -> None:
         super().__init__(name="flashckpt-write", daemon=True)
         self.fd = fd
-        self.direct = True
+        self.direct = direct
         self.full: queue.Queue[tuple[mmap.mmap, int] | None] = queue.Queue()
         self.free: queue.Queue[mmap.mmap] = queue.Queue()
         self.error: BaseException | None = None
@@ -104,9 +98,8 @@ def write_parts(path: str, parts: Sequence[Any], *,
     ``crc_slots[i]``, where part ``j`` is a later ``bytearray`` part (a zip data descriptor or central
     directory entry). The file is not fsynced here; the storage backend does that.
     """
-    fd, direct = _open(path)
-    writer = _Writer(fd)
-    writer.direct = direct
+    writer = _Writer(*_open(path))
+    fd = writer.fd
     bufs = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(_BUFFERS)]
     addrs = {}
     for b in bufs:
@@ -138,14 +131,15 @@ def write_parts(path: str, parts: Sequence[Any], *,
     try:
         for i, p in enumerate(parts):
             if isinstance(p, torch.Tensor):
-                t = _cpu_contiguous(p)
-                n = t.numel() * t.element_size()
-                addr = t.data_ptr() if n else 0
-                src = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if n else memoryview(b"")  # type: ignore[arg-type]
+                u8 = host_bytes(p)
+                n = u8.numel()
+                addr = u8.data_ptr() if n else 0
+                src = memoryview(u8.numpy()) if n else memoryview(b"")  # type: ignore[arg-type]
             else:
                 src = memoryview(p).cast("B")
                 n = len(src)
                 addr = 0
+            want_crc = crc_slots is not None and i in crc_slots
             crc = 0
             off = 0
             while off < n:
@@ -157,14 +151,15 @@ def write_parts(path: str, parts: Sequence[Any], *,
                 else:
                     memoryview(buf)[fill:fill + k] = chunk
                 h.update(chunk)
-                if crc_slots is not None and i in crc_slots:
+                if want_crc:
                     crc = zlib.crc32(chunk, crc)
                 fill += k
                 off += k
                 if fill == BUFFER_BYTES:
                     flush(fill)
             size += n
-            if crc_slots is not None and i in crc_slots:
+            if want_crc:
+                assert crc_slots is not None
                 for j, at in crc_slots[i]:
                     parts[j][at:at + 4] = crc.to_bytes(4, "little")
         if fill:
