@@ -6,13 +6,14 @@ import ctypes
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["Copier"]
+__all__ = ["Copier", "SMALL_COPY"]
 
 # Copies below this run on the calling thread: a thread hand-off costs more than it saves.
 _INLINE_BYTES = 4 << 20
 # Below this a copy is "small" and stays on the calling thread, so the workers never fight for the GIL
-# over thousands of tiny calls (ctypes releases the GIL around every memmove).
-_SMALL = 256 << 10
+# over thousands of tiny calls (ctypes releases the GIL around every memmove); snapshot plans hand
+# these to the native fast path in one call when it is built.
+SMALL_COPY = 256 << 10
 
 _memmove = ctypes.memmove
 
@@ -47,8 +48,8 @@ class Copier:
                 extra()
             _run(tasks)
             return
-        small = [t for t in tasks if t[2] < _SMALL]
-        large = [t for t in tasks if t[2] >= _SMALL]
+        small = [t for t in tasks if t[2] < SMALL_COPY]
+        large = [t for t in tasks if t[2] >= SMALL_COPY]
         large_total = total - sum(t[2] for t in small)
         nbins = self.threads
         per = max(1, -(-(large_total + extra_work) // nbins))

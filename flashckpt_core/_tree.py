@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
+from ._copy import SMALL_COPY
 from .errors import InvalidStateDictError
 
 __all__ = ["TensorMeta", "Flat", "SnapshotPlan", "flatten", "flatten_like", "plan_snapshot", "unflatten", "decode_opaque", "ALIGN"]
 
 ALIGN = 64
-SMALL_COPY = 256 << 10  # storages below this are copied by one native call (when built), not on threads
 
 _PLAIN = (str, int, float, bool, type(None))
 _RAW = (str, int, type(None))  # appear in the skeleton as themselves
