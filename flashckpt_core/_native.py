@@ -15,12 +15,14 @@ Environment:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import subprocess
 import sys
 import threading
+import time
 from types import ModuleType
 
 import torch
@@ -32,10 +34,15 @@ log = logging.getLogger("flashckpt")
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "fastpath.cpp")
 _lock = threading.Lock()
 _module: ModuleType | None = None
-_tried = False
+_tried = False  # a background build was started (or could not be) by this process
+_idle_until = 0.0  # no extension for now (its build failed, or it does not load): look again after this
+_RECHECK_S = 30.0
 _builder: subprocess.Popen[bytes] | None = None
+_OFF = ("0", "off", "false", "no")
+_FAILED = "BUILD-FAILED"
 
 
+@functools.cache
 def _tag() -> str:
     with open(_SOURCE, "rb") as f:
         src = f.read()
@@ -66,9 +73,6 @@ def _import(path: str, name: str) -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-_FAILED = "BUILD-FAILED"
 
 
 def build() -> ModuleType:
@@ -119,15 +123,16 @@ def _start_background_build() -> None:
         log.debug("flashckpt: native fast path not built: %s", e)
 
 
-_OFF = ("0", "off", "false", "no")
-
-
 def get() -> ModuleType | None:
     """The extension when it is available now; never waits for a build (except ``FLASHCKPT_NATIVE=build``,
-    which builds in this process)."""
-    global _module, _tried, _builder
+    which builds in this process). Called on every save: when the extension is loaded it returns at
+    once, and when it is not coming it looks at the file system again only every ``_RECHECK_S`` (a
+    library built later by ``flashckpt native --build`` is still picked up)."""
+    global _module, _tried, _idle_until, _builder
     if _module is not None:
         return _module
+    if _idle_until and time.monotonic() < _idle_until:
+        return None
     mode = os.environ.get("FLASHCKPT_NATIVE", "auto").strip().lower()
     if mode in _OFF:
         return None
@@ -149,11 +154,12 @@ def get() -> ModuleType | None:
                 _module = _import(lib, name)
                 return _module
             except ImportError as e:
-                if not _tried:
+                if not _idle_until:
                     log.warning("flashckpt: the native fast path at %s does not load (%s); using Python", lib, e)
-                _tried = True
+                _idle_until = time.monotonic() + _RECHECK_S
                 return None
         if _tried or os.path.exists(os.path.join(d, _FAILED)):
+            _idle_until = time.monotonic() + _RECHECK_S  # the build ended without a library, or failed before
             return None
         _tried = True
         _start_background_build()
