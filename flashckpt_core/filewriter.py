@@ -7,7 +7,8 @@ host's cores; on the development VM that path ran at 0.3-1.4 GB/s against 1.5-2.
 
 ``write_parts`` streams the parts through a few page-aligned bounce buffers into a file opened with
 ``O_DIRECT``: the calling thread copies (``memmove``, GIL released), checksums (xxh3-64 of the file's
-bytes) and computes any CRC-32 the format needs, while a writer thread issues the writes, so copying
+bytes) and computes any CRC-32 the format needs (with ISA-L when ``isal`` is installed: zlib's
+CRC-32 alone cost 0.4 s of a core per GB, more than the copy and the hash together), while a writer thread issues the writes, so copying
 and disk I/O overlap. The tail is padded to the block size and the file truncated to its length.
 File systems without ``O_DIRECT`` (tmpfs, some FUSE and network file systems) get buffered writes of
 the same buffers; the bytes written are the same either way.
@@ -22,7 +23,6 @@ import mmap
 import os
 import queue
 import threading
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,11 +31,17 @@ import xxhash
 
 from .files import host_bytes
 
+try:  # ISA-L's CRC-32 (carry-less multiply): ~20 GB/s against zlib's ~2.5 here; same polynomial and values
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # a platform without isal wheels: the standard library's, at a third of a core per GB
+    from zlib import crc32 as _crc32
+
 __all__ = ["write_parts", "BUFFER_BYTES"]
 
 BUFFER_BYTES = 16 << 20  # per bounce buffer; three of them
 _ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses on this boundary (covers 512-byte devices)
 _BUFFERS = 3
+_PIECE = 1 << 20  # copy + hash granularity: fits in L2 next to the code, large enough that calls are free
 
 
 class _Writer(threading.Thread):
@@ -144,15 +150,17 @@ def write_parts(path: str, parts: Sequence[Any], *,
             off = 0
             while off < n:
                 buf = cur if cur is not None else take()
-                k = min(n - off, BUFFER_BYTES - fill)
-                chunk = src[off:off + k]
+                # One cache-sized piece at a time: copied, then hashed while it is still in L2 (one read of
+                # the source from memory instead of three: 25 % less CPU per GB than copy, hash, CRC apart)
+                k = min(n - off, BUFFER_BYTES - fill, _PIECE)
                 if addr:
                     ctypes.memmove(cur_addr + fill, addr + off, k)  # releases the GIL
                 else:
-                    memoryview(buf)[fill:fill + k] = chunk
-                h.update(chunk)
-                if want_crc:
-                    crc = zlib.crc32(chunk, crc)
+                    memoryview(buf)[fill:fill + k] = src[off:off + k]
+                with memoryview(buf) as whole, whole[fill:fill + k] as piece:
+                    h.update(piece)
+                    if want_crc:
+                        crc = _crc32(piece, crc)
                 fill += k
                 off += k
                 if fill == BUFFER_BYTES:

@@ -58,6 +58,20 @@ def test_torch_file_is_torch_save(tmp_path: str, where: str) -> None:
     assert got["scalar"].dtype == torch.int16 and got["nested"][1] == {"s": "text"}
 
 
+def test_zlib_crc_fallback(tmp_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ISA-L (a platform with no ``isal`` wheel) the standard library's CRC-32 gives the same file."""
+    import zlib
+
+    import flashckpt_core.filewriter as fw
+
+    obj = {"a": torch.randn(3 << 18), "b": torch.arange(1000)}  # 3 MiB: several copy pieces
+    monkeypatch.setattr(fw, "_crc32", zlib.crc32)
+    path = os.path.join(str(tmp_path), "zlib.pt")
+    _persist(path, obj)
+    with open(path, "rb") as f:
+        assert _zip_records(f.read()) == _zip_records(_torch_save_bytes(obj))
+
+
 def test_split_without_recording_pickler(tmp_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the pickler cannot record storages in torch.save's own pass, a second walk orders them."""
     import flashckpt_core.torchfile as tf
