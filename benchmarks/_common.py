@@ -27,12 +27,14 @@ from typing import Any
 
 import torch
 
+from flashckpt_core._protocol import process_cpu_seconds
+
 __all__ = [
     "REPO_ROOT", "GB", "GPTConfig", "gpt_config_for_bytes", "gpt_param_shapes", "build_gpt_state_dict",
     "build_tiny_state_dict", "iter_tensors", "distinct_storages", "tensor_bytes", "copy_tree_into",
     "ShmCopyTarget", "Samples", "timed", "median", "fmt_time", "fmt_bytes", "fmt_rate", "markdown_table",
     "machine_info", "drop_file_cache", "cores", "rotated", "fsync_file", "torch_save_file", "dir_bytes", "SaveLog",
-    "saver_persist", "saver_pids", "wait_savers_gone", "fingerprint", "mem_available", "fs_free", "logger",
+    "saver_persist", "saver_pids", "proc_cpu_s", "wait_savers_gone", "fingerprint", "mem_available", "fs_free", "logger",
     "loadavg_note", "finite", "write_json",
 ]
 
@@ -559,6 +561,11 @@ def saver_persist(engine: Any, step: int) -> tuple[int, float] | None:
         if int(m.group(1)) == step:
             return int(m.group(2)), float(m.group(3))
     return None
+
+
+def proc_cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` (all their threads) have used so far."""
+    return sum(process_cpu_seconds(p) or 0.0 for p in pids)
 
 
 def saver_pids(job_dirs: list[str]) -> list[int]:

@@ -10,13 +10,17 @@ Runs ``examples/ddp_train.py`` under ``torch.distributed.run --nproc_per_node 2`
 * ``dcp_async``: DCP ``async_save`` on both ranks every ``--save-every`` steps (default stager; ``dcp_async_shm``,
   with a reused shared-memory ``DefaultStager``, on request via ``--modes``);
 * ``flashckpt``: a memory snapshot every step and a persist every ``--save-every`` steps;
+* ``flashckpt_mem``: memory snapshots every step and no persist: beside ``flashckpt``, what the persists add;
 * ``flashckpt_overlap``: the same with overlapped snapshots (when the engine has them).
 
 Rounds are interleaved (every mode once per round, the order rotated). Per run it takes rank 0's wall
 time of each step after the first ``--save-every`` steps (one-off costs such as allocating snapshot memory
 fall in that warm-up) and reports the median step and the mean step (total time / steps: it includes the
 steps that checkpoint, which a median hides). The overhead is mean(mode) / mean(none) - 1 of the same
-round, median over rounds. Informational only; writes ``<out>/overhead.md`` and ``<out>/overhead.json``.
+round, median over rounds. For flashckpt it also reads the CPU time the saver daemon spent over the measured
+steps (``CheckpointEngine.saver_cpu_seconds``), per persist and as a share of the host's cores over that
+time: what the background persists can at most take from training, whatever the noise of the step times.
+Informational only; writes ``<out>/overhead.md`` and ``<out>/overhead.json``.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ MODES: dict[str, tuple[str, list[str]]] = {
                       ["--ckpt_mode", "dcp_async", "--dcp_stager", "shm"]),
     "flashckpt": ("flashckpt: memory snapshot every step, persist every k", ["--ckpt_mode", "flashckpt",
                                                                              "--save_memory_interval", "1"]),
+    "flashckpt_mem": ("flashckpt: memory snapshot every step, no persist",
+                      ["--ckpt_mode", "flashckpt", "--save_memory_interval", "1", "--save_every", "0",
+                       "--save_storage_interval", "0"]),
     "flashckpt_overlap": ("flashckpt, overlapped snapshots", ["--ckpt_mode", "flashckpt",
                                                               "--save_memory_interval", "1", "--overlap"]),
 }
@@ -107,7 +114,14 @@ def run_once(mode: str, r: int, args: argparse.Namespace, work: str) -> dict[str
     window = [s for i, s in enumerate(steps, start=first) if i > args.warmup]
     saves = [e for e in events if e.get("event") == "save" and e.get("step", 0) > args.warmup]
     persist_kinds = ("disk", "torch_save", "dcp_async")
+    # the saver's CPU over the measured steps: from the last save up to the warm-up's end to the end event
+    # (which follows the wait for the last persist)
+    before = [e["saver_cpu_s"] for e in events
+              if e.get("event") == "save" and e.get("step", 0) <= args.warmup and e.get("saver_cpu_s") is not None]
+    saver_cpu = end["saver_cpu_s"] - before[-1] if before and end.get("saver_cpu_s") is not None else None
     return {"mode": mode, "round": r, "wall_s": wall, "steps_measured": len(window),
+            "window_s": sum(window), "saver_cpu_s": saver_cpu,
+            "persists": sum(1 for e in saves if e["storage"] == "disk"),
             "mean_step_s": sum(window) / len(window) if window else float("nan"),
             "median_step_s": median(window), "step_seconds": steps, "digest": end.get("digest"),
             "pause_memory_s": median([e["seconds"] for e in saves if e["storage"] == "memory"]),
@@ -115,7 +129,7 @@ def run_once(mode: str, r: int, args: argparse.Namespace, work: str) -> dict[str
             "saves": len(saves)}
 
 
-def summarize(runs: list[dict[str, Any]], modes: list[str], rounds: int) -> dict[str, Any]:
+def summarize(runs: list[dict[str, Any]], modes: list[str], rounds: int, ncores: int) -> dict[str, Any]:
     by = {m: {r["round"]: r for r in runs if r["mode"] == m and "error" not in r} for m in modes}
     base = by.get("none", {})
     out: dict[str, Any] = {}
@@ -133,6 +147,13 @@ def summarize(runs: list[dict[str, Any]], modes: list[str], rounds: int) -> dict
             res["overhead_pct"] = 100 * median(paired) if paired else float("nan")
             res["overhead_median_step_pct"] = 100 * median(paired_med) if paired_med else float("nan")
             res["overhead_pct_per_round"] = [100 * x for x in paired]
+            cpu = [x for x in ok.values() if x.get("saver_cpu_s") is not None]
+            if cpu:
+                res["saver_cpu_s"] = median([x["saver_cpu_s"] for x in cpu])
+                res["saver_cpu_share_pct"] = median([100 * x["saver_cpu_s"] / (x["window_s"] * ncores) for x in cpu])
+                if any(x["persists"] for x in cpu):
+                    res["saver_cpu_per_persist_s"] = median([x["saver_cpu_s"] / x["persists"] for x in cpu
+                                                             if x["persists"]])
         out[m] = res
     return out
 
@@ -155,6 +176,14 @@ def render(summary: dict[str, Any], args: argparse.Namespace, errors: list[str])
              f"{args.warmup + 1}-{args.steps} measured; medians over {args.rounds} interleaved rounds. Overhead = mean "
              "step time / the no-checkpoint run's of the same round - 1. Pauses: rank 0's time inside the save call "
              "(memory snapshots / persist or torch.save / async_save calls).")
+    cpu_rows = [[s["label"], fmt_time(s["saver_cpu_s"]),
+                 fmt_time(s["saver_cpu_per_persist_s"]) if "saver_cpu_per_persist_s" in s else "",
+                 f"{s['saver_cpu_share_pct']:.2f} %"] for s in summary.values() if "saver_cpu_s" in s]
+    if cpu_rows:
+        text += "\n\n" + markdown_table(["mode", "saver CPU over the measured steps", "per persist",
+                                          "share of the host's cores"], cpu_rows, "lrrr")
+        text += ("\n\nThe saver daemon's user + system CPU time over the measured steps (/proc), and that time over "
+                 "the measured wall time times the cores: the most the background work can take from training.")
     if errors:
         text += "\n\nNotes:\n\n" + "\n".join(f"- {e}" for e in errors)
     return text
@@ -222,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     note = loadavg_note(load0, ncores)
     if note:
         errors.append(note)
-    summary = summarize(runs, args.modes, args.rounds)
+    summary = summarize(runs, args.modes, args.rounds, ncores)
     text = render(summary, args, errors)
     print(text)
     cmd = "python -m benchmarks.overhead " + " ".join(argv if argv is not None else sys.argv[1:])

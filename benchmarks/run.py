@@ -77,8 +77,10 @@ from benchmarks._common import (  # noqa: E402
     markdown_table,
     median,
     mem_available,
+    proc_cpu_s,
     rotated,
     saver_persist,
+    saver_pids,
     tensor_bytes,
     wait_savers_gone,
     write_json,
@@ -167,28 +169,76 @@ def _clock(fn: Callable[[], Any]) -> tuple[float, Any]:
 class Systems:
     """Sets up every system for one case, hands out its ops, and tears them down."""
 
-    def __init__(self, case: Case, args: argparse.Namespace, nthreads: int) -> None:
-        self.case, self.args, self.nthreads = case, args, nthreads
+    def __init__(self, case: Case, args: argparse.Namespace, nthreads: int, lean: bool = False) -> None:
+        self.case, self.args, self.nthreads, self.lean = case, args, nthreads, lean
         self.closers: list[Callable[[], None]] = []
         self.ops: list[Op] = []
         self.step = 0
         self.engine: Any = None
+        self.job_dirs: list[str] = []
         self.torch_file = os.path.join(case.work, "torch", "ckpt.pt")
         self.dcp_dir = os.path.join(case.work, "dcp_save")
         self._stager: Any = None
         self._target: ShmCopyTarget | None = None
+        self._dlrover_ops: list[Op] | None = None
+        self._kept_closers: list[Callable[[], None]] = []  # freed with the save side, not per lean turn
 
     def next_step(self) -> int:
         self.step += 1
         return self.step
 
+    def groups(self) -> list[tuple[str, Callable[[], None]]]:
+        """Each system's setup: it appends the system's ops and the closers that free its memory."""
+        g = [("copy limit", self._setup_copy), ("flashckpt", self._setup_flashckpt), ("torch.save", self._setup_torch),
+             ("DCP", self._setup_dcp)]
+        return g + ([("DLRover", self._setup_dlrover_once)] if self.args.dlrover else [])
+
     def setup(self) -> None:
-        c, sd = self.case, self.case.sd
         for d in ("fc", "torch", "dcp_save", "dcp_async", "dcp_async_shm", "dlrover"):
-            os.makedirs(os.path.join(c.work, d), exist_ok=True)
-        # copy limit
+            os.makedirs(os.path.join(self.case.work, d), exist_ok=True)
+        if not self.lean:
+            for _, fn in self.groups():
+                fn()
+
+    def run_round(self, r: int) -> None:
+        """Every op once, in an order rotated by round. Lean: one system at a time (rotated), each set up
+        before its ops (with its unmeasured warm-up saves) and torn down after them, so that only the
+        state and one system's buffers are in memory at once."""
+        if not self.lean:
+            for op in rotated(self.ops, r):
+                op(self.case)
+            return
+        for name, fn in rotated(self.groups(), r):
+            n_ops, n_close = len(self.ops), len(self.closers)
+            try:
+                fn()
+                for op in rotated(self.ops[n_ops:], r):
+                    op(self.case)
+            except Exception as e:  # a setup that failed: the others still run
+                self.case.notes.append(f"round {r + 1}: {name} setup failed: {type(e).__name__}: {e}"[:300])
+            finally:
+                turn_closers = self.closers[n_close:]
+                del self.closers[n_close:], self.ops[n_ops:]
+                self._run_closers(turn_closers)
+                gc.collect()
+
+    def before_loads(self) -> None:
+        """Lean: a flashckpt engine holding the state in its saver's memory, for the fresh-process loads."""
+        if self.lean:
+            self._setup_flashckpt()
+
+    def _run_closers(self, closers: list[Callable[[], None]]) -> None:
+        for fn in reversed(closers):
+            try:
+                fn()
+            except Exception as e:  # keep closing the others
+                self.case.notes.append(f"close: {e}")
+
+    def _setup_copy(self) -> None:
+        c, sd = self.case, self.case.sd
         tg = ShmCopyTarget(iter_tensors(sd), threads=self.nthreads)
         self._target = tg
+        self.closers.append(self._free_target)
         tg.memmove(self.nthreads)
         tg.memmove(1)
         if not tg.matches():
@@ -196,11 +246,11 @@ class Systems:
         self.ops.append(Op("copy.memmove_n", lambda: {"blocking": _clock(lambda: tg.memmove(self.nthreads))[0]}))
         if self.nthreads > 1:
             self.ops.append(Op("copy.memmove_1", lambda: {"blocking": _clock(lambda: tg.memmove(1))[0]}))
-        self._setup_flashckpt()
-        self._setup_torch()
-        self._setup_dcp()
-        if self.args.dlrover:
-            self._setup_dlrover()
+
+    def _free_target(self) -> None:
+        if self._target is not None:
+            self._target.close()
+            self._target = None
 
     # -------------------------------------------------------------- flashckpt
     def _setup_flashckpt(self) -> None:
@@ -209,11 +259,25 @@ class Systems:
         c, sd = self.case, self.case.sd
         t_init, eng = _clock(lambda: CheckpointEngine(os.path.join(c.work, "fc"), max_to_keep=1))
         self.engine = eng
-        self.closers.append(lambda: eng.close())
+        if eng.job_dir not in self.job_dirs:
+            self.job_dirs.append(eng.job_dir)
+
+        def close() -> None:
+            eng.close()
+            if self.lean:  # its saver frees the segment when it exits: before the next system allocates
+                left = wait_savers_gone([eng.job_dir])
+                if left:
+                    c.notes.append(left)
+
+        self.closers.append(close)
         # the first two saves allocate the segment and touch both slots' pages: not measured
         t_first, _ = _clock(lambda: eng.save(self.next_step(), sd, storage_type=StorageType.MEMORY))
         eng.save(self.next_step(), sd, storage_type=StorageType.MEMORY)
         c.info.update(flashckpt_engine_init_s=t_init, flashckpt_first_save_s=t_first)
+        if c.kind == "gpt":  # a new saver's first persist pays its one-off imports: not measured
+            eng.save(self.next_step(), sd, storage_type=StorageType.DISK)
+            eng.wait()
+        pids = saver_pids([eng.job_dir])
 
         def snapshot() -> dict[str, float]:
             return {"blocking": _clock(lambda: eng.save(self.next_step(), sd, storage_type=StorageType.MEMORY))[0]}
@@ -221,12 +285,15 @@ class Systems:
         def persist() -> dict[str, float]:
             os.sync()
             step = self.next_step()
+            cpu0 = proc_cpu_s(pids)
             t0 = time.perf_counter()
             eng.save(step, sd, storage_type=StorageType.DISK)
             t1 = time.perf_counter()
             eng.wait()
             t2 = time.perf_counter()
             out = {"blocking": t1 - t0, "durable": t2 - t0}
+            if pids:  # CPU the saver spent on this persist: what it takes from training's cores
+                out["saver_cpu"] = proc_cpu_s(pids) - cpu0
             got = saver_persist(eng, step)
             if got:
                 out["bytes"], out["saver_s"] = float(got[0]), got[1]
@@ -284,6 +351,7 @@ class Systems:
         try:
             stager = DefaultStager(opts)
             self._stager = stager
+            self.closers.append(self._close_stager)
             # the first save allocates the staging buffers (kept for the next saves): not measured
             t_first, _ = _clock(lambda: async_save(d_shm, stager))
             c.info["dcp_shm_first_save_s"] = t_first
@@ -304,6 +372,18 @@ class Systems:
             gc.collect()
 
     # -------------------------------------------------------------- DLRover (optional, untested here)
+    def _setup_dlrover_once(self) -> None:
+        """DLRover's checkpointer is set up once per case and kept (lean turns included): a second one in
+        the same process fails to attach once the first one's segment is unlinked."""
+        if self._dlrover_ops is None:
+            n_ops, n_close = len(self.ops), len(self.closers)
+            self._setup_dlrover()
+            self._dlrover_ops = self.ops[n_ops:]
+            self._kept_closers += self.closers[n_close:]
+            del self.closers[n_close:]
+        else:
+            self.ops += self._dlrover_ops
+
     def _setup_dlrover(self) -> None:
         c, sd = self.case, self.case.sd
         try:
@@ -340,33 +420,32 @@ class Systems:
     # -------------------------------------------------------------- teardown
     def free_save_side(self) -> None:
         """Frees what only the save rounds need (copy buffer, DCP staging cache) before the loads."""
-        if self._target is not None:
-            self._target.close()
-            self._target = None
+        self._free_target()
         self._close_stager()
+        self._run_closers(self._kept_closers)
+        self._kept_closers.clear()
+        self._dlrover_ops = None
         self.ops.clear()
         gc.collect()
 
     def close(self) -> None:
         self.free_save_side()
-        for fn in reversed(self.closers):
-            try:
-                fn()
-            except Exception as e:  # keep closing the others
-                self.case.notes.append(f"close: {e}")
+        self._run_closers(self.closers)
         self.closers.clear()
 
 
 # ---------------------------------------------------------------------------------------------- cases
-def fit_check(nbytes: float, work: str, dlrover: bool) -> str | None:
-    """Why a GPT case of ``nbytes`` cannot run here, or None.
+def fit_check(nbytes: float, work: str, dlrover: bool, lean: bool = False) -> str | None:
+    """Why a GPT case of ``nbytes`` cannot run here (all systems set up at once, or ``lean``: one at a
+    time), or None.
 
     Peak in RAM (save rounds): the state, the copy-limit buffer, flashckpt's two snapshot slots, DCP's
     shared-memory staging cache and a transient default-stager copy (6x; DLRover adds 2x); of those,
-    /dev/shm holds the copy buffer, both slots and the staging cache (4x). Disk: torch.save, three DCP
-    directories and up to two flashckpt steps (6x)."""
-    ram_need = (6 + (2 if dlrover else 0)) * nbytes + 0.5 * GB
-    shm_need = (4 + (2 if dlrover else 0)) * nbytes
+    /dev/shm holds the copy buffer, both slots and the staging cache (4x). Lean: the state and the
+    largest single system, flashckpt's two slots (3x; 2x in /dev/shm), and DLRover's buffers, which stay.
+    Disk: torch.save, three DCP directories and up to two flashckpt steps (6x)."""
+    ram_need = ((3 if lean else 6) + (2 if dlrover else 0)) * nbytes + 0.5 * GB
+    shm_need = ((2 if lean else 4) + (2 if dlrover else 0)) * nbytes
     disk_need = 6 * nbytes
     ram, shm, disk = mem_available(), fs_free("/dev/shm"), fs_free(work)
     why = []
@@ -398,32 +477,35 @@ def make_case(name: str, work: str, size_gb: float | None = None) -> Case:
                 os.path.join(work, name))
 
 
-def run_case(case: Case, args: argparse.Namespace, nthreads: int) -> None:
+def run_case(case: Case, args: argparse.Namespace, nthreads: int, lean: bool = False) -> None:
     _rm(case.work)
     os.makedirs(case.work)
-    sysm = Systems(case, args, nthreads)
+    sysm = Systems(case, args, nthreads, lean)
+    if lean:
+        case.info["lean"] = True
+        case.notes.append("run lean: one system in memory at a time, each set up (with its unmeasured warm-up "
+                          "saves) and freed again in every round, since all of them at once do not fit here")
     try:
-        log(f"{case.name}: {case.ntensors} tensors, {fmt_bytes(case.nbytes)}; setting up")
+        log(f"{case.name}: {case.ntensors} tensors, {fmt_bytes(case.nbytes)}; setting up" + (" (lean)" if lean else ""))
         sysm.setup()
         for r in range(args.rounds):
             log(f"{case.name}: save round {r + 1}/{args.rounds}")
             gc.collect()
-            for op in rotated(sysm.ops, r):
-                op(case)
+            sysm.run_round(r)
         if case.kind == "tied":
             tied_info(case, sysm)
         if case.kind == "gpt" and not args.no_load:
             expect = fingerprint(case.sd)
+            sysm.before_loads()
             case.sd = None  # the children load it; free the parent's copy
             sysm.free_save_side()
             run_loads(case, sysm, args, expect)
     finally:
-        job_dir = sysm.engine.job_dir if sysm.engine is not None else None
         sysm.close()
         case.sd = None
         gc.collect()
-        if job_dir:
-            left = wait_savers_gone([job_dir])
+        if sysm.job_dirs:
+            left = wait_savers_gone(sysm.job_dirs)
             if left:
                 case.notes.append(left)
         if not args.keep:
@@ -553,6 +635,11 @@ def render(cases: list[dict[str, Any]], skipped: dict[str, str], args: argparse.
         if any("flashckpt.persist.saver_s" in c["medians"] for c in gpts):
             rows.append(["  flashckpt: the saver's own persist time (saver.log)"]
                         + [_cell_time(c, "flashckpt.persist.saver_s") for c in gpts])
+        if any("flashckpt.persist.saver_cpu" in c["medians"] for c in gpts):
+            rows.append(["  flashckpt: CPU time the saver spent on it (per GB)"]
+                        + [_cell_time(c, "flashckpt.persist.saver_cpu")
+                           + (f" ({c['medians']['flashckpt.persist.saver_cpu'] / (c['bytes'] / GB):.2f} s/GB)"
+                              if "flashckpt.persist.saver_cpu" in c["medians"] else "") for c in gpts])
         out += ["", markdown_table(heads, rows),
                 "\nFrom the call until the checkpoint is on disk (fsynced); in brackets the state's bytes as written "
                 "per second. For flashckpt: save(DISK) until wait() returns (persisted and committed)."]
@@ -609,6 +696,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-extra", action="store_true", help="skip the 20,000-tensor and tied-weights cases")
     p.add_argument("--threads", type=int, default=0, help="threads of the copy limit (default: cores)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints written")
+    p.add_argument("--lean", action="store_true",
+                   help="one system in memory at a time (set up and freed per round); automatic for a size whose "
+                        "systems do not fit in memory together")
     p.add_argument("--overhead", action="store_true", help="also run the training-overhead benchmark")
     args = p.parse_args(argv)
     args.sizes = [float(x) for x in (args.sizes or ("0.25" if args.quick else "0.25,1,4")).split(",") if x.strip()]
@@ -644,15 +734,19 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     for name, size in names:
         gc.collect()
+        lean = args.lean
         if size is not None:
-            why = fit_check(size * GB, args.dir, args.dlrover)
+            why = fit_check(size * GB, args.dir, args.dlrover, lean)
+            if why and not lean and not fit_check(size * GB, args.dir, args.dlrover, lean=True):
+                log(f"{name}: all systems at once need {why}: running it lean (one system at a time)")
+                why, lean = None, True
             if why:
                 msg = f"needs {why}"
                 skipped[name] = msg
                 print(f"note: skipping {name}: it {msg}", flush=True)
                 continue
         case = make_case(name, args.dir, size)
-        run_case(case, args, nthreads)
+        run_case(case, args, nthreads, lean)
         results.append(summarize(case))
         del case
     try:

@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                 ckpt.engine.save(step, sd, None, kind, overlap=True)
             else:
                 ckpt.save_checkpoint(step, sd, storage_type=kind)
-            emit(event="save", step=step, storage=kind.value, seconds=time.perf_counter() - t0)
+            emit(event="save", step=step, storage=kind.value, seconds=time.perf_counter() - t0,
+                 saver_cpu_s=ckpt.engine.saver_cpu_seconds() if rank == 0 else None)
             if kind == StorageType.DISK and args.compare_torch_save and rank == 0:
                 path = os.path.join(args.checkpoint_dir, ".torch_save_compare.pt")
                 t0 = time.perf_counter()
@@ -262,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         other.close()
     digest = weights_digest(model)
     emit(event="end", step=args.steps, digest=digest, mode=args.ckpt_mode, overlap=args.overlap,
-         first_step=start, step_seconds=step_seconds)
+         first_step=start, step_seconds=step_seconds,
+         saver_cpu_s=ckpt.engine.saver_cpu_seconds() if ckpt is not None and rank == 0 else None)
     if rank == 0:
         print(f"[rank 0] done: {args.steps} steps, weights sha256 {digest[:16]}", flush=True)
     if ckpt is not None:

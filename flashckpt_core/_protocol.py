@@ -114,6 +114,17 @@ class Client:
                     self._sock = None
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` (all its threads) has used so far, from
+    ``/proc/<pid>/stat``; None where that cannot be read (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: stat(5) 14, 15
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -15,7 +15,7 @@ import torch
 
 from . import errors as E
 from ._copy import Copier
-from ._protocol import Client
+from ._protocol import Client, process_cpu_seconds
 from .commit import CommitLayout
 from .config import Knobs, RankInfo, StorageType, job_dir
 from .files import FileEntry, FileSet, is_fileset_tree
@@ -139,6 +139,7 @@ class CheckpointEngine:
                 time.sleep(0.01)
         self._client: Client | None = client
         self._cursor = int(hello["cursor"])  # errors before we attached belong to an earlier run
+        self._saver_pid = int(hello.get("pid", 0))
         self._handler = SharedMemoryHandler(r.local_rank, self.job_dir, allocate=self._allocate,
                                             copier=self._copier, weights_only=weights_only)
         self._reader = (self._handler if not replicated or r.local_rank == 0 else
@@ -330,6 +331,12 @@ class CheckpointEngine:
         self._applied_retention = key
         if doomed:
             self._client_call("delete_steps", steps=doomed, background=True)
+
+    def saver_cpu_seconds(self) -> float | None:
+        """CPU time (user + system, all threads) the node's saver daemon has used since it started: what
+        persisting costs the host's cores, for monitoring. None where ``/proc`` cannot tell (not Linux,
+        or the saver is gone)."""
+        return process_cpu_seconds(self._saver_pid) if self._saver_pid > 0 else None
 
     # ------------------------------------------------------------------ wait / close
     def wait(self, timeout: float | None = None) -> None:

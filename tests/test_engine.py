@@ -419,3 +419,22 @@ def test_memory_snapshots_skip_the_round_trip_to_the_saver(make_engine, monkeypa
     engine.wait(timeout=60)
     assert "persist" in calls and "wait" in calls
     engine.close()
+
+
+def test_saver_cpu_seconds_counts_the_persist_work(make_engine, runtime_dir):
+    """saver_cpu_seconds() reads the saver daemon's own CPU time: it is the saver's pid, and a persist of
+    64 MB (xxh3 + CRC-32 + copy of every byte) makes it grow."""
+    from flashckpt_core._protocol import process_cpu_seconds
+
+    engine = make_engine()
+    sd = {"w": torch.randn(16 << 20)}
+    engine.save(1, sd, storage_type=StorageType.MEMORY)
+    (pid,) = saver_pids(runtime_dir)
+    before = engine.saver_cpu_seconds()
+    assert before is not None and before == pytest.approx(process_cpu_seconds(pid), abs=0.05)
+    engine.save(2, sd, storage_type=StorageType.DISK)
+    engine.wait(timeout=60)
+    after = engine.saver_cpu_seconds()
+    assert after is not None and after > before
+    engine.close()
+    wait_for(lambda: engine.saver_cpu_seconds() is None, 30, "the saver to exit")  # nothing left to read
