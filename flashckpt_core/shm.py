@@ -30,6 +30,7 @@ import re
 import struct
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -408,7 +409,11 @@ class SharedMemoryHandler:
         try:
             native = _native.get()
             cached = self._tree_cache
-            flat = flatten_like(state_dict, cached[1], check_tensors=native is None) if cached else None
+            if cached and native is not None:
+                ts = native.flatten_like(state_dict, cached[1], torch.nn.Parameter, OrderedDict)
+                flat = Flat(cached[1], ts, []) if ts is not None else None
+            else:
+                flat = flatten_like(state_dict, cached[1], check_tensors=native is None) if cached else None
             if flat is None:
                 flat = flatten(state_dict, check_tensors=native is None)
             if native is not None:

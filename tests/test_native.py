@@ -154,3 +154,69 @@ def test_first_use_builds_in_the_background_and_a_failed_build_is_remembered(tmp
         print(n.status())
     """, bad_env, 60)
     assert again.returncode == 0 and "build failed" in again.stdout, again.stderr + again.stdout
+
+
+def _walk_tree() -> dict:
+    sd = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4)).state_dict()  # OrderedDict + _metadata
+    return {"model": sd, "opt": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(4, 3)}},
+                                 "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "amsgrad": False,
+                                                   "params": [0, 1], "name": None}]},
+            "step": 17, "tag": "run-a", "pair": (torch.ones(2), [torch.zeros(1), 2.5]), "flag": True}
+
+
+def test_flatten_like_matches_the_python_walk(native) -> None:
+    """The C++ walk against a cached skeleton finds the same tensors where the Python one does, and
+    gives up (None) wherever the Python one does: any key, plain value, container type or order changed."""
+    from collections import OrderedDict
+
+    from flashckpt_core._tree import flatten_like
+
+    skeleton = flatten(_walk_tree()).skeleton
+
+    def both(tree: object) -> list | None:
+        py = flatten_like(tree, skeleton, check_tensors=False)
+        got = native.flatten_like(tree, skeleton, torch.nn.Parameter, OrderedDict)
+        assert (py is None) == (got is None)
+        if got is not None:
+            assert [id(t) for t in got] == [id(t) for t in py.tensors]
+        return got
+
+    same = _walk_tree()
+    got = both(same)
+    assert got is not None and len(got) == len(flatten(same).tensors) == 8
+
+    def changed(fn) -> dict:
+        t = _walk_tree()
+        fn(t)
+        return t
+
+    def reorder(t: dict) -> None:
+        t["model"].move_to_end("0.weight")  # an OrderedDict's own order, not its dict's
+
+    def drop_metadata(t: dict) -> None:
+        del t["model"]._metadata
+
+    def none_metadata(t: dict) -> None:
+        t["model"]._metadata = None  # getattr(..., None) is None: as if absent
+
+    cases = {
+        "an int leaf": lambda t: t.update(step=18),
+        "a str leaf": lambda t: t.update(tag="run-b"),
+        "a float leaf": lambda t: t["opt"]["param_groups"][0].update(lr=2e-3),
+        "a bool leaf": lambda t: t.update(flag=False),
+        "an int key's type": lambda t: t["opt"].update(state={"0": t["opt"]["state"][0]}),
+        "a new key": lambda t: t.update(extra=1),
+        "a tuple turned list": lambda t: t["opt"]["param_groups"][0].update(betas=[0.9, 0.999]),
+        "a tensor turned int": lambda t: t.update(pair=(1, t["pair"][1])),
+        "an int turned tensor": lambda t: t.update(step=torch.tensor(17)),
+        "a bytes leaf": lambda t: t.update(tag=b"run-a"),
+        "a dict subclass": lambda t: t.update(opt=type("D", (dict,), {})(t["opt"])),
+        "an OrderedDict reordered": reorder,
+        "metadata removed": drop_metadata,
+        "a list longer": lambda t: t["pair"][1].append(3),
+    }
+    for what, fn in cases.items():
+        assert both(changed(fn)) is None, what
+    assert both(changed(none_metadata)) is None  # the skeleton has _metadata: a difference either way
+    param = changed(lambda t: t.update(pair=(torch.nn.Parameter(torch.ones(2)), t["pair"][1])))
+    assert both(param) is not None  # a Parameter where a tensor was: the same leaf kind; scan tells them apart

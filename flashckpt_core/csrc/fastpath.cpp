@@ -1,5 +1,6 @@
-// flashckpt's per-tensor hot path in C++: the structure of a tensor list (a snapshot's signature) and
-// the copies of many small storages, without a Python call per tensor.
+// flashckpt's per-tensor hot path in C++: the walk of an unchanged state dict against its cached
+// skeleton, the structure of a tensor list (a snapshot's signature) and the copies of many small
+// storages, without a Python call per item.
 //
 // Built on first use by flashckpt_core._native (torch.utils.cpp_extension); flashckpt runs the same
 // logic in Python wherever this cannot be built.
@@ -70,6 +71,151 @@ py::tuple scan(const py::list& tensors, const py::handle& parameter_type) {
   return py::make_tuple(py::bytes(sig), py::bytes(ptrs), -1);
 }
 
+namespace {
+
+// _tree.flatten_like's ``match`` in C: the same rules, in the same order (see there).
+class Matcher {
+ public:
+  Matcher(PyObject* param_type, PyObject* odict_type, PyObject* tensors)
+      : param_t_(param_type), odict_t_(odict_type), tensors_(tensors) {}
+
+  // 1: ``x`` matches ``sk`` (its tensors appended), 0: it does not, -1: a Python error is set.
+  int match(PyObject* x, PyObject* sk) {
+    PyTypeObject* tx = Py_TYPE(x);
+    if (is_tensor(tx)) return tensor(x, sk);
+    if (tx == &PyUnicode_Type || tx == &PyLong_Type || x == Py_None) {
+      if (Py_TYPE(sk) != tx) return 0;
+      return PyObject_RichCompareBool(sk, x, Py_EQ);
+    }
+    if (!PyList_CheckExact(sk) || PyList_GET_SIZE(sk) < 2) return 0;
+    PyObject* tag = PyList_GET_ITEM(sk, 0);
+    PyObject* body = PyList_GET_ITEM(sk, 1);
+    const bool od = reinterpret_cast<PyObject*>(tx) == odict_t_;
+    if (tx == &PyDict_Type || od) {
+      if (!is(tag, od ? "od" : "d") || !PyList_CheckExact(body) || PyList_GET_SIZE(body) != PyDict_Size(x)) return 0;
+      const int r = od ? ordered_items(x, body) : dict_items(x, body);
+      if (r != 1 || !od) return r;
+      PyObject* md = PyObject_GetAttrString(x, "_metadata");
+      if (md == nullptr) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+      } else if (md == Py_None) {  // as getattr(x, "_metadata", None) is None
+        Py_DECREF(md);
+        md = nullptr;
+      }
+      const Py_ssize_t n = PyList_GET_SIZE(sk);
+      if ((md == nullptr) != (n == 2)) {
+        Py_XDECREF(md);
+        return 0;
+      }
+      if (md == nullptr) return 1;
+      const int m = match(md, PyList_GET_ITEM(sk, 2));
+      Py_DECREF(md);
+      return m;
+    }
+    if (tx == &PyList_Type || tx == &PyTuple_Type) {
+      const bool list = tx == &PyList_Type;
+      if (!is(tag, list ? "l" : "t") || !PyList_CheckExact(body)) return 0;
+      const Py_ssize_t n = list ? PyList_GET_SIZE(x) : PyTuple_GET_SIZE(x);
+      if (PyList_GET_SIZE(body) != n) return 0;
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        const int r = match(list ? PyList_GET_ITEM(x, i) : PyTuple_GET_ITEM(x, i), PyList_GET_ITEM(body, i));
+        if (r != 1) return r;
+      }
+      return 1;
+    }
+    if (tx == &PyFloat_Type) {
+      if (!is(tag, "f")) return 0;
+      PyObject* hex = PyObject_CallMethod(x, "hex", nullptr);
+      if (hex == nullptr) return -1;
+      const int r = PyObject_RichCompareBool(body, hex, Py_EQ);
+      Py_DECREF(hex);
+      return r;
+    }
+    if (tx == &PyBool_Type) return is(tag, "B") && body == x ? 1 : 0;
+    return 0;  // bytes, dtypes, opaque leaves, ...: the full walk
+  }
+
+ private:
+  bool is_tensor(PyTypeObject* t) const {
+    return reinterpret_cast<PyObject*>(t) == reinterpret_cast<PyObject*>(THPVariableClass) ||
+           reinterpret_cast<PyObject*>(t) == param_t_;
+  }
+
+  static bool is(PyObject* tag, const char* s) {
+    return PyUnicode_CheckExact(tag) && PyUnicode_CompareWithASCIIString(tag, s) == 0;
+  }
+
+  // A tensor leaf: the skeleton holds ["T", its index in traversal order].
+  int tensor(PyObject* x, PyObject* sk) {
+    if (!PyList_CheckExact(sk) || PyList_GET_SIZE(sk) < 2 || !is(PyList_GET_ITEM(sk, 0), "T")) return 0;
+    PyObject* idx = PyList_GET_ITEM(sk, 1);
+    if (!PyLong_CheckExact(idx) || PyLong_AsSsize_t(idx) != PyList_GET_SIZE(tensors_)) {
+      PyErr_Clear();
+      return 0;
+    }
+    return PyList_Append(tensors_, x) == 0 ? 1 : -1;
+  }
+
+  // One (key, value) against its skeleton pair [key, value skeleton].
+  int item(PyObject* k, PyObject* v, PyObject* pair) {
+    if (!(PyList_CheckExact(pair) || PyTuple_CheckExact(pair)) || PySequence_Fast_GET_SIZE(pair) != 2) return 0;
+    PyObject* sk_key = PySequence_Fast_GET_ITEM(pair, 0);
+    PyTypeObject* tk = Py_TYPE(k);
+    if (!(tk == &PyUnicode_Type || tk == &PyLong_Type || k == Py_None) || Py_TYPE(sk_key) != tk) return 0;
+    const int eq = PyObject_RichCompareBool(sk_key, k, Py_EQ);
+    if (eq != 1) return eq;
+    return match(v, PySequence_Fast_GET_ITEM(pair, 1));
+  }
+
+  int dict_items(PyObject* x, PyObject* body) {
+    Py_ssize_t pos = 0, i = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(x, &pos, &k, &v)) {  // insertion order, as dict.items()
+      const int r = item(k, v, PyList_GET_ITEM(body, i++));
+      if (r != 1) return r;
+    }
+    return 1;
+  }
+
+  int ordered_items(PyObject* x, PyObject* body) {  // OrderedDict: its own order (move_to_end)
+    PyObject* items = PyObject_CallMethod(x, "items", nullptr);
+    if (items == nullptr) return -1;
+    PyObject* it = PyObject_GetIter(items);
+    Py_DECREF(items);
+    if (it == nullptr) return -1;
+    int r = 1;
+    Py_ssize_t i = 0;
+    while (PyObject* kv = PyIter_Next(it)) {
+      r = i < PyList_GET_SIZE(body) ? item(PyTuple_GET_ITEM(kv, 0), PyTuple_GET_ITEM(kv, 1), PyList_GET_ITEM(body, i++))
+                                    : 0;
+      Py_DECREF(kv);
+      if (r != 1) break;
+    }
+    Py_DECREF(it);
+    if (r == 1 && PyErr_Occurred()) r = -1;
+    return r;
+  }
+
+  PyObject* param_t_;
+  PyObject* odict_t_;
+  PyObject* tensors_;
+};
+
+}  // namespace
+
+// The tensors of ``obj`` in traversal order when it has exactly the structure and plain leaves of
+// ``skeleton`` (a skeleton _tree.flatten made), else None: _tree.flatten_like without the tensor checks
+// (scan makes them).
+py::object flatten_like(const py::handle& obj, const py::handle& skeleton, const py::handle& parameter_type,
+                        const py::handle& odict_type) {
+  py::list tensors;
+  Matcher m(parameter_type.ptr(), odict_type.ptr(), tensors.ptr());
+  const int r = m.match(obj.ptr(), skeleton.ptr());
+  if (r < 0) throw py::error_already_set();
+  return r == 1 ? py::object(tensors) : py::object(py::none());
+}
+
 // Copies the storages of a plan: for every (tensor index, destination offset, bytes) triple in
 // ``copies`` (int64s), ``bytes`` from ``ptrs[index]`` to ``dst_base + offset``. The GIL is released.
 void copy_storages(int64_t dst_base, const py::bytes& ptrs, const py::bytes& copies) {
@@ -90,6 +236,7 @@ void copy_storages(int64_t dst_base, const py::bytes& ptrs, const py::bytes& cop
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("flatten_like", &flatten_like, "the tensors of a tree shaped exactly like a cached skeleton, or None");
   m.def("scan", &scan, "signature, storage pointers and first unstorable index of a tensor list");
   m.def("copy_storages", &copy_storages, "copies a plan's storages into a slot (GIL released)");
 }
