@@ -422,16 +422,17 @@ class Systems:
         """Frees what only the save rounds need (copy buffer, DCP staging cache) before the loads."""
         self._free_target()
         self._close_stager()
-        self._run_closers(self._kept_closers)
-        self._kept_closers.clear()
-        self._dlrover_ops = None
         self.ops.clear()
         gc.collect()
 
     def close(self) -> None:
         self.free_save_side()
-        self._run_closers(self.closers)
+        # DLRover's last, as before the lean mode: closed any earlier (before the loads), the next case's
+        # checkpointer in this process cannot reach its saver's sockets
+        self._run_closers(self._kept_closers + self.closers)
         self.closers.clear()
+        self._kept_closers.clear()
+        self._dlrover_ops = None
 
 
 # ---------------------------------------------------------------------------------------------- cases
@@ -737,9 +738,12 @@ def main(argv: list[str] | None = None) -> int:
         lean = args.lean
         if size is not None:
             why = fit_check(size * GB, args.dir, args.dlrover, lean)
-            if why and not lean and not fit_check(size * GB, args.dir, args.dlrover, lean=True):
-                log(f"{name}: all systems at once need {why}: running it lean (one system at a time)")
-                why, lean = None, True
+            if why and not lean:
+                why_lean = fit_check(size * GB, args.dir, args.dlrover, lean=True)
+                if why_lean is None:
+                    log(f"{name}: all systems at once need {why}: running it lean (one system at a time)")
+                    lean = True
+                why = why_lean and f"{why_lean} even with one system in memory at a time"
             if why:
                 msg = f"needs {why}"
                 skipped[name] = msg
