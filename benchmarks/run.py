@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import multiprocessing
 import os
 import shutil
 import sys
@@ -158,6 +159,16 @@ def _rm(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
     elif os.path.exists(path):
         os.unlink(path)
+
+
+def _stop_processes(procs: set[Any]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join(10)
 
 
 def _clock(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -394,7 +405,12 @@ class Systems:
             if not dist.is_initialized():  # DLRover's checkpointer needs a process group (world size 1 here)
                 store = os.path.join(tempfile.mkdtemp(prefix="bench-dlrover-"), "store")
                 dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+            before = set(multiprocessing.active_children())
             ck = DlroverCheckpointer(os.path.join(c.work, "dlrover"))
+            # Standalone, DLRover forks its saver, which maps the segment: it must go with the case, or it
+            # holds the memory and the next case's checkpointer talks to its closed sockets
+            saver_procs = set(multiprocessing.active_children()) - before
+            self.closers.append(lambda: _stop_processes(saver_procs))
             path = os.path.join(c.work, "dlrover", "ckpt.pt")
             for _ in range(2):  # allocation and first touch: not measured
                 ck.save_checkpoint(self.next_step(), sd, path, storage_type=DlroverStorageType.MEMORY)
@@ -735,6 +751,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     for name, size in names:
         gc.collect()
+        log(f"{name}: {mem_available() / GB:.1f} GB of RAM available, {fs_free('/dev/shm') / GB:.1f} GB free in /dev/shm")
         lean = args.lean
         if size is not None:
             why = fit_check(size * GB, args.dir, args.dlrover, lean)
