@@ -438,17 +438,17 @@ class Systems:
         """Frees what only the save rounds need (copy buffer, DCP staging cache) before the loads."""
         self._free_target()
         self._close_stager()
+        # DLRover's op holds the state and its forked saver a copy of it: both go before the loads
+        self._run_closers(self._kept_closers)
+        self._kept_closers.clear()
+        self._dlrover_ops = None
         self.ops.clear()
         gc.collect()
 
     def close(self) -> None:
         self.free_save_side()
-        # DLRover's last, as before the lean mode: closed any earlier (before the loads), the next case's
-        # checkpointer in this process cannot reach its saver's sockets
-        self._run_closers(self._kept_closers + self.closers)
+        self._run_closers(self.closers)
         self.closers.clear()
-        self._kept_closers.clear()
-        self._dlrover_ops = None
 
 
 # ---------------------------------------------------------------------------------------------- cases
