@@ -449,9 +449,14 @@ class SharedMemoryHandler:
             large = [(off, addr[i], n) for i, off, n in plan.large_copies]
         else:
             large = [(off, ptrs[i], n) for i, off, n in plan.copies]
-        del flat  # the addresses stay valid: the caller keeps its tensors unchanged until finish() returns
+        # The copies read the tensors by address: they are kept alive until finish() is done with them. An
+        # overlapped save's caller may drop its state dict at once (``save(step, {"w": torch.ones(3)})``),
+        # and a freed tensor's memory is reused or unmapped under the background copy.
+        sources: list[torch.Tensor] | None = flat.tensors
+        del flat
 
         def finish() -> SlotRef:
+            nonlocal sources
             try:
                 data = seg.base + seg.data_off(slot)
                 small = None
@@ -469,6 +474,8 @@ class SharedMemoryHandler:
             except BaseException:
                 self._set_state(seg, slot, EMPTY)
                 raise
+            finally:
+                sources = None  # copied (or failed): the caller's tensors are free to go
             gen = seg.header(slot).generation
             seg.write_header(slot, SlotHeader(COMPLETE, 0, step, gen, len(meta), xxhash.xxh64_intdigest(meta),
                                               plan.tensor_bytes, len(blob), time.time()))

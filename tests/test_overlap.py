@@ -88,3 +88,37 @@ def test_engine_calls_wait_for_an_overlapped_snapshot(make_engine, ckpt_dir):
     assert torch.equal(eng.load(f"step_1/rank_{0:05d}.pt")["w"], want)
     eng.save(3, {"w": torch.full((3,), 3.0)}, storage_type=MEMORY, overlap=True)
     eng.close()  # close waits for the copy before detaching
+
+
+def test_overlapped_snapshot_keeps_the_dropped_state_alive(make_engine, ckpt_dir):
+    """The caller may drop its state dict as soon as save(overlap=True) returns: the snapshot holds the
+    tensors until its background copy is done with them (the copy reads them by address; a freed
+    tensor's memory is reused or unmapped), then lets them go."""
+    import gc
+    import threading
+    import weakref
+
+    eng = make_engine()
+    gate = threading.Event()
+    real_run = eng._copier.run
+
+    def gated_run(*a, **kw):  # holds the background copy until the test has dropped its references
+        assert gate.wait(30)
+        return real_run(*a, **kw)
+
+    eng._copier.run = gated_run
+    t = torch.arange(300_000, dtype=torch.float32)  # a copier-sized storage and...
+    small = torch.full((3,), 7.0)  # ...a small one (the native small-copy path where built)
+    refs = [weakref.ref(t), weakref.ref(small)]
+    eng.save(1, {"w": t, "s": small}, storage_type=MEMORY, overlap=True)
+    del t, small
+    gc.collect()
+    assert all(r() is not None for r in refs), "the pending snapshot let its source tensors go"
+    gate.set()
+    eng.wait_snapshot()
+    gc.collect()
+    assert all(r() is None for r in refs), "the snapshot kept its source tensors after the copy"
+    back = eng.load()
+    assert torch.equal(back["w"], torch.arange(300_000, dtype=torch.float32))
+    assert back["s"].tolist() == [7.0, 7.0, 7.0]
+    eng.close()
