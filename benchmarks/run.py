@@ -435,7 +435,7 @@ class Systems:
 
     # -------------------------------------------------------------- teardown
     def free_save_side(self) -> None:
-        """Frees what only the save rounds need (copy buffer, DCP staging cache) before the loads."""
+        """Frees what only the save rounds need (copy buffer, DCP staging cache, DLRover) before the loads."""
         self._free_target()
         self._close_stager()
         # DLRover's op holds the state and its forked saver a copy of it: both go before the loads

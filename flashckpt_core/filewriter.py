@@ -8,8 +8,8 @@ host's cores; on the development VM that path ran at 0.3-1.4 GB/s against 1.5-2.
 ``write_parts`` streams the parts through a few page-aligned bounce buffers into a file opened with
 ``O_DIRECT``: the calling thread copies (``memmove``, GIL released), checksums (xxh3-64 of the file's
 bytes) and computes any CRC-32 the format needs (with ISA-L when ``isal`` is installed: zlib's
-CRC-32 alone cost 0.4 s of a core per GB, more than the copy and the hash together), while a writer thread issues the writes, so copying
-and disk I/O overlap. The tail is padded to the block size and the file truncated to its length.
+CRC-32 alone cost 0.4 s of a core per GB, more than the copy and the hash together), while a writer
+thread issues the writes, so copying and disk I/O overlap. The tail is padded to the block size and the file truncated to its length.
 File systems without ``O_DIRECT`` (tmpfs, some FUSE and network file systems) get buffered writes of
 the same buffers; the bytes written are the same either way.
 """
