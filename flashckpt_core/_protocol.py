@@ -2,7 +2,8 @@
 
 Nothing crosses a process boundary as pickle. A message is a 4-byte big-endian length and a UTF-8
 JSON object; requests carry ``op``, replies carry ``ok`` and either the result or ``error``/``kind``.
-Only peers with the saver's uid are served (SO_PEERCRED).
+Both ends check the other's uid (SO_PEERCRED): the saver serves only peers of its uid, and a client
+talks only to a saver of its own uid.
 """
 
 from __future__ import annotations
@@ -70,7 +71,12 @@ _ERRORS: dict[str, type[E.FlashCheckpointError]] = {
 
 
 class Client:
-    """One connection to a saver. Thread-safe: one request in flight at a time."""
+    """One connection to a saver. Thread-safe: one request in flight at a time.
+
+    Raises:
+        SaverError: (at construction) the process serving ``path`` runs as another uid; nothing was
+            sent to it.
+    """
 
     def __init__(self, path: str, *, timeout: float) -> None:
         self.path = path
@@ -80,9 +86,16 @@ class Client:
         self._sock.settimeout(timeout)
         try:
             self._sock.connect(path)
+            uid = peer_uid(self._sock)
         except BaseException:
             self._sock.close()
             raise
+        if uid != os.getuid():
+            self._sock.close()
+            self._sock = None
+            raise E.SaverError(f"the socket {path} is served by uid {uid}, not by this user (uid {os.getuid()}): "
+                               "another user owns that socket, so nothing was sent to it. Remove it (ask that "
+                               "user or an administrator) or set FLASHCKPT_RUNTIME_DIR to a directory of your own.")
 
     def call(self, op: str, *, timeout: float | None = None, **args: Any) -> dict[str, Any]:
         """Sends one request and returns the reply's fields; raises the saver's error as ours."""

@@ -109,6 +109,8 @@ def _alive(job_dir: str) -> bool:
     try:
         Client(sock, timeout=5).close()
         return True
+    except E.SaverError:
+        return True  # served by another uid: Client sent it nothing, and it is not ours to remove
     except OSError:
         return False
 

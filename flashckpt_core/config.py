@@ -5,11 +5,12 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 
 __all__ = ["StorageType", "Knobs", "RankInfo", "job_key", "runtime_root", "job_dir", "make_private_dir",
-           "is_default_runtime_dir", "is_job_key_of"]
+           "open_private_dir", "is_default_runtime_dir", "is_job_key_of"]
 
 
 class StorageType(enum.Enum):
@@ -123,25 +124,87 @@ def is_job_key_of(name: str, job_id: str) -> bool:
 
 
 def make_private_dir(path: str) -> None:
-    """Creates the job dir ``path`` with mode 0700 (owner only), and its parent if missing (0700 too).
+    """Creates or checks the job dir ``path`` and its parent, the runtime dir (see ``open_private_dir``)."""
+    os.close(open_private_dir(path))
 
-    An existing parent is left as it is (it may be a shared directory the user chose, like /tmp): the
-    job dir itself is what keeps other users out. A job dir owned by another user is refused."""
-    parent = os.path.dirname(path)
+
+def open_private_dir(path: str) -> int:
+    """Creates the job dir ``path`` with mode 0700, and its parent (the runtime dir) when missing (0700
+    too); checks both and returns an fd of the job dir, which the caller closes.
+
+    No symbolic link is followed at either level, and each check is made with ``fstat`` on the
+    ``O_NOFOLLOW`` fd that is then used, so nothing swapped in between can pass. The job dir must be a
+    directory owned by this user (its mode is set to 0700). The runtime dir must be one that no other
+    user can change: the per-user root flashckpt chose itself (``runtime_root()``) must be owned by this
+    user (its mode is set to 0700); one the user chose (FLASHCKPT_RUNTIME_DIR) may also be owned by
+    root, and writable by others only when sticky (like /tmp).
+
+    Raises:
+        SaverError: either dir is a symbolic link, is not a directory, belongs to another user, or (the
+            runtime dir) may be changed by another user; the message says what to do.
+    """
+    parent, name = os.path.split(os.path.abspath(path))
     os.makedirs(os.path.dirname(parent) or "/", exist_ok=True)
+    pfd = _open_dir(parent, None, parent, "root" if is_default_runtime_dir(parent) else "chosen")
     try:
-        os.mkdir(parent, 0o700)
-    except FileExistsError:
-        pass
+        return _open_dir(name, pfd, path, "job")
+    finally:
+        os.close(pfd)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FIX = ("remove it (if another user owns it, ask them or an administrator) or set FLASHCKPT_RUNTIME_DIR to a "
+        "directory of your own")
+
+
+def _open_dir(name: str, dir_fd: int | None, shown: str, level: str) -> int:
+    """Opens ``name`` (in ``dir_fd``), creating it 0700 when missing, and checks it: ``level`` "job" is
+    a job dir, "root" the per-user root flashckpt chose, "chosen" a runtime dir the user chose."""
+    from .errors import SaverError
+
+    for _ in range(10):
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+            break
+        except FileNotFoundError:
+            try:
+                os.mkdir(name, 0o700, dir_fd=dir_fd)
+            except FileExistsError:
+                pass  # another process created it at this instant: open and check it on the next round
+        except OSError as e:  # ELOOP: a symbolic link; ENOTDIR; EACCES: another user's private dir
+            raise SaverError(f"flashckpt's runtime dir {shown} {_what_is(shown, e)}; {_FIX}") from e
+    else:
+        raise SaverError(f"flashckpt's runtime dir {shown} vanished each time it was created; {_FIX}")
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        st = os.stat(path)
-        if st.st_uid != os.getuid():
-            raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to this user; "
-                                  "set FLASHCKPT_RUNTIME_DIR to a directory of your own") from None
-        if st.st_mode & 0o077:
-            os.chmod(path, 0o700)
+        st = os.fstat(fd)
+        uid = os.getuid()
+        if level != "chosen":
+            if st.st_uid != uid:
+                raise SaverError(f"flashckpt's runtime dir {shown} belongs to uid {st.st_uid}, not to this user "
+                                 f"(uid {uid}), who must own it alone; {_FIX}")
+            if stat.S_IMODE(st.st_mode) != 0o700:
+                os.fchmod(fd, 0o700)
+        elif st.st_uid not in (uid, 0) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+            raise SaverError(f"flashckpt's runtime dir {shown} (FLASHCKPT_RUNTIME_DIR) belongs to uid "
+                             f"{st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}, so another user could replace "
+                             "what flashckpt keeps there; set FLASHCKPT_RUNTIME_DIR to a directory of your own "
+                             "(or to a sticky one of root's, like /tmp)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _what_is(path: str, e: OSError) -> str:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return f"cannot be opened ({e})"
+    if stat.S_ISLNK(st.st_mode):
+        return f"is a symbolic link (owned by uid {st.st_uid}), which flashckpt never follows"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    return f"cannot be opened ({e}); it belongs to uid {st.st_uid}"
 
 
 def is_default_runtime_dir(path: str) -> bool:

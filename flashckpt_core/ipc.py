@@ -19,7 +19,8 @@ __all__ = ["SharedLock", "SharedQueue", "SharedDict"]
 
 
 class SharedLock:
-    """An inter-process lock on ``path`` (created 0600). Re-entrant use from one thread is not allowed.
+    """An inter-process lock on ``path`` (created 0600; a symbolic link there is refused, never followed).
+    Re-entrant use from one thread is not allowed.
 
     Args:
         path: the lock file.
@@ -31,7 +32,7 @@ class SharedLock:
 
     def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
         """Takes the lock; returns False when ``blocking`` is False or ``timeout`` passes without it."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.0005
         while True:

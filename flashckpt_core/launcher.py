@@ -59,6 +59,9 @@ def last_words_for_job(job_id: str, timeout: float) -> dict[str, Any]:
             client = Client(sock, timeout=left)
         except OSError:
             continue  # no saver behind it (stale); `flashckpt gc` reclaims it
+        except E.SaverError as e:  # served by another uid: nothing was sent to it
+            out[d] = f"error: {e}"
+            continue
         try:
             out[d] = client.call("last_words", timeout_s=left, timeout=left + 5).get("step")
         except E.FlashCheckpointError as e:

@@ -17,9 +17,9 @@ import logging
 import os
 import pickle
 import queue
-import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -33,7 +33,7 @@ from . import errors as E
 from ._protocol import Client, peer_uid, recv_msg, send_msg
 from ._tree import TensorMeta, build_tensor, split_opaque, unflatten
 from .commit import CommitLayout
-from .config import Knobs, is_default_runtime_dir, make_private_dir
+from .config import Knobs, is_default_runtime_dir, make_private_dir, open_private_dir
 from .files import FileSet, is_fileset_tree
 from .filewriter import write_parts
 from .ipc import SharedLock
@@ -136,21 +136,26 @@ class CheckpointSaver:
         self._last_words_lock = threading.Lock()
         self._signalled = False
         self._sock: socket.socket | None = None
+        self._dir_fd: int | None = None  # the job dir, checked: everything in it is reached through this fd
         self.stats = _Stats()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Creates the runtime dir, adopts segments left by an earlier saver, binds the socket."""
-        make_private_dir(self.job_dir)
+        self._dir_fd = open_private_dir(self.job_dir)
         self._adopt_segments()
         self._committed = self.layout.committed_steps()
         cleaned = self.layout.clean_uncommitted()
         if cleaned:
             log.warning("removed half-written, uncommitted steps %s left by an earlier run", cleaned)
         self.layout.finish_trackers()
-        path = os.path.join(self.job_dir, SOCKET_NAME)
-        if os.path.exists(path):
-            os.unlink(path)
+        try:
+            os.unlink(SOCKET_NAME, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
+        # Bound through the checked dir's fd (/proc/self/fd/N is that very dir), not its path.
+        in_fd = f"/proc/self/fd/{self._dir_fd}"
+        path = os.path.join(in_fd if os.path.isdir(in_fd) else self.job_dir, SOCKET_NAME)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
@@ -171,14 +176,15 @@ class CheckpointSaver:
 
     def _adopt_segments(self) -> None:
         """Segments survive a killed saver: keep them, clearing flags of persists that died with it."""
-        for name in os.listdir(self.job_dir):
+        assert self._dir_fd is not None
+        for name in os.listdir(self._dir_fd):
             if not name.endswith(".shm"):
                 continue
             path = os.path.join(self.job_dir, name)
             try:
                 seg = Segment(path, populate=False)
             except (OSError, E.FlashCheckpointError):
-                os.unlink(path)
+                os.unlink(name, dir_fd=self._dir_fd)
                 continue
             with SharedLock(lock_path(self.job_dir, seg.local_rank)):
                 for i in range(seg.nslots):
@@ -226,7 +232,11 @@ class CheckpointSaver:
                 self._cv.wait(timeout=0.2)
             if self._inflight:
                 log.error("exiting with %d persist(s) unfinished after %.0f s", self._inflight, drain_timeout)
-        spawn_lock = lock_job(self.job_dir)
+        try:
+            spawn_lock: SharedLock | None = lock_job(self.job_dir)
+        except E.SaverError as e:  # the path no longer leads to a dir of ours: clean only through our fd
+            log.error("%s; removing only this saver's own files, through the job dir it checked at start", e)
+            spawn_lock = None
         try:
             if self._sock is not None:
                 self._sock.close()
@@ -237,13 +247,20 @@ class CheckpointSaver:
             for seg in self._segments.values():
                 seg.close()
             self._segments.clear()
-            for name in os.listdir(self.job_dir):
-                if name != _SPAWN_LOCK:
-                    p = os.path.join(self.job_dir, name)
-                    shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
-            os.unlink(os.path.join(self.job_dir, _SPAWN_LOCK))
-            os.rmdir(self.job_dir)
-            if is_default_runtime_dir(os.path.dirname(self.job_dir)):
+            # Through the fd of the job dir checked at start (or now): a symbolic link is removed, never
+            # followed, and nothing outside that very dir is touched even if its path was swapped since.
+            dir_fd = self._dir_fd if self._dir_fd is not None else open_private_dir(self.job_dir)
+            self._dir_fd = None
+            try:
+                for name in os.listdir(dir_fd):
+                    if name != _SPAWN_LOCK:
+                        _remove_in(dir_fd, name)
+                os.unlink(_SPAWN_LOCK, dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
+            if spawn_lock is not None:
+                os.rmdir(self.job_dir)  # rmdir never follows a symbolic link, and removes only an empty dir
+            if spawn_lock is not None and is_default_runtime_dir(os.path.dirname(self.job_dir)):
                 try:
                     os.rmdir(os.path.dirname(self.job_dir))  # our per-user root, when no other job uses it
                 except OSError:
@@ -251,7 +268,8 @@ class CheckpointSaver:
         except OSError as e:
             log.warning("cleaning up %s: %s", self.job_dir, e)
         finally:
-            spawn_lock.release()
+            if spawn_lock is not None:
+                spawn_lock.release()
         log.info("saver %d exited; runtime dir %s removed", os.getpid(), self.job_dir)
 
     # ------------------------------------------------------------------ server
@@ -796,17 +814,33 @@ def _torch_save_plain(tree: Any, path: str) -> tuple[int, str]:
     return w.size, w.hexdigest()
 
 
+def _remove_in(dir_fd: int, name: str) -> None:
+    """Removes ``name`` from the directory ``dir_fd`` without following a symbolic link: a link is
+    removed, never its target; a directory is emptied through its own ``O_NOFOLLOW`` fd."""
+    if not stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+        os.unlink(name, dir_fd=dir_fd)
+        return
+    sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        for n in os.listdir(sub):
+            _remove_in(sub, n)
+    finally:
+        os.close(sub)
+    os.rmdir(name, dir_fd=dir_fd)
+
+
 # ---------------------------------------------------------------------- daemon
 def ensure_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs) -> Client:
-    """Connects to the job's saver on this node, starting a detached daemon first when none runs."""
+    """Connects to the job's saver on this node, starting a detached daemon first when none runs.
+
+    The runtime dirs are checked first (``open_private_dir``: ours, private, no symbolic link), and the
+    client refuses a socket served by another uid, before anything is sent on it."""
     path = os.path.join(job_dir, SOCKET_NAME)
+    make_private_dir(job_dir)
     try:
         return Client(path, timeout=knobs.rpc_timeout_s)
     except (FileNotFoundError, ConnectionRefusedError):
         pass
-    make_private_dir(job_dir)
-    if os.stat(job_dir).st_uid != os.getuid():
-        raise E.SaverError(f"the runtime dir {job_dir} belongs to another user; set FLASHCKPT_RUNTIME_DIR")
     spawn_lock = lock_job(job_dir)
     try:
         try:
@@ -814,15 +848,21 @@ def ensure_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs) -> Client:
         except (FileNotFoundError, ConnectionRefusedError):
             pass
         log_path = os.path.join(job_dir, _LOG_NAME)
+        dir_fd = open_private_dir(job_dir)
         try:
-            os.unlink(os.path.join(job_dir, _PID_NAME))  # left by a saver that was killed
-        except FileNotFoundError:
-            pass
+            try:
+                os.unlink(_PID_NAME, dir_fd=dir_fd)  # left by a saver that was killed
+            except FileNotFoundError:
+                pass
+            log_fd = os.open(_LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o600, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
         env = dict(os.environ)
         pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         env.setdefault("OMP_NUM_THREADS", "1")
-        with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as logf:
+        with os.fdopen(log_fd, "ab") as logf:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "flashckpt_core.saver", "--daemonize", "--job-dir", job_dir,
                  "--checkpoint-dir", os.path.abspath(checkpoint_dir)],
@@ -856,7 +896,7 @@ def lock_job(job_dir: str) -> SharedLock:
         lock = SharedLock(path)
         lock.acquire()
         try:
-            same = os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino
+            same = os.lstat(path).st_ino == os.fstat(lock.fileno()).st_ino
         except FileNotFoundError:
             same = False
         if same:
@@ -900,7 +940,8 @@ def main(argv: list[str] | None = None) -> int:
         if child > 0:
             # The spawner reaps this parent; the daemon is re-parented and never a zombie of it. Its pid
             # lets the spawner fail fast if it dies while starting.
-            fd = os.open(os.path.join(args.job_dir, _PID_NAME), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = os.open(os.path.join(args.job_dir, _PID_NAME),
+                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             os.write(fd, str(child).encode())
             os.close(fd)
             os._exit(0)

@@ -27,6 +27,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import struct
 import sys
 import time
@@ -138,9 +139,13 @@ class Segment:
 
     def __init__(self, path: str, *, populate: bool = True) -> None:
         self.path = path
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                raise E.SharedMemoryError(f"segment {path} is not a regular file of this user (uid {st.st_uid}); "
+                                          "set FLASHCKPT_RUNTIME_DIR to a directory of your own")
+            size = st.st_size
             if size < PAGE:
                 raise E.SharedMemoryError(f"segment {path} is truncated ({size} bytes)")
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
@@ -166,7 +171,7 @@ class Segment:
         slot_size = PAGE + meta_cap + data_cap
         size = PAGE + nslots * slot_size
         tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import socket
 import stat
@@ -12,6 +13,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,8 +30,16 @@ from _fault_helpers import (  # noqa: F401
     wait_for,
 )
 
-from flashckpt_core import CheckpointDirError, CheckpointEngine, ProtocolError, SharedMemoryError, StorageType
+from flashckpt_core import (
+    CheckpointDirError,
+    CheckpointEngine,
+    ProtocolError,
+    SaverError,
+    SharedMemoryError,
+    StorageType,
+)
 from flashckpt_core._protocol import MAX_MESSAGE, Client
+from flashckpt_core.config import job_key
 from flashckpt_core.shm import segment_paths
 
 NOBODY = 65534
@@ -298,3 +308,222 @@ def test_stale_state_of_a_killed_saver_is_reclaimed_by_the_next_run(fault_env: F
         close_and_wait(second)
     # Everything of the job, the dead saver's state included, is gone after the clean exit.
     assert not os.path.exists(job_dir)
+
+
+# ------------------------------------------------------------------ another local user, as a real process
+_ATTACK = r"""
+import json, os, sys
+for op, *args in json.loads(sys.argv[1]):
+    if op == "mkdir":
+        os.mkdir(args[0])
+        os.chmod(args[0], args[1])
+    elif op == "symlink":
+        os.symlink(args[0], args[1])
+    elif op == "rename":
+        os.rename(args[0], args[1])
+print(json.dumps({"uid": os.getuid()}))
+"""
+
+# Listens on a socket the victim's runtime dir holds (bound there, handed over as an fd: listen() is
+# what makes the kernel report this process's uid to a client) and records what each client sends.
+_SERVE = r"""
+import json, os, select, socket, sys
+srv = socket.socket(fileno=int(sys.argv[1]))
+srv.listen(8)
+print("listening", flush=True)
+got = []
+while True:
+    ready, _, _ = select.select([srv, sys.stdin], [], [], 60)
+    if srv not in ready:  # told to stop (stdin closed) once no connection is pending, or timed out
+        break
+    conn, _ = srv.accept()
+    conn.settimeout(2)
+    data = b""
+    try:
+        while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "big"):
+            chunk = conn.recv(1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        pass
+    conn.close()
+    got.append(data.decode(errors="replace"))
+print(json.dumps({"uid": os.getuid(), "got": got}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def attacker() -> Iterator[tuple[int, int]]:
+    """A second local user (uid, gid), created for these tests and removed after them."""
+    if os.geteuid() != 0:
+        pytest.skip("creating a second user needs root")
+    if not (shutil.which("useradd") and shutil.which("userdel")):
+        pytest.skip("useradd/userdel are not installed")
+    name = f"fct-attacker-{os.getpid()}"
+    r = subprocess.run(["useradd", "-M", "-r", "-U", "-s", "/usr/sbin/nologin", name], capture_output=True,
+                       text=True, timeout=60)
+    if r.returncode != 0:
+        pytest.skip(f"useradd failed: {r.stderr.strip()}")
+    try:
+        pw = pwd.getpwnam(name)
+        yield pw.pw_uid, pw.pw_gid
+    finally:
+        subprocess.run(["userdel", name], capture_output=True, timeout=60)
+
+
+def _python_for_others() -> str:
+    """An interpreter another user may execute (the venv's may live under /root, 0700)."""
+    for exe in (sys.executable, shutil.which("python3"), "/usr/bin/python3"):
+        if not exe:
+            continue
+        real = os.path.realpath(exe)
+        if os.path.isfile(real) and os.stat(real).st_mode & stat.S_IXOTH and _searchable_by_others(
+                os.path.dirname(real)):
+            return real
+    pytest.skip("no Python interpreter that another user may execute")
+
+
+def _attacker_popen(user: tuple[int, int], script: str, *args: str, pass_fds: tuple[int, ...] = ()
+                    ) -> subprocess.Popen[str]:
+    return subprocess.Popen([_python_for_others(), "-I", "-S", "-c", script, *args], user=user[0], group=user[1],
+                            extra_groups=[], pass_fds=pass_fds, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd="/", env={"PATH": "/usr/bin:/bin"})
+
+
+def _as_attacker(user: tuple[int, int], ops: list[list[Any]]) -> None:
+    """Runs ``ops`` (mkdir/symlink/rename) as ``user``, in a process of that uid."""
+    proc = _attacker_popen(user, _ATTACK, json.dumps(ops))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert json.loads(out)["uid"] == user[0]
+
+
+def _plant_files(root: str, key: str) -> dict[str, bytes]:
+    """Files of the victim's own (``root`` and ``root/key``), which no saver may ever delete."""
+    files = {os.path.join(root, "top.txt"): b"keep me", os.path.join(root, key, "model.pt"): b"weights",
+             os.path.join(root, key, "notes.txt"): b"notes"}
+    os.makedirs(os.path.join(root, key))
+    for path, data in files.items():
+        with open(path, "wb") as f:
+            f.write(data)
+    return files
+
+
+def _intact(files: dict[str, bytes]) -> dict[str, bool]:
+    out = {}
+    for path, data in files.items():
+        try:
+            with open(path, "rb") as f:
+                out[path] = f.read() == data
+        except OSError:
+            out[path] = False
+    return out
+
+
+def _shared_dir(mode: int, owner: tuple[int, int] | None = None) -> str:
+    """A fresh dir on /dev/shm (``mode``; root's unless ``owner``), reachable by other users."""
+    d = tempfile.mkdtemp(prefix="fct-sec-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    if owner:
+        os.chown(d, *owner)
+    os.chmod(d, mode)
+    if not _searchable_by_others(d):
+        shutil.rmtree(d)
+        pytest.skip(f"{d} is not reachable by other users on this machine")
+    return d
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("planted", ["dir", "symlink"])
+def test_a_runtime_dir_another_user_planted_is_refused_and_nothing_is_deleted(
+        fault_env: FaultEnv, monkeypatch: pytest.MonkeyPatch, attacker: tuple[int, int], planted: str) -> None:
+    """Another user creates the victim's runtime dir first in a shared sticky dir (like /dev/shm): their
+    own dir with the job dir a link into the victim's files, or a link to a dir of the victim's. The
+    engine refuses with a clear error; no saver starts, and none deletes the victim's files."""
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    key = job_key(ckpt)
+    victim = os.path.join(fault_env.tmp, "precious")
+    files = _plant_files(victim, key)
+    shared = _shared_dir(0o1777)
+    try:
+        runtime = os.path.join(shared, f"flashckpt-{os.getuid()}")
+        if planted == "dir":
+            _as_attacker(attacker, [["mkdir", runtime, 0o777], ["symlink", os.path.join(victim, key),
+                                                                os.path.join(runtime, key)]])
+        else:
+            _as_attacker(attacker, [["symlink", victim, runtime]])
+        monkeypatch.setenv("FLASHCKPT_RUNTIME_DIR", runtime)
+        with pytest.raises(SaverError) as err:
+            engine = CheckpointEngine(ckpt)
+            close_and_wait(engine)  # (the old code) its saver shuts down, emptying the dir the link leads to
+        msg = str(err.value)
+        assert runtime in msg and "FLASHCKPT_RUNTIME_DIR" in msg, msg
+        assert (f"belongs to uid {attacker[0]}" if planted == "dir" else "is a symbolic link") in msg, msg
+        assert not saver_pids(runtime)
+    finally:
+        intact = _intact(files)
+        shutil.rmtree(shared)
+    assert all(intact.values()), f"the victim's files were deleted: {intact}"
+
+
+@pytest.mark.multiproc
+def test_a_job_dir_swapped_for_a_link_under_a_running_saver_never_leads_its_cleanup_elsewhere(
+        fault_env: FaultEnv, monkeypatch: pytest.MonkeyPatch, attacker: tuple[int, int]) -> None:
+    """The runtime dir lies in a dir another user owns; while the saver runs, that user moves it away and
+    puts a link to a dir of the victim's files in its place. The saver's shutdown removes only its own
+    files, through the job dir it checked at start, and never follows the link."""
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    key = job_key(ckpt)
+    victim = os.path.join(fault_env.tmp, "precious")
+    files = _plant_files(victim, key)
+    shared = _shared_dir(0o755, owner=attacker)
+    try:
+        runtime = os.path.join(shared, "rt")
+        monkeypatch.setenv("FLASHCKPT_RUNTIME_DIR", runtime)
+        engine = CheckpointEngine(ckpt)
+        try:
+            engine.save(1, make_state(1, 1), storage_type=StorageType.MEMORY)
+            saver_pid(runtime, engine.job_dir)
+            _as_attacker(attacker, [["rename", runtime, runtime + "-moved"], ["symlink", victim, runtime]])
+        finally:
+            close_and_wait(engine)
+        moved = os.path.join(runtime + "-moved", key)
+        left = os.listdir(moved) if os.path.isdir(moved) else []
+    finally:
+        intact = _intact(files)
+        shutil.rmtree(shared)
+    assert all(intact.values()), f"the victim's files were deleted: {intact}"
+    assert left == [], f"the saver left its own files behind: {left}"
+
+
+@pytest.mark.multiproc
+def test_a_socket_another_user_serves_is_refused_before_anything_is_sent(
+        fault_env: FaultEnv, monkeypatch: pytest.MonkeyPatch, attacker: tuple[int, int]) -> None:
+    """The socket in the victim's job dir is served by another user's process: the engine (and a bare
+    Client) refuse it with a clear error (SO_PEERCRED) and send it nothing, not even the hello."""
+    monkeypatch.setenv("FLASHCKPT_SPAWN_TIMEOUT_S", "5")  # bounds the old code's retries
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    job_dir = fault_env.job_dir(ckpt)
+    os.makedirs(job_dir, mode=0o700)
+    sock_path = os.path.join(job_dir, "saver.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        srv.bind(sock_path)
+        proc = _attacker_popen(attacker, _SERVE, str(srv.fileno()), pass_fds=(srv.fileno(),))
+    finally:
+        srv.close()
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "listening", proc.stderr
+        with pytest.raises(SaverError) as err:
+            engine = CheckpointEngine(ckpt)
+            close_and_wait(engine)
+        assert "another user owns that socket" in str(err.value) and "FLASHCKPT_RUNTIME_DIR" in str(err.value)
+        with pytest.raises(SaverError, match="another user owns that socket"):
+            Client(sock_path, timeout=5)
+    finally:
+        out, errs = proc.communicate(input="", timeout=60)
+        os.unlink(sock_path)
+        os.rmdir(job_dir)
+    seen = json.loads(out.splitlines()[-1])
+    assert seen["uid"] == attacker[0]
+    assert seen["got"] and all(g == "" for g in seen["got"]), f"the other user's process was sent {seen['got']}"
