@@ -1,9 +1,9 @@
 """Control messages between trainers and the saver: length-prefixed JSON over a Unix socket.
 
 Nothing crosses a process boundary as pickle. A message is a 4-byte big-endian length and a UTF-8
-JSON object; requests carry ``op``, replies carry ``ok`` and either the result or ``error``/``kind``.
-Both ends check the other's uid (SO_PEERCRED): the saver serves only peers of its uid, and a client
-talks only to a saver of its own uid.
+JSON object; requests carry ``op`` and an ``id``, replies carry the request's ``id``, ``ok`` and either
+the result or ``error``/``kind``. Both ends check the other's uid (SO_PEERCRED): the saver serves only
+peers of its uid, and a client talks only to a saver of its own uid.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import os
 import socket
 import struct
 import threading
-from typing import Any
+import time
+from typing import Any, NoReturn
 
 from . import errors as E
 
-__all__ = ["MAX_MESSAGE", "send_msg", "recv_msg", "Client", "peer_uid"]
+__all__ = ["MAX_MESSAGE", "send_msg", "recv_msg", "Client", "ConnectionLost", "peer_uid"]
 
 MAX_MESSAGE = 64 << 20
 _LEN = struct.Struct(">I")
@@ -45,7 +46,10 @@ def recv_msg(sock: socket.socket) -> dict[str, Any]:
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
     if n > MAX_MESSAGE:
         raise E.ProtocolError(f"announced message length {n} exceeds {MAX_MESSAGE}")
-    raw = _recv_exact(sock, n)
+    return _decode(_recv_exact(sock, n))
+
+
+def _decode(raw: bytes) -> dict[str, Any]:
     try:
         msg = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -57,10 +61,15 @@ def recv_msg(sock: socket.socket) -> dict[str, Any]:
     return msg
 
 
-def peer_uid(sock: socket.socket) -> int:
+def peer_creds(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return int(pid), int(uid)
+
+
+def peer_uid(sock: socket.socket) -> int:
+    return peer_creds(sock)[1]
 
 
 _ERRORS: dict[str, type[E.FlashCheckpointError]] = {
@@ -70,8 +79,23 @@ _ERRORS: dict[str, type[E.FlashCheckpointError]] = {
 }
 
 
+class ConnectionLost(E.SaverError):
+    """The connection to the saver broke (the saver died or closed it): a new saver can be attached."""
+
+
+# While a reply is awaited, the saver's process state is checked this often; a saver found stopped
+# (SIGSTOP, a debugger) for _STOPPED_S is reported as not responding instead of being waited for.
+_POLL_S = 0.25
+_STOPPED_S = 1.0
+
+
 class Client:
     """One connection to a saver. Thread-safe: one request in flight at a time.
+
+    Every request carries an ``id`` (increasing per connection) that the saver echoes in its reply. A
+    reply whose id is not the one awaited answers a request given up earlier (a call that timed out, a
+    ``send`` cancelled) and is discarded, so a late reply is never taken for the answer to a later
+    call. Bytes of a reply cut short by a timeout are kept, so the framing stays intact.
 
     Raises:
         SaverError: (at construction) the process serving ``path`` runs as another uid; nothing was
@@ -82,11 +106,15 @@ class Client:
         self.path = path
         self.timeout = timeout
         self._lock = threading.Lock()
+        self._next_id = 0
+        self._buf = bytearray()
+        self._sent: set[int] = set()  # ids of ``send`` requests whose replies ``poll`` may collect
+        self._arrived: dict[int, dict[str, Any]] = {}
         self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
             self._sock.connect(path)
-            uid = peer_uid(self._sock)
+            self.peer_pid, uid = peer_creds(self._sock)
         except BaseException:
             self._sock.close()
             raise
@@ -98,25 +126,131 @@ class Client:
                                "user or an administrator) or set FLASHCKPT_RUNTIME_DIR to a directory of your own.")
 
     def call(self, op: str, *, timeout: float | None = None, **args: Any) -> dict[str, Any]:
-        """Sends one request and returns the reply's fields; raises the saver's error as ours."""
+        """Sends one request and returns the reply's fields; raises the saver's error as ours.
+
+        Raises:
+            CheckpointTimeoutError: no reply within ``timeout`` (default: the client's), or the saver
+                process is stopped (the request is then given up; its late reply is discarded).
+            ConnectionLost: the connection broke (the saver died).
+        """
+        limit = timeout if timeout is not None else self.timeout
         with self._lock:
-            if self._sock is None:
-                raise E.SaverError(f"{op}: the connection to the saver at {self.path} is closed")
-            self._sock.settimeout(timeout if timeout is not None else self.timeout)
-            try:
-                send_msg(self._sock, {"op": op, **args})
-                reply = recv_msg(self._sock)
-            except TimeoutError as e:
-                raise E.CheckpointTimeoutError(f"{op}: the saver did not answer within "
-                                               f"{timeout or self.timeout:.0f} s") from e
-            except (ConnectionError, OSError) as e:
-                raise E.SaverError(f"{op}: lost the connection to the saver at {self.path} ({e}); "
-                                   "it may have been killed. The next engine started on this node "
-                                   "starts a new saver.") from e
-        if not reply.get("ok", False):
-            cls = _ERRORS.get(str(reply.get("kind")), E.SaverError)
-            raise cls(str(reply.get("error", "saver error")))
-        return reply
+            rid = self._send(op, args, limit)
+            deadline = time.monotonic() + limit
+            stopped_since: float | None = None
+            while True:
+                reply = self._take(rid)
+                if reply is not None:
+                    break
+                now = time.monotonic()
+                if now >= deadline:
+                    raise E.CheckpointTimeoutError(f"{op}: the saver (pid {self.peer_pid}) did not answer "
+                                                   f"within {limit:.0f} s")
+                if _stopped(self.peer_pid):
+                    stopped_since = now if stopped_since is None else stopped_since
+                    if now - stopped_since >= _STOPPED_S:
+                        raise E.CheckpointTimeoutError(
+                            f"{op}: the saver (pid {self.peer_pid}) is not responding: it is stopped (SIGSTOP or "
+                            f"a debugger). Resume it (kill -CONT {self.peer_pid}), or kill it and the next "
+                            "call starts a new saver; snapshots in shared memory are unaffected.")
+                else:
+                    stopped_since = None
+                self._fill(op, min(deadline - now, _POLL_S))
+        return _result(reply)
+
+    def send(self, op: str, **args: Any) -> int:
+        """Sends a request without waiting for its reply; returns its id for ``poll`` or ``cancel``.
+
+        Raises:
+            ConnectionLost: the connection broke (the saver died).
+        """
+        with self._lock:
+            rid = self._send(op, args, self.timeout)
+            self._sent.add(rid)
+            return rid
+
+    def poll(self, rid: int) -> dict[str, Any] | None:
+        """The reply to ``send`` request ``rid`` when it has arrived, else None; never blocks.
+
+        Raises:
+            ConnectionLost: the connection broke (the saver died).
+            the saver's error, as ``call`` does.
+        """
+        if not self._lock.acquire(blocking=False):
+            return None  # another thread is in a call; its reply loop stashes ours
+        try:
+            if rid not in self._arrived:
+                self._fill("poll", 0.0)
+                self._take(None)
+            reply = self._arrived.pop(rid, None)
+            if reply is not None:
+                self._sent.discard(rid)
+        finally:
+            self._lock.release()
+        return None if reply is None else _result(reply)
+
+    def cancel(self, rid: int) -> None:
+        """Gives up ``send`` request ``rid``: its reply is discarded, now or when it arrives."""
+        with self._lock:
+            self._sent.discard(rid)
+            self._arrived.pop(rid, None)
+
+    def _send(self, op: str, args: dict[str, Any], timeout: float) -> int:
+        """Sends one request (holding ``_lock``); returns its id."""
+        if self._sock is None:
+            raise E.SaverError(f"{op}: the connection to the saver at {self.path} is closed")
+        self._next_id += 1
+        self._sock.settimeout(timeout)
+        try:
+            send_msg(self._sock, {"op": op, **args, "id": self._next_id})
+        except (OSError, ConnectionError) as e:  # TimeoutError too: a half-sent request breaks the framing
+            self._lost(op, e)
+        return self._next_id
+
+    def _take(self, rid: int | None) -> dict[str, Any] | None:
+        """Takes complete messages from the buffer until one answers request ``rid`` (or carries no id:
+        the saver could not read the request it answers) and returns it; None when the buffer holds
+        none. On the way, replies ``poll`` awaits are stashed and late replies are dropped."""
+        while len(self._buf) >= _LEN.size:
+            (n,) = _LEN.unpack_from(self._buf)
+            if n > MAX_MESSAGE:
+                raise E.ProtocolError(f"announced message length {n} exceeds {MAX_MESSAGE}")
+            if len(self._buf) < _LEN.size + n:
+                return None
+            msg = _decode(bytes(self._buf[_LEN.size:_LEN.size + n]))
+            del self._buf[:_LEN.size + n]
+            got = msg.get("id")
+            if got == rid or (got is None and rid is not None):
+                return msg
+            if got in self._sent:
+                self._arrived[got] = msg
+        return None
+
+    def _fill(self, op: str, timeout: float) -> None:
+        """Reads what the saver sent within ``timeout`` s (0: only what has arrived) into the buffer."""
+        assert self._sock is not None  # _send checked it; internal invariant
+        try:
+            self._sock.settimeout(max(timeout, 0.0))  # 0: non-blocking (MSG_DONTWAIT alone still waits)
+            chunk = self._sock.recv(1 << 20)
+        except (BlockingIOError, TimeoutError):
+            return
+        except OSError as e:
+            self._lost(op, e)
+        if not chunk:
+            self._lost(op, ConnectionError("peer closed the connection"))
+        self._buf += chunk
+
+    def _lost(self, op: str, e: BaseException) -> NoReturn:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        raise ConnectionLost(f"{op}: lost the connection to the saver (pid {self.peer_pid}) at {self.path} ({e}); "
+                             "it may have been killed.") from e
+
+    @property
+    def lost(self) -> bool:
+        """Whether the connection broke (or was closed)."""
+        return self._sock is None
 
     def close(self) -> None:
         with self._lock:
@@ -125,6 +259,22 @@ class Client:
                     self._sock.close()
                 finally:
                     self._sock = None
+
+
+def _result(reply: dict[str, Any]) -> dict[str, Any]:
+    if not reply.get("ok", False):
+        cls = _ERRORS.get(str(reply.get("kind")), E.SaverError)
+        raise cls(str(reply.get("error", "saver error")))
+    return reply
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal or a tracer (state T or t in /proc/<pid>/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def process_cpu_seconds(pid: int) -> float | None:

@@ -7,6 +7,7 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 
 from . import errors as E
 from ._copy import Copier
-from ._protocol import Client, process_cpu_seconds
+from ._protocol import Client, ConnectionLost, process_cpu_seconds
 from .commit import CommitLayout
 from .config import Knobs, RankInfo, StorageType, job_dir
 from .files import FileEntry, FileSet, is_fileset_tree
@@ -51,8 +52,8 @@ class Located:
     path: str | None
 
 
-# Memory snapshots ask the saver for news (failed persists, commits) at most this often; wait(), load()
-# and every persist ask at once.
+# Memory snapshots ask the saver for news (failed persists, commits) at most this often, without waiting
+# for the answer (it is collected by a later snapshot); wait() and every persist ask at once.
 _STATUS_EVERY_S = 0.5
 
 class CheckpointEngine:
@@ -117,9 +118,28 @@ class CheckpointEngine:
         self._cursor = 0
         self._status_at = 0.0  # monotonic time of the last round trip to the saver
         self._status_seg: str | None = None  # the segment the saver last heard of from this engine
+        self._status_req: int | None = None  # id of the status request sent and not answered yet
+        self._requested: set[int] = set()  # steps whose persist was asked for and not known to be done
+        self._lost_persists: str | None = None  # persists lost with a dead saver: raised once
         self._applied_retention: tuple[int, ...] = ()
         self._retention_baseline = -1  # newest step committed before this engine started
         self._copier = Copier(self.knobs.copy_threads)
+        r = self.ranks
+        self._client: Client | None = None
+        hello = self._attach()
+        self._handler = SharedMemoryHandler(r.local_rank, self.job_dir, allocate=self._allocate,
+                                            copier=self._copier, weights_only=weights_only)
+        self._reader = (self._handler if not replicated or r.local_rank == 0 else
+                        SharedMemoryHandler(0, self.job_dir, copier=self._copier, weights_only=weights_only))
+        self._closed = False
+        self._retention_baseline = max(hello["committed"], default=-1)
+
+    def _attach(self) -> dict[str, Any]:
+        """Connects to the job's saver on this node (starting one when none runs) and says hello.
+
+        Returns:
+            The saver's hello reply (its pid, committed steps and error cursor).
+        """
         r = self.ranks
         # The job's saver may be exiting at this very moment (an engine of this job just said its final
         # goodbye): it then refuses the hello or drops the connection (SaverError). Retry, bounded, until
@@ -137,15 +157,35 @@ class CheckpointEngine:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.01)
-        self._client: Client | None = client
+        self._client = client
         self._cursor = int(hello["cursor"])  # errors before we attached belong to an earlier run
         self._saver_pid = int(hello.get("pid", 0))
-        self._handler = SharedMemoryHandler(r.local_rank, self.job_dir, allocate=self._allocate,
-                                            copier=self._copier, weights_only=weights_only)
-        self._reader = (self._handler if not replicated or r.local_rank == 0 else
-                        SharedMemoryHandler(0, self.job_dir, copier=self._copier, weights_only=weights_only))
-        self._closed = False
-        self._retention_baseline = max(hello["committed"], default=-1)
+        return hello
+
+    def _reattach(self, op: str, cause: BaseException | None) -> Client:
+        """Attaches to a new saver after the connection to ours broke (the saver died, e.g. SIGKILL).
+
+        The new saver adopts the job's shared-memory segments (the same runtime dir), so every snapshot
+        in memory stays, and this rank says hello again. Persists that were in flight in the dead saver
+        are lost: the next reply raises one PersistError saying so."""
+        old_pid = self._saver_pid
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        self._status_req = None
+        hello = self._attach()
+        committed = set(hello["committed"])
+        lost = sorted(s for s in self._requested if s not in committed)
+        self._requested.clear()
+        log.warning("%s(): lost the saver (pid %d: %s); attached to a new saver (pid %d), which adopted the "
+                    "snapshots in shared memory%s", op, old_pid, cause or "connection closed", self._saver_pid,
+                    f"; the persists of steps {lost} were lost" if lost else "")
+        if lost:
+            self._lost_persists = (f"the persist(s) of step(s) {lost} were lost: the saver (pid {old_pid}) died "
+                                   "before committing them. The snapshots in memory are intact; save with "
+                                   "StorageType.DISK again to persist")
+        assert self._client is not None  # set by _attach
+        return self._client
 
     # ------------------------------------------------------------------ save
     @property
@@ -255,25 +295,48 @@ class CheckpointEngine:
         if storage_type == StorageType.DISK and self.persists:
             self._handler.mark_pending(ref)
             try:
-                reply = self._client_call("persist", step=step, rank=self.ranks.rank,
+                # A new saver (after ours died) cleared every slot's flags when it adopted the segments.
+                reply = self._client_call("persist", on_reattach=lambda: self._handler.mark_pending(ref),
+                                          step=step, rank=self.ranks.rank,
                                           local_rank=self.ranks.local_rank, seg_path=ref.path, slot=ref.slot,
                                           generation=ref.generation, path=target, commit=self._commit_spec(),
                                           cursor=self._cursor)
-            except BaseException:
+            except BaseException as e:
                 self._handler.clear_pending(ref)
+                if isinstance(e, E.CheckpointTimeoutError):  # unanswered: the saver may still persist it
+                    self._requested.add(step)
                 raise
+            self._requested.add(step)
+            self._status_at = time.monotonic()
         if reply is None:
-            # A memory snapshot needs no round trip: the saver reads slot headers itself. Its news (failed
-            # persists, commits for retention) is collected at most every _STATUS_EVERY_S, and at once
-            # when this snapshot went to a new segment, so that the saver frees the one it outgrew
-            # (local_rank says whose).
-            seg = ref.path if ref is not None else None
-            if seg == self._status_seg and time.monotonic() - self._status_at < _STATUS_EVERY_S:
-                return
-            reply = self._client_call("status", cursor=self._cursor, local_rank=self.ranks.local_rank)
-            self._status_seg = seg
-        self._status_at = time.monotonic()
-        self._after_reply(reply)
+            self._news(ref.path if ref is not None else None)
+        else:
+            self._after_reply(reply)
+
+    def _news(self, seg: str | None) -> None:
+        """Collects the saver's news after a memory snapshot, which needs no round trip (the saver reads
+        slot headers itself) and never waits for the saver: takes the reply to the status request sent
+        earlier if it has arrived, then sends the next one when due (at most every _STATUS_EVERY_S, and
+        at once when this snapshot went to a new segment, so that the saver frees the one it outgrew:
+        local_rank says whose). A saver that does not answer (stopped) delays news, never a snapshot;
+        a lost connection is re-attached by the next call that needs the saver (a persist, wait)."""
+        client = self._client
+        if client is None or client.lost:
+            return
+        try:
+            if self._status_req is not None:
+                reply = client.poll(self._status_req)
+                if reply is None:
+                    return
+                self._status_req = None
+                self._after_reply(reply)
+            if seg != self._status_seg or time.monotonic() - self._status_at >= _STATUS_EVERY_S:
+                self._status_req = client.send("status", cursor=self._cursor, local_rank=self.ranks.local_rank)
+                self._status_seg = seg
+                self._status_at = time.monotonic()
+        except ConnectionLost as e:
+            self._status_req = None
+            log.warning("save(): %s Memory snapshots go on; the next persist or wait attaches a new saver.", e)
 
     def _commit_spec(self) -> dict[str, Any] | None:
         """What global rank 0's saver needs to commit a step; None on other ranks."""
@@ -301,21 +364,47 @@ class CheckpointEngine:
         return str(self._client_call("alloc", local_rank=local_rank, meta_cap=meta_cap, data_cap=data_cap,
                                      nslots=self.knobs.slots)["path"])
 
-    def _client_call(self, op: str, **kw: Any) -> dict[str, Any]:
-        if self._client is None:
+    def _client_call(self, op: str, *, on_reattach: Callable[[], None] | None = None, **kw: Any) -> dict[str, Any]:
+        """One round trip to the saver; a saver that died is replaced (``_reattach``) and the request
+        sent to the new one, after ``on_reattach``."""
+        if self._closed:
             raise E.SaverError(f"{op}: the engine is closed")
-        return self._client.call(op, **kw)
+        client = self._client
+        if client is not None and self._status_req is not None:  # its reply is in what this one says
+            client.cancel(self._status_req)
+        self._status_req = None
+        for attempt in range(2):
+            if client is None or client.lost:
+                client = self._reattach(op, None)
+                if on_reattach is not None:
+                    on_reattach()
+            try:
+                return client.call(op, **kw)
+            except ConnectionLost:
+                if attempt:
+                    raise
+                client = None
+        raise AssertionError("unreachable")
 
     def _after_reply(self, reply: dict[str, Any]) -> None:
         self._cursor = int(reply.get("cursor", self._cursor))
         if self._auto is not None:
             self._auto.observe_persist(float(reply.get("last_persist_s", 0.0)))
-        self._retain(reply.get("committed", []))
+        committed = reply.get("committed", [])
         errs = reply.get("errors") or []
-        if errs:
-            msgs = "; ".join(e["error"] for e in errs)
-            raise E.PersistError(f"{len(errs)} persist(s) failed: {msgs}. Earlier committed checkpoints are intact; "
-                                 "memory snapshots continue.")
+        if int(reply.get("inflight", 1)) == 0:
+            self._requested.clear()
+        else:
+            done = {int(e["step"]) for e in errs}
+            self._requested = {s for s in self._requested if s > max(committed, default=-1) and s not in done}
+        self._retain(committed)
+        msgs = [f"{len(errs)} persist(s) failed: " + "; ".join(e["error"] for e in errs)] if errs else []
+        if self._lost_persists:
+            msgs.append(self._lost_persists)
+            self._lost_persists = None
+        if msgs:
+            raise E.PersistError(f"{'. '.join(msgs)}. Earlier committed checkpoints are intact; memory snapshots "
+                                 "continue.")
 
     def _retain(self, committed: list[int]) -> None:
         """Applies the deletion strategy after a commit newer than any that existed when this engine

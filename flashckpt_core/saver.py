@@ -305,12 +305,16 @@ class CheckpointSaver:
                     send_msg(conn, {"ok": False, "error": str(e), "kind": "ProtocolError"})
                     return
                 op = msg.get("op")
+                # Every reply echoes its request's id: a client that gave up on a request (a timeout)
+                # recognizes the late reply and discards it instead of taking it for a later one's.
+                echo = {"id": msg["id"]} if "id" in msg else {}
                 if op == "hello":
                     try:
                         info = _ClientInfo(int(msg["rank"]), int(msg["local_rank"]), int(msg.get("pid", 0)),
                                            persists=bool(msg.get("persists", False)), commit=msg.get("commit"))
                     except (KeyError, TypeError, ValueError) as e:  # reply, rather than drop the connection
-                        send_msg(conn, {"ok": False, "error": f"bad 'hello' request: {e!r}", "kind": "ProtocolError"})
+                        send_msg(conn, {"ok": False, "error": f"bad 'hello' request: {e!r}", "kind": "ProtocolError",
+                                        **echo})
                         continue
                     with self._cv:
                         refused = self._stop.is_set()  # exiting: its runtime dir is about to be removed
@@ -323,7 +327,7 @@ class CheckpointSaver:
                                 self._persisters[info.local_rank] = info
                     if refused:
                         send_msg(conn, {"ok": False, "kind": "SaverError",
-                                        "error": "the saver is shutting down; start or reach the next one"})
+                                        "error": "the saver is shutting down; start or reach the next one", **echo})
                         return
                 try:
                     reply = self._handle(op, msg, info)
@@ -333,7 +337,7 @@ class CheckpointSaver:
                     reply = {"ok": False, "error": f"bad {op!r} request: {e!r}", "kind": "ProtocolError"}
                 except OSError as e:
                     reply = {"ok": False, "error": f"{op}: {e}", "kind": "PersistError"}
-                send_msg(conn, reply)
+                send_msg(conn, {**reply, **echo})
                 if op == "bye":
                     return
         except (ConnectionError, OSError):

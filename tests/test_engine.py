@@ -394,18 +394,23 @@ def test_persisting_runs_at_a_lower_priority_than_training(make_engine, ckpt_dir
 
 def test_memory_snapshots_skip_the_round_trip_to_the_saver(make_engine, monkeypatch):
     """A memory snapshot only asks the saver for news when its segment is new or the last ask is older
-    than half a second; persists and wait() always ask."""
+    than half a second, and does not wait for the answer; persists and wait() always ask."""
     import time as _time
 
     engine = make_engine()
     calls = []
-    real = engine._client_call
+    real, real_send = engine._client_call, engine._client.send
 
     def counting(op, **kw):
         calls.append(op)
         return real(op, **kw)
 
+    def counting_send(op, **kw):
+        calls.append(op)
+        return real_send(op, **kw)
+
     monkeypatch.setattr(engine, "_client_call", counting)
+    monkeypatch.setattr(engine._client, "send", counting_send)
     sd = {"w": torch.randn(1000)}
     for step in range(1, 11):
         engine.save(step, sd, storage_type=StorageType.MEMORY)
