@@ -10,7 +10,11 @@ Layout under the checkpoint dir (``META`` = ``.flashckpt``)::
     .flashckpt/steps/<step>/staged/rank_R/     a FileSet's commit-time and tracker files until the commit
 
 A step is committed once its manifest exists; the tracker only names the newest one and is rewritten
-after the manifest. Files listed in manifests are relative to the checkpoint dir.
+after the manifest (readers go by the manifests; a new saver re-derives the tracker from them). Files
+listed in manifests are relative to the checkpoint dir and confined to it; a record naming a path
+outside, or of the wrong structure, makes its step damaged. A committed step's files are never
+rewritten while it is committed: a save that reuses a file of an older step writes it staged and moves
+it into place at its commit, which supersedes (removes) the older step.
 """
 
 from __future__ import annotations

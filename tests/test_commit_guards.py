@@ -223,3 +223,28 @@ def test_saver_killed_between_manifest_and_tracker_is_repaired(fault_env: FaultE
         assert states == {1: "committed", 2: "committed (latest)"}, states
     finally:
         close_and_wait(engine)
+
+
+def test_fixed_path_reused_keeps_the_older_step_until_the_newer_commits(fault_env: FaultEnv) -> None:
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    layout = _layout(ckpt)
+    engine = CheckpointEngine(ckpt, max_to_keep=0)
+    try:
+        engine.save(4, make_state(4, MB), path="fixed.pt", storage_type=StorageType.DISK)
+        engine.wait(timeout=60)
+        # Step 5's persist to the same path fails after its data is written (its done marker cannot be
+        # written): step 4, committed, must stay intact.
+        os.makedirs(os.path.join(layout.step_dir(5), "done_rank_0.json"))
+        engine.save(5, make_state(5, MB), path="fixed.pt", storage_type=StorageType.DISK)
+        with pytest.raises(PersistError, match="persisting step 5"):
+            engine.wait(timeout=60)
+        assert engine.committed_steps() == [4] and layout.verify(4) == []
+        assert engine.load(resume_path="fixed.pt")["step"] == 4
+        os.rmdir(os.path.join(layout.step_dir(5), "done_rank_0.json"))
+        engine.save(6, make_state(6, MB), path="fixed.pt", storage_type=StorageType.DISK)
+        engine.wait(timeout=60)
+        assert engine.committed_steps() == [6] and layout.verify(6) == []  # step 4 superseded
+    finally:
+        close_and_wait(engine)
+    r = run_cli(fault_env, "verify", ckpt, console=True)
+    assert r.returncode == 0 and "step 6: ok" in r.stdout, r.stdout + r.stderr
