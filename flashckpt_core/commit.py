@@ -10,7 +10,11 @@ Layout under the checkpoint dir (``META`` = ``.flashckpt``)::
     .flashckpt/steps/<step>/staged/rank_R/     a FileSet's commit-time and tracker files until the commit
 
 A step is committed once its manifest exists; the tracker only names the newest one and is rewritten
-after the manifest. Files listed in manifests are relative to the checkpoint dir.
+after the manifest (readers go by the manifests; a new saver re-derives the tracker from them). Files
+listed in manifests are relative to the checkpoint dir and confined to it; a record naming a path
+outside, or of the wrong structure, makes its step damaged. A committed step's files are never
+rewritten while it is committed: a save that reuses a file of an older step writes it staged and moves
+it into place at its commit, which supersedes (removes) the older step.
 """
 
 from __future__ import annotations
@@ -26,12 +30,57 @@ from typing import Any
 from . import errors as E
 from .storage import CheckpointStorage, FileRecord
 
-__all__ = ["META", "Manifest", "CommitLayout"]
+__all__ = ["META", "Manifest", "CommitLayout", "TrackerUpdateError"]
 
 log = logging.getLogger(__name__)
 
 META = ".flashckpt"
 MANIFEST_FORMAT = "flashckpt-manifest/1"
+_KINDS = ("file", "commit", "tracker")
+_FORMATS = ("torch", "raw")
+
+
+class TrackerUpdateError(E.PersistError):
+    """A step was committed (its manifest is durable: it verifies and loads), but what follows the
+    manifest failed: updating ``tracker.json``, writing a framework's tracker files or removing the
+    steps it supersedes. A saver repairs these at its next start (``CommitLayout.repair``)."""
+
+    def __init__(self, step: int, problems: list[str]) -> None:
+        super().__init__(f"step {step} is committed and loadable, but " + "; ".join(problems) +
+                         "; a saver repairs this at its next start (readers go by the manifests, not the tracker)")
+        self.step = step
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise E.CheckpointCorruptError(what)
+
+
+def _check_rel(rel: Any, what: str) -> str:
+    """``rel`` as a path relative to the checkpoint dir: a non-empty string, not absolute, no ``..``."""
+    _need(isinstance(rel, str) and bool(rel) and "\0" not in rel, f"{what}: {rel!r} is not a relative path")
+    parts = rel.split(os.sep)
+    _need(not os.path.isabs(rel) and ".." not in parts,
+          f"{what}: {rel!r} is not confined to the checkpoint dir (absolute, or with '..')")
+    return rel
+
+
+def record_from_json(d: Any, what: str) -> FileRecord:
+    """A ``FileRecord`` from its JSON object, every field's type checked (``CheckpointCorruptError``)."""
+    _need(isinstance(d, dict), f"{what}: a file record must be an object, not {type(d).__name__}")
+    unknown = set(d) - {"path", "size", "xxh3", "fmt", "name", "kind", "staged"}
+    _need(not unknown, f"{what}: unknown fields {sorted(unknown)} in a file record")
+    _need(isinstance(d.get("size"), int) and not isinstance(d.get("size"), bool) and d["size"] >= 0,
+          f"{what}: size {d.get('size')!r} is not a byte count")
+    _need(isinstance(d.get("xxh3"), str), f"{what}: checksum {d.get('xxh3')!r} is not a string")
+    _need(d.get("fmt", "torch") in _FORMATS, f"{what}: format {d.get('fmt')!r} is not one of {_FORMATS}")
+    _need(d.get("kind", "file") in _KINDS, f"{what}: kind {d.get('kind')!r} is not one of {_KINDS}")
+    _need(isinstance(d.get("name", ""), str), f"{what}: name {d.get('name')!r} is not a string")
+    staged = d.get("staged", "")
+    if staged != "":
+        _check_rel(staged, what)
+    return FileRecord(_check_rel(d.get("path"), what), d["size"], d["xxh3"], d.get("fmt", "torch"),
+                      d.get("name", ""), d.get("kind", "file"), staged)
 
 
 @dataclass(frozen=True)
@@ -70,12 +119,39 @@ class Manifest:
 
     @staticmethod
     def from_json(raw: bytes) -> Manifest:
+        """Parses and checks a manifest: every field's type, every file record (paths relative and
+        confined). Raises ``CheckpointCorruptError`` (or ``ValueError`` for invalid JSON)."""
         d = json.loads(raw)
+        _need(isinstance(d, dict), f"a manifest must be a JSON object, not {type(d).__name__}")
         if d.get("format") != MANIFEST_FORMAT:
             raise E.CheckpointCorruptError(f"unknown manifest format {d.get('format')!r}")
-        files = {int(r): [FileRecord(**f) for f in fs] for r, fs in d["files"].items()}
-        return Manifest(int(d["step"]), int(d["world_size"]), files, bool(d["replicated"]),
-                        float(d["time"]), dict(d.get("extra", {})))
+        for k, types in (("step", int), ("world_size", int), ("replicated", bool), ("time", (int, float))):
+            v = d.get(k)
+            _need(isinstance(v, types) and (k == "replicated" or not isinstance(v, bool)),
+                  f"field {k!r} is {v!r}, not a {getattr(types, '__name__', 'number')}")
+        _need(d["step"] >= 0 and d["world_size"] >= 1, f"step {d['step']} / world_size {d['world_size']} out of range")
+        fs = d.get("files")
+        _need(isinstance(fs, dict), f"field 'files' must map ranks to lists of files, not {type(fs).__name__}")
+        files: dict[int, list[FileRecord]] = {}
+        for r, recs in fs.items():
+            _need(r.isdigit(), f"files: rank {r!r} is not a rank")
+            _need(isinstance(recs, list), f"files of rank {r} must be a list, not {type(recs).__name__}")
+            files[int(r)] = [record_from_json(f, f"files of rank {r}") for f in recs]
+        extra = d.get("extra", {})
+        _need(isinstance(extra, dict), f"field 'extra' must be an object, not {type(extra).__name__}")
+        bases = extra.get("bases", {})
+        _need(isinstance(bases, dict) and all(isinstance(k, str) and k.isdigit() for k in bases),
+              "extra.bases must map ranks to directories")
+        for b in bases.values():
+            _check_rel(b, "extra.bases")
+        trackers = extra.get("trackers", [])
+        _need(isinstance(trackers, list), "extra.trackers must be a list")
+        for t in trackers:
+            record_from_json(t, "extra.trackers")
+        sup = extra.get("supersedes", [])
+        _need(isinstance(sup, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in sup),
+              "extra.supersedes must be a list of steps")
+        return Manifest(d["step"], d["world_size"], files, d["replicated"], float(d["time"]), extra)
 
 
 class CommitLayout:
@@ -102,13 +178,79 @@ class CommitLayout:
 
     def rel(self, path: str) -> str:
         rel = os.path.relpath(os.path.abspath(path), self.root)
-        if rel.startswith(".."):
-            raise E.CheckpointDirError(f"{path} is outside the checkpoint dir {self.root}; persist paths "
-                                       "must lie inside it so retention and verification can find them")
+        if rel.startswith("..") or not self._confined(os.path.join(self.root, rel)):
+            raise E.CheckpointDirError(f"{path} is outside the checkpoint dir {self.root} (or reaches outside "
+                                       "through a symlink); persist paths must lie inside it so retention and "
+                                       "verification can find them")
         return rel
 
     def abs(self, rel: str) -> str:
-        return os.path.join(self.root, rel)
+        """The absolute path of ``rel`` (taken from a manifest, marker or intent), confined to the
+        checkpoint dir: no absolute path, no ``..``, no symlinked directory leading outside.
+
+        Raises:
+            CheckpointCorruptError: ``rel`` is not confined (the record naming it is damaged or crafted).
+        """
+        path = os.path.join(self.root, _check_rel(rel, "a recorded path"))
+        if not self._confined(path):
+            raise E.CheckpointCorruptError(f"a recorded path: {rel!r} leads outside the checkpoint dir "
+                                           f"{self.root} through a symlink")
+        return path
+
+    def _confined(self, path: str) -> bool:
+        """Whether ``path``'s directory, symlinks resolved, lies inside the checkpoint dir (the last
+        component may itself be a symlink: removing or replacing it does not touch its target)."""
+        root = os.path.realpath(self.root)
+        d = os.path.realpath(os.path.dirname(path))
+        return d == root or d.startswith(root + os.sep)
+
+    def check_target(self, step: int, path: str, *, files: list[str] | None = None) -> None:
+        """Refuses a persist target that would change another step's committed files, before anything
+        is written. ``path`` is the file, or the ``FileSet`` directory whose ``files`` (absolute paths,
+        trackers excluded) are written.
+
+        Refused: paths under ``.flashckpt`` (manifests, markers, the tracker); paths equal to or inside
+        another committed step's ``FileSet`` directory; a file where another step's committed files
+        lie below. Allowed: a file that replaces exactly a file another committed step lists (a fixed
+        name such as Lightning's ``last.ckpt``); it is written staged and moved into place at the
+        commit, after which that older step no longer counts as committed (it is superseded).
+
+        Raises:
+            CheckpointDirError: the target is refused (the message says what to do).
+        """
+        self.rel(path)
+        targets = [os.path.abspath(path)] + [os.path.abspath(f) for f in (files or [])]
+        for t in targets:
+            if t == self.meta or t.startswith(self.meta + os.sep):
+                raise E.CheckpointDirError(f"save(step={step}): {path} lies in {self.meta}, flashckpt's commit "
+                                           "records (manifests, tracker.json); choose a path outside it")
+        for s, m in self._committed_manifests().items():
+            if s == step:
+                continue
+            for b in m.extra.get("bases", {}).values():
+                base = os.path.join(self.root, b)
+                for t in targets:
+                    if t == base or t.startswith(base + os.sep):
+                        raise E.CheckpointDirError(
+                            f"save(step={step}): {t} is inside {base}, the directory of committed step {s}; a "
+                            "committed step's files are never rewritten: save each step to its own path "
+                            f"(or delete step {s} first)")
+            for f in m.all_files():
+                p = os.path.join(self.root, f.path)
+                for t in targets[0 if files is None else 1:]:
+                    if p.startswith(t + os.sep):
+                        raise E.CheckpointDirError(
+                            f"save(step={step}): {t} would be a file where committed step {s} keeps {p}; save "
+                            "each step to its own path")
+
+    def _committed_manifests(self) -> dict[int, Manifest]:
+        out = {}
+        for s in self.committed_steps():
+            try:
+                out[s] = self.read_manifest(s)
+            except E.CheckpointCorruptError:
+                continue
+        return out
 
     # markers -------------------------------------------------------------
     def write_intent(self, step: int, rank: int, paths: list[str]) -> None:
@@ -134,10 +276,33 @@ class CommitLayout:
             log.exception("could not write the failure marker of step %d rank %d", step, rank)
 
     def _read_marker(self, step: int, kind: str, rank: int) -> dict[str, Any] | None:
+        """A marker's JSON object; None when it does not exist (yet).
+
+        Raises:
+            CheckpointCorruptError: it is not a JSON object with the fields its kind needs.
+        """
+        path = self._marker(step, kind, rank)
         try:
-            return json.loads(self.storage.read_bytes(self._marker(step, kind, rank)))
+            d = json.loads(self.storage.read_bytes(path))
         except FileNotFoundError:
             return None
+        except ValueError as e:
+            raise E.CheckpointCorruptError(f"{path}: not valid JSON ({e})") from e
+        try:
+            _need(isinstance(d, dict), f"a marker must be a JSON object, not {type(d).__name__}")
+            if kind == "done":
+                _need(isinstance(d.get("files"), list), "'files' must be a list")
+                d["files"] = [record_from_json(f, "files") for f in d["files"]]
+                base = d.get("base", "")
+                if base != "":
+                    _check_rel(base, "base")
+            elif kind == "intent":
+                _need(isinstance(d.get("paths"), list), "'paths' must be a list")
+            elif kind == "failed":
+                _need(isinstance(d.get("error", ""), str), "'error' must be a string")
+        except E.CheckpointCorruptError as e:
+            raise E.CheckpointCorruptError(f"{path} is damaged: {e}") from None
+        return d
 
     # commit --------------------------------------------------------------
     def commit(self, step: int, ranks: list[int], world_size: int, *, replicated: bool,
@@ -157,12 +322,15 @@ class CommitLayout:
             for r in ranks:
                 if r in files:
                     continue
-                failed = self._read_marker(step, "failed", r)
+                try:
+                    failed = self._read_marker(step, "failed", r)
+                    done = None if failed is not None else self._read_marker(step, "done", r)
+                except E.CheckpointCorruptError as e:
+                    raise E.PersistError(f"step {step}: rank {r}'s commit record is unusable: {e}") from e
                 if failed is not None:
                     raise E.PersistError(f"step {step}: rank {r} failed to persist: {failed.get('error')}")
-                done = self._read_marker(step, "done", r)
                 if done is not None:
-                    files[r] = [FileRecord(**f) for f in done["files"]]
+                    files[r] = list(done["files"])
                     bases[r] = str(done.get("base", ""))
             if len(files) == len(ranks):
                 break
@@ -179,19 +347,69 @@ class CommitLayout:
                 if f.kind == "tracker":
                     trackers.append(f)
                     continue
-                if f.kind == "commit" and f.staged:
+                if f.staged:  # commit-time files, and files that replace an existing one
                     self._move_staged(f)
                     f = replace(f, staged="")
                 kept.append(f)
             files[r] = kept
+        # Older steps listing a path this step wrote (a fixed path reused across steps): the file holds
+        # this step's data now, so they stop counting as committed once this manifest is written.
+        mine = {f.path for fs in files.values() for f in fs}
+        supersedes = [s for s, paths in self._committed_files().items() if s != step and paths & mine]
         manifest = Manifest(step, world_size, files, replicated, time.time(),
                             {**extra, "bases": {str(r): b for r, b in bases.items() if b},
-                             "trackers": [asdict(f) for f in trackers]})
+                             "trackers": [asdict(f) for f in trackers], "supersedes": supersedes})
         self.storage.write_bytes(self.manifest_path(step), manifest.to_json())
-        self.storage.write_bytes(self.tracker_path, json.dumps({"step": step}).encode())
+        # Committed. Nothing below may report the step as failed: it is loadable whatever happens now.
+        problems = []
+        try:
+            self.write_tracker(step)
+        except OSError as e:
+            problems.append(f"updating {self.tracker_path} failed: {e}")
         for f in trackers:
-            self._move_staged(f)
+            try:
+                self._move_staged(f)
+            except (OSError, E.CheckpointCorruptError) as e:
+                problems.append(f"writing the framework tracker file {f.path} failed: {e}")
+        for s in supersedes:
+            try:
+                self.delete_step(s)
+                log.info("step %d superseded step %d (it rewrote that step's files)", step, s)
+            except OSError as e:
+                problems.append(f"removing superseded step {s} failed: {e}")
+        if problems:
+            raise TrackerUpdateError(step, problems)
         return manifest
+
+    def write_tracker(self, step: int | None) -> None:
+        """Points ``tracker.json`` at ``step`` (removes it for None)."""
+        if step is None:
+            self.storage.remove(self.tracker_path)
+        else:
+            self.storage.write_bytes(self.tracker_path, json.dumps({"step": step}).encode())
+
+    def repair(self) -> list[str]:
+        """Completes what a crash or a failed write left after the newest commits (a new saver calls it
+        at start): removes steps that a committed step supersedes, points the tracker at the newest
+        step with a sound manifest, and writes that step's staged framework tracker files.
+
+        Returns:
+            What was repaired, one line each (empty when nothing was).
+        """
+        done = []
+        manifests = self._committed_manifests()
+        for s, m in sorted(manifests.items()):
+            for old in m.extra.get("supersedes", []):
+                if old != s and old in manifests and self.storage.exists(self.manifest_path(old)):
+                    self.delete_step(old)
+                    done.append(f"removed step {old}, superseded by step {s}")
+        newest = max((s for s in manifests if self.storage.exists(self.manifest_path(s))), default=None)
+        tracked = self.tracker_step()
+        if tracked != newest and (newest is not None or self.storage.exists(self.tracker_path)):
+            self.write_tracker(newest)
+            done.append(f"tracker.json named step {tracked}; now names step {newest}, the newest committed step")
+        self.finish_trackers()
+        return done
 
     def finish_trackers(self) -> None:
         """Writes the framework tracker files of the newest committed step if a crash between its
@@ -204,9 +422,12 @@ class CommitLayout:
         except E.CheckpointCorruptError:
             return
         for t in m.extra.get("trackers", []):
-            f = FileRecord(**t)
-            if f.staged and self.storage.exists(self.abs(f.staged)):
-                self._move_staged(f)
+            try:
+                f = record_from_json(t, "extra.trackers")
+                if f.staged and self.storage.exists(self.abs(f.staged)):
+                    self._move_staged(f)
+            except E.CheckpointCorruptError as e:
+                log.error("step %d: not writing a framework tracker file: %s", steps[-1], e)
 
     def _move_staged(self, f: FileRecord) -> None:
         src = self.abs(f.staged)
@@ -234,8 +455,10 @@ class CommitLayout:
             return Manifest.from_json(self.storage.read_bytes(self.manifest_path(step)))
         except FileNotFoundError as e:
             raise E.CheckpointCorruptError(f"step {step} has no manifest in {self.meta}") from e
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise E.CheckpointCorruptError(f"the manifest of step {step} is damaged: {e}") from e
+        except E.CheckpointCorruptError as e:
+            raise E.CheckpointCorruptError(f"the manifest of step {step} is damaged: {e}") from None
 
     def base(self, step: int, rank: int = 0) -> str | None:
         """The absolute directory of rank ``rank``'s file set in committed ``step`` (None for single files)."""
@@ -245,10 +468,13 @@ class CommitLayout:
         return self.abs(b) if b else None
 
     def tracker_step(self) -> int | None:
+        """The step ``tracker.json`` names; None when it is missing or damaged (the manifests decide)."""
         try:
-            return int(json.loads(self.storage.read_bytes(self.tracker_path))["step"])
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            d = json.loads(self.storage.read_bytes(self.tracker_path))
+        except (OSError, ValueError):
             return None
+        step = d.get("step") if isinstance(d, dict) else None
+        return step if isinstance(step, int) and not isinstance(step, bool) else None
 
     def verify(self, step: int, rank: int | None = None) -> list[str]:
         """Problems found in step ``step`` (all ranks' files, or those ``rank`` loads); [] when sound."""
@@ -258,7 +484,11 @@ class CommitLayout:
             return [str(e)]
         problems = []
         for f in (m.all_files() if rank is None else m.files_for(rank)):
-            path = self.abs(f.path)
+            try:
+                path = self.abs(f.path)
+            except E.CheckpointCorruptError as e:
+                problems.append(f"the manifest of step {step} is damaged: {e}")
+                continue
             try:
                 size, digest = self.storage.checksum(path)
             except FileNotFoundError:
@@ -280,36 +510,55 @@ class CommitLayout:
         except E.CheckpointCorruptError:
             m = None
         self.storage.remove(self.manifest_path(step))
-        paths = [self.abs(f.path) for f in m.all_files()] if m else []
+        paths = self._confined_paths([f.path for f in m.all_files()], f"the manifest of step {step}") if m else []
         paths += self._intent_paths(step)
         self._remove_files(paths)
-        self.storage.remove_tree(self.step_dir(step))
+        self._remove_step_dir(step)
+
+    def _remove_step_dir(self, step: int) -> None:
+        d = self.step_dir(step)
+        if not self._confined(d):
+            log.error("not removing %s: it leads outside the checkpoint dir %s through a symlink", d, self.root)
+            return
+        self.storage.remove_tree(d)
+
+    def _confined_paths(self, rels: list[Any], what: str) -> list[str]:
+        """The absolute paths of ``rels``; a path that is not confined to the checkpoint dir is reported
+        and skipped, never acted on."""
+        out = []
+        for r in rels:
+            try:
+                out.append(self.abs(r))
+            except E.CheckpointCorruptError as e:
+                log.error("%s: skipped %s", what, e)
+        return out
+
+    def _committed_files(self) -> dict[int, set[str]]:
+        """Committed step -> the paths (relative) its manifest lists; damaged manifests are left out."""
+        return {s: {f.path for f in m.all_files()} for s, m in self._committed_manifests().items()}
 
     def _committed_paths(self) -> set[str]:
-        out: set[str] = set()
-        for s in self.committed_steps():
-            try:
-                out.update(self.abs(f.path) for f in self.read_manifest(s).all_files())
-            except E.CheckpointCorruptError:
-                continue
-        return out
+        return {os.path.join(self.root, p) for paths in self._committed_files().values() for p in paths}
 
     def _intent_paths(self, step: int) -> list[str]:
         out = []
         for name in self.storage.listdir(self.step_dir(step)):
             if name.startswith("intent_rank_"):
+                path = os.path.join(self.step_dir(step), name)
                 try:
-                    body = json.loads(self.storage.read_bytes(os.path.join(self.step_dir(step), name)))
-                    out += [self.abs(p) for p in body["paths"]]
-                except (FileNotFoundError, ValueError, KeyError):
+                    body = json.loads(self.storage.read_bytes(path))
+                    _need(isinstance(body, dict) and isinstance(body.get("paths"), list), "no list of 'paths'")
+                except (OSError, ValueError, E.CheckpointCorruptError) as e:
+                    log.error("%s: skipped, unreadable or damaged (%s)", path, e)
                     continue
+                out += self._confined_paths(body["paths"], path)
         return out
 
     def _remove_files(self, paths: list[str]) -> None:
         keep = self._committed_paths()
         dirs = set()
         for p in paths:
-            if p in keep:
+            if p in keep or not self._confined(p):  # callers pass confined paths; checked again just before
                 continue
             self.storage.remove(p)
             self.storage.remove(f"{p}.flashckpt-tmp")
@@ -331,6 +580,6 @@ class CommitLayout:
             if step in keep:
                 continue
             self._remove_files(self._intent_paths(step))
-            self.storage.remove_tree(self.step_dir(step))
+            self._remove_step_dir(step)
             cleaned.append(step)
         return cleaned

@@ -225,6 +225,9 @@ class CheckpointEngine:
 
         Raises:
             InvalidStateDictError: ``state_dict`` holds something that cannot be stored (nothing written).
+            CheckpointDirError: ``path`` is outside the checkpoint dir, under its ``.flashckpt`` records, or
+                over another committed step's files (nothing written). A file that replaces exactly a file
+                of an older step (a fixed name reused) is allowed: that step is superseded at the commit.
             SharedMemoryError: shared memory cannot hold the snapshot.
             PersistError: an earlier persist failed (raised once, after this snapshot was taken).
         """
@@ -247,13 +250,20 @@ class CheckpointEngine:
                 return False
         if storage_type not in (StorageType.MEMORY, StorageType.DISK):
             raise ValueError(f"save(storage_type={storage_type!r}): use StorageType.MEMORY or StorageType.DISK")
+        names: list[str] | None = None
         if isinstance(state_dict, FileSet):
+            names = [n for n, e in state_dict.items() if e.kind != "tracker"]
             state_dict = state_dict.encode()
             default = os.path.join(self.checkpoint_dir, f"step_{step}")
         else:
             default = self.default_path(step)
         target = os.path.abspath(os.path.join(self.checkpoint_dir, path) if path else default)
-        if storage_type == StorageType.DISK:
+        if storage_type == StorageType.DISK and self.persists:
+            # Before anything is written: refuses paths outside the checkpoint dir, in its commit records,
+            # or over another committed step's files.
+            self.layout.check_target(step, target, files=None if names is None else
+                                     [os.path.join(target, n) for n in names])
+        elif storage_type == StorageType.DISK:
             self.layout.rel(target)  # refuses paths outside the checkpoint dir before anything is written
         self.wait_snapshot()
         overlap = self.overlap if overlap is None else overlap
@@ -398,13 +408,17 @@ class CheckpointEngine:
             done = {int(e["step"]) for e in errs}
             self._requested = {s for s in self._requested if s > max(committed, default=-1) and s not in done}
         self._retain(committed)
-        msgs = [f"{len(errs)} persist(s) failed: " + "; ".join(e["error"] for e in errs)] if errs else []
+        failed = [e["error"] for e in errs if not e.get("committed")]
+        notes = [e["error"] for e in errs if e.get("committed")]  # committed steps whose tracker update failed
+        msgs = [f"{len(failed)} persist(s) failed: " + "; ".join(failed)] if failed else []
         if self._lost_persists:
             msgs.append(self._lost_persists)
             self._lost_persists = None
         if msgs:
-            raise E.PersistError(f"{'. '.join(msgs)}. Earlier committed checkpoints are intact; memory snapshots "
-                                 "continue.")
+            raise E.PersistError(f"{'. '.join(msgs + notes)}. Earlier committed checkpoints are intact; memory "
+                                 "snapshots continue.")
+        if notes:
+            raise E.PersistError("; ".join(notes))
 
     def _retain(self, committed: list[int]) -> None:
         """Applies the deletion strategy after a commit newer than any that existed when this engine
@@ -661,7 +675,11 @@ class CheckpointEngine:
     def _load_file(self, path: str) -> Any:
         rel = self.layout.rel(path)
         for step in reversed(self.layout.committed_steps()):
-            m = self.layout.read_manifest(step)
+            try:
+                m = self.layout.read_manifest(step)
+            except E.CheckpointCorruptError as e:
+                log.warning("load(%s): skipping step %d: %s", path, step, e)
+                continue
             if rel in m.extra.get("bases", {}).values():
                 for r, b in m.extra["bases"].items():
                     if b == rel:

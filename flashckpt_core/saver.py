@@ -32,7 +32,7 @@ import torch
 from . import errors as E
 from ._protocol import Client, peer_uid, recv_msg, send_msg
 from ._tree import TensorMeta, build_tensor, split_opaque, unflatten
-from .commit import CommitLayout
+from .commit import CommitLayout, TrackerUpdateError
 from .config import Knobs, is_default_runtime_dir, make_private_dir, open_private_dir
 from .files import FileSet, is_fileset_tree
 from .filewriter import write_parts
@@ -148,7 +148,7 @@ class CheckpointSaver:
         cleaned = self.layout.clean_uncommitted()
         if cleaned:
             log.warning("removed half-written, uncommitted steps %s left by an earlier run", cleaned)
-        self.layout.finish_trackers()
+        self._repair()
         try:
             os.unlink(SOCKET_NAME, dir_fd=self._dir_fd)
         except FileNotFoundError:
@@ -167,6 +167,16 @@ class CheckpointSaver:
         self._spawn(self._accept_loop, "accept")
         self._spawn(self._commit_loop, "commit")
         log.info("saver %d serving %s for %s", os.getpid(), self.job_dir, self.layout.root)
+
+    def _repair(self) -> None:
+        """Completes what a crash or a failed write left after the last commits: the tracker is derived
+        from the manifests (``CommitLayout.repair``). A storage that refuses is reported, not fatal."""
+        try:
+            for line in self.layout.repair():
+                log.warning("repaired %s: %s", self.layout.meta, line)
+        except OSError as e:
+            log.error("could not repair the commit records in %s: %s; the next saver tries again", self.layout.meta, e)
+        self._committed = self.layout.committed_steps()
 
     def _spawn(self, target: Any, name: str, *args: Any) -> threading.Thread:
         t = threading.Thread(target=target, args=args, name=f"flashckpt-saver-{name}", daemon=True)
@@ -489,7 +499,9 @@ class CheckpointSaver:
                    msg.get("commit"))
         if os.path.dirname(job.seg_path) != self.job_dir:
             raise E.ProtocolError(f"persist: segment {job.seg_path} is not in this job's runtime dir")
-        self.layout.rel(job.path)  # refuses paths outside the checkpoint dir
+        # Refuses paths outside the checkpoint dir, in its commit records, or in another committed step's
+        # directory (the engine checks this too, before its snapshot; this holds for any client).
+        self.layout.check_target(job.step, job.path, files=[])
         with self._cv:
             st = self._steps.setdefault(job.step, _StepState())
             if job.commit is not None:
@@ -543,8 +555,11 @@ class CheckpointSaver:
             if is_set:
                 recs = self._persist_fileset(job, FileSet.decode(tree))
             else:
+                self.layout.check_target(job.step, job.path)
                 self.layout.write_intent(job.step, job.rank, [job.path])
-                recs = [self.storage.write_file(job.path, functools.partial(_torch_save, tree))]
+                staged = self._staging(job, job.path, 0)
+                rec = self.storage.write_file(staged or job.path, functools.partial(_torch_save, tree))
+                recs = [FileRecord(job.path, rec.size, rec.xxh3, staged=staged)]
             del tree  # drop the views of the segment before it may be unmapped
             self.layout.write_done(job.step, job.rank, recs, base=job.path if is_set else "")
         finally:
@@ -569,7 +584,10 @@ class CheckpointSaver:
         for i, (name, e) in enumerate(sorted(fs.items())):
             final = self.layout.abs(name) if e.kind == "tracker" else os.path.join(job.path, name)
             self.layout.rel(final)  # inside the checkpoint dir
-            targets[name] = (final, self.layout.staged_path(job.step, job.rank, i) if e.kind != "file" else "")
+            staged = self.layout.staged_path(job.step, job.rank, i) if e.kind != "file" else ""
+            targets[name] = (final, staged or self._staging(job, final, i))
+        self.layout.check_target(job.step, job.path, files=[f for n, (f, _) in targets.items()
+                                                             if fs[n].kind != "tracker"])
         self.layout.write_intent(job.step, job.rank, [f for n, (f, _) in targets.items() if fs[n].kind != "tracker"])
         recs = []
         for name, e in sorted(fs.items()):
@@ -578,6 +596,11 @@ class CheckpointSaver:
             rec = self.storage.write_file(staged or final, functools.partial(writer, e.data))
             recs.append(FileRecord(final, rec.size, rec.xxh3, e.format, name, e.kind, staged))
         return recs
+
+    def _staging(self, job: _Job, final: str, index: int) -> str:
+        """Where a file that replaces an existing one is written until the commit ("" for a new file):
+        the file another step may have committed stays intact until this step is committed."""
+        return self.layout.staged_path(job.step, job.rank, index) if self.storage.exists(final) else ""
 
     def _zero_copy_tree(self, seg: Segment, slot: int, h: Any) -> Any:
         """The snapshot's tree with tensors viewing the segment (no copy) and opaque leaves embedded."""
@@ -713,13 +736,24 @@ class CheckpointSaver:
                                    extra=dict(spec.get("extra", {})),
                                    timeout=self.knobs.commit_timeout_s,
                                    stopping=lambda: self._stop.is_set() and not self._signalled)
-                with self._cv:
-                    self._committed = sorted(set(self._committed) | {step})
+                self._committed_now(step)
                 log.info("event=commit step=%d ranks=%s", step, spec["ranks"])
+                self._finish(step, None, committed=True)
+            except TrackerUpdateError as e:  # committed: never reported as a failed step
+                log.error("event=commit step=%d ranks=%s: %s", step, spec["ranks"], e)
+                self._committed_now(step)
+                with self._cv:
+                    self._errors.append({"step": step, "error": str(e), "committed": True})
                 self._finish(step, None, committed=True)
             except Exception as e:
                 log.exception("commit of step %d failed", step)
                 self._finish(step, f"committing step {step} failed: {e}", committed=False)
+
+    def _committed_now(self, step: int) -> None:
+        """Adds ``step`` to the committed steps, less those its commit superseded."""
+        with self._cv:
+            self._committed = sorted(s for s in set(self._committed) | {step}
+                                     if s == step or self.storage.exists(self.layout.manifest_path(s)))
 
     def _finish(self, step: int, error: str | None, *, committed: bool) -> None:
         with self._cv:
