@@ -137,6 +137,8 @@ class CheckpointSaver:
         self._persisters: dict[int, _ClientInfo] = {}
         self._last_words_lock = threading.Lock()
         self._signalled = False
+        self._persist_on_exit = False  # a client's goodbye asked for its snapshots to be persisted
+        self._agent: _Watch | None = None  # the launcher of the job, when it has one
         self._sock: socket.socket | None = None
         self.stats = _Stats()
 
@@ -194,9 +196,20 @@ class CheckpointSaver:
             while not self._stop.is_set():
                 if not self._clients and self._inflight == 0:
                     if self._ever_clients and self._session_final:
+                        if self._persist_on_exit:
+                            self._signalled = True  # last words, then exit
                         break
-                    # A saver nobody attached to yet waits at least as long as its spawner does, so a
-                    # short grace cannot make it exit under the first trainer's hello.
+                    if self._agent is not None and self._agent.gone():
+                        log.info("the job's launcher (pid %d) exited: no restart can come; exiting",
+                                 self._agent.pid)
+                        self._signalled = True
+                        break
+                    if self._ever_clients and not self._holds_snapshot():
+                        log.info("no client and no snapshot a restart could use: exiting")
+                        break
+                    # The grace period applies after a crash (or a goodbye keeping the snapshots), while
+                    # a snapshot is held. A saver nobody attached to yet waits at least as long as its
+                    # spawner does, so a short grace cannot make it exit under the first trainer's hello.
                     grace = self.knobs.grace_s if self._ever_clients else max(self.knobs.grace_s,
                                                                               self.knobs.spawn_timeout_s)
                     if time.monotonic() - self._idle_since >= grace:
@@ -210,8 +223,20 @@ class CheckpointSaver:
             try:
                 self.save_shm_to_storage(timeout=self.knobs.term_timeout_s)
             except Exception:
-                log.exception("last-words persist on SIGTERM failed")
+                log.exception("last-words persist before exiting failed")
+        if self._agent is not None:
+            self._agent.close()
         self.shutdown()
+
+    def _holds_snapshot(self) -> bool:
+        """Whether a segment holds a complete snapshot (something a restarted trainer could load)."""
+        for path in list(self._segments):
+            try:
+                if self._segments[path].complete_steps():
+                    return True
+            except (OSError, ValueError, E.FlashCheckpointError):
+                return True  # unreadable: keep it rather than drop it
+        return False
 
     def request_stop(self, *, last_words: bool = False) -> None:
         """Asks ``serve_forever`` to return (signal-safe: only sets flags). With ``last_words`` the
@@ -301,6 +326,12 @@ class CheckpointSaver:
                         if not refused:
                             if not self._clients:
                                 self._session_final = True  # a new session of clients begins
+                                self._persist_on_exit = False
+                            agent = int(msg.get("agent_pid", 0) or 0)
+                            if agent > 0 and (self._agent is None or self._agent.pid != agent):
+                                if self._agent is not None:
+                                    self._agent.close()
+                                self._agent = _Watch(agent)
                             self._clients[cid] = info
                             self._ever_clients += 1
                             if info.persists:  # who persists what, for last words after a crash
@@ -367,6 +398,9 @@ class CheckpointSaver:
         if op == "bye":
             if info is not None:
                 info.final = bool(msg.get("final", True))
+                if msg.get("intent") == "persist":
+                    with self._cv:
+                        self._persist_on_exit = True
             return {"ok": True}
         if op == "q_put":
             with self._cv:
@@ -748,6 +782,36 @@ class CheckpointSaver:
         if deleted:
             log.info("event=retention deleted=%s", deleted)
         return deleted
+
+
+class _Watch:
+    """Whether process ``pid`` (the job's launcher) still runs: a pidfd where Linux has them (immune to
+    pid reuse once opened), else ``kill(pid, 0)``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._fd: int | None = None
+        self._gone = False
+        try:
+            self._fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._gone = True
+        except (AttributeError, OSError):
+            pass
+
+    def gone(self) -> bool:
+        if self._gone:
+            return True
+        if self._fd is not None:
+            self._gone = bool(select.select([self._fd], [], [], 0)[0])  # readable once it exited
+        else:
+            self._gone = not _alive(self.pid)
+        return self._gone
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def _page(n: int) -> int:

@@ -1,16 +1,31 @@
 """A saver's life: it starts cleanly or not at all, and it does not outlive its use.
 
 - A full runtime file system at start gives a clear ENOSPC error and leaves no process behind.
+- A trainer that ends without ``close()`` (an uncaught exception, a ``with`` block left by one, or a
+  plain exit) has its saver persist what is newer than the last commit and exit at once; the grace
+  period is kept for crashes and for failures a restart follows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import sys
 
 import pytest
 import torch
-from _fault_helpers import saver_pids, small_tmpfs, wait_for
+from _fault_helpers import (  # noqa: F401
+    FaultEnv,
+    alive,
+    fault_env_fixture,
+    kill9,
+    saver_pid,
+    saver_pids,
+    small_tmpfs,
+    tracker_step,
+    wait_for,
+)
 from helpers import leftovers
 
 from flashckpt_core import CheckpointEngine, SaverError, SharedMemoryError, StorageType
@@ -97,3 +112,91 @@ def test_saver_that_cannot_bind_reports_why_and_exits(tmp_path, monkeypatch, ckp
             _no_saver_left(rt)
         wait_for(lambda: not os.path.exists(os.path.join(rt, job_key(ckpt_dir))), 10,
                  "the failed saver to remove its runtime dir")
+
+
+# ------------------------------------------------------------------------------------------ exit paths
+_TRAINER = """
+import signal, sys, torch
+from flashckpt_core import CheckpointEngine, StorageType
+ckpt, mode = sys.argv[1], sys.argv[2]
+def sd(step):
+    return {"w": torch.full((4096,), float(step)), "step": step}
+def train(e):
+    e.save(1, sd(1), storage_type=StorageType.DISK)
+    e.wait(60)
+    e.save(2, sd(2), storage_type=StorageType.MEMORY)
+    print("saved", flush=True)
+if mode == "with":
+    with CheckpointEngine(ckpt) as e:
+        train(e)
+        raise RuntimeError("the trainer failed")
+e = CheckpointEngine(ckpt)
+train(e)
+if mode == "raise":
+    raise RuntimeError("the trainer failed")
+if mode == "hold":
+    signal.pause()
+"""
+_LONG_GRACE = "120"  # far longer than any test waits: a saver that exits did not wait out its grace
+
+
+def _trainer(fe: FaultEnv, ckpt: str, mode: str, **env: str):
+    script = os.path.join(fe.tmp, "trainer.py")
+    with open(script, "w") as f:
+        f.write(_TRAINER)
+    return fe.popen([sys.executable, script, ckpt, mode], f"{mode}.log",
+                    env=fe.env(FLASHCKPT_SAVER_GRACE_S=_LONG_GRACE, **env))
+
+
+def _persisted_step(ckpt: str, step: int) -> float:
+    sd = torch.load(os.path.join(ckpt, f"step_{step}", "rank_00000.pt"), weights_only=True)
+    return float(sd["w"][0])
+
+
+@pytest.mark.parametrize("mode, rc", [("raise", 1), ("with", 1), ("exit", 0)])
+def test_trainer_ending_without_close_has_its_saver_persist_and_exit(fault_env: FaultEnv, mode: str, rc: int) -> None:
+    """An uncaught exception (also out of a ``with`` block) or a normal exit without ``close()``, after a
+    memory snapshot newer than the last commit: the saver persists it and exits within seconds, not
+    after its grace period (the old saver held ~170 MB and the snapshots for 600 s)."""
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    p = _trainer(fault_env, ckpt, mode)
+    assert p.wait(timeout=120) == rc, fault_env.log(f"{mode}.log")
+    wait_for(lambda: not saver_pids(fault_env.runtime_dir), 20,
+             f"the saver to exit after its trainer ended ({mode}), well within its {_LONG_GRACE} s grace")
+    assert tracker_step(ckpt) == 2, fault_env.log(f"{mode}.log")
+    assert _persisted_step(ckpt, 2) == 2.0
+
+
+def _load_from_memory(ckpt: str) -> tuple[str, int | None]:
+    from flashckpt_core import CheckpointEngine
+
+    eng = CheckpointEngine(ckpt)
+    try:
+        sd = eng.load()
+        assert eng.last_load is not None
+        return eng.last_load.source, sd.get("step")
+    finally:
+        eng.close()
+
+
+def test_crashed_trainer_keeps_its_snapshot_for_the_grace(fault_env: FaultEnv) -> None:
+    """SIGKILL (a crash): no goodbye, so the saver keeps the newest snapshot for a restarted trainer."""
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    p = _trainer(fault_env, ckpt, "hold")
+    wait_for(lambda: "saved" in fault_env.log("hold.log") or p.poll() is not None, 120, "the trainer to save")
+    saver = saver_pid(fault_env.runtime_dir, fault_env.job_dir(ckpt))
+    kill9(p.pid)
+    p.wait(timeout=30)
+    wait_for(lambda: tracker_step(ckpt) == 2, 30, "the last-words commit of step 2")
+    assert alive(saver)
+    assert _load_from_memory(ckpt) == ("memory", 2)  # its final goodbye then ends the saver
+
+
+def test_failure_before_an_elastic_restart_keeps_the_snapshot(fault_env: FaultEnv) -> None:
+    """Under torchrun with restarts left, an uncaught exception keeps the snapshots for the restarted
+    worker (it loads step 2 from memory)."""
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    p = _trainer(fault_env, ckpt, "raise", TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="1")
+    assert p.wait(timeout=120) == 1, fault_env.log("raise.log")
+    assert saver_pids(fault_env.runtime_dir), "the saver exited although a restart is coming"
+    assert _load_from_memory(ckpt) == ("memory", 2)
