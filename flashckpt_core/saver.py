@@ -10,6 +10,12 @@ vanish without a goodbye (a crash) trigger the last-words persist of the newest 
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (the daemon defers torch before the imports below)
+if __name__ == "__main__":  # the daemon: torch is loaded by its first persist, not at start
+    from flashckpt_core._lazy import defer
+
+    defer("torch")
+
 import argparse
 import collections
 import errno
@@ -23,6 +29,7 @@ import select
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -395,6 +402,19 @@ class CheckpointSaver:
                 self._commit_q.put((-1, {"delete": steps}))
                 return {"ok": True, "scheduled": steps}
             return {"ok": True, "deleted": self._delete_steps(steps)}
+        if op == "give_way":
+            # Another job of this user is short of shared memory: an idle saver (clients came and went,
+            # none is attached, no work) persists what is newer than its last commit and exits.
+            with self._cv:
+                idle = bool(self._ever_clients) and not self._clients and self._inflight == 0 and \
+                    not self._stop.is_set()
+                if msg.get("dry_run"):
+                    return {"ok": True, "idle": idle, "idle_s": time.monotonic() - self._idle_since}
+                if idle:
+                    self._signalled = True  # last words, then exit
+                    self._stop.set()
+                    self._cv.notify_all()
+            return {"ok": True, "giving_way": idle}
         if op == "bye":
             if info is not None:
                 info.final = bool(msg.get("final", True))
@@ -440,6 +460,8 @@ class CheckpointSaver:
         need = 4096 + nslots * (4096 + _page(meta_cap) + _page(data_cap))
         free = self._shm_free()
         if need > free:
+            free = self._make_room(need)
+        if need > free:
             raise E.SharedMemoryError(
                 f"local rank {local_rank} needs {need} bytes ({need / 2**30:.2f} GiB) of shared memory for "
                 f"{nslots} snapshot slot(s) but only {free} bytes are free in {self.job_dir} (ENOSPC: no space "
@@ -453,6 +475,58 @@ class CheckpointSaver:
         log.info("allocated %s: %d slot(s), %d bytes", path, nslots, need)
         self._reap_segments(local_rank)
         return path
+
+    def _make_room(self, need: int) -> int:
+        """Asks the idle savers of this user's other jobs (no client, no work: kept only for their grace
+        period) to give way, the longest idle first, until ``need`` bytes are free. Each persists what
+        is newer than its last commit, then exits and frees its shared memory. Returns the bytes free."""
+        root = os.path.dirname(self.job_dir)
+        idle: list[tuple[float, str, Client]] = []
+        try:
+            names = os.listdir(root)
+        except OSError:
+            return self._shm_free()
+        for name in names:
+            d = os.path.join(root, name)
+            try:
+                st = os.lstat(d)
+            except OSError:
+                continue
+            if d == self.job_dir or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            try:
+                c = Client(os.path.join(d, SOCKET_NAME), timeout=10)
+            except OSError:
+                continue
+            try:
+                r = c.call("give_way", dry_run=True)
+            except E.FlashCheckpointError:
+                r = {}
+            if r.get("idle"):
+                idle.append((float(r.get("idle_s", 0.0)), d, c))
+            else:
+                c.close()
+        idle.sort(key=lambda x: -x[0])
+        free = self._shm_free()
+        try:
+            for idle_s, d, c in idle:
+                if free >= need:
+                    break
+                try:
+                    if not c.call("give_way").get("giving_way"):
+                        continue
+                except E.FlashCheckpointError:
+                    continue
+                log.warning("event=give_way job_dir=%s idle_s=%.0f: it persists its newest snapshot and exits "
+                            "to free shared memory for this job", d, idle_s)
+                deadline = time.monotonic() + self.knobs.term_timeout_s
+                while os.path.exists(os.path.join(d, SOCKET_NAME)) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                free = self._shm_free()
+        finally:
+            for _, _, c in idle:
+                c.close()
+        return free
 
     def _shm_free(self) -> int:
         st = os.statvfs(self.job_dir)

@@ -199,3 +199,73 @@ def test_failure_before_an_elastic_restart_keeps_the_snapshot(fault_env: FaultEn
     assert p.wait(timeout=120) == 1, fault_env.log("raise.log")
     assert saver_pids(fault_env.runtime_dir), "the saver exited although a restart is coming"
     assert _load_from_memory(ckpt) == ("memory", 2)
+
+
+# ------------------------------------------------------------------------------------------ give way
+def test_idle_saver_of_another_job_gives_way_when_shm_runs_short(fault_env: FaultEnv, tmp_path, monkeypatch) -> None:
+    """A crashed job's saver holds 2 x 12 MiB of a 40 MiB /dev/shm for its grace period. A new job's
+    snapshot needs 24 MiB: instead of failing with SharedMemoryError, the idle saver persists its newest
+    snapshot (step 2, newer than its commit) and exits, and the new job's allocation succeeds."""
+    from _fault_helpers import TRAINER, make_state
+
+    mnt = str(tmp_path / "shm")
+    with small_tmpfs(mnt, "40m"):
+        rt = os.path.join(mnt, "rt")
+        os.mkdir(rt, 0o700)
+        monkeypatch.setenv("FLASHCKPT_RUNTIME_DIR", rt)
+        old_ckpt = os.path.join(fault_env.tmp, "old")
+        old = fault_env.popen([sys.executable, TRAINER, "--ckpt", old_ckpt, "--mb", "12", "--plan",
+                               "1:disk,2:memory", "--wait", "--hold"], "old.log",
+                              env=fault_env.env(FLASHCKPT_RUNTIME_DIR=rt, FLASHCKPT_SAVER_GRACE_S=_LONG_GRACE,
+                                                FLASHCKPT_JOB_ID="old-job"))
+        eng = None
+        try:
+            wait_for(lambda: "holding" in fault_env.log("old.log") or old.poll() is not None, 120, "the old job")
+            assert old.poll() is None, fault_env.log("old.log")
+            kill9(old.pid)  # a crash: its saver keeps step 2 for its grace period
+            (old_saver,) = saver_pids(rt)
+            eng = CheckpointEngine(os.path.join(fault_env.tmp, "new"))
+            eng.save(1, make_state(1, 12), storage_type=StorageType.MEMORY)  # fails without giving way
+            assert eng.memory_steps() == [1]
+            wait_for(lambda: not alive(old_saver), 30, "the idle saver to give way")
+            assert tracker_step(old_ckpt) == 2  # it persisted its newest snapshot first
+        finally:
+            if eng is not None:
+                eng.close()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(old.pid, 9)
+            try:
+                _no_saver_left(rt)
+            finally:
+                for pid in saver_pids(rt):
+                    kill9(pid)
+
+
+# ------------------------------------------------------------------------------------------ footprint
+def _vm_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+def test_idle_saver_is_small_and_loads_torch_only_to_persist(make_engine, ckpt_dir) -> None:
+    """An idle saver (after hello, and after memory snapshots) does not carry torch: under 60 MB of RSS
+    (it was ~170 MB). Its first persist loads torch and works as before."""
+    eng = make_engine()
+    pid = eng._saver_pid  # the saver's pid as its hello reported it
+    eng.save(1, {"w": torch.arange(1 << 16, dtype=torch.float32)}, storage_type=StorageType.MEMORY)
+    rss = _vm_rss_mb(pid)
+    assert rss < 60 and not _maps_torch(pid), f"idle saver: {rss:.0f} MB, torch loaded: {_maps_torch(pid)}"
+    eng.save(2, {"w": torch.arange(1 << 16, dtype=torch.float32) * 2}, storage_type=StorageType.DISK)
+    eng.wait(60)
+    assert _maps_torch(pid)
+    sd = torch.load(os.path.join(ckpt_dir, "step_2", "rank_00000.pt"), weights_only=True)
+    assert torch.equal(sd["w"], torch.arange(1 << 16, dtype=torch.float32) * 2)
+    eng.close()
