@@ -114,7 +114,7 @@ def flatten(obj: Any, *, check_tensors: bool = True) -> Flat:
     tensors: list[torch.Tensor] = []
     opaque: list[Any] = []
     add_tensor = tensors.append
-    tensor_t, param_t, strided = torch.Tensor, torch.nn.Parameter, _STRIDED
+    tensor_t, param_t, strided = torch.Tensor, torch.nn.Parameter, torch.strided
     raw = _RAW
 
     def enc(x: Any) -> Any:
@@ -185,7 +185,7 @@ def flatten_like(obj: Any, skeleton: Any, *, check_tensors: bool = True) -> Flat
     a new skeleton: no allocation per item, and nothing to free after the save."""
     tensors: list[torch.Tensor] = []
     add_tensor = tensors.append
-    tensor_t, param_t, strided = torch.Tensor, torch.nn.Parameter, _STRIDED
+    tensor_t, param_t, strided = torch.Tensor, torch.nn.Parameter, torch.strided
     raw = _RAW
 
     def ok_tensor(t: Any) -> bool:
@@ -264,13 +264,11 @@ def _path_to(root: Any, target: Any) -> list[Any]:
     return []
 
 
-_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-_STRIDED = torch.strided
-
-
 def _check_tensor(t: torch.Tensor, path: list[Any]) -> None:
     # Hot path (once per tensor per save): cheap attribute checks; messages are built only on error.
-    if t.layout is _STRIDED and not t.is_meta and not t.is_quantized and type(t) in _TENSOR_TYPES:
+    # (torch is looked up here, not at import: the saver daemon imports this module without torch.)
+    if (t.layout is torch.strided and not t.is_meta and not t.is_quantized
+            and (type(t) is torch.Tensor or type(t) is torch.nn.Parameter)):
         return
     where = _key_str(path)
     if t.layout != torch.strided:

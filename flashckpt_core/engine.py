@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
+import sys
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -133,6 +136,7 @@ class CheckpointEngine:
                         SharedMemoryHandler(0, self.job_dir, copier=self._copier, weights_only=weights_only))
         self._closed = False
         self._retention_baseline = max(hello["committed"], default=-1)
+        _open_engines.add(self)
 
     def _attach(self) -> dict[str, Any]:
         """Connects to the job's saver on this node (starting one when none runs) and says hello.
@@ -150,7 +154,7 @@ class CheckpointEngine:
             try:
                 hello = client.call("hello", rank=r.rank, local_rank=r.local_rank, world_size=r.world_size,
                                     local_world_size=r.local_world_size, pid=os.getpid(), persists=self.persists,
-                                    commit=self._commit_spec())
+                                    commit=self._commit_spec(), agent_pid=_agent_pid())
                 break
             except E.SaverError:
                 client.close()
@@ -468,9 +472,16 @@ class CheckpointEngine:
                 restart) the saver keeps the snapshots for its grace period so a new process can load
                 them from memory.
         """
+        self._close("release" if release else "keep")
+
+    def _close(self, intent: str) -> None:
+        """``close`` with the goodbye's intent: "release" (done with the snapshots), "keep" (for a
+        restart within the saver's grace) or "persist" (the saver persists what is newer than the last
+        commit, then exits: nothing will come back for the snapshots)."""
         if self._closed:
             return
         self._closed = True
+        _open_engines.discard(self)
         try:
             try:
                 self.wait_snapshot()
@@ -481,7 +492,7 @@ class CheckpointEngine:
                     self._bg.shutdown(wait=True)
             if self._client is not None:
                 try:
-                    self._client.call("bye", final=release)
+                    self._client.call("bye", final=intent != "keep", intent=intent)
                 except E.FlashCheckpointError as e:
                     log.warning("close(): %s", e)
                 self._client.close()
@@ -496,7 +507,13 @@ class CheckpointEngine:
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        self.close(release=exc_type is None)
+        """Without an exception, ``close()``. With one, the snapshots are kept for a restart when one is
+        coming (``restart_expected``); otherwise the saver persists what is newer than the last commit
+        and exits at once, instead of holding the memory for its grace period."""
+        if exc_type is None:
+            self.close()
+        else:
+            self._close("keep" if restart_expected() else "persist")
 
     def _check_open(self, op: str) -> None:
         if self._closed:
@@ -711,6 +728,50 @@ class CheckpointEngine:
                     f"load(): {path} holds Python objects that torch.load(weights_only=True) refuses. If the "
                     "checkpoint is trusted, construct the engine with weights_only=False.") from e
             raise
+
+
+_open_engines: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
+
+
+def _agent_pid() -> int:
+    """The pid of the ``flashckpt-run`` launcher this process runs under (FLASHCKPT_AGENT_PID), else 0."""
+    try:
+        return max(0, int(os.environ.get("FLASHCKPT_AGENT_PID", "0") or 0))
+    except ValueError:
+        return 0
+
+
+def restart_expected() -> bool:
+    """Whether this process's failure is followed by a restart that can use its memory snapshots: a
+    ``flashckpt-run`` launcher (FLASHCKPT_AGENT_PID) is alive, or torchrun's elastic agent has restarts
+    left (TORCHELASTIC_RESTART_COUNT < TORCHELASTIC_MAX_RESTARTS)."""
+    pid = _agent_pid()
+    if pid:
+        try:
+            os.kill(pid, 0)
+            return True
+        except PermissionError:
+            return True
+        except ProcessLookupError:
+            pass
+    try:
+        return int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+    except (KeyError, ValueError):
+        return False
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Engines still open when the interpreter exits say goodbye, so their saver does not wait out its
+    grace period for a restart that will not come: after a normal exit, or an uncaught exception with
+    no restart expected, it persists what is newer than the last commit and exits; after an uncaught
+    exception with a restart coming, it keeps the snapshots."""
+    crashed = getattr(sys, "last_value", None) is not None  # set by the uncaught-exception handler
+    for eng in list(_open_engines):
+        try:
+            eng._close("keep" if crashed and restart_expected() else "persist")
+        except Exception as e:  # at exit: report, never raise
+            log.warning("closing a CheckpointEngine at exit: %s", e)
 
 
 def _check_writable(d: str) -> None:

@@ -23,6 +23,7 @@ tied storages and ``load(into=...)`` work for it unchanged.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import posixpath
@@ -41,18 +42,21 @@ FORMATS = ("torch", "raw")
 
 _BYTES_TYPES = (bytes, bytearray, memoryview)
 
-# safetensors dtype names (https://github.com/huggingface/safetensors, format spec)
-_ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64",
-}
+# safetensors dtype names (https://github.com/huggingface/safetensors, format spec); built on first use,
+# as the saver daemon imports this module without torch.
+@functools.cache
+def _st_dtypes() -> dict[torch.dtype, str]:
+    return {
+        torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+        torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+        torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64",
+    }
 
 
 def safetensors_dtype(dtype: torch.dtype) -> str:
     try:
-        return _ST_DTYPES[dtype]
+        return _st_dtypes()[dtype]
     except KeyError:
         raise E.InvalidStateDictError(f"safetensors cannot store dtype {dtype}") from None
 

@@ -10,7 +10,12 @@ rendezvous and its ``LocalElasticAgent``), plus:
 - ``--no-last-words`` turns both off (and the savers' own last words after a trainer crash).
 
 The savers are the per-node daemons the engines start (the same path as under plain ``torchrun``); the
-launcher gives every worker one ``FLASHCKPT_JOB_ID`` so restarted workers find them again.
+launcher gives every worker one ``FLASHCKPT_JOB_ID`` so restarted workers find them again: the one set in
+its environment, else the rendezvous id (``--rdzv-id``, the same on every node and every restart of the
+launcher, so a restarted launcher's workers re-attach to the savers and their snapshots), else (with
+``--standalone`` or no rendezvous id) a random id, unique to this launch. It also gives them its pid
+(``FLASHCKPT_AGENT_PID``): the savers watch it and, once the launcher is gone and no worker is left,
+persist what is newer than the last commit and exit instead of waiting out their grace period.
 """
 
 from __future__ import annotations
@@ -86,6 +91,18 @@ def _flash_agent_class(base: type, job_id: str, timeout: float, enabled: bool) -
     return FlashElasticAgent
 
 
+def _job_id_of(args: Any) -> str:
+    """The job id of a launch without FLASHCKPT_JOB_ID: its rendezvous id, else a random one.
+
+    ``--standalone`` (and a single-node static rendezvous) get a random rendezvous id from torchrun, and
+    two such launches may run side by side on one node: they must not share savers, so they get a random
+    job id too; their savers end with the launcher (FLASHCKPT_AGENT_PID)."""
+    rdzv = str(getattr(args, "rdzv_id", "") or "")
+    if getattr(args, "standalone", False) or rdzv in ("", "none"):
+        return f"run-{uuid.uuid4().hex[:12]}"
+    return rdzv
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch.distributed.launcher.api as launcher_api
     import torch.distributed.run as tdr
@@ -107,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     # peer's port and fail or hang in init_process_group (pytorch/pytorch#135712; seen here with
     # --max_restarts and gloo in about a third of the restarts). Opting out gives every attempt a fresh store.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    job_id = os.environ.get("FLASHCKPT_JOB_ID") or f"run-{uuid.uuid4().hex[:12]}"
+    job_id = os.environ.get("FLASHCKPT_JOB_ID") or _job_id_of(args)
     os.environ["FLASHCKPT_JOB_ID"] = job_id  # inherited by every (re)started worker
+    os.environ["FLASHCKPT_AGENT_PID"] = str(os.getpid())  # the savers exit once this process is gone
+    log.info("job id %s", job_id)
     if not enabled:
         os.environ["FLASHCKPT_LAST_WORDS"] = "0"
     # The agent class launch_agent builds; only this launcher process is affected.

@@ -10,13 +10,22 @@ vanish without a goodbye (a crash) trigger the last-words persist of the newest 
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (the daemon defers torch before the imports below)
+if __name__ == "__main__":  # the daemon: torch is loaded by its first persist, not at start
+    from flashckpt_core._lazy import defer
+
+    defer("torch")
+
 import argparse
 import collections
+import errno
 import functools
+import json
 import logging
 import os
 import pickle
 import queue
+import select
 import signal
 import socket
 import stat
@@ -48,7 +57,6 @@ log = logging.getLogger(__name__)
 SOCKET_NAME = "saver.sock"
 _SPAWN_LOCK = "spawn.lock"
 _LOG_NAME = "saver.log"
-_PID_NAME = "saver.pid"
 
 
 class _Opaque:
@@ -135,6 +143,8 @@ class CheckpointSaver:
         self._persisters: dict[int, _ClientInfo] = {}
         self._last_words_lock = threading.Lock()
         self._signalled = False
+        self._persist_on_exit = False  # a client's goodbye asked for its snapshots to be persisted
+        self._agent: _Watch | None = None  # the launcher of the job, when it has one
         self._sock: socket.socket | None = None
         self._dir_fd: int | None = None  # the job dir, checked: everything in it is reached through this fd
         self.stats = _Stats()
@@ -208,9 +218,20 @@ class CheckpointSaver:
             while not self._stop.is_set():
                 if not self._clients and self._inflight == 0:
                     if self._ever_clients and self._session_final:
+                        if self._persist_on_exit:
+                            self._signalled = True  # last words, then exit
                         break
-                    # A saver nobody attached to yet waits at least as long as its spawner does, so a
-                    # short grace cannot make it exit under the first trainer's hello.
+                    if self._agent is not None and self._agent.gone():
+                        log.info("the job's launcher (pid %d) exited: no restart can come; exiting",
+                                 self._agent.pid)
+                        self._signalled = True
+                        break
+                    if self._ever_clients and not self._holds_snapshot():
+                        log.info("no client and no snapshot a restart could use: exiting")
+                        break
+                    # The grace period applies after a crash (or a goodbye keeping the snapshots), while
+                    # a snapshot is held. A saver nobody attached to yet waits at least as long as its
+                    # spawner does, so a short grace cannot make it exit under the first trainer's hello.
                     grace = self.knobs.grace_s if self._ever_clients else max(self.knobs.grace_s,
                                                                               self.knobs.spawn_timeout_s)
                     if time.monotonic() - self._idle_since >= grace:
@@ -224,8 +245,20 @@ class CheckpointSaver:
             try:
                 self.save_shm_to_storage(timeout=self.knobs.term_timeout_s)
             except Exception:
-                log.exception("last-words persist on SIGTERM failed")
+                log.exception("last-words persist before exiting failed")
+        if self._agent is not None:
+            self._agent.close()
         self.shutdown()
+
+    def _holds_snapshot(self) -> bool:
+        """Whether a segment holds a complete snapshot (something a restarted trainer could load)."""
+        for path in list(self._segments):
+            try:
+                if self._segments[path].complete_steps():
+                    return True
+            except (OSError, ValueError, E.FlashCheckpointError):
+                return True  # unreadable: keep it rather than drop it
+        return False
 
     def request_stop(self, *, last_words: bool = False) -> None:
         """Asks ``serve_forever`` to return (signal-safe: only sets flags). With ``last_words`` the
@@ -331,6 +364,12 @@ class CheckpointSaver:
                         if not refused:
                             if not self._clients:
                                 self._session_final = True  # a new session of clients begins
+                                self._persist_on_exit = False
+                            agent = int(msg.get("agent_pid", 0) or 0)
+                            if agent > 0 and (self._agent is None or self._agent.pid != agent):
+                                if self._agent is not None:
+                                    self._agent.close()
+                                self._agent = _Watch(agent)
                             self._clients[cid] = info
                             self._ever_clients += 1
                             if info.persists:  # who persists what, for last words after a crash
@@ -394,9 +433,25 @@ class CheckpointSaver:
                 self._commit_q.put((-1, {"delete": steps}))
                 return {"ok": True, "scheduled": steps}
             return {"ok": True, "deleted": self._delete_steps(steps)}
+        if op == "give_way":
+            # Another job of this user is short of shared memory: an idle saver (clients came and went,
+            # none is attached, no work) persists what is newer than its last commit and exits.
+            with self._cv:
+                idle = bool(self._ever_clients) and not self._clients and self._inflight == 0 and \
+                    not self._stop.is_set()
+                if msg.get("dry_run"):
+                    return {"ok": True, "idle": idle, "idle_s": time.monotonic() - self._idle_since}
+                if idle:
+                    self._signalled = True  # last words, then exit
+                    self._stop.set()
+                    self._cv.notify_all()
+            return {"ok": True, "giving_way": idle}
         if op == "bye":
             if info is not None:
                 info.final = bool(msg.get("final", True))
+                if msg.get("intent") == "persist":
+                    with self._cv:
+                        self._persist_on_exit = True
             return {"ok": True}
         if op == "q_put":
             with self._cv:
@@ -436,9 +491,12 @@ class CheckpointSaver:
         need = 4096 + nslots * (4096 + _page(meta_cap) + _page(data_cap))
         free = self._shm_free()
         if need > free:
+            free = self._make_room(need)
+        if need > free:
             raise E.SharedMemoryError(
                 f"local rank {local_rank} needs {need} bytes ({need / 2**30:.2f} GiB) of shared memory for "
-                f"{nslots} snapshot slot(s) but only {free} bytes are free in {self.job_dir}. Enlarge /dev/shm "
+                f"{nslots} snapshot slot(s) but only {free} bytes are free in {self.job_dir} (ENOSPC: no space "
+                "left for the snapshot). Enlarge /dev/shm "
                 "(docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory), use FLASHCKPT_SLOTS=1, "
                 "or checkpoint less state per rank.")
         path = segment_path(self.job_dir, local_rank, epoch)
@@ -448,6 +506,61 @@ class CheckpointSaver:
         log.info("allocated %s: %d slot(s), %d bytes", path, nslots, need)
         self._reap_segments(local_rank)
         return path
+
+    def _make_room(self, need: int) -> int:
+        """Asks the idle savers of this user's other jobs (no client, no work: kept only for their grace
+        period) to give way, the longest idle first, until ``need`` bytes are free. Each persists what
+        is newer than its last commit, then exits and frees its shared memory. Returns the bytes free."""
+        if self.knobs.shm_limit_bytes and \
+                self.knobs.shm_limit_bytes - sum(seg.size for seg in self._segments.values()) < need:
+            return self._shm_free()  # this job's own limit binds: other jobs' memory would not help
+        root = os.path.dirname(self.job_dir)
+        idle: list[tuple[float, str, Client]] = []
+        try:
+            names = os.listdir(root)
+        except OSError:
+            return self._shm_free()
+        for name in names:
+            d = os.path.join(root, name)
+            try:
+                st = os.lstat(d)
+            except OSError:
+                continue
+            if d == self.job_dir or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            try:
+                c = Client(os.path.join(d, SOCKET_NAME), timeout=10)
+            except OSError:
+                continue
+            try:
+                r = c.call("give_way", dry_run=True)
+            except E.FlashCheckpointError:
+                r = {}
+            if r.get("idle"):
+                idle.append((float(r.get("idle_s", 0.0)), d, c))
+            else:
+                c.close()
+        idle.sort(key=lambda x: -x[0])
+        free = self._shm_free()
+        try:
+            for idle_s, d, c in idle:
+                if free >= need:
+                    break
+                try:
+                    if not c.call("give_way").get("giving_way"):
+                        continue
+                except E.FlashCheckpointError:
+                    continue
+                log.warning("event=give_way job_dir=%s idle_s=%.0f: it persists its newest snapshot and exits "
+                            "to free shared memory for this job", d, idle_s)
+                deadline = time.monotonic() + self.knobs.term_timeout_s
+                while os.path.exists(os.path.join(d, SOCKET_NAME)) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                free = self._shm_free()
+        finally:
+            for _, _, c in idle:
+                c.close()
+        return free
 
     def _shm_free(self) -> int:
         st = os.statvfs(self.job_dir)
@@ -803,6 +916,36 @@ class CheckpointSaver:
         return deleted
 
 
+class _Watch:
+    """Whether process ``pid`` (the job's launcher) still runs: a pidfd where Linux has them (immune to
+    pid reuse once opened), else ``kill(pid, 0)``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._fd: int | None = None
+        self._gone = False
+        try:
+            self._fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._gone = True
+        except (AttributeError, OSError):
+            pass
+
+    def gone(self) -> bool:
+        if self._gone:
+            return True
+        if self._fd is not None:
+            self._gone = bool(select.select([self._fd], [], [], 0)[0])  # readable once it exited
+        else:
+            self._gone = not _alive(self.pid)
+        return self._gone
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 def _page(n: int) -> int:
     return (n + 4095) // 4096 * 4096
 
@@ -872,56 +1015,139 @@ def ensure_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs) -> Client:
     """Connects to the job's saver on this node, starting a detached daemon first when none runs.
 
     The runtime dirs are checked first (``open_private_dir``: ours, private, no symbolic link), and the
-    client refuses a socket served by another uid, before anything is sent on it."""
+    client refuses a socket served by another uid, before anything is sent on it. The daemon reports
+    over a pipe (``--ready-fd``) that it serves, or why it could not start: that report reaches the
+    trainer even when the daemon's log cannot be written (a full /dev/shm). A daemon that does not come
+    up in time is stopped, so a failed start leaves no process behind."""
     path = os.path.join(job_dir, SOCKET_NAME)
-    make_private_dir(job_dir)
+    try:
+        make_private_dir(job_dir)
+    except OSError as e:
+        raise E.SaverError(f"cannot prepare the saver's runtime dir {job_dir}: {_explain_os_error(e, job_dir)}") from e
     try:
         return Client(path, timeout=knobs.rpc_timeout_s)
     except (FileNotFoundError, ConnectionRefusedError):
         pass
-    spawn_lock = lock_job(job_dir)
+    try:
+        spawn_lock = lock_job(job_dir)
+    except OSError as e:
+        raise E.SaverError(f"cannot prepare the saver's runtime dir {job_dir}: {_explain_os_error(e, job_dir)}") from e
     try:
         try:
             return Client(path, timeout=knobs.rpc_timeout_s)
         except (FileNotFoundError, ConnectionRefusedError):
             pass
-        log_path = os.path.join(job_dir, _LOG_NAME)
-        dir_fd = open_private_dir(job_dir)
-        try:
-            try:
-                os.unlink(_PID_NAME, dir_fd=dir_fd)  # left by a saver that was killed
-            except FileNotFoundError:
-                pass
-            log_fd = os.open(_LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
-                             0o600, dir_fd=dir_fd)
-        finally:
-            os.close(dir_fd)
-        env = dict(os.environ)
-        pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        env.setdefault("OMP_NUM_THREADS", "1")
-        with os.fdopen(log_fd, "ab") as logf:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "flashckpt_core.saver", "--daemonize", "--job-dir", job_dir,
-                 "--checkpoint-dir", os.path.abspath(checkpoint_dir)],
-                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, close_fds=True, start_new_session=True,
-                env=env, cwd="/")
-        rc = proc.wait(timeout=knobs.spawn_timeout_s)
-        if rc != 0:
-            raise E.SaverError(f"starting the saver failed (exit {rc}); see {log_path}:\n{_tail(log_path)}")
-        deadline = time.monotonic() + knobs.spawn_timeout_s
-        while True:
-            try:
-                return Client(path, timeout=knobs.rpc_timeout_s)
-            except (FileNotFoundError, ConnectionRefusedError):
-                if not _pid_alive(os.path.join(job_dir, _PID_NAME)):
-                    raise E.SaverError(f"the saver died while starting; see {log_path}:\n{_tail(log_path)}") from None
-                if time.monotonic() >= deadline:
-                    raise E.SaverError(f"the saver did not come up within {knobs.spawn_timeout_s:.0f} s; "
-                                       f"see {log_path}:\n{_tail(log_path)}") from None
-                time.sleep(0.02)
+        return _spawn_saver(job_dir, checkpoint_dir, knobs)
     finally:
         spawn_lock.release()
+
+
+def _spawn_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs) -> Client:
+    """Starts the daemon (the job's spawn lock is held) and connects to it."""
+    path = os.path.join(job_dir, SOCKET_NAME)
+    log_path = os.path.join(job_dir, _LOG_NAME)
+    env = dict(os.environ)
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        dir_fd = open_private_dir(job_dir)
+        try:
+            logf: Any = os.open(_LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                0o600, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        no_log = ""
+    except OSError as e:
+        logf, no_log = subprocess.DEVNULL, f"its log {log_path} could not be created: {_explain_os_error(e, job_dir)}"
+    rfd, wfd = os.pipe()
+    try:
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "flashckpt_core.saver", "--daemonize", "--job-dir", job_dir,
+                 "--checkpoint-dir", os.path.abspath(checkpoint_dir), "--ready-fd", str(wfd)],
+                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, close_fds=True, pass_fds=(wfd,),
+                start_new_session=True, env=env, cwd="/")
+        finally:
+            os.close(wfd)
+            if isinstance(logf, int) and logf >= 0:
+                os.close(logf)
+        deadline = time.monotonic() + knobs.spawn_timeout_s
+        rc = proc.wait(timeout=knobs.spawn_timeout_s)
+        report = _read_ready(rfd, deadline)
+    finally:
+        os.close(rfd)
+
+    def failed(what: str) -> E.SaverError:
+        tail = _tail(log_path).strip()
+        where = no_log or (f"see {log_path}:\n{tail}" if tail else f"its log {log_path} is empty")
+        return E.SaverError(f"{what}; {where}")
+
+    pid = int(report.get("pid", 0))
+    if "error" in report:
+        raise failed(f"the saver could not start: {report['error']}")
+    if not report.get("ready"):
+        if pid and _alive(pid):  # neither ready nor failed within the time: stop it, it would serve nobody
+            os.kill(pid, signal.SIGTERM)
+            raise failed(f"the saver did not come up within {knobs.spawn_timeout_s:.0f} s and was stopped")
+        raise failed(f"the saver died while starting (exit {rc})" if rc else "the saver died while starting")
+    try:
+        return Client(path, timeout=knobs.rpc_timeout_s)
+    except (FileNotFoundError, ConnectionRefusedError) as e:
+        raise failed(f"the saver (pid {pid}) reported ready but its socket {path} refused: {e}") from None
+
+
+def _read_ready(fd: int, deadline: float) -> dict[str, Any]:
+    """The daemon's start-up report: one JSON object per line (``{"pid": N}``, then ``{"ready": true}``
+    or ``{"error": "..."}``), merged; stops at ready/error, at end of file (every writer gone: the
+    daemon died) or at ``deadline``."""
+    buf = b""
+    out: dict[str, Any] = {}
+    while "ready" not in out and "error" not in out:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            try:
+                out.update(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def _report(fd: int | None, msg: dict[str, Any]) -> None:
+    """Writes one start-up report line to the spawner's pipe (see ``_read_ready``); never raises."""
+    if fd is None:
+        return
+    try:
+        os.write(fd, json.dumps(msg).encode() + b"\n")
+    except OSError:
+        pass
+
+
+def _explain_os_error(e: BaseException, where: str) -> str:
+    """``e`` in words; a full file system (ENOSPC/EDQUOT) says so and what to do."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"no space left in {where} (ENOSPC: {e.strerror}): the file system of the runtime dir "
+                "(/dev/shm, or FLASHCKPT_RUNTIME_DIR) is full. Free space there (`flashckpt gc` removes the "
+                "shared memory of dead jobs), enlarge it (docker run --shm-size=...) or set "
+                "FLASHCKPT_RUNTIME_DIR to a larger RAM-backed file system")
+    return f"{type(e).__name__}: {e}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def lock_job(job_dir: str) -> SharedLock:
@@ -942,21 +1168,6 @@ def lock_job(job_dir: str) -> SharedLock:
         lock.release()
 
 
-def _pid_alive(pid_file: str) -> bool:
-    try:
-        with open(pid_file) as f:
-            pid = int(f.read().strip() or 0)
-    except (FileNotFoundError, ValueError):
-        return True  # not written yet: assume starting
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _tail(path: str, n: int = 3000) -> str:
     try:
         with open(path, "rb") as f:
@@ -972,23 +1183,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job-dir", required=True)
     p.add_argument("--checkpoint-dir", required=True)
     p.add_argument("--daemonize", action="store_true", help="fork into the background and return at once")
+    p.add_argument("--ready-fd", type=int, default=None,
+                   help="a pipe to report on: a JSON line with the daemon's pid, then one saying it serves "
+                        "(ready) or why it could not start (error)")
     args = p.parse_args(argv)
     if args.daemonize:
         child = os.fork()
         if child > 0:
             # The spawner reaps this parent; the daemon is re-parented and never a zombie of it. Its pid
-            # lets the spawner fail fast if it dies while starting.
-            fd = os.open(os.path.join(args.job_dir, _PID_NAME),
-                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            os.write(fd, str(child).encode())
-            os.close(fd)
+            # lets the spawner stop it should it not come up.
+            _report(args.ready_fd, {"pid": child})
             os._exit(0)
     logging.basicConfig(level=os.environ.get("FLASHCKPT_SAVER_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     saver = CheckpointSaver(args.job_dir, args.checkpoint_dir)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: saver.request_stop(last_words=True))
-    saver.start()
+    try:
+        saver.start()
+    except BaseException as e:
+        # A saver that cannot serve exits and removes what it made; the spawner gets the reason over the
+        # pipe (the log may be on the very file system that is full).
+        log.exception("the saver could not start")
+        _report(args.ready_fd, {"error": _explain_os_error(e, args.job_dir)})
+        saver.shutdown(drain_timeout=0)
+        return 1
+    _report(args.ready_fd, {"ready": True, "pid": os.getpid()})
+    if args.ready_fd is not None:
+        os.close(args.ready_fd)
     saver.serve_forever()
     return 0
 

@@ -63,7 +63,6 @@ def test_sigterm_to_flashckpt_run_commits_the_newest_snapshot(fault_env: FaultEn
     exits, the newest snapshot in memory is committed, bit-exact."""
     ckpt = os.path.join(fault_env.tmp, "ckpt")
     metrics = os.path.join(fault_env.tmp, "metrics.jsonl")
-    # A long grace keeps the snapshots in memory for the comparison below; the savers are SIGTERMed after it.
     launcher = _launch(fault_env, ckpt, metrics, "--steps", "1000000", "--save_memory_interval", "1",
                        "--save_storage_interval", "1000000", FLASHCKPT_SAVER_GRACE_S="120")
 
@@ -73,6 +72,12 @@ def test_sigterm_to_flashckpt_run_commits_the_newest_snapshot(fault_env: FaultEn
 
     wait_for(training, 180, "5 memory snapshots")
     assert tracker_step(ckpt) is None  # nothing committed yet: no storage save was due
+    # The savers of a launcher that is gone exit once their last client left: this one (which persists
+    # nothing) holds the saver, and its snapshots, for the comparison below.
+    from flashckpt_core._protocol import Client
+
+    holder = Client(os.path.join(fault_env.job_dir(ckpt), "saver.sock"), timeout=60)
+    holder.call("hello", rank=1000, local_rank=1000, persists=False)
     os.kill(launcher.pid, signal.SIGTERM)
     rc = _wait_exit(fault_env, launcher, "launcher.log")
     log = fault_env.log("launcher.log")
@@ -99,7 +104,9 @@ def test_sigterm_to_flashckpt_run_commits_the_newest_snapshot(fault_env: FaultEn
     r = run_cli(fault_env, "verify", ckpt)
     assert r.returncode == 0, r.stdout
 
-    terminate_savers(fault_env.runtime_dir)  # nothing newer to persist: they just exit and clean up
+    holder.call("bye", final=True)
+    holder.close()  # the last client gone, with the launcher: the saver exits (nothing newer to persist)
+    wait_for(lambda: not saver_pids(fault_env.runtime_dir), 30, "the saver to exit after its last client")
     assert tracker_step(ckpt) == committed
 
 
@@ -137,3 +144,66 @@ def test_worker_failure_resumes_from_memory_and_matches_an_uninterrupted_run(fau
     r = run_cli(fault_env, "verify", ckpt)
     assert r.returncode == 0, r.stdout
     wait_for(lambda: not saver_pids(fault_env.runtime_dir), 60, "the savers to exit after the final goodbyes")
+
+
+_PRINT_JOB = """
+import json, os, sys
+with open(sys.argv[1], "a") as f:
+    f.write(json.dumps({k: os.environ.get(k) for k in ("FLASHCKPT_JOB_ID", "FLASHCKPT_AGENT_PID")}) + "\\n")
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_launches_with_the_same_rdzv_id_share_a_job_id(fault_env: FaultEnv) -> None:
+    """The job id comes from the rendezvous id: two launches (a launcher restarted) with one --rdzv-id
+    give their workers one FLASHCKPT_JOB_ID, so the second finds the first one's savers; each passes its
+    own pid as FLASHCKPT_AGENT_PID. (A random job id per launch stranded the savers of the first.)"""
+    script = os.path.join(fault_env.tmp, "print_job.py")
+    out = os.path.join(fault_env.tmp, "jobs.jsonl")
+    with open(script, "w") as f:
+        f.write(_PRINT_JOB)
+    env = fault_env.env()
+    del env["FLASHCKPT_JOB_ID"]
+    rdzv = f"rdzv-{fault_env.job_id}"
+    pids = []
+    for i in range(2):
+        argv = [FLASHCKPT_RUN, "--nnodes", "1", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", rdzv, script, out]
+        p = fault_env.popen(argv, f"launch{i}.log", env=env)
+        pids.append(p.pid)
+        assert _wait_exit(fault_env, p, f"launch{i}.log", timeout=120) == 0, fault_env.log(f"launch{i}.log")
+    jobs = read_events(out)
+    assert [j["FLASHCKPT_JOB_ID"] for j in jobs] == [rdzv, rdzv], jobs
+    assert [j["FLASHCKPT_AGENT_PID"] for j in jobs] == [str(p) for p in pids], jobs
+
+
+def test_savers_exit_when_their_launcher_is_gone(fault_env: FaultEnv) -> None:
+    """A standalone launch (a random job id: nothing can re-attach once its launcher is gone) is killed
+    with its worker: the saver persists the newest snapshot and exits within seconds, not after its
+    grace period."""
+    from _fault_helpers import TRAINER, kill9
+
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    argv = [FLASHCKPT_RUN, "--standalone", "--nproc_per_node", "1", TRAINER, "--ckpt", ckpt, "--mb", "1",
+            "--plan", "1:disk,2:memory", "--wait", "--hold"]
+    launcher = fault_env.popen(argv, "launcher.log", env=fault_env.env(FLASHCKPT_SAVER_GRACE_S="120"))
+    wait_for(lambda: "holding" in fault_env.log("launcher.log") or launcher.poll() is not None, 180,
+             "the worker to save")
+    assert launcher.poll() is None, fault_env.log("launcher.log")
+    workers = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+               if TRAINER in cmdline(pid) and ckpt in cmdline(pid) and "flashckpt-run" not in " ".join(cmdline(pid))]
+    assert len(workers) == 1, workers
+    savers = saver_pids(fault_env.runtime_dir)
+    assert len(savers) == 1
+    kill9(launcher.pid)
+    kill9(workers[0])
+    wait_for(lambda: not saver_pids(fault_env.runtime_dir), 30,
+             "the saver to exit once its launcher and worker are gone (its grace is 120 s)")
+    assert tracker_step(ckpt) == 2, fault_env.saver_logs()
