@@ -448,11 +448,23 @@ def test_kill_trainer_mid_copy_while_a_persist_runs(fault_env: FaultEnv) -> None
         copying = j.last_begun > j.newest_done > pinned[0]
         return copying and not any(h.state == COMPLETE and h.step == j.last_begun for h in hs)
 
+    def writing() -> bool:
+        return any(h.state == WRITING for h in slot_headers(run.job_dir))
+
     for _ in range(200):
-        _poll(at_point, 120, "a save to run while an older step persists and a newer one is complete")
-        savers = run.freeze()
-        if at_point():  # still there with both frozen
-            break
+        _poll(at_point, 120, "a save to start while an older step persists and a newer one is complete")
+        savers = run.savers()
+        for pid in savers:  # hold the persist (and its pin) where it is
+            stop(pid)
+        if at_point():
+            # Today's code copies into the newest snapshot's slot (WRITING); a fixed one may copy into
+            # another slot, or wait for the persist: give it 2 s to start a copy, else it is waiting.
+            with contextlib.suppress(TimeoutError):
+                _poll(writing, 2.0, "the copy to start")
+            copying = writing()
+            stop(run.trainer.pid)
+            if at_point() and (not copying or writing()):  # still there with both frozen
+                break
         run.thaw([run.trainer.pid, *savers])
     else:
         pytest.fail("never caught the trainer mid-copy while a persist ran")
@@ -537,3 +549,29 @@ def test_kill_saver_between_manifest_and_tracker(fault_env: FaultEnv) -> None:
     _tear(fifo, b'{"st')
     report("kill trainer+saver between a manifest and the tracker", run, frozen, check_recovery(run, frozen, "both"))
 
+
+
+@pytest.mark.multiproc
+def test_kill_saver_mid_retention(fault_env: FaultEnv) -> None:
+    """Trainer and saver killed while retention deletes a step: its manifest is gone, the rest not yet.
+    The step no longer counts as committed; the next saver removes what is left of it."""
+    run = new_run(fault_env, 8)
+    layout = CommitLayout(run.ckpt, PosixDiskStorage())
+    run.start(every=1)  # with max_to_keep=2 every commit from the third on deletes a step
+
+    def deleting() -> bool:
+        run.alive_or_fail()
+        c = layout.committed_steps()
+        return bool(c) and any(s < c[-1] for s in layout.uncommitted_steps())
+
+    for _ in range(500):
+        _poll(deleting, 120, "retention to be deleting a step")
+        savers = run.freeze()
+        if deleting():  # still half deleted with both frozen
+            break
+        run.thaw([run.trainer.pid, *savers])
+    else:
+        pytest.fail("never caught retention in the middle of a deletion")
+    frozen = observe(run.ckpt, run.job_dir)
+    run.kill("both", savers, 0)
+    report("kill trainer+saver mid-retention", run, frozen, check_recovery(run, frozen, "both"))
