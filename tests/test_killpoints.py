@@ -4,16 +4,17 @@ the newest complete snapshot or the newest committed step, and never leaves torn
 A training loop (``_killpoint_trainer.py``) saves the state of ``_fault_helpers.make_state(step)`` (every
 tensor a deterministic function of the step, so the checker recomputes it) to memory at every step and
 to disk every k steps with ``max_to_keep=2``, journaling each save. The test freezes the trainer and the
-saver (SIGSTOP), records which point of the path they are at (``_observe``: a slot being copied, a persist
+saver (SIGSTOP), records which point of the path they are at (``observe``: a slot being copied, a persist
 running, done markers without a manifest, a manifest newer than the tracker, a step being deleted), then
-SIGKILLs the trainer, the saver or both, in some order. A new process then checks these invariants:
+SIGKILLs the trainer, the saver or both, in some order. A fresh engine in the test process (the restarted
+trainer) and a read-only reader of the segments then check these invariants:
 
 - **memory**: the newest COMPLETE snapshot in shared memory is the newest step whose ``save()`` returned
   (journal ``D``), or the step whose save was running at the kill (journal ``B``) when its copy completed;
   nothing else, in particular not an older one. ``load()`` returns it, and every COMPLETE slot's content is
   bit-exact the state of the step it claims (no torn snapshot, no snapshot claiming another step).
 - **storage**: every committed step (one with a manifest) verifies against its manifest, both at the kill
-  moment and after the restart (``CommitLayout.verify == []``, ``flashckpt verify`` exits 0), and its file
+  moment and after the restart (``CommitLayout.verify == []``; ``flashckpt verify`` exits 0, or 2 when nothing is committed), and its file
   is bit-exact the state of its step; the newest committed step is never older than the newest committed
   at the kill moment; when only the trainer died, its saver commits the newest snapshot (last words); the
   tracker names the newest committed step once a saver started; no half-written step, temp file or
@@ -284,7 +285,7 @@ def check_recovery(run: Run, frozen: Frozen, victim: str) -> list[str]:
     for s, p in frozen.damaged.items():
         problems.append(f"at the kill moment, committed step {s} did not verify: {p}")
 
-    # Memory, read directly (a process that never talks to the saver).
+    # Memory, read straight from the segments (no saver involved).
     newest_mem: int | None = None
     reader = SharedMemoryHandler(0, run.job_dir) if os.path.isdir(run.job_dir) else None
     try:
