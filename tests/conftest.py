@@ -180,3 +180,9 @@ def make_engine(runtime_dir, ckpt_dir):
         e.close(release=True)
     if left_open:
         pytest.fail(f"{len(left_open)} CheckpointEngine(s) left open by the test")
+
+
+def pytest_addoption(parser):
+    """``--soak N``: run N seeded iterations of the random kill-point test (tests/test_killpoints.py)."""
+    parser.addoption("--soak", type=int, default=0, metavar="N",
+                     help="random kill-point iterations to run (default: a few; FLASHCKPT_SOAK=N does the same)")
