@@ -3,6 +3,7 @@
 Layout under the checkpoint dir (``META`` = ``.flashckpt``)::
 
     .flashckpt/tracker.json                    newest committed step (atomically replaced)
+    .flashckpt/jobs/<job key>.lock             held (shared flock) by every live saver of that job
     .flashckpt/steps/<step>/intent_rank_R.json files rank R is about to write (for clean-up after a crash)
     .flashckpt/steps/<step>/done_rank_R.json   rank R's files with sizes and checksums
     .flashckpt/steps/<step>/failed_rank_R.json rank R's persist failed
@@ -11,6 +12,11 @@ Layout under the checkpoint dir (``META`` = ``.flashckpt``)::
 
 A step is committed once its manifest exists; the tracker only names the newest one and is rewritten
 after the manifest. Files listed in manifests are relative to the checkpoint dir.
+
+Markers and manifests name the job that wrote them (``"job"``: its job key; absent in older ones). Two
+jobs sharing a checkpoint dir never mix: a commit takes only its own job's done markers (another live
+job's marker for the same step is a clear error), and start-up clean-up leaves alone the uncommitted
+steps of every other job whose saver is alive (its job lock is held).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from . import errors as E
+from ._lease import held
 from .storage import CheckpointStorage, FileRecord
 
 __all__ = ["META", "Manifest", "CommitLayout"]
@@ -45,6 +52,7 @@ class Manifest:
         replicated: every rank's state is rank 0's (DDP): all ranks load rank 0's files.
         time: commit time (seconds since the epoch).
         extra: adapter-specific JSON (framework tracker files written at commit, ...).
+        job: the job key of the job that wrote and committed it ("" in manifests older than the field).
     """
 
     step: int
@@ -53,6 +61,7 @@ class Manifest:
     replicated: bool
     time: float
     extra: dict[str, Any]
+    job: str = ""
 
     def files_for(self, rank: int) -> list[FileRecord]:
         if self.replicated or rank not in self.files:
@@ -64,7 +73,7 @@ class Manifest:
 
     def to_json(self) -> bytes:
         d = {"format": MANIFEST_FORMAT, "step": self.step, "world_size": self.world_size,
-             "replicated": self.replicated, "time": self.time, "extra": self.extra,
+             "replicated": self.replicated, "time": self.time, "extra": self.extra, "job": self.job,
              "files": {str(r): [asdict(f) for f in fs] for r, fs in self.files.items()}}
         return json.dumps(d, indent=1).encode()
 
@@ -75,16 +84,20 @@ class Manifest:
             raise E.CheckpointCorruptError(f"unknown manifest format {d.get('format')!r}")
         files = {int(r): [FileRecord(**f) for f in fs] for r, fs in d["files"].items()}
         return Manifest(int(d["step"]), int(d["world_size"]), files, bool(d["replicated"]),
-                        float(d["time"]), dict(d.get("extra", {})))
+                        float(d["time"]), dict(d.get("extra", {})), str(d.get("job", "")))
 
 
 class CommitLayout:
-    """Reads and writes the commit records of one checkpoint dir through a storage backend."""
+    """Reads and writes the commit records of one checkpoint dir through a storage backend.
 
-    def __init__(self, checkpoint_dir: str, storage: CheckpointStorage) -> None:
+    ``job`` is the job key of the job writing through it (a saver's); its markers and manifests carry it.
+    """
+
+    def __init__(self, checkpoint_dir: str, storage: CheckpointStorage, *, job: str = "") -> None:
         self.root = os.path.abspath(checkpoint_dir)
         self.storage = storage
         self.meta = os.path.join(self.root, META)
+        self.job = job
 
     # paths ---------------------------------------------------------------
     def step_dir(self, step: int) -> str:
@@ -95,6 +108,24 @@ class CommitLayout:
 
     def manifest_path(self, step: int) -> str:
         return os.path.join(self.step_dir(step), "manifest.json")
+
+    def job_lock_path(self, job: str) -> str:
+        """The lock every live saver of job ``job`` holds (shared) on this checkpoint dir."""
+        return os.path.join(self.meta, "jobs", f"{job}.lock")
+
+    def job_alive(self, job: str) -> bool:
+        """Whether a saver of job ``job`` is alive (holds its job lock); "" (unknown) is never alive."""
+        if not job or os.sep in job or job.startswith("."):
+            return False
+        try:
+            return held(self.job_lock_path(job))
+        except OSError:
+            return False
+
+    def live_jobs(self) -> list[str]:
+        """Jobs other than this one whose savers are alive on this checkpoint dir."""
+        names = self.storage.listdir(os.path.join(self.meta, "jobs"))
+        return [n[:-5] for n in names if n.endswith(".lock") and n[:-5] != self.job and self.job_alive(n[:-5])]
 
     @property
     def tracker_path(self) -> str:
@@ -112,14 +143,14 @@ class CommitLayout:
 
     # markers -------------------------------------------------------------
     def write_intent(self, step: int, rank: int, paths: list[str]) -> None:
-        body = json.dumps({"rank": rank, "paths": [self.rel(p) for p in paths]}).encode()
+        body = json.dumps({"rank": rank, "paths": [self.rel(p) for p in paths], "job": self.job}).encode()
         self.storage.write_bytes(self._marker(step, "intent", rank), body)
 
     def write_done(self, step: int, rank: int, files: list[FileRecord], base: str = "") -> None:
         """Rank ``rank``'s files of ``step`` are durable; ``base`` is where the rank's set lives."""
         recs = [asdict(replace(f, path=self.rel(f.path), staged=self.rel(f.staged) if f.staged else ""))
                 for f in files]
-        body = {"rank": rank, "files": recs, "base": self.rel(base) if base else ""}
+        body = {"rank": rank, "files": recs, "base": self.rel(base) if base else "", "job": self.job}
         self.storage.write_bytes(self._marker(step, "done", rank), json.dumps(body).encode())
 
     def staged_path(self, step: int, rank: int, index: int) -> str:
@@ -129,7 +160,7 @@ class CommitLayout:
     def write_failed(self, step: int, rank: int, error: str) -> None:
         try:
             self.storage.write_bytes(self._marker(step, "failed", rank),
-                                     json.dumps({"rank": rank, "error": error}).encode())
+                                     json.dumps({"rank": rank, "error": error, "job": self.job}).encode())
         except OSError:  # the storage that failed may refuse this too; the commit then times out
             log.exception("could not write the failure marker of step %d rank %d", step, rank)
 
@@ -138,6 +169,23 @@ class CommitLayout:
             return json.loads(self.storage.read_bytes(self._marker(step, kind, rank)))
         except FileNotFoundError:
             return None
+
+    def _own_marker(self, step: int, kind: str, rank: int) -> dict[str, Any] | None:
+        """Rank ``rank``'s marker of ``step`` when this job wrote it (or it names no job). Another job's
+        marker counts as absent while that job is dead (this job's rank overwrites it) and is an error
+        while it is alive: two live jobs save the same step into one checkpoint dir."""
+        m = self._read_marker(step, kind, rank)
+        if m is None or not self.job:
+            return m
+        other = m.get("job", self.job) if isinstance(m, dict) else ""
+        if other == self.job:
+            return m
+        if self.job_alive(str(other)):
+            raise E.PersistError(
+                f"step {step}: rank {rank}'s {kind} marker in {self.step_dir(step)} was written by job "
+                f"{other!r}, not by this job {self.job!r}: two live jobs save into the checkpoint dir "
+                f"{self.root}. Give each job its own checkpoint dir.")
+        return None
 
     # commit --------------------------------------------------------------
     def commit(self, step: int, ranks: list[int], world_size: int, *, replicated: bool,
@@ -157,10 +205,10 @@ class CommitLayout:
             for r in ranks:
                 if r in files:
                     continue
-                failed = self._read_marker(step, "failed", r)
+                failed = self._own_marker(step, "failed", r)
                 if failed is not None:
                     raise E.PersistError(f"step {step}: rank {r} failed to persist: {failed.get('error')}")
-                done = self._read_marker(step, "done", r)
+                done = self._own_marker(step, "done", r)
                 if done is not None:
                     files[r] = [FileRecord(**f) for f in done["files"]]
                     bases[r] = str(done.get("base", ""))
@@ -186,7 +234,7 @@ class CommitLayout:
             files[r] = kept
         manifest = Manifest(step, world_size, files, replicated, time.time(),
                             {**extra, "bases": {str(r): b for r, b in bases.items() if b},
-                             "trackers": [asdict(f) for f in trackers]})
+                             "trackers": [asdict(f) for f in trackers]}, self.job)
         self.storage.write_bytes(self.manifest_path(step), manifest.to_json())
         self.storage.write_bytes(self.tracker_path, json.dumps({"step": step}).encode())
         for f in trackers:
@@ -305,6 +353,21 @@ class CommitLayout:
                     continue
         return out
 
+    def remove_rank_files(self, step: int, rank: int) -> None:
+        """Removes what this job's failed persist of ``step`` wrote for ``rank`` (its intent's files and
+        their temp files, its staged files, its done marker), so a full disk gets its space back at once.
+        A file a committed manifest lists is kept; so is everything when another job wrote the intent."""
+        intent = self._read_marker(step, "intent", rank)
+        if intent is None or (self.job and intent.get("job", self.job) != self.job):
+            return
+        try:
+            paths = [self.abs(p) for p in intent["paths"]]
+        except (KeyError, TypeError):
+            return
+        self._remove_files(paths)
+        self.storage.remove_tree(os.path.join(self.step_dir(step), "staged", f"rank_{rank}"))
+        self.storage.remove(self._marker(step, "done", rank))
+
     def _remove_files(self, paths: list[str]) -> None:
         keep = self._committed_paths()
         dirs = set()
@@ -322,14 +385,40 @@ class CommitLayout:
                     break
                 d = os.path.dirname(d)
 
-    def clean_uncommitted(self, keep: frozenset[int] | set[int] = frozenset()) -> list[int]:
-        """Removes half-written steps (no manifest) left by a crash, except those in ``keep``.
+    def _writer_jobs(self, step: int) -> set[str]:
+        """The jobs whose markers lie in ``step``'s dir ("" for a marker that names none)."""
+        jobs = set()
+        for name in self.storage.listdir(self.step_dir(step)):
+            if name.endswith(".json") and "_rank_" in name:
+                try:
+                    body = json.loads(self.storage.read_bytes(os.path.join(self.step_dir(step), name)))
+                    jobs.add(str(body.get("job", "")) if isinstance(body, dict) else "")
+                except (FileNotFoundError, ValueError):
+                    jobs.add("")
+        return jobs
 
-        Only called when no persist of those steps can be running (a saver that just started)."""
+    def clean_uncommitted(self, keep: frozenset[int] | set[int] = frozenset()) -> list[int]:
+        """Removes half-written steps (no manifest) left by a crash, except those in ``keep`` and those
+        another live job is writing.
+
+        Called by a saver that just started: no persist of this job can be running then. Another job's
+        step is removed only when that job's savers are all gone (its job lock is free); a step whose
+        writer is unknown (no marker yet, or markers older than the job field) only when no other job
+        is alive on this checkpoint dir."""
         cleaned = []
+        others: list[str] | None = None
         for step in self.uncommitted_steps():
             if step in keep:
                 continue
+            writers = self._writer_jobs(step)
+            if any(self.job_alive(j) for j in writers if j != self.job):
+                log.info("step %d is being written by live job(s) %s; left alone", step, sorted(writers - {self.job}))
+                continue
+            if not writers or "" in writers:
+                others = self.live_jobs() if others is None else others
+                if others:
+                    log.info("step %d names no writer and jobs %s are alive; left alone", step, others)
+                    continue
             self._remove_files(self._intent_paths(step))
             self.storage.remove_tree(self.step_dir(step))
             cleaned.append(step)

@@ -29,6 +29,7 @@ import os
 import re
 import struct
 import sys
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -41,6 +42,7 @@ import xxhash
 from . import _native
 from . import errors as E
 from ._copy import Copier
+from ._lease import Lease, read_holder
 from ._tree import (
     Flat,
     SnapshotPlan,
@@ -100,6 +102,11 @@ def segment_path(job_dir: str, local_rank: int, epoch: int) -> str:
 
 def lock_path(job_dir: str, local_rank: int) -> str:
     return os.path.join(job_dir, f"seg-r{local_rank:03d}.lock")
+
+
+def writer_lease_path(job_dir: str, local_rank: int) -> str:
+    """The lease the one writer of ``local_rank``'s segments holds (see ``_lease``)."""
+    return os.path.join(job_dir, f"writer-r{local_rank:03d}.lease")
 
 
 @dataclass(frozen=True)
@@ -165,8 +172,12 @@ class Segment:
         meta_cap, data_cap = _page(meta_cap), _page(data_cap)
         slot_size = PAGE + meta_cap + data_cap
         size = PAGE + nslots * slot_size
-        tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # A name of its own: an allocation racing this one never meets its temporary file.
+        tmp = f"{path}.{os.getpid()}-{threading.get_native_id()}-{time.monotonic_ns()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise E.SharedMemoryError(f"could not create the segment {path} of local rank {local_rank}: {e}") from e
         try:
             os.ftruncate(fd, size)
             try:
@@ -185,7 +196,12 @@ class Segment:
             os.unlink(tmp)
             raise
         os.close(fd)
-        os.rename(tmp, path)
+        try:
+            os.link(tmp, path)  # never replaces a segment another allocation created
+        except OSError as e:
+            raise E.SharedMemoryError(f"could not create the segment {path} of local rank {local_rank}: {e}") from e
+        finally:
+            os.unlink(tmp)
         return size
 
     def slot_off(self, i: int) -> int:
@@ -345,6 +361,28 @@ def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
 
 
 Allocator = Callable[[int, int, int], str]
+
+
+def _take_writer_lease(job_dir: str, local_rank: int, info: dict[str, Any]) -> Lease:
+    """The writer lease of ``local_rank``'s segments, or SharedMemoryError naming its holder."""
+    path = writer_lease_path(job_dir, local_rank)
+    lease = Lease(path)
+    try:
+        ok = lease.try_acquire({"local_rank": local_rank, **info})
+    except FileNotFoundError:  # no runtime dir (any more): the caller starts or reaches a saver again
+        raise
+    except OSError as e:
+        raise E.SharedMemoryError(f"could not take the writer lease {path}: {e}") from e
+    if ok:
+        return lease
+    holder = read_holder(path)
+    pid = holder.get("pid")
+    who = (f"this process (pid {pid})" if pid == os.getpid() else f"pid {pid}") if pid else "another process"
+    extra = ", ".join(f"{k} {holder[k]}" for k in ("rank", "checkpoint_dir") if k in holder)
+    raise E.SharedMemoryError(
+        f"local rank {local_rank}'s shared-memory snapshots in {job_dir} are already written by {who}"
+        f"{' (' + extra + ')' if extra else ''}; two writers would tear each other's checkpoints. Close "
+        "the other CheckpointEngine first, or give each job its own FLASHCKPT_JOB_ID or checkpoint dir.")
 """(local_rank, meta_cap, data_cap) -> path of a new segment created by the saver."""
 
 
@@ -354,11 +392,17 @@ class SharedMemoryHandler:
     Args:
         local_rank: whose segment.
         job_dir: the job's runtime dir.
-        allocate: asks the saver for a new segment; None for a read-only handler.
+        allocate: asks the saver for a new segment; None for a read-only handler. A handler with an
+            allocator is the one writer of ``local_rank``'s segments: it holds their writer lease until
+            ``close`` (released by the kernel if the process dies), and a second writer is refused.
         copier: the thread pool that copies bytes (one is made when None).
         slot_wait_timeout: bound on waiting for a free slot while both are busy persisting.
         weights_only: decode opaque leaves of loaded snapshots only into the types
             ``torch.load(weights_only=True)`` accepts.
+        writer_info: what the writer lease says about its holder (JSON), for a refused second writer.
+
+    Raises:
+        SharedMemoryError: another writer holds ``local_rank``'s segments (the message names it).
 
     Not thread-safe. While ``save_state_dict`` runs the caller must not mutate the tensors it passed;
     once it returns they are the caller's again.
@@ -366,10 +410,13 @@ class SharedMemoryHandler:
 
     def __init__(self, local_rank: int, job_dir: str, *, allocate: Allocator | None = None,
                  copier: Copier | None = None, slot_wait_timeout: float = 600.0,
-                 weights_only: bool = False) -> None:
+                 weights_only: bool = False, writer_info: dict[str, Any] | None = None) -> None:
         self.local_rank = local_rank
         self.job_dir = job_dir
         self._allocate = allocate
+        self._lease: Lease | None = None
+        if allocate is not None:
+            self._lease = _take_writer_lease(job_dir, local_rank, writer_info or {})
         self._own_copier = copier is None
         self._copier = copier or Copier(1)
         self._lock = SharedLock(lock_path(job_dir, local_rank))
@@ -649,6 +696,14 @@ class SharedMemoryHandler:
             self._cuda_registered.discard(seg.path)
 
     def close(self) -> None:
+        try:
+            self._close_segments()
+        finally:
+            if self._lease is not None:
+                self._lease.release(unlink=False)  # the saver removes it with the runtime dir
+                self._lease = None
+
+    def _close_segments(self) -> None:
         for seg in self._readers.values():
             seg.close()
         self._readers.clear()
