@@ -25,7 +25,7 @@ import time
 import weakref
 from typing import Any
 
-__all__ = ["Lease", "held", "read_holder"]
+__all__ = ["Lease", "held", "read_holder", "pid_running"]
 
 _live: weakref.WeakSet[Lease] = weakref.WeakSet()
 _live_lock = threading.Lock()
@@ -139,3 +139,22 @@ def read_holder(path: str) -> dict[str, Any]:
         return d if isinstance(d, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def pid_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return raw[raw.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -42,7 +42,7 @@ import xxhash
 from . import _native
 from . import errors as E
 from ._copy import Copier
-from ._lease import Lease, read_holder
+from ._lease import Lease, pid_running, read_holder
 from ._tree import (
     Flat,
     SnapshotPlan,
@@ -363,6 +363,9 @@ def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
 Allocator = Callable[[int, int, int], str]
 
 
+_DEAD_HOLDER_WAIT_S = 10.0
+
+
 def _take_writer_lease(job_dir: str, local_rank: int, info: dict[str, Any]) -> Lease:
     """The writer lease of ``local_rank``'s segments, or SharedMemoryError naming its holder."""
     path = writer_lease_path(job_dir, local_rank)
@@ -373,11 +376,22 @@ def _take_writer_lease(job_dir: str, local_rank: int, info: dict[str, Any]) -> L
         raise
     except OSError as e:
         raise E.SharedMemoryError(f"could not take the writer lease {path}: {e}") from e
+    holder = read_holder(path) if not ok else {}
+    pid = holder.get("pid")
+    if not ok and isinstance(pid, int) and pid != os.getpid() and not pid_running(pid):
+        # A holder that was just killed: its threads may still be exiting (its pid already a zombie) and
+        # its files still open for a moment. Its lease frees when they are gone.
+        ok = lease.try_acquire({"local_rank": local_rank, **info}, timeout=_DEAD_HOLDER_WAIT_S)
     if ok:
         return lease
-    holder = read_holder(path)
-    pid = holder.get("pid")
-    who = (f"this process (pid {pid})" if pid == os.getpid() else f"pid {pid}") if pid else "another process"
+    if not pid:
+        who = "another process"
+    elif pid == os.getpid():
+        who = f"this process (pid {pid})"
+    elif isinstance(pid, int) and not pid_running(pid):
+        who = f"a process that pid {pid} (exited) forked and that still holds its lease"
+    else:
+        who = f"pid {pid}"
     extra = ", ".join(f"{k} {holder[k]}" for k in ("rank", "checkpoint_dir") if k in holder)
     raise E.SharedMemoryError(
         f"local rank {local_rank}'s shared-memory snapshots in {job_dir} are already written by {who}"

@@ -35,7 +35,7 @@ from _fault_helpers import (  # noqa: F401
 
 from flashckpt_core import CheckpointEngine, FileSet, PersistError, SharedMemoryError, StorageType
 from flashckpt_core._protocol import Client
-from flashckpt_core.commit import CommitLayout
+from flashckpt_core.commit import CommitLayout, Manifest
 from flashckpt_core.saver import SOCKET_NAME
 from flashckpt_core.storage import PosixDiskStorage
 
@@ -197,6 +197,39 @@ def test_a_starting_saver_leaves_another_live_jobs_in_flight_step_alone(fault_en
         for e in reversed(engines):
             e.close()
         wait_for(lambda: not saver_pids(fault_env.runtime_dir), 60, "the savers to exit after the goodbyes")
+
+
+def test_a_commit_never_mixes_two_live_jobs_markers(fault_env: FaultEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Job A's rank 0 and job B's rank 1 save step 3 into one dir: A's commit must not take B's done
+    marker for rank 1 (a manifest mixing two jobs would verify); it fails with a clear error instead."""
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    mb = 1
+    _as_job(monkeypatch, "job-a", rank=0, world=2)
+    a0 = CheckpointEngine(ckpt, max_to_keep=0)
+    engines = [a0]
+    try:
+        _as_job(monkeypatch, "job-b", rank=1, world=2)
+        b1 = CheckpointEngine(ckpt, max_to_keep=0)
+        engines.append(b1)
+        b1.save(3, make_state(3, mb), storage_type=DISK)
+        b1.wait(60)
+        a0.save(3, make_state(3, mb), storage_type=DISK)
+        with pytest.raises(PersistError, match="two live jobs save into the checkpoint dir"):
+            a0.wait(60)
+        assert not committed(ckpt, 3)
+    finally:
+        for e in reversed(engines):
+            e.close()
+        wait_for(lambda: not saver_pids(fault_env.runtime_dir), 60, "the savers to exit after the goodbyes")
+
+
+def test_manifests_without_a_job_still_load(tmp_path: str) -> None:
+    """Manifests written before the ``job`` field load (job ""); new ones round-trip it."""
+    m = Manifest(1, 1, {}, False, 0.0, {}, "job-x")
+    d = json.loads(m.to_json())
+    assert d["job"] == "job-x" and Manifest.from_json(m.to_json()) == m
+    del d["job"]
+    assert Manifest.from_json(json.dumps(d).encode()).job == ""
 
 
 # ---------------------------------------------------------------------------------------------- defect 14
