@@ -128,40 +128,24 @@ class CheckpointEngine:
         while True:
             client = ensure_saver(self.job_dir, self.checkpoint_dir, self.knobs)
             try:
-                # The rank that writes this local rank's snapshots holds its writer lease for the engine's
-                # life, taken before the hello: a second writer (another engine, another job with this job
-                # key) is refused here, before the saver counts it as a client.
-                handler = SharedMemoryHandler(
-                    r.local_rank, self.job_dir, allocate=self._allocate if self.snapshots else None,
-                    copier=self._copier, weights_only=weights_only,
-                    writer_info={"rank": r.rank, "checkpoint_dir": self.checkpoint_dir})
-            except FileNotFoundError:  # the runtime dir went with an exiting saver: try the next one
-                client.close()
-                if time.monotonic() >= deadline:
-                    self._copier.close()
-                    raise
-                time.sleep(0.01)
-                continue
-            except BaseException:
-                client.close()
-                self._copier.close()
-                raise
-            try:
                 hello = client.call("hello", rank=r.rank, local_rank=r.local_rank, world_size=r.world_size,
                                     local_world_size=r.local_world_size, pid=os.getpid(), persists=self.persists,
                                     commit=self._commit_spec())
                 break
-            except BaseException as e:
-                handler.close()
+            except E.SaverError:
                 client.close()
-                if not isinstance(e, E.SaverError) or time.monotonic() >= deadline:
-                    self._copier.close()
+                if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.01)
         self._client: Client | None = client
         self._cursor = int(hello["cursor"])  # errors before we attached belong to an earlier run
         self._saver_pid = int(hello.get("pid", 0))
-        self._handler = handler
+        # The rank that writes this local rank's snapshots takes its writer lease at its first save and
+        # holds it until close: a second writer (another engine, another job with this job key) is refused.
+        self._handler = SharedMemoryHandler(r.local_rank, self.job_dir,
+                                            allocate=self._allocate if self.snapshots else None,
+                                            copier=self._copier, weights_only=weights_only,
+                                            writer_info={"rank": r.rank, "checkpoint_dir": self.checkpoint_dir})
         self._reader = (self._handler if not replicated or r.local_rank == 0 else
                         SharedMemoryHandler(0, self.job_dir, copier=self._copier, weights_only=weights_only))
         self._closed = False

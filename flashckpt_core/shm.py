@@ -372,8 +372,6 @@ def _take_writer_lease(job_dir: str, local_rank: int, info: dict[str, Any]) -> L
     lease = Lease(path)
     try:
         ok = lease.try_acquire({"local_rank": local_rank, **info})
-    except FileNotFoundError:  # no runtime dir (any more): the caller starts or reaches a saver again
-        raise
     except OSError as e:
         raise E.SharedMemoryError(f"could not take the writer lease {path}: {e}") from e
     holder = read_holder(path) if not ok else {}
@@ -407,16 +405,14 @@ class SharedMemoryHandler:
         local_rank: whose segment.
         job_dir: the job's runtime dir.
         allocate: asks the saver for a new segment; None for a read-only handler. A handler with an
-            allocator is the one writer of ``local_rank``'s segments: it holds their writer lease until
-            ``close`` (released by the kernel if the process dies), and a second writer is refused.
+            allocator is the one writer of ``local_rank``'s segments: from its first save it holds their
+            writer lease until ``close`` (released by the kernel if the process dies), and a second
+            writer's save is refused. Reading takes no lease.
         copier: the thread pool that copies bytes (one is made when None).
         slot_wait_timeout: bound on waiting for a free slot while both are busy persisting.
         weights_only: decode opaque leaves of loaded snapshots only into the types
             ``torch.load(weights_only=True)`` accepts.
         writer_info: what the writer lease says about its holder (JSON), for a refused second writer.
-
-    Raises:
-        SharedMemoryError: another writer holds ``local_rank``'s segments (the message names it).
 
     Not thread-safe. While ``save_state_dict`` runs the caller must not mutate the tensors it passed;
     once it returns they are the caller's again.
@@ -429,8 +425,7 @@ class SharedMemoryHandler:
         self.job_dir = job_dir
         self._allocate = allocate
         self._lease: Lease | None = None
-        if allocate is not None:
-            self._lease = _take_writer_lease(job_dir, local_rank, writer_info or {})
+        self._writer_info = writer_info or {}
         self._own_copier = copier is None
         self._copier = copier or Copier(1)
         self._lock = SharedLock(lock_path(job_dir, local_rank))
@@ -460,9 +455,12 @@ class SharedMemoryHandler:
 
         Raises:
             InvalidStateDictError: something in ``state_dict`` cannot be stored (nothing was written).
-            SharedMemoryError: /dev/shm cannot hold the snapshot.
+            SharedMemoryError: /dev/shm cannot hold the snapshot, or another writer holds this local
+                rank's segments (the message names it; nothing was written).
             CheckpointTimeoutError: no slot became free within ``slot_wait_timeout``.
         """
+        if self._lease is None and self._allocate is not None:
+            self._lease = _take_writer_lease(self.job_dir, self.local_rank, self._writer_info)
         # The walk allocates ~5 containers per tensor; with thousands of tensors that triggers full
         # garbage collections in the middle of the pause. Nothing here creates reference cycles.
         gc_was_enabled = gc.isenabled()

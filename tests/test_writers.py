@@ -67,23 +67,30 @@ def _wait_line(fe: FaultEnv, log_name: str, proc: subprocess.Popen[bytes], line:
 
 # ---------------------------------------------------------------------------------------------- one process
 def test_second_engine_on_one_dir_in_one_process_is_refused(fault_env: FaultEnv) -> None:
-    """Two engines of one process on one dir would write the same slots: the second is refused, naming
-    this process; the first goes on; once it closed, a new engine gets the segment."""
+    """Two engines of one process on one dir would write the same slots: the second one's save is refused,
+    naming this process, and writes nothing (it may still load); the first goes on; once it closed, a new
+    engine gets the segment."""
     ckpt = os.path.join(fault_env.tmp, "ckpt")
     mb = 1
     first = CheckpointEngine(ckpt, max_to_keep=0)
+    second = None
     try:
         first.save(1, make_state(1, mb), storage_type=DISK)
+        second = CheckpointEngine(ckpt, max_to_keep=0)
         with pytest.raises(SharedMemoryError) as info:
-            CheckpointEngine(ckpt, max_to_keep=0)
+            second.save(5, make_state(5, mb), storage_type=DISK)
         msg = str(info.value)
         assert f"this process (pid {os.getpid()})" in msg, msg
         assert "Close the other CheckpointEngine" in msg and "FLASHCKPT_JOB_ID" in msg, msg
+        assert_state_of(second.load(), 1, mb)  # reading takes no lease
+        second.close()
         first.save(2, make_state(2, mb), storage_type=DISK)
         first.wait(60)
         for step in (1, 2):
             _assert_committed_sound(ckpt, step, mb, first.job_dir.rsplit("/", 1)[1])
     finally:
+        if second is not None:
+            second.close()
         close_and_wait(first)
     again = CheckpointEngine(ckpt, max_to_keep=0)
     try:
@@ -118,7 +125,8 @@ def test_second_process_without_job_id_is_refused_and_first_commits_only_its_dat
 @pytest.mark.multiproc
 def test_restarted_trainer_takes_over_the_lease_of_a_crashed_one(fault_env: FaultEnv) -> None:
     """A trainer SIGKILLed while a forked child of it lives on: its lease died with it, so the restarted
-    trainer writes the segment (and loads the snapshot), and is then the one writer a third is refused by."""
+    trainer writes the segment (and loads the snapshot), and is then the one writer a third one's save is
+    refused by."""
     ckpt = os.path.join(fault_env.tmp, "ckpt")
     mb = 1
     crashed = fault_env.trainer(ckpt, "--mb", str(mb), "--plan", "1:memory", "--fork", "--hold")
@@ -133,8 +141,12 @@ def test_restarted_trainer_takes_over_the_lease_of_a_crashed_one(fault_env: Faul
         assert restarted.last_load is not None and restarted.last_load.source == "memory"
         restarted.save(2, make_state(2, mb), storage_type=DISK)
         restarted.wait(60)
-        with pytest.raises(SharedMemoryError, match=f"this process \\(pid {os.getpid()}\\)"):
-            CheckpointEngine(ckpt, max_to_keep=0)
+        third = CheckpointEngine(ckpt, max_to_keep=0)
+        try:
+            with pytest.raises(SharedMemoryError, match=f"this process \\(pid {os.getpid()}\\)"):
+                third.save(3, make_state(3, mb), storage_type=MEMORY)
+        finally:
+            third.close()
     finally:
         kill9(child)  # it holds the crashed trainer's connection to the saver too
         if restarted is not None:
