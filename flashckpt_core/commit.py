@@ -3,6 +3,7 @@
 Layout under the checkpoint dir (``META`` = ``.flashckpt``)::
 
     .flashckpt/tracker.json                    newest committed step (atomically replaced)
+    .flashckpt/jobs/<job key>.lock             held (shared flock) by every live saver of that job
     .flashckpt/steps/<step>/intent_rank_R.json files rank R is about to write (for clean-up after a crash)
     .flashckpt/steps/<step>/done_rank_R.json   rank R's files with sizes and checksums
     .flashckpt/steps/<step>/failed_rank_R.json rank R's persist failed
@@ -15,6 +16,11 @@ listed in manifests are relative to the checkpoint dir and confined to it; a rec
 outside, or of the wrong structure, makes its step damaged. A committed step's files are never
 rewritten while it is committed: a save that reuses a file of an older step writes it staged and moves
 it into place at its commit, which supersedes (removes) the older step.
+
+Markers and manifests name the job that wrote them (``"job"``: its job key; absent in older ones). Two
+jobs sharing a checkpoint dir never mix: a commit takes only its own job's done markers (another live
+job's marker for the same step is a clear error), and start-up clean-up leaves alone the uncommitted
+steps of every other job whose saver is alive (its job lock is held).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from . import errors as E
+from ._lease import held
 from .storage import CheckpointStorage, FileRecord
 
 __all__ = ["META", "Manifest", "CommitLayout", "TrackerUpdateError"]
@@ -94,6 +101,7 @@ class Manifest:
         replicated: every rank's state is rank 0's (DDP): all ranks load rank 0's files.
         time: commit time (seconds since the epoch).
         extra: adapter-specific JSON (framework tracker files written at commit, ...).
+        job: the job key of the job that wrote and committed it ("" in manifests older than the field).
     """
 
     step: int
@@ -102,6 +110,7 @@ class Manifest:
     replicated: bool
     time: float
     extra: dict[str, Any]
+    job: str = ""
 
     def files_for(self, rank: int) -> list[FileRecord]:
         if self.replicated or rank not in self.files:
@@ -113,7 +122,7 @@ class Manifest:
 
     def to_json(self) -> bytes:
         d = {"format": MANIFEST_FORMAT, "step": self.step, "world_size": self.world_size,
-             "replicated": self.replicated, "time": self.time, "extra": self.extra,
+             "replicated": self.replicated, "time": self.time, "extra": self.extra, "job": self.job,
              "files": {str(r): [asdict(f) for f in fs] for r, fs in self.files.items()}}
         return json.dumps(d, indent=1).encode()
 
@@ -151,16 +160,22 @@ class Manifest:
         sup = extra.get("supersedes", [])
         _need(isinstance(sup, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in sup),
               "extra.supersedes must be a list of steps")
-        return Manifest(d["step"], d["world_size"], files, d["replicated"], float(d["time"]), extra)
+        job = d.get("job", "")
+        _need(isinstance(job, str), "field 'job' must be a string")
+        return Manifest(d["step"], d["world_size"], files, d["replicated"], float(d["time"]), extra, job)
 
 
 class CommitLayout:
-    """Reads and writes the commit records of one checkpoint dir through a storage backend."""
+    """Reads and writes the commit records of one checkpoint dir through a storage backend.
 
-    def __init__(self, checkpoint_dir: str, storage: CheckpointStorage) -> None:
+    ``job`` is the job key of the job writing through it (a saver's); its markers and manifests carry it.
+    """
+
+    def __init__(self, checkpoint_dir: str, storage: CheckpointStorage, *, job: str = "") -> None:
         self.root = os.path.abspath(checkpoint_dir)
         self.storage = storage
         self.meta = os.path.join(self.root, META)
+        self.job = job
 
     # paths ---------------------------------------------------------------
     def step_dir(self, step: int) -> str:
@@ -171,6 +186,24 @@ class CommitLayout:
 
     def manifest_path(self, step: int) -> str:
         return os.path.join(self.step_dir(step), "manifest.json")
+
+    def job_lock_path(self, job: str) -> str:
+        """The lock every live saver of job ``job`` holds (shared) on this checkpoint dir."""
+        return os.path.join(self.meta, "jobs", f"{job}.lock")
+
+    def job_alive(self, job: str) -> bool:
+        """Whether a saver of job ``job`` is alive (holds its job lock); "" (unknown) is never alive."""
+        if not job or os.sep in job or job.startswith("."):
+            return False
+        try:
+            return held(self.job_lock_path(job))
+        except OSError:
+            return False
+
+    def live_jobs(self) -> list[str]:
+        """Jobs other than this one whose savers are alive on this checkpoint dir."""
+        names = self.storage.listdir(os.path.join(self.meta, "jobs"))
+        return [n[:-5] for n in names if n.endswith(".lock") and n[:-5] != self.job and self.job_alive(n[:-5])]
 
     @property
     def tracker_path(self) -> str:
@@ -254,14 +287,14 @@ class CommitLayout:
 
     # markers -------------------------------------------------------------
     def write_intent(self, step: int, rank: int, paths: list[str]) -> None:
-        body = json.dumps({"rank": rank, "paths": [self.rel(p) for p in paths]}).encode()
+        body = json.dumps({"rank": rank, "paths": [self.rel(p) for p in paths], "job": self.job}).encode()
         self.storage.write_bytes(self._marker(step, "intent", rank), body)
 
     def write_done(self, step: int, rank: int, files: list[FileRecord], base: str = "") -> None:
         """Rank ``rank``'s files of ``step`` are durable; ``base`` is where the rank's set lives."""
         recs = [asdict(replace(f, path=self.rel(f.path), staged=self.rel(f.staged) if f.staged else ""))
                 for f in files]
-        body = {"rank": rank, "files": recs, "base": self.rel(base) if base else ""}
+        body = {"rank": rank, "files": recs, "base": self.rel(base) if base else "", "job": self.job}
         self.storage.write_bytes(self._marker(step, "done", rank), json.dumps(body).encode())
 
     def staged_path(self, step: int, rank: int, index: int) -> str:
@@ -271,7 +304,7 @@ class CommitLayout:
     def write_failed(self, step: int, rank: int, error: str) -> None:
         try:
             self.storage.write_bytes(self._marker(step, "failed", rank),
-                                     json.dumps({"rank": rank, "error": error}).encode())
+                                     json.dumps({"rank": rank, "error": error, "job": self.job}).encode())
         except OSError:  # the storage that failed may refuse this too; the commit then times out
             log.exception("could not write the failure marker of step %d rank %d", step, rank)
 
@@ -304,6 +337,23 @@ class CommitLayout:
             raise E.CheckpointCorruptError(f"{path} is damaged: {e}") from None
         return d
 
+    def _own_marker(self, step: int, kind: str, rank: int) -> dict[str, Any] | None:
+        """Rank ``rank``'s marker of ``step`` when this job wrote it (or it names no job). Another job's
+        marker counts as absent while that job is dead (this job's rank overwrites it) and is an error
+        while it is alive: two live jobs save the same step into one checkpoint dir."""
+        m = self._read_marker(step, kind, rank)
+        if m is None or not self.job:
+            return m
+        other = m.get("job", self.job) if isinstance(m, dict) else ""
+        if other == self.job:
+            return m
+        if self.job_alive(str(other)):
+            raise E.PersistError(
+                f"step {step}: rank {rank}'s {kind} marker in {self.step_dir(step)} was written by job "
+                f"{other!r}, not by this job {self.job!r}: two live jobs save into the checkpoint dir "
+                f"{self.root}. Give each job its own checkpoint dir.")
+        return None
+
     # commit --------------------------------------------------------------
     def commit(self, step: int, ranks: list[int], world_size: int, *, replicated: bool,
                extra: dict[str, Any], timeout: float, stopping: Callable[[], bool] = lambda: False) -> Manifest:
@@ -323,8 +373,8 @@ class CommitLayout:
                 if r in files:
                     continue
                 try:
-                    failed = self._read_marker(step, "failed", r)
-                    done = None if failed is not None else self._read_marker(step, "done", r)
+                    failed = self._own_marker(step, "failed", r)
+                    done = None if failed is not None else self._own_marker(step, "done", r)
                 except E.CheckpointCorruptError as e:
                     raise E.PersistError(f"step {step}: rank {r}'s commit record is unusable: {e}") from e
                 if failed is not None:
@@ -358,7 +408,7 @@ class CommitLayout:
         supersedes = [s for s, paths in self._committed_files().items() if s != step and paths & mine]
         manifest = Manifest(step, world_size, files, replicated, time.time(),
                             {**extra, "bases": {str(r): b for r, b in bases.items() if b},
-                             "trackers": [asdict(f) for f in trackers], "supersedes": supersedes})
+                             "trackers": [asdict(f) for f in trackers], "supersedes": supersedes}, self.job)
         self.storage.write_bytes(self.manifest_path(step), manifest.to_json())
         # Committed. Nothing below may report the step as failed: it is loadable whatever happens now.
         problems = []
@@ -554,6 +604,21 @@ class CommitLayout:
                 out += self._confined_paths(body["paths"], path)
         return out
 
+    def remove_rank_files(self, step: int, rank: int) -> None:
+        """Removes what this job's failed persist of ``step`` wrote for ``rank`` (its intent's files and
+        their temp files, its staged files, its done marker), so a full disk gets its space back at once.
+        A file a committed manifest lists is kept; so is everything when another job wrote the intent."""
+        try:
+            intent = self._read_marker(step, "intent", rank)
+        except E.CheckpointCorruptError as e:
+            log.error("not removing the files of the failed persist of step %d rank %d: %s", step, rank, e)
+            return
+        if intent is None or (self.job and intent.get("job", self.job) != self.job):
+            return
+        self._remove_files(self._confined_paths(intent["paths"], self._marker(step, "intent", rank)))
+        self.storage.remove_tree(os.path.join(self.step_dir(step), "staged", f"rank_{rank}"))
+        self.storage.remove(self._marker(step, "done", rank))
+
     def _remove_files(self, paths: list[str]) -> None:
         keep = self._committed_paths()
         dirs = set()
@@ -571,14 +636,40 @@ class CommitLayout:
                     break
                 d = os.path.dirname(d)
 
-    def clean_uncommitted(self, keep: frozenset[int] | set[int] = frozenset()) -> list[int]:
-        """Removes half-written steps (no manifest) left by a crash, except those in ``keep``.
+    def _writer_jobs(self, step: int) -> set[str]:
+        """The jobs whose markers lie in ``step``'s dir ("" for a marker that names none)."""
+        jobs = set()
+        for name in self.storage.listdir(self.step_dir(step)):
+            if name.endswith(".json") and "_rank_" in name:
+                try:
+                    body = json.loads(self.storage.read_bytes(os.path.join(self.step_dir(step), name)))
+                    jobs.add(str(body.get("job", "")) if isinstance(body, dict) else "")
+                except (FileNotFoundError, ValueError):
+                    jobs.add("")
+        return jobs
 
-        Only called when no persist of those steps can be running (a saver that just started)."""
+    def clean_uncommitted(self, keep: frozenset[int] | set[int] = frozenset()) -> list[int]:
+        """Removes half-written steps (no manifest) left by a crash, except those in ``keep`` and those
+        another live job is writing.
+
+        Called by a saver that just started: no persist of this job can be running then. Another job's
+        step is removed only when that job's savers are all gone (its job lock is free); a step whose
+        writer is unknown (no marker yet, or markers older than the job field) only when no other job
+        is alive on this checkpoint dir."""
         cleaned = []
+        others: list[str] | None = None
         for step in self.uncommitted_steps():
             if step in keep:
                 continue
+            writers = self._writer_jobs(step)
+            if any(self.job_alive(j) for j in writers if j != self.job):
+                log.info("step %d is being written by live job(s) %s; left alone", step, sorted(writers - {self.job}))
+                continue
+            if not writers or "" in writers:
+                others = self.live_jobs() if others is None else others
+                if others:
+                    log.info("step %d names no writer and jobs %s are alive; left alone", step, others)
+                    continue
             self._remove_files(self._intent_paths(step))
             self._remove_step_dir(step)
             cleaned.append(step)

@@ -130,8 +130,12 @@ class CheckpointEngine:
         r = self.ranks
         self._client: Client | None = None
         hello = self._attach()
-        self._handler = SharedMemoryHandler(r.local_rank, self.job_dir, allocate=self._allocate,
-                                            copier=self._copier, weights_only=weights_only)
+        # The rank that writes this local rank's snapshots takes its writer lease at its first save and
+        # holds it until close: a second writer (another engine, another job with this job key) is refused.
+        self._handler = SharedMemoryHandler(r.local_rank, self.job_dir,
+                                            allocate=self._allocate if self.snapshots else None,
+                                            copier=self._copier, weights_only=weights_only,
+                                            writer_info={"rank": r.rank, "checkpoint_dir": self.checkpoint_dir})
         self._reader = (self._handler if not replicated or r.local_rank == 0 else
                         SharedMemoryHandler(0, self.job_dir, copier=self._copier, weights_only=weights_only))
         self._closed = False

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from . import errors as E
+from ._lease import Lease
 from ._protocol import Client, peer_uid, recv_msg, send_msg
 from ._tree import TensorMeta, build_tensor, split_opaque, unflatten
 from .commit import CommitLayout, TrackerUpdateError
@@ -123,7 +124,10 @@ class CheckpointSaver:
         self.job_dir = job_dir
         self.knobs = knobs or Knobs.from_env()
         self.storage = storage or PosixDiskStorage()
-        self.layout = CommitLayout(checkpoint_dir, self.storage)
+        # The runtime dir is named by the job key (config.job_key): markers and manifests carry it.
+        self.layout = CommitLayout(checkpoint_dir, self.storage, job=os.path.basename(os.path.normpath(job_dir)))
+        self._job_lock: Lease | None = None
+        self._alloc_locks: dict[int, threading.Lock] = collections.defaultdict(threading.Lock)
         self._cv = threading.Condition()
         self._clients: dict[int, _ClientInfo] = {}
         self._ever_clients = 0
@@ -154,6 +158,7 @@ class CheckpointSaver:
         """Creates the runtime dir, adopts segments left by an earlier saver, binds the socket."""
         self._dir_fd = open_private_dir(self.job_dir)
         self._adopt_segments()
+        self._hold_job_lock()
         self._committed = self.layout.committed_steps()
         cleaned = self.layout.clean_uncommitted()
         if cleaned:
@@ -187,6 +192,20 @@ class CheckpointSaver:
         except OSError as e:
             log.error("could not repair the commit records in %s: %s; the next saver tries again", self.layout.meta, e)
         self._committed = self.layout.committed_steps()
+
+    def _hold_job_lock(self) -> None:
+        """Holds this job's lock on the checkpoint dir for the saver's life: other jobs' start-up clean-up
+        then leaves this job's uncommitted steps alone (``CommitLayout.clean_uncommitted``)."""
+        path = self.layout.job_lock_path(self.layout.job)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            lock = Lease(path, shared=True)
+            if lock.try_acquire(timeout=10.0):
+                self._job_lock = lock
+                return
+            log.warning("could not take the job lock %s; other jobs may clean up this job's steps", path)
+        except OSError as e:
+            log.warning("could not take the job lock %s (%s); other jobs may clean up this job's steps", path, e)
 
     def _spawn(self, target: Any, name: str, *args: Any) -> threading.Thread:
         t = threading.Thread(target=target, args=args, name=f"flashckpt-saver-{name}", daemon=True)
@@ -313,6 +332,9 @@ class CheckpointSaver:
         finally:
             if spawn_lock is not None:
                 spawn_lock.release()
+        if self._job_lock is not None:
+            self._job_lock.release()
+            self._job_lock = None
         log.info("saver %d exited; runtime dir %s removed", os.getpid(), self.job_dir)
 
     # ------------------------------------------------------------------ server
@@ -486,6 +508,12 @@ class CheckpointSaver:
     def _alloc(self, local_rank: int, meta_cap: int, data_cap: int, nslots: int) -> str:
         if not (0 <= local_rank < 1 << 16) or meta_cap <= 0 or data_cap < 0 or nslots not in (1, 2):
             raise E.ProtocolError(f"alloc: bad arguments {local_rank=} {meta_cap=} {data_cap=} {nslots=}")
+        with self._cv:
+            lock = self._alloc_locks[local_rank]
+        with lock:  # one allocation of a local rank at a time: each gets the next epoch
+            return self._alloc_locked(local_rank, meta_cap, data_cap, nslots)
+
+    def _alloc_locked(self, local_rank: int, meta_cap: int, data_cap: int, nslots: int) -> str:
         existing = segment_paths(self.job_dir, local_rank)
         epoch = existing[-1][0] + 1 if existing else 0
         need = 4096 + nslots * (4096 + _page(meta_cap) + _page(data_cap))
@@ -647,6 +675,10 @@ class CheckpointSaver:
                     self._finish(job.step, None, committed=False)
             except Exception as e:  # reported to the trainer; the saver keeps serving
                 log.exception("persist of step %d rank %d failed", job.step, job.rank)
+                try:  # give the space back now (a full disk), not at the next start
+                    self.layout.remove_rank_files(job.step, job.rank)
+                except Exception:
+                    log.exception("removing the files of the failed persist of step %d rank %d", job.step, job.rank)
                 self.layout.write_failed(job.step, job.rank, f"{type(e).__name__}: {e}")
                 self._finish(job.step, f"persisting step {job.step} of rank {job.rank} to {job.path} failed: "
                              f"{type(e).__name__}: {e}", committed=False)

@@ -30,6 +30,7 @@ import re
 import stat
 import struct
 import sys
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -42,6 +43,7 @@ import xxhash
 from . import _native
 from . import errors as E
 from ._copy import Copier
+from ._lease import Lease, pid_running, read_holder
 from ._tree import (
     Flat,
     SnapshotPlan,
@@ -101,6 +103,11 @@ def segment_path(job_dir: str, local_rank: int, epoch: int) -> str:
 
 def lock_path(job_dir: str, local_rank: int) -> str:
     return os.path.join(job_dir, f"seg-r{local_rank:03d}.lock")
+
+
+def writer_lease_path(job_dir: str, local_rank: int) -> str:
+    """The lease the one writer of ``local_rank``'s segments holds (see ``_lease``)."""
+    return os.path.join(job_dir, f"writer-r{local_rank:03d}.lease")
 
 
 @dataclass(frozen=True)
@@ -170,8 +177,12 @@ class Segment:
         meta_cap, data_cap = _page(meta_cap), _page(data_cap)
         slot_size = PAGE + meta_cap + data_cap
         size = PAGE + nslots * slot_size
-        tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        # A name of its own: an allocation racing this one never meets its temporary file.
+        tmp = f"{path}.{os.getpid()}-{threading.get_native_id()}-{time.monotonic_ns()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise E.SharedMemoryError(f"could not create the segment {path} of local rank {local_rank}: {e}") from e
         try:
             os.ftruncate(fd, size)
             try:
@@ -190,7 +201,12 @@ class Segment:
             os.unlink(tmp)
             raise
         os.close(fd)
-        os.rename(tmp, path)
+        try:
+            os.link(tmp, path)  # never replaces a segment another allocation created
+        except OSError as e:
+            raise E.SharedMemoryError(f"could not create the segment {path} of local rank {local_rank}: {e}") from e
+        finally:
+            os.unlink(tmp)
         return size
 
     def slot_off(self, i: int) -> int:
@@ -350,6 +366,40 @@ def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
 
 
 Allocator = Callable[[int, int, int], str]
+
+
+_DEAD_HOLDER_WAIT_S = 10.0
+
+
+def _take_writer_lease(job_dir: str, local_rank: int, info: dict[str, Any]) -> Lease:
+    """The writer lease of ``local_rank``'s segments, or SharedMemoryError naming its holder."""
+    path = writer_lease_path(job_dir, local_rank)
+    lease = Lease(path)
+    try:
+        ok = lease.try_acquire({"local_rank": local_rank, **info})
+    except OSError as e:
+        raise E.SharedMemoryError(f"could not take the writer lease {path}: {e}") from e
+    holder = read_holder(path) if not ok else {}
+    pid = holder.get("pid")
+    if not ok and isinstance(pid, int) and pid != os.getpid() and not pid_running(pid):
+        # A holder that was just killed: its threads may still be exiting (its pid already a zombie) and
+        # its files still open for a moment. Its lease frees when they are gone.
+        ok = lease.try_acquire({"local_rank": local_rank, **info}, timeout=_DEAD_HOLDER_WAIT_S)
+    if ok:
+        return lease
+    if not pid:
+        who = "another process"
+    elif pid == os.getpid():
+        who = f"this process (pid {pid})"
+    elif isinstance(pid, int) and not pid_running(pid):
+        who = f"a process that pid {pid} (exited) forked and that still holds its lease"
+    else:
+        who = f"pid {pid}"
+    extra = ", ".join(f"{k} {holder[k]}" for k in ("rank", "checkpoint_dir") if k in holder)
+    raise E.SharedMemoryError(
+        f"local rank {local_rank}'s shared-memory snapshots in {job_dir} are already written by {who}"
+        f"{' (' + extra + ')' if extra else ''}; two writers would tear each other's checkpoints. Close "
+        "the other CheckpointEngine first, or give each job its own FLASHCKPT_JOB_ID or checkpoint dir.")
 """(local_rank, meta_cap, data_cap) -> path of a new segment created by the saver."""
 
 
@@ -359,11 +409,15 @@ class SharedMemoryHandler:
     Args:
         local_rank: whose segment.
         job_dir: the job's runtime dir.
-        allocate: asks the saver for a new segment; None for a read-only handler.
+        allocate: asks the saver for a new segment; None for a read-only handler. A handler with an
+            allocator is the one writer of ``local_rank``'s segments: from its first save it holds their
+            writer lease until ``close`` (released by the kernel if the process dies), and a second
+            writer's save is refused. Reading takes no lease.
         copier: the thread pool that copies bytes (one is made when None).
         slot_wait_timeout: bound on waiting for a free slot while both are busy persisting.
         weights_only: decode opaque leaves of loaded snapshots only into the types
             ``torch.load(weights_only=True)`` accepts.
+        writer_info: what the writer lease says about its holder (JSON), for a refused second writer.
 
     Not thread-safe. While ``save_state_dict`` runs the caller must not mutate the tensors it passed;
     once it returns they are the caller's again.
@@ -371,10 +425,12 @@ class SharedMemoryHandler:
 
     def __init__(self, local_rank: int, job_dir: str, *, allocate: Allocator | None = None,
                  copier: Copier | None = None, slot_wait_timeout: float = 600.0,
-                 weights_only: bool = False) -> None:
+                 weights_only: bool = False, writer_info: dict[str, Any] | None = None) -> None:
         self.local_rank = local_rank
         self.job_dir = job_dir
         self._allocate = allocate
+        self._lease: Lease | None = None
+        self._writer_info = writer_info or {}
         self._own_copier = copier is None
         self._copier = copier or Copier(1)
         self._lock = SharedLock(lock_path(job_dir, local_rank))
@@ -404,9 +460,12 @@ class SharedMemoryHandler:
 
         Raises:
             InvalidStateDictError: something in ``state_dict`` cannot be stored (nothing was written).
-            SharedMemoryError: /dev/shm cannot hold the snapshot.
+            SharedMemoryError: /dev/shm cannot hold the snapshot, or another writer holds this local
+                rank's segments (the message names it; nothing was written).
             CheckpointTimeoutError: no slot became free within ``slot_wait_timeout``.
         """
+        if self._lease is None and self._allocate is not None:
+            self._lease = _take_writer_lease(self.job_dir, self.local_rank, self._writer_info)
         # The walk allocates ~5 containers per tensor; with thousands of tensors that triggers full
         # garbage collections in the middle of the pause. Nothing here creates reference cycles.
         gc_was_enabled = gc.isenabled()
@@ -654,6 +713,14 @@ class SharedMemoryHandler:
             self._cuda_registered.discard(seg.path)
 
     def close(self) -> None:
+        try:
+            self._close_segments()
+        finally:
+            if self._lease is not None:
+                self._lease.release(unlink=False)  # the saver removes it with the runtime dir
+                self._lease = None
+
+    def _close_segments(self) -> None:
         for seg in self._readers.values():
             seg.close()
         self._readers.clear()

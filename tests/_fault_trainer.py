@@ -5,7 +5,9 @@
 Takes the snapshots of ``--plan`` (``step:memory`` or ``step:disk``) of ``_fault_helpers.make_state``,
 updated in place each step, then ``--loop N`` more memory snapshots (steps after the plan), then with
 ``--wait`` waits for its persists, and with ``--hold`` blocks until it is killed; without ``--hold`` it
-closes the engine and exits 0. Prints one line per event (``ready``, ``saved <step>``, ``holding``).
+closes the engine and exits 0. With ``--fork`` it first forks a child that sleeps until it is killed (a
+DataLoader worker, say; prints ``child <pid>``). Prints one line per event (``ready``, ``saved <step>``,
+``holding``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main() -> int:
     p.add_argument("--max_to_keep", type=int, default=0)
     p.add_argument("--wait", action="store_true")
     p.add_argument("--hold", action="store_true")
+    p.add_argument("--fork", action="store_true")
     args = p.parse_args()
 
     plan = [(int(s), StorageType(k)) for s, k in (item.split(":") for item in args.plan.split(",") if item)]
@@ -38,6 +41,12 @@ def main() -> int:
     plan += [(last + i, StorageType.MEMORY) for i in range(1, args.loop + 1)]
     engine = CheckpointEngine(args.ckpt, max_to_keep=args.max_to_keep)
     print("ready", flush=True)
+    if args.fork:
+        child = os.fork()
+        if child == 0:
+            while True:
+                signal.pause()
+        print(f"child {child}", flush=True)
     sd = make_state(plan[0][0] if plan else 0, args.mb)
     for step, kind in plan:
         fill_state(sd, step)
