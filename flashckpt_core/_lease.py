@@ -17,6 +17,7 @@ once, so a crashed trainer's lease is free for its restart even while its forked
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -88,7 +89,12 @@ class Lease:
             if not self.shared:
                 body = json.dumps({"pid": os.getpid(), **(holder or {})}).encode()
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, body, 0)
+                try:
+                    os.pwrite(fd, body, 0)
+                except OSError as e:  # a full file system: the flock is the lease; the body only names it
+                    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        os.close(fd)
+                        raise
             self._fd = fd
             with _live_lock:
                 _live.add(self)
