@@ -822,10 +822,41 @@ class CheckpointSaver:
                         log.error("step %d of local rank %d has no persist path; not persisted", step,
                                   job["local_rank"])
                         return None
+                held_jobs: list[dict[str, Any]] = []
                 for job in jobs:
-                    self._enqueue(job)
+                    if not self._hold_slot(job):
+                        for j in held_jobs:
+                            self._unhold_slot(j)
+                        log.warning("last words: the snapshot of step %d was overwritten meanwhile", step)
+                        return None
+                    held_jobs.append(job)
+                for i, job in enumerate(jobs):
+                    try:
+                        self._enqueue(job)
+                    except BaseException:
+                        for j in jobs[i:]:
+                            self._unhold_slot(j)
+                        raise
         self._wait_step(step, timeout)
         return step
+
+    def _hold_slot(self, job: dict[str, Any]) -> bool:
+        """Flags a last-words persist's slot PENDING (as a trainer does for its persists), so that no
+        snapshot overwrites it before the persist pins it; False when it was overwritten already."""
+        seg = self._segment(job["seg_path"])
+        with SharedLock(lock_path(self.job_dir, seg.local_rank)):
+            h = seg.header(job["slot"])
+            if h.state != COMPLETE or h.generation != job["generation"] or h.step != job["step"]:
+                return False
+            seg.set_flags(job["slot"], h.flags | FLAG_PENDING)
+        return True
+
+    def _unhold_slot(self, job: dict[str, Any]) -> None:
+        seg = self._segment(job["seg_path"])
+        with SharedLock(lock_path(self.job_dir, seg.local_rank)):
+            h = seg.header(job["slot"])
+            if h.generation == job["generation"]:
+                seg.set_flags(job["slot"], h.flags & ~FLAG_PENDING)
 
     def _last_words_jobs(self, step: int, persisters: dict[int, _ClientInfo],
                          held: dict[int, dict[int, tuple[Segment, int]]]) -> list[dict[str, Any]] | None:
