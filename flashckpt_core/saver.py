@@ -743,9 +743,13 @@ class CheckpointSaver:
         return recs
 
     def _staging(self, job: _Job, final: str, index: int) -> str:
-        """Where a file that replaces an existing one is written until the commit ("" for a new file):
-        the file another step may have committed stays intact until this step is committed."""
-        return self.layout.staged_path(job.step, job.rank, index) if self.storage.exists(final) else ""
+        """Where a file that replaces one a committed step lists is written until the commit ("" for any
+        other file, written in place): the committed step's file stays intact until this step is
+        committed. A file no committed step lists (a leftover of a failed persist) is simply replaced,
+        and whatever blocks its path fails this persist, as it would fail a plain write."""
+        if not self.storage.exists(final) or os.path.abspath(final) not in self.layout._committed_paths():
+            return ""
+        return self.layout.staged_path(job.step, job.rank, index)
 
     def _zero_copy_tree(self, seg: Segment, slot: int, h: Any) -> Any:
         """The snapshot's tree with tensors viewing the segment (no copy) and opaque leaves embedded."""
