@@ -489,7 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)
     logging.basicConfig(level=os.environ.get("FLASHCKPT_SAVER_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the saver stops it (end of stdin), not a terminal's ^C
+    # The saver stops it (the end of its stdin), and it dies with the saver. A SIGTERM or ^C sent to the
+    # whole process group (scancel, a terminal) is the saver's to handle: its last words need the worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if args.nice:
         # Linux nice is per thread: set on this one before any other starts, every thread inherits it.
         try:

@@ -311,7 +311,7 @@ def test_saver_never_loads_torch_its_persist_worker_does_and_exits_when_idle(mak
         assert _maps_torch(worker)
         sd = torch.load(os.path.join(ckpt_dir, f"step_{step}", "rank_00000.pt"), weights_only=True)
         assert torch.equal(sd["w"], torch.arange(1 << 16, dtype=torch.float32) * step)
-        wait_for(lambda: not alive(worker), 20, "the idle persist worker to exit")
+        wait_for(lambda w=worker: not alive(w), 20, "the idle persist worker to exit")
     assert workers[0] != workers[1]  # the second persist started a new worker
     assert _vm_rss_mb(pid) < 60 and not _maps_torch(pid)
     eng.close()
