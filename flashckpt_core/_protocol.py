@@ -277,15 +277,45 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def process_cpu_seconds(pid: int) -> float | None:
+def process_cpu_seconds(pid: int, *, children: bool = False) -> float | None:
     """User + system CPU seconds process ``pid`` (all its threads) has used so far, from
-    ``/proc/<pid>/stat``; None where that cannot be read (not Linux, or the process is gone)."""
+    ``/proc/<pid>/stat``; None where that cannot be read (not Linux, or the process is gone).
+
+    With ``children``, its children's too: those it reaped (cutime, cstime) and those alive now (the
+    saver's persist worker), found in ``/proc/<pid>/task/*/children``."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: stat(5) 14, 15
+        return _cpu_ticks(pid, children) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _cpu_ticks(pid: int, children: bool) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime: stat(5) fields 14, 15
+    if children:
+        ticks += int(fields[13]) + int(fields[14])  # cutime, cstime: children it reaped
+        for kid in _live_children(pid):
+            try:
+                ticks += _cpu_ticks(kid, True)
+            except (OSError, ValueError, IndexError):
+                pass  # exited meanwhile
+    return ticks
+
+
+def _live_children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(x) for x in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def fsync_dir(path: str) -> None:

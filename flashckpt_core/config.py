@@ -53,6 +53,9 @@ class Knobs:
         persist_nice: how much lower the saver's persist threads run than training (Linux nice
             increment, 0-19; 0 = the same); FLASHCKPT_PERSIST_NICE. Persisting is background work: where
             host cores are short, training gets them first.
+        persist_worker_idle_s: how long the saver's persist worker (the process that writes the files,
+            and the only one that loads torch: ~250 MB) stays after its last persist; the next persist
+            starts a new one (1-2 s); FLASHCKPT_PERSIST_WORKER_IDLE_S.
     """
 
     runtime_dir: str
@@ -66,6 +69,7 @@ class Knobs:
     last_words: bool = True
     term_timeout_s: float = 120.0
     persist_nice: int = 10
+    persist_worker_idle_s: float = 30.0
 
     @staticmethod
     def from_env() -> Knobs:
@@ -85,6 +89,7 @@ class Knobs:
             last_words=os.environ.get("FLASHCKPT_LAST_WORDS", "1").lower() not in ("0", "false", "no", "off"),
             term_timeout_s=_env_float("FLASHCKPT_TERM_TIMEOUT_S", 120.0),
             persist_nice=max(0, min(19, _env_int("FLASHCKPT_PERSIST_NICE", 10))),
+            persist_worker_idle_s=max(0.0, _env_float("FLASHCKPT_PERSIST_WORKER_IDLE_S", 30.0)),
         )
 
 

@@ -444,10 +444,10 @@ class CheckpointEngine:
             self._client_call("delete_steps", steps=doomed, background=True)
 
     def saver_cpu_seconds(self) -> float | None:
-        """CPU time (user + system, all threads) the node's saver daemon has used since it started: what
-        persisting costs the host's cores, for monitoring. None where ``/proc`` cannot tell (not Linux,
-        or the saver is gone)."""
-        return process_cpu_seconds(self._saver_pid) if self._saver_pid > 0 else None
+        """CPU time (user + system, all threads) the node's saver daemon and its persist workers have used
+        since it started: what persisting costs the host's cores, for monitoring. None where ``/proc``
+        cannot tell (not Linux, or the saver is gone)."""
+        return process_cpu_seconds(self._saver_pid, children=True) if self._saver_pid > 0 else None
 
     # ------------------------------------------------------------------ wait / close
     def wait(self, timeout: float | None = None) -> None:

@@ -11,7 +11,7 @@ vanish without a goodbye (a crash) trigger the last-words persist of the newest 
 from __future__ import annotations
 
 # ruff: noqa: E402  (the daemon defers torch before the imports below)
-if __name__ == "__main__":  # the daemon: torch is loaded by its first persist, not at start
+if __name__ == "__main__":  # the daemon never loads torch: its persist worker does (_persist_worker)
     from flashckpt_core._lazy import defer
 
     defer("torch")
@@ -19,11 +19,9 @@ if __name__ == "__main__":  # the daemon: torch is loaded by its first persist, 
 import argparse
 import collections
 import errno
-import functools
 import json
 import logging
 import os
-import pickle
 import queue
 import select
 import signal
@@ -36,20 +34,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from . import errors as E
 from ._lease import Lease
+from ._persist_worker import PersistWorker
 from ._protocol import Client, peer_uid, recv_msg, send_msg
-from ._tree import TensorMeta, build_tensor, split_opaque, unflatten
 from .commit import CommitLayout, TrackerUpdateError
 from .config import Knobs, is_default_runtime_dir, make_private_dir, open_private_dir
-from .files import FileSet, is_fileset_tree
-from .filewriter import write_parts
 from .ipc import SharedLock
 from .shm import COMPLETE, FLAG_PENDING, FLAG_PINNED, Segment, lock_path, segment_path, segment_paths
-from .storage import CheckpointStorage, FileRecord, HashingWriter, PosixDiskStorage
-from .torchfile import torch_save_parts, zip_crc_slots
+from .storage import CheckpointStorage, PosixDiskStorage
 
 __all__ = ["CheckpointSaver", "ensure_saver", "SOCKET_NAME"]
 
@@ -58,18 +51,6 @@ log = logging.getLogger(__name__)
 SOCKET_NAME = "saver.sock"
 _SPAWN_LOCK = "spawn.lock"
 _LOG_NAME = "saver.log"
-
-
-class _Opaque:
-    """An opaque leaf inside a persisted file: unpickles to the trainer's object with pickle.loads."""
-
-    __slots__ = ("raw",)
-
-    def __init__(self, raw: bytes) -> None:
-        self.raw = raw
-
-    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
-        return (pickle.loads, (self.raw,))
 
 
 @dataclass
@@ -152,6 +133,9 @@ class CheckpointSaver:
         self._sock: socket.socket | None = None
         self._dir_fd: int | None = None  # the job dir, checked: everything in it is reached through this fd
         self.stats = _Stats()
+        # Writes the files (torch's work) in a process of its own, started on demand: see _persist_worker.
+        self._worker = PersistWorker(self.layout.root, self.layout.job, self.storage, nice=self.knobs.persist_nice,
+                                     idle_s=self.knobs.persist_worker_idle_s)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -294,6 +278,7 @@ class CheckpointSaver:
                 self._cv.wait(timeout=0.2)
             if self._inflight:
                 log.error("exiting with %d persist(s) unfinished after %.0f s", self._inflight, drain_timeout)
+        self._worker.close()
         try:
             spawn_lock: SharedLock | None = lock_job(self.job_dir)
         except E.SaverError as e:  # the path no longer leads to a dir of ours: clean only through our fd
@@ -655,14 +640,7 @@ class CheckpointSaver:
         q.put(job)
 
     def _persist_loop(self, q: queue.Queue[_Job | None]) -> None:
-        if self.knobs.persist_nice:
-            # Linux nice is per thread; the writer threads this one starts inherit it. The saver's other
-            # threads (snapshot bookkeeping, commits) keep their priority.
-            try:
-                tid = threading.get_native_id()
-                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.knobs.persist_nice)
-            except OSError as e:
-                log.warning("could not lower the persist thread's priority: %s", e)
+        # The files are written by the persist worker, whose threads run knobs.persist_nice lower.
         while True:
             job = q.get()
             if job is None:
@@ -695,17 +673,9 @@ class CheckpointSaver:
                 raise E.PersistError(f"the snapshot of step {job.step} was overwritten before it was persisted")
             seg.set_flags(job.slot, h.flags | FLAG_PINNED)
         try:
-            tree = self._zero_copy_tree(seg, job.slot, h)
-            is_set = is_fileset_tree(tree)
-            if is_set:
-                recs = self._persist_fileset(job, FileSet.decode(tree))
-            else:
-                self.layout.check_target(job.step, job.path)
-                self.layout.write_intent(job.step, job.rank, [job.path])
-                staged = self._staging(job, job.path, 0)
-                rec = self.storage.write_file(staged or job.path, functools.partial(_torch_save, tree))
-                recs = [FileRecord(job.path, rec.size, rec.xxh3, staged=staged)]
-            del tree  # drop the views of the segment before it may be unmapped
+            # The worker writes the intent and the files (it maps the segment read-only); then the done marker.
+            recs, is_set = self._worker.persist(seg_path=seg.path, slot=job.slot, generation=job.generation,
+                                                step=job.step, rank=job.rank, path=job.path)
             self.layout.write_done(job.step, job.rank, recs, base=job.path if is_set else "")
         finally:
             with lock:
@@ -720,56 +690,6 @@ class CheckpointSaver:
             self.stats.last_persist_s = dt
         log.info("event=persist step=%d rank=%d bytes=%d seconds=%.3f path=%s", job.step, job.rank,
                  size, dt, job.path)
-
-    def _persist_fileset(self, job: _Job, fs: FileSet) -> list[FileRecord]:
-        """Writes a rank's file set: plain files in place; commit-time and tracker files staged for the
-        commit. The intent names every final path a crash could leave behind (not trackers: they are
-        only written once the step is committed)."""
-        targets = {}
-        for i, (name, e) in enumerate(sorted(fs.items())):
-            final = self.layout.abs(name) if e.kind == "tracker" else os.path.join(job.path, name)
-            self.layout.rel(final)  # inside the checkpoint dir
-            staged = self.layout.staged_path(job.step, job.rank, i) if e.kind != "file" else ""
-            targets[name] = (final, staged or self._staging(job, final, i))
-        self.layout.check_target(job.step, job.path, files=[f for n, (f, _) in targets.items()
-                                                             if fs[n].kind != "tracker"])
-        self.layout.write_intent(job.step, job.rank, [f for n, (f, _) in targets.items() if fs[n].kind != "tracker"])
-        recs = []
-        for name, e in sorted(fs.items()):
-            final, staged = targets[name]
-            writer = _torch_save if e.format == "torch" else _raw_save
-            rec = self.storage.write_file(staged or final, functools.partial(writer, e.data))
-            recs.append(FileRecord(final, rec.size, rec.xxh3, e.format, name, e.kind, staged))
-        return recs
-
-    def _staging(self, job: _Job, final: str, index: int) -> str:
-        """Where a file that replaces one a committed step lists is written until the commit ("" for any
-        other file, written in place): the committed step's file stays intact until this step is
-        committed. A file no committed step lists (a leftover of a failed persist) is simply replaced,
-        and whatever blocks its path fails this persist, as it would fail a plain write."""
-        if not self.storage.exists(final) or os.path.abspath(final) not in self.layout._committed_paths():
-            return ""
-        return self.layout.staged_path(job.step, job.rank, index)
-
-    def _zero_copy_tree(self, seg: Segment, slot: int, h: Any) -> Any:
-        """The snapshot's tree with tensors viewing the segment (no copy) and opaque leaves embedded."""
-        meta = seg.read_meta(slot, h)
-        data_off = seg.data_off(slot)
-        storages: dict[tuple[int, int], torch.UntypedStorage] = {}
-        tensors = []
-        for v in meta["tensors"]:
-            m = TensorMeta.from_json(v)
-            key = (m.offset, m.nbytes)
-            st = storages.get(key)
-            if st is None:
-                st = (torch.frombuffer(seg.mm, dtype=torch.uint8, count=m.nbytes, offset=data_off + m.offset)
-                      .untyped_storage() if m.nbytes else torch.UntypedStorage(0))
-                storages[key] = st
-            tensors.append(build_tensor(st, m))
-        blob_off = data_off + h.tensor_bytes
-        blob = seg.mm[blob_off: blob_off + h.blob_len]
-        opaque = [_Opaque(b) for b in split_opaque(blob, meta["opaque"])]
-        return unflatten(meta["tree"], tensors, opaque)
 
     # ------------------------------------------------------------------ last words
     def _last_words_thread(self) -> None:
@@ -1015,51 +935,6 @@ class _Watch:
 
 def _page(n: int) -> int:
     return (n + 4095) // 4096 * 4096
-
-
-def _raw_save(parts: list[Any], path: str) -> tuple[int, str]:
-    return write_parts(path, parts)
-
-
-def _torch_save(tree: Any, path: str) -> tuple[int, str]:
-    """Writes ``torch.save(tree)``'s file to ``path``; returns (size, xxh3).
-
-    The file is split into its ``torch.save`` bytes and the storages' data (``torch_save_parts``) and
-    streamed to disk with direct I/O (``write_parts``), the zip CRC-32s filled in on the way when torch's
-    CRC option is on (its default). A torch whose archive layout the split does not recognize gets a
-    plain ``torch.save`` instead (``_torch_save_plain``)."""
-    try:
-        parts = torch_save_parts(tree)
-        slots = zip_crc_slots(parts) if torch.serialization.get_crc32_options() else None
-    except E.FlashCheckpointError as e:
-        global _warned_plain
-        if not _warned_plain:
-            _warned_plain = True
-            log.warning("%s; persisting with torch.save instead", e)
-        return _torch_save_plain(tree, path)
-    return write_parts(path, parts, crc_slots=slots)
-
-
-_warned_plain = False
-
-
-def _torch_save_plain(tree: Any, path: str) -> tuple[int, str]:
-    """``torch.save`` through a Python file object that checksums as it writes; returns (size, xxh3).
-
-    Writing through a file object also makes a failing write surface as its OSError: given a path,
-    torch's C++ writer reports ENOSPC, EDQUOT or EIO only as an opaque ``RuntimeError: [enforce fail at
-    inline_container.cc] unexpected pos ...``, while here the failing ``write`` raises the OSError,
-    which torch leaves as the RuntimeError's context: re-raise it, so the trainer's PersistError says
-    "No space left on device"."""
-    with open(path, "wb") as f:
-        w = HashingWriter(f)
-        try:
-            torch.save(tree, w)  # type: ignore[arg-type]
-        except RuntimeError as e:
-            if isinstance(e.__context__, OSError):
-                raise e.__context__ from e
-            raise
-    return w.size, w.hexdigest()
 
 
 def _remove_in(dir_fd: int, name: str) -> None:

@@ -142,11 +142,12 @@ class Snapshot:
 
 
 class Segment:
-    """A mapped segment file. Both trainers and the saver use it; creation is the saver's."""
+    """A mapped segment file. Both trainers and the saver use it; creation is the saver's. The persist
+    worker maps it ``readonly``: it only reads snapshots, and cannot change a slot's header."""
 
-    def __init__(self, path: str, *, populate: bool = True) -> None:
+    def __init__(self, path: str, *, populate: bool = True, readonly: bool = False) -> None:
         self.path = path
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
@@ -156,7 +157,8 @@ class Segment:
             if size < PAGE:
                 raise E.SharedMemoryError(f"segment {path} is truncated ({size} bytes)")
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-            self.mm = mmap.mmap(fd, size, flags=flags)
+            prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+            self.mm = mmap.mmap(fd, size, flags=flags, prot=prot)
         finally:
             os.close(fd)
         magic, ver, nslots, slot_size, meta_cap, data_cap, local_rank, epoch = _SEG_HDR.unpack_from(self.mm, 0)
@@ -167,8 +169,12 @@ class Segment:
         self.meta_cap, self.data_cap = meta_cap, data_cap
         self.local_rank, self.epoch = local_rank, epoch
         self.size = size
-        self._cbuf = (ctypes.c_char * size).from_buffer(self.mm)
-        self.base = ctypes.addressof(self._cbuf)
+        # A read-only mapping (the persist worker's) has no writable address to copy into.
+        self._cbuf: Any = None
+        self.base = 0
+        if not readonly:
+            self._cbuf = (ctypes.c_char * size).from_buffer(self.mm)
+            self.base = ctypes.addressof(self._cbuf)
 
     @staticmethod
     def create(path: str, *, local_rank: int, epoch: int, nslots: int, meta_cap: int, data_cap: int) -> int:

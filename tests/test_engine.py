@@ -10,7 +10,16 @@ import signal
 
 import pytest
 import torch
-from helpers import assert_same_tree, launch_ranks, leftovers, run_ranks, saver_pids, wait_for, wait_savers_gone
+from helpers import (
+    assert_same_tree,
+    child_pids,
+    launch_ranks,
+    leftovers,
+    run_ranks,
+    saver_pids,
+    wait_for,
+    wait_savers_gone,
+)
 
 from flashckpt_core import CheckpointCorruptError, CheckpointDirError, FlashCheckpointError, StorageType
 from flashckpt_core.commit import CommitLayout
@@ -374,21 +383,27 @@ def test_load_into_existing_tensors_copies_in_place(make_engine, ckpt_dir):
     eng.close()
 
 
+def _nices(pid: int) -> list[int]:
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out.append(int(fields[16]))  # field 19 of stat: nice (fields counted after the command name)
+    return out
+
+
 def test_persisting_runs_at_a_lower_priority_than_training(make_engine, ckpt_dir, runtime_dir, monkeypatch):
-    """The saver's persist threads run FLASHCKPT_PERSIST_NICE (here 7) below the saver's other threads,
-    which keep the trainer's priority."""
+    """The saver's persist worker (the process that writes the files) runs FLASHCKPT_PERSIST_NICE (here
+    7) below the saver, whose threads keep the trainer's priority."""
     monkeypatch.setenv("FLASHCKPT_PERSIST_NICE", "7")
     engine = make_engine()
     engine.save(1, {"w": torch.randn(1000)}, storage_type=StorageType.DISK)
     engine.wait(timeout=60)
     (pid,) = saver_pids(runtime_dir)
-    nices = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        nices.append(int(fields[16]))  # field 19 of stat: nice (fields counted after the command name)
+    (worker,) = child_pids(pid)
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    assert base in nices and base + 7 in nices, nices
+    assert set(_nices(pid)) == {base}, _nices(pid)
+    assert set(_nices(worker)) == {base + 7}, _nices(worker)
     engine.close()
 
 
@@ -426,11 +441,13 @@ def test_memory_snapshots_skip_the_round_trip_to_the_saver(make_engine, monkeypa
     engine.close()
 
 
-def test_saver_cpu_seconds_counts_the_persist_work(make_engine, runtime_dir):
-    """saver_cpu_seconds() reads the saver daemon's own CPU time: it is the saver's pid, and a persist of
-    64 MB (xxh3 + CRC-32 + copy of every byte) makes it grow."""
+def test_saver_cpu_seconds_counts_the_persist_work(make_engine, runtime_dir, monkeypatch):
+    """saver_cpu_seconds() reads the CPU time of the saver daemon and its children: it is the saver's pid,
+    and a persist of 64 MB (xxh3 + CRC-32 + copy of every byte, in the saver's persist worker) makes it
+    grow, still counted once that worker exited (and was reaped)."""
     from flashckpt_core._protocol import process_cpu_seconds
 
+    monkeypatch.setenv("FLASHCKPT_PERSIST_WORKER_IDLE_S", "1")
     engine = make_engine()
     sd = {"w": torch.randn(16 << 20)}
     engine.save(1, sd, storage_type=StorageType.MEMORY)
@@ -440,6 +457,10 @@ def test_saver_cpu_seconds_counts_the_persist_work(make_engine, runtime_dir):
     engine.save(2, sd, storage_type=StorageType.DISK)
     engine.wait(timeout=60)
     after = engine.saver_cpu_seconds()
-    assert after is not None and after > before
+    (worker,) = child_pids(pid)
+    assert after is not None and after >= before + process_cpu_seconds(worker) - 0.05
+    assert process_cpu_seconds(worker) > 0.2  # it imported torch and wrote 64 MB
+    wait_for(lambda: not child_pids(pid), 20, "the idle persist worker to exit")
+    assert engine.saver_cpu_seconds() >= after - 0.05  # its time now counts as the saver's reaped children's
     engine.close()
     wait_for(lambda: engine.saver_cpu_seconds() is None, 30, "the saver to exit")  # nothing left to read

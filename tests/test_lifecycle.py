@@ -9,8 +9,11 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import signal
 import sys
+import termios
 
 import pytest
 import torch
@@ -25,9 +28,9 @@ from _fault_helpers import (  # noqa: F401
     tracker_step,
     wait_for,
 )
-from helpers import leftovers
+from helpers import child_pids, leftovers
 
-from flashckpt_core import CheckpointEngine, SaverError, SharedMemoryError, StorageType
+from flashckpt_core import CheckpointEngine, PersistError, SaverError, SharedMemoryError, StorageType
 
 
 def _fill(directory: str) -> None:
@@ -255,17 +258,87 @@ def _maps_torch(pid: int) -> bool:
         return "libtorch" in f.read()
 
 
-def test_idle_saver_is_small_and_loads_torch_only_to_persist(make_engine, ckpt_dir) -> None:
-    """An idle saver (after hello, and after memory snapshots) does not carry torch: under 60 MB of RSS
-    (it was ~170 MB). Its first persist loads torch and works as before."""
+def _persist_workers(saver: int) -> list[int]:
+    """The saver's live persist workers (its children running flashckpt_core._persist_worker)."""
+    out = []
+    for kid in child_pids(saver):
+        with contextlib.suppress(OSError), open(f"/proc/{kid}/cmdline", "rb") as f:
+            if b"flashckpt_core._persist_worker" in f.read():
+                out.append(kid)
+    return out
+
+
+def _unread_requests(pid: int) -> int:
+    """Bytes waiting in the pipes process ``pid`` reads from (its requests not read yet)."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if not os.readlink(f"/proc/{pid}/fd/{fd}").startswith("pipe:"):
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
+            if flags & os.O_ACCMODE != os.O_RDONLY:
+                continue
+            mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                n += int.from_bytes(fcntl.ioctl(mine, termios.FIONREAD, b"\0\0\0\0"), "little")
+            finally:
+                os.close(mine)
+    return n
+
+
+def test_saver_never_loads_torch_its_persist_worker_does_and_exits_when_idle(make_engine, ckpt_dir,
+                                                                              monkeypatch) -> None:
+    """The saver stays under 60 MB of RSS and never maps libtorch, idle or persisting (it was ~273 MB
+    from its first persist on, for the rest of its life, grace period included). Its first persist
+    starts a persist worker that loads torch and writes the files; the worker exits once idle for
+    FLASHCKPT_PERSIST_WORKER_IDLE_S, and the next persist starts a new one."""
+    monkeypatch.setenv("FLASHCKPT_PERSIST_WORKER_IDLE_S", "1")
     eng = make_engine()
     pid = eng._saver_pid  # the saver's pid as its hello reported it
     eng.save(1, {"w": torch.arange(1 << 16, dtype=torch.float32)}, storage_type=StorageType.MEMORY)
     rss = _vm_rss_mb(pid)
     assert rss < 60 and not _maps_torch(pid), f"idle saver: {rss:.0f} MB, torch loaded: {_maps_torch(pid)}"
-    eng.save(2, {"w": torch.arange(1 << 16, dtype=torch.float32) * 2}, storage_type=StorageType.DISK)
+    assert _persist_workers(pid) == []  # none before the first persist
+    workers = []
+    for step in (2, 3):
+        eng.save(step, {"w": torch.arange(1 << 16, dtype=torch.float32) * step}, storage_type=StorageType.DISK)
+        eng.wait(60)
+        rss = _vm_rss_mb(pid)
+        assert rss < 60 and not _maps_torch(pid), f"saver after a persist: {rss:.0f} MB, torch: {_maps_torch(pid)}"
+        (worker,) = _persist_workers(pid)
+        workers.append(worker)
+        assert _maps_torch(worker)
+        sd = torch.load(os.path.join(ckpt_dir, f"step_{step}", "rank_00000.pt"), weights_only=True)
+        assert torch.equal(sd["w"], torch.arange(1 << 16, dtype=torch.float32) * step)
+        wait_for(lambda w=worker: not alive(w), 20, "the idle persist worker to exit")
+    assert workers[0] != workers[1]  # the second persist started a new worker
+    assert _vm_rss_mb(pid) < 60 and not _maps_torch(pid)
+    eng.close()
+
+
+def test_a_killed_persist_worker_fails_its_persist_clearly_and_the_next_one_works(make_engine, ckpt_dir,
+                                                                                  monkeypatch) -> None:
+    """SIGKILL of the persist worker while it holds a persist: that persist fails with a PersistError
+    saying the worker was killed, its files are removed, and the next persist starts a new worker."""
+    monkeypatch.setenv("FLASHCKPT_PERSIST_WORKER_IDLE_S", "60")
+    eng = make_engine()
+    pid = eng._saver_pid
+    sd = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+    eng.save(1, sd, storage_type=StorageType.DISK)
     eng.wait(60)
-    assert _maps_torch(pid)
-    sd = torch.load(os.path.join(ckpt_dir, "step_2", "rank_00000.pt"), weights_only=True)
-    assert torch.equal(sd["w"], torch.arange(1 << 16, dtype=torch.float32) * 2)
+    (worker,) = _persist_workers(pid)
+    os.kill(worker, signal.SIGSTOP)  # the next persist's request waits in its pipe: in flight, unwritten
+    eng.save(2, sd, storage_type=StorageType.DISK)
+    wait_for(lambda: _unread_requests(worker), 20, "the persist request in the stopped worker's pipe")
+    kill9(worker)
+    with pytest.raises(PersistError, match=rf"persist worker \(pid {worker}\) was killed by SIGKILL"):
+        eng.wait(60)
+    assert not os.path.exists(os.path.join(ckpt_dir, "step_2", "rank_00000.pt"))
+    eng.save(3, sd, storage_type=StorageType.DISK)
+    eng.wait(60)
+    (again,) = _persist_workers(pid)
+    assert again != worker
+    assert torch.equal(torch.load(os.path.join(ckpt_dir, "step_3", "rank_00000.pt"), weights_only=True)["w"], sd["w"])
+    assert tracker_step(ckpt_dir) == 3
     eng.close()

@@ -1,0 +1,535 @@
+"""The persist worker: writes snapshots' files for the saver, in a process of its own.
+
+Persisting needs torch (a snapshot's tree of zero-copy tensors, ``torch.save``'s format); the saver does
+not: it serves trainers, pins slots, writes markers and commits. The saver therefore never imports torch
+(~250 MB of RSS it would keep for the rest of its life, a 600 s grace period after a crash included):
+its first persist starts this worker (``python -m flashckpt_core._persist_worker``, a subprocess, never a
+fork of the multi-threaded saver), and the worker exits once it was idle for
+FLASHCKPT_PERSIST_WORKER_IDLE_S (``Knobs.persist_worker_idle_s``), so memory goes back down once
+persists are done. The next persist starts a new one.
+
+Protocol, over the worker's stdin (requests) and stdout (replies): a 4-byte big-endian length and a UTF-8
+JSON object each, as on the saver's socket (``_protocol``). A request persists one pinned slot::
+
+    {"id": N, "seg_path": ..., "slot": i, "generation": g, "step": s, "rank": r, "path": ...}
+
+and its reply carries the request's ``id`` and either ``{"ok": true, "records": [FileRecord fields ...],
+"fileset": bool}`` or ``{"ok": false, "type": "OSError", "message": ..., "errno": 28, "strerror": ...,
+"filename": ...}``, from which the saver raises the same kind of error (a full disk still says "No space
+left on device" in the trainer's ``PersistError``). Requests are served concurrently, one thread each:
+the saver persists its local ranks in parallel. The worker's threads run ``persist_nice`` below the
+saver's priority.
+
+The worker writes the intent marker and the files (the saver writes the done marker once the reply came,
+or the failed marker); it maps segments read-only and never writes to them: pinning and unpinning slots
+is the saver's, under the segment lock. It exits at the end of its stdin: when the saver closes it (idle,
+or its shutdown) and when the saver dies. A worker that dies (killed, crashed) fails the persists in
+flight with an error that says so; the saver starts a new one for the next persist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import errno
+import functools
+import importlib
+import json
+import logging
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from . import errors as E
+from ._tree import TensorMeta, build_tensor, split_opaque, unflatten
+from .commit import CommitLayout
+from .files import FileSet, is_fileset_tree
+from .filewriter import write_parts
+from .shm import COMPLETE, Segment
+from .storage import CheckpointStorage, FileRecord, HashingWriter
+from .torchfile import torch_save_parts, zip_crc_slots
+
+__all__ = ["PersistWorker", "WORKER_MODULE"]
+
+log = logging.getLogger(__name__)
+
+WORKER_MODULE = __spec__.name  # flashckpt_core._persist_worker, also when run with -m
+_LEN = struct.Struct(">I")
+_MAX_MESSAGE = 64 << 20
+
+
+# ---------------------------------------------------------------------- framing over pipes
+def _write_msg(fd: int, msg: dict[str, Any]) -> None:
+    data = json.dumps(msg, separators=(",", ":")).encode()
+    view = memoryview(_LEN.pack(len(data)) + data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _read_msg(fd: int) -> dict[str, Any] | None:
+    """One message; None at the end of the pipe (the other end closed it or exited)."""
+    head = _read_exact(fd, _LEN.size)
+    if head is None:
+        return None
+    (n,) = _LEN.unpack(head)
+    if n > _MAX_MESSAGE:
+        raise E.ProtocolError(f"persist worker message of {n} bytes exceeds {_MAX_MESSAGE}")
+    raw = _read_exact(fd, n)
+    if raw is None:
+        return None
+    msg = json.loads(raw)
+    if not isinstance(msg, dict):
+        raise E.ProtocolError("persist worker message is not a JSON object")
+    return msg
+
+
+# ---------------------------------------------------------------------- the saver's end
+@dataclasses.dataclass
+class _Pending:
+    proc: subprocess.Popen[bytes]
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    reply: dict[str, Any] | None = None
+    lost: str = ""
+
+
+class PersistWorker:
+    """The saver's handle of its persist worker: starts it on demand, sends requests, stops it when idle.
+
+    Thread-safe: the saver's persist threads (one per local rank) call ``persist`` at the same time.
+
+    Args:
+        checkpoint_dir: the checkpoint dir (the worker's ``CommitLayout``).
+        job: the job key (markers carry it).
+        storage: the saver's storage; the worker builds one of the same class (no arguments).
+        nice: how much lower than the saver the worker runs (Linux nice increment).
+        idle_s: the worker exits once no persist was in flight for this long.
+    """
+
+    def __init__(self, checkpoint_dir: str, job: str, storage: CheckpointStorage, *, nice: int, idle_s: float) -> None:
+        cls = type(storage)
+        self._argv = [sys.executable, "-m", WORKER_MODULE, "--checkpoint-dir", checkpoint_dir, "--job", job,
+                      "--storage", f"{cls.__module__}:{cls.__qualname__}", "--nice", str(nice)]
+        self.idle_s = idle_s
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._pending: dict[int, _Pending] = {}
+        self._next_id = 0
+        self._timer: threading.Timer | None = None
+        self._closed = False
+
+    @property
+    def pid(self) -> int:
+        """The running worker's pid; 0 when none runs."""
+        proc = self._proc
+        return proc.pid if proc is not None else 0
+
+    def persist(self, *, seg_path: str, slot: int, generation: int, step: int, rank: int,
+                path: str) -> tuple[list[FileRecord], bool]:
+        """Has the worker write the files of the pinned ``slot``: returns their records, and whether the
+        snapshot is a ``FileSet`` (else one ``torch.save`` file at ``path``). Raises what the worker
+        raised (an ``OSError`` as such), or ``PersistError`` when the worker died meanwhile."""
+        req = {"seg_path": seg_path, "slot": slot, "generation": generation, "step": step, "rank": rank,
+               "path": path}
+        with self._lock:
+            if self._closed:
+                raise E.PersistError("the saver is shutting down: no persist worker is started any more")
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            proc = self._proc if self._proc is not None and self._proc.poll() is None else self._start()
+            self._next_id += 1
+            rid = self._next_id
+            p = self._pending[rid] = _Pending(proc)
+            try:
+                assert proc.stdin is not None
+                _write_msg(proc.stdin.fileno(), {**req, "id": rid})
+            except OSError:
+                p.lost = "its request pipe is closed"  # it died; its reader reports how, below
+        p.done.wait()
+        if p.reply is None:
+            raise E.PersistError(f"the persist worker (pid {proc.pid}) {p.lost} while it wrote step {step} of "
+                                 f"rank {rank}; its files were removed, see the saver's log; the next persist "
+                                 "starts a new worker")
+        if p.reply.get("ok"):
+            fields = {f.name for f in dataclasses.fields(FileRecord)}
+            recs = [FileRecord(**{k: v for k, v in r.items() if k in fields}) for r in p.reply["records"]]
+            return recs, bool(p.reply.get("fileset"))
+        raise _error_from(p.reply)
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        """Starts a worker (holds ``_lock``); its stderr is the saver's (the saver's log)."""
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
+                                cwd="/")
+        self._proc = proc
+        threading.Thread(target=self._read_loop, args=(proc, t0), name=f"flashckpt-saver-worker{proc.pid}",
+                         daemon=True).start()
+        log.info("started the persist worker (pid %d)", proc.pid)
+        return proc
+
+    def _read_loop(self, proc: subprocess.Popen[bytes], t0: float) -> None:
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        first = True
+        while True:
+            try:
+                msg = _read_msg(fd)
+            except (OSError, ValueError, E.ProtocolError) as e:
+                log.error("bad reply from the persist worker (pid %d): %s; stopping it", proc.pid, e)
+                proc.kill()
+                msg = None
+            if msg is None:
+                break
+            if first and msg.get("ready"):
+                first = False
+                log.info("the persist worker (pid %d) is ready after %.2f s", proc.pid, time.perf_counter() - t0)
+                continue
+            with self._lock:
+                p = self._pending.pop(msg.get("id", -1), None)
+                if p is not None:
+                    p.reply = msg
+                    p.done.set()
+                self._idle_later(proc)
+        # The worker exited (idle, stopped, or killed): reap it (its CPU time then counts in the saver's
+        # cutime/cstime) and fail what it had in flight.
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        proc.stdout.close()
+        how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with status {rc}"
+        with self._lock:
+            if self._proc is proc:
+                self._proc = None
+            lost = [rid for rid, p in self._pending.items() if p.proc is proc]
+            for rid in lost:
+                p = self._pending.pop(rid)
+                p.lost = how
+                p.done.set()
+        if lost:
+            log.error("the persist worker (pid %d) %s with %d persist(s) in flight", proc.pid, how, len(lost))
+        else:
+            log.info("the persist worker (pid %d) %s", proc.pid, how)
+
+    def _idle_later(self, proc: subprocess.Popen[bytes]) -> None:
+        """Once nothing is in flight, stops the worker after ``idle_s`` unless a persist comes (holds ``_lock``)."""
+        if self._pending or self._proc is not proc:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = threading.Timer(self.idle_s, self._stop_if_idle, args=(proc,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _stop_if_idle(self, proc: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            if self._proc is not proc or self._pending:
+                return
+            self._timer = None
+            self._proc = None
+            log.info("the persist worker (pid %d) was idle for %.0f s: stopping it", proc.pid, self.idle_s)
+            self._close_stdin(proc)
+
+    @staticmethod
+    def _close_stdin(proc: subprocess.Popen[bytes]) -> None:
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()  # the worker exits at the end of its stdin
+        except OSError:
+            pass
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the worker (what is still in flight fails) and starts no other."""
+        with self._lock:
+            self._closed = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            proc, self._proc = self._proc, None
+            if proc is not None:
+                self._close_stdin(proc)
+        if proc is None:
+            return
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.error("the persist worker (pid %d) did not exit within %.0f s: killing it", proc.pid, timeout)
+            proc.kill()
+            proc.wait()
+
+
+def _error_from(reply: dict[str, Any]) -> Exception:
+    """The exception the worker's error reply describes: an ``OSError`` with its errno (its subclass, as
+    Python picks it), a flashckpt error of its class, else a ``PersistError`` naming the type."""
+    kind, message = str(reply.get("type", "Exception")), str(reply.get("message", ""))
+    if reply.get("errno") is not None:
+        args: list[Any] = [int(reply["errno"]), str(reply.get("strerror") or os.strerror(int(reply["errno"])))]
+        if reply.get("filename") is not None:
+            args.append(str(reply["filename"]))
+        return OSError(*args)
+    cls = getattr(E, kind, None)
+    if isinstance(cls, type) and issubclass(cls, E.FlashCheckpointError):
+        return cls(message)
+    return E.PersistError(f"{kind}: {message}")
+
+
+# ---------------------------------------------------------------------- the worker's end
+class _Opaque:
+    """An opaque leaf inside a persisted file: unpickles to the trainer's object with pickle.loads."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return (pickle.loads, (self.raw,))
+
+
+@dataclasses.dataclass
+class _Job:
+    step: int
+    rank: int
+    path: str
+
+
+class _Writer:
+    """Writes what one request names (runs in the worker, one thread per request)."""
+
+    def __init__(self, layout: CommitLayout) -> None:
+        self.layout = layout
+        self.storage = layout.storage
+
+    def persist(self, req: dict[str, Any]) -> tuple[list[FileRecord], bool]:
+        job = _Job(int(req["step"]), int(req["rank"]), str(req["path"]))
+        slot, generation = int(req["slot"]), int(req["generation"])
+        seg = Segment(str(req["seg_path"]), populate=False, readonly=True)
+        try:
+            h = seg.header(slot)  # pinned by the saver: it stays this snapshot until unpinned
+            if h.state != COMPLETE or h.generation != generation or h.step != job.step:
+                raise E.PersistError(f"the snapshot of step {job.step} was overwritten before it was persisted")
+            tree = _zero_copy_tree(seg, slot, h)
+            is_set = is_fileset_tree(tree)
+            if is_set:
+                recs = self._persist_fileset(job, FileSet.decode(tree))
+            else:
+                self.layout.check_target(job.step, job.path)
+                self.layout.write_intent(job.step, job.rank, [job.path])
+                staged = self._staging(job, job.path, 0)
+                rec = self.storage.write_file(staged or job.path, functools.partial(_torch_save, tree))
+                recs = [FileRecord(job.path, rec.size, rec.xxh3, staged=staged)]
+            del tree  # drop the views of the segment before it is unmapped
+            return recs, is_set
+        finally:
+            seg.close()
+
+    def _persist_fileset(self, job: _Job, fs: FileSet) -> list[FileRecord]:
+        """Writes a rank's file set: plain files in place; commit-time and tracker files staged for the
+        commit. The intent names every final path a crash could leave behind (not trackers: they are
+        only written once the step is committed)."""
+        targets = {}
+        for i, (name, e) in enumerate(sorted(fs.items())):
+            final = self.layout.abs(name) if e.kind == "tracker" else os.path.join(job.path, name)
+            self.layout.rel(final)  # inside the checkpoint dir
+            staged = self.layout.staged_path(job.step, job.rank, i) if e.kind != "file" else ""
+            targets[name] = (final, staged or self._staging(job, final, i))
+        self.layout.check_target(job.step, job.path, files=[f for n, (f, _) in targets.items()
+                                                             if fs[n].kind != "tracker"])
+        self.layout.write_intent(job.step, job.rank, [f for n, (f, _) in targets.items() if fs[n].kind != "tracker"])
+        recs = []
+        for name, e in sorted(fs.items()):
+            final, staged = targets[name]
+            writer = _torch_save if e.format == "torch" else _raw_save
+            rec = self.storage.write_file(staged or final, functools.partial(writer, e.data))
+            recs.append(FileRecord(final, rec.size, rec.xxh3, e.format, name, e.kind, staged))
+        return recs
+
+    def _staging(self, job: _Job, final: str, index: int) -> str:
+        """Where a file that replaces one a committed step lists is written until the commit ("" for any
+        other file, written in place): the committed step's file stays intact until this step is
+        committed. A file no committed step lists (a leftover of a failed persist) is simply replaced,
+        and whatever blocks its path fails this persist, as it would fail a plain write."""
+        if not self.storage.exists(final) or os.path.abspath(final) not in self.layout._committed_paths():
+            return ""
+        return self.layout.staged_path(job.step, job.rank, index)
+
+
+def _zero_copy_tree(seg: Segment, slot: int, h: Any) -> Any:
+    """The snapshot's tree with tensors viewing the segment (no copy) and opaque leaves embedded."""
+    meta = seg.read_meta(slot, h)
+    data_off = seg.data_off(slot)
+    storages: dict[tuple[int, int], torch.UntypedStorage] = {}
+    tensors = []
+    for v in meta["tensors"]:
+        m = TensorMeta.from_json(v)
+        key = (m.offset, m.nbytes)
+        st = storages.get(key)
+        if st is None:
+            st = (torch.frombuffer(seg.mm, dtype=torch.uint8, count=m.nbytes, offset=data_off + m.offset)
+                  .untyped_storage() if m.nbytes else torch.UntypedStorage(0))
+            storages[key] = st
+        tensors.append(build_tensor(st, m))
+    blob_off = data_off + h.tensor_bytes
+    blob = seg.mm[blob_off: blob_off + h.blob_len]
+    opaque = [_Opaque(b) for b in split_opaque(blob, meta["opaque"])]
+    return unflatten(meta["tree"], tensors, opaque)
+
+
+def _raw_save(parts: list[Any], path: str) -> tuple[int, str]:
+    return write_parts(path, parts)
+
+
+def _torch_save(tree: Any, path: str) -> tuple[int, str]:
+    """Writes ``torch.save(tree)``'s file to ``path``; returns (size, xxh3).
+
+    The file is split into its ``torch.save`` bytes and the storages' data (``torch_save_parts``) and
+    streamed to disk with direct I/O (``write_parts``), the zip CRC-32s filled in on the way when torch's
+    CRC option is on (its default). A torch whose archive layout the split does not recognize gets a
+    plain ``torch.save`` instead (``_torch_save_plain``)."""
+    try:
+        parts = torch_save_parts(tree)
+        slots = zip_crc_slots(parts) if torch.serialization.get_crc32_options() else None
+    except E.FlashCheckpointError as e:
+        global _warned_plain
+        if not _warned_plain:
+            _warned_plain = True
+            log.warning("%s; persisting with torch.save instead", e)
+        return _torch_save_plain(tree, path)
+    return write_parts(path, parts, crc_slots=slots)
+
+
+_warned_plain = False
+
+
+def _torch_save_plain(tree: Any, path: str) -> tuple[int, str]:
+    """``torch.save`` through a Python file object that checksums as it writes; returns (size, xxh3).
+
+    Writing through a file object also makes a failing write surface as its OSError: given a path,
+    torch's C++ writer reports ENOSPC, EDQUOT or EIO only as an opaque ``RuntimeError: [enforce fail at
+    inline_container.cc] unexpected pos ...``, while here the failing ``write`` raises the OSError,
+    which torch leaves as the RuntimeError's context: re-raise it, so the trainer's PersistError says
+    "No space left on device"."""
+    with open(path, "wb") as f:
+        w = HashingWriter(f)
+        try:
+            torch.save(tree, w)  # type: ignore[arg-type]
+        except RuntimeError as e:
+            if isinstance(e.__context__, OSError):
+                raise e.__context__ from e
+            raise
+    return w.size, w.hexdigest()
+
+
+def _error_reply(rid: Any, e: BaseException) -> dict[str, Any]:
+    reply: dict[str, Any] = {"id": rid, "ok": False, "type": type(e).__name__, "message": str(e)}
+    if isinstance(e, OSError) and e.errno is not None:
+        reply.update(errno=e.errno, strerror=e.strerror or os.strerror(e.errno),
+                     filename=None if e.filename is None else os.fsdecode(e.filename))
+    return reply
+
+
+def _serve(writer: _Writer, req: dict[str, Any], out_fd: int, out_lock: threading.Lock) -> None:
+    rid = req.get("id")
+    try:
+        recs, is_set = writer.persist(req)
+        reply: dict[str, Any] = {"id": rid, "ok": True, "fileset": is_set,
+                                 "records": [dataclasses.asdict(r) for r in recs]}
+    except BaseException as e:  # reported to the saver, which fails the persist with it
+        log.error("persist of step %s rank %s failed: %s: %s", req.get("step"), req.get("rank"), type(e).__name__, e,
+                  exc_info=not isinstance(e, (OSError, E.FlashCheckpointError)))
+        reply = _error_reply(rid, e)
+    try:
+        with out_lock:
+            _write_msg(out_fd, reply)
+    except OSError:
+        os._exit(1)  # the saver is gone
+
+
+def _load_storage(spec: str) -> CheckpointStorage:
+    module, _, name = spec.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    storage = obj()
+    if not isinstance(storage, CheckpointStorage):
+        raise TypeError(f"{spec} is not a CheckpointStorage")
+    return storage
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}", description="flashckpt persist worker")
+    p.add_argument("--checkpoint-dir", required=True)
+    p.add_argument("--job", default="")
+    p.add_argument("--storage", default="flashckpt_core.storage:PosixDiskStorage")
+    p.add_argument("--nice", type=int, default=0)
+    args = p.parse_args(argv)
+    # The protocol's pipes get fds of their own; fd 0 and 1 become /dev/null and stderr, so nothing a
+    # library prints can corrupt a reply.
+    in_fd, out_fd = os.dup(0), os.dup(1)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)
+    logging.basicConfig(level=os.environ.get("FLASHCKPT_SAVER_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    # The saver stops it (the end of its stdin), and it dies with the saver. A SIGTERM or ^C sent to the
+    # whole process group (scancel, a terminal) is the saver's to handle: its last words need the worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.nice:
+        # Linux nice is per thread: set on this one before any other starts, every thread inherits it.
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + args.nice)
+        except OSError as e:
+            log.warning("could not lower the persist worker's priority: %s", e)
+    # Segments are mapped read-only: torch warns that its views of them are not writable (they are not
+    # written: the files are only read from them).
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    writer = _Writer(CommitLayout(args.checkpoint_dir, _load_storage(args.storage), job=args.job))
+    out_lock = threading.Lock()
+    with out_lock:
+        _write_msg(out_fd, {"ready": True, "pid": os.getpid()})
+    while True:
+        try:
+            req = _read_msg(in_fd)
+        except (OSError, ValueError, E.ProtocolError) as e:
+            log.error("bad request from the saver: %s; exiting", e)
+            req = None
+        if req is None:
+            # The saver closed the pipe (idle, or its shutdown: nothing is in flight) or died (what is in
+            # flight is of no use to anyone): exit at once.
+            os._exit(0)
+        threading.Thread(target=_serve, args=(writer, req, out_fd, out_lock), daemon=True,
+                         name=f"persist{req.get('id')}").start()
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(1)
+    except OSError as e:
+        if e.errno == errno.EPIPE:
+            sys.exit(1)
+        raise
