@@ -37,7 +37,20 @@ from .config import Knobs, is_default_runtime_dir, make_private_dir
 from .files import FileSet, is_fileset_tree
 from .filewriter import write_parts
 from .ipc import SharedLock
-from .shm import COMPLETE, FLAG_PENDING, FLAG_PINNED, Segment, lock_path, segment_path, segment_paths
+from .shm import (
+    COMPLETE,
+    EMPTY,
+    FLAG_PENDING,
+    FLAG_PINNED,
+    FLAG_UNRESERVED,
+    WRITING,
+    Segment,
+    SlotHeader,
+    live_snapshots,
+    lock_path,
+    segment_path,
+    segment_paths,
+)
 from .storage import CheckpointStorage, FileRecord, HashingWriter, PosixDiskStorage
 from .torchfile import torch_save_parts, zip_crc_slots
 
@@ -182,7 +195,7 @@ class CheckpointSaver:
                 continue
             with SharedLock(lock_path(self.job_dir, seg.local_rank)):
                 for i in range(seg.nslots):
-                    seg.set_flags(i, 0)
+                    seg.set_flags(i, seg.header(i).flags & ~(FLAG_PINNED | FLAG_PENDING))
             self._segments[path] = seg
             log.info("adopted segment %s (steps %s)", path, [s for s, _ in seg.complete_steps()])
 
@@ -401,7 +414,10 @@ class CheckpointSaver:
             raise E.ProtocolError(f"alloc: bad arguments {local_rank=} {meta_cap=} {data_cap=} {nslots=}")
         existing = segment_paths(self.job_dir, local_rank)
         epoch = existing[-1][0] + 1 if existing else 0
-        need = 4096 + nslots * (4096 + _page(meta_cap) + _page(data_cap))
+        # Two slots come with a spare: its memory is reserved only while a persist holds a slot and the
+        # other holds the newest snapshot (see shm), so only its header page is needed now.
+        spare = 1 if nslots == 2 else 0
+        need = 4096 + nslots * (4096 + _page(meta_cap) + _page(data_cap)) + spare * 4096
         free = self._shm_free()
         if need > free:
             raise E.SharedMemoryError(
@@ -410,8 +426,8 @@ class CheckpointSaver:
                 "(docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory), use FLASHCKPT_SLOTS=1, "
                 "or checkpoint less state per rank.")
         path = segment_path(self.job_dir, local_rank, epoch)
-        Segment.create(path, local_rank=local_rank, epoch=epoch, nslots=nslots,
-                       meta_cap=meta_cap, data_cap=data_cap)
+        Segment.create(path, local_rank=local_rank, epoch=epoch, nslots=nslots + spare,
+                       meta_cap=meta_cap, data_cap=data_cap, spare=spare)
         self._segments[path] = Segment(path, populate=False)
         log.info("allocated %s: %d slot(s), %d bytes", path, nslots, need)
         self._reap_segments(local_rank)
@@ -421,7 +437,7 @@ class CheckpointSaver:
         st = os.statvfs(self.job_dir)
         free = st.f_bavail * st.f_frsize
         if self.knobs.shm_limit_bytes:
-            used = sum(seg.size for seg in self._segments.values())
+            used = sum(seg.reserved_bytes() for seg in self._segments.values())
             free = min(free, max(0, self.knobs.shm_limit_bytes - used))
         return free
 
@@ -443,6 +459,29 @@ class CheckpointSaver:
                 os.unlink(path)
                 self._segments.pop(path).close()
 
+    def _release_spare(self, seg: Segment) -> None:
+        """Gives back the memory of one slot of a segment with a spare once all its slots are reserved and
+        none is held for a persist: the spare is needed only while a persist runs. The slot given back is
+        the oldest that is neither being written nor the newest complete one."""
+        if seg.nslots < 3:
+            return
+        with SharedLock(lock_path(self.job_dir, seg.local_rank)):
+            hs = [seg.header(i) for i in range(seg.nslots)]
+            if any(h.flags & (FLAG_PINNED | FLAG_PENDING | FLAG_UNRESERVED) for h in hs):
+                return
+            newest = max((i for i, h in enumerate(hs) if h.state == COMPLETE), key=lambda i: (hs[i].seq, i),
+                         default=None)
+            idle = [i for i, h in enumerate(hs) if i != newest and h.state != WRITING]
+            if not idle:
+                return
+            i = min(idle, key=lambda i: (hs[i].state == COMPLETE, hs[i].seq))
+            h = hs[i]
+            seg.write_header(i, SlotHeader(EMPTY, FLAG_UNRESERVED | FLAG_PINNED, -1, h.generation + 1,
+                                           0, 0, 0, 0, 0.0, h.seq))
+        seg.release(i)  # outside the lock: FLAG_PINNED keeps writers away meanwhile
+        with SharedLock(lock_path(self.job_dir, seg.local_rank)):
+            seg.set_flags(i, seg.header(i).flags & ~FLAG_PINNED)
+
     def _reap_quietly(self, local_rank: int) -> None:
         """Reaps outgrown segments after a snapshot (see ``_reap_segments``), never failing the request.
 
@@ -451,6 +490,9 @@ class CheckpointSaver:
         which the trainer's next persist or status request tells us."""
         try:
             self._reap_segments(local_rank)
+            paths = segment_paths(self.job_dir, local_rank)
+            if paths:
+                self._release_spare(self._segment(paths[-1][1]))
         except (OSError, E.FlashCheckpointError) as e:
             log.warning("freeing outgrown segments of local rank %d: %s", local_rank, e)
 
@@ -530,6 +572,10 @@ class CheckpointSaver:
                 h2 = seg.header(job.slot)
                 if h2.generation == job.generation:
                     seg.set_flags(job.slot, h2.flags & ~(FLAG_PINNED | FLAG_PENDING))
+            try:
+                self._release_spare(seg)
+            except (OSError, E.FlashCheckpointError) as e:
+                log.warning("giving back the spare slot of %s: %s", seg.path, e)
         dt = time.perf_counter() - t0
         size = sum(r.size for r in recs)
         with self._cv:
@@ -613,11 +659,8 @@ class CheckpointSaver:
                 return None
             held: dict[int, dict[int, tuple[Segment, int]]] = {}  # local rank -> step -> (segment, slot)
             for lr in persisters:
-                held[lr] = {}
-                for _epoch, path in segment_paths(self.job_dir, lr):
-                    seg = self._segment(path)
-                    for s, slot in seg.complete_steps():
-                        held[lr][s] = (seg, slot)
+                segs = [self._segment(path) for _epoch, path in segment_paths(self.job_dir, lr)]
+                held[lr] = {h.step: (seg, slot) for seg, slot, h in live_snapshots(segs)}
             common = set.intersection(*(set(steps) for steps in held.values()))
             for step in sorted((s for s in common if s > newest_committed), reverse=True):
                 jobs = self._last_words_jobs(step, persisters, held)
