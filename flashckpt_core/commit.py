@@ -11,6 +11,12 @@ Layout under the checkpoint dir (``META`` = ``.flashckpt``)::
 
 A step is committed once its manifest exists; the tracker only names the newest one and is rewritten
 after the manifest. Files listed in manifests are relative to the checkpoint dir.
+
+"Newest" means most recently committed, never the highest step: each manifest carries a commit
+sequence number ``seq`` (one above every other manifest's), so a step saved again replaces its earlier
+commit and a lower step (a rolled-back timeline) is newer than the abandoned higher ones. Load, the
+tracker and retention all follow that order. Manifests without ``seq`` (older versions) count as 0 and
+keep their step order among themselves.
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ class Manifest:
         files: rank -> that rank's files (path relative to the checkpoint dir, size, xxh3).
         replicated: every rank's state is rank 0's (DDP): all ranks load rank 0's files.
         time: commit time (seconds since the epoch).
-        extra: adapter-specific JSON (framework tracker files written at commit, ...).
+        extra: adapter-specific JSON (framework tracker files written at commit, ...); ``saved_at`` is the
+            wall time of the newest of the ranks' snapshots it was persisted from.
+        seq: commit sequence number: higher is committed later (0 in manifests older than it).
     """
 
     step: int
@@ -53,6 +61,7 @@ class Manifest:
     replicated: bool
     time: float
     extra: dict[str, Any]
+    seq: int = 0
 
     def files_for(self, rank: int) -> list[FileRecord]:
         if self.replicated or rank not in self.files:
@@ -64,7 +73,7 @@ class Manifest:
 
     def to_json(self) -> bytes:
         d = {"format": MANIFEST_FORMAT, "step": self.step, "world_size": self.world_size,
-             "replicated": self.replicated, "time": self.time, "extra": self.extra,
+             "replicated": self.replicated, "time": self.time, "seq": self.seq, "extra": self.extra,
              "files": {str(r): [asdict(f) for f in fs] for r, fs in self.files.items()}}
         return json.dumps(d, indent=1).encode()
 
@@ -75,7 +84,7 @@ class Manifest:
             raise E.CheckpointCorruptError(f"unknown manifest format {d.get('format')!r}")
         files = {int(r): [FileRecord(**f) for f in fs] for r, fs in d["files"].items()}
         return Manifest(int(d["step"]), int(d["world_size"]), files, bool(d["replicated"]),
-                        float(d["time"]), dict(d.get("extra", {})))
+                        float(d["time"]), dict(d.get("extra", {})), int(d.get("seq", 0)))
 
 
 class CommitLayout:
@@ -115,12 +124,19 @@ class CommitLayout:
         body = json.dumps({"rank": rank, "paths": [self.rel(p) for p in paths]}).encode()
         self.storage.write_bytes(self._marker(step, "intent", rank), body)
 
-    def write_done(self, step: int, rank: int, files: list[FileRecord], base: str = "") -> None:
-        """Rank ``rank``'s files of ``step`` are durable; ``base`` is where the rank's set lives."""
+    def write_done(self, step: int, rank: int, files: list[FileRecord], base: str = "", saved_at: float = 0.0) -> None:
+        """Rank ``rank``'s files of ``step`` are durable; ``base`` is where the rank's set lives, ``saved_at``
+        the wall time of the snapshot they were persisted from."""
         recs = [asdict(replace(f, path=self.rel(f.path), staged=self.rel(f.staged) if f.staged else ""))
                 for f in files]
-        body = {"rank": rank, "files": recs, "base": self.rel(base) if base else ""}
+        body = {"rank": rank, "files": recs, "base": self.rel(base) if base else "", "saved_at": saved_at}
         self.storage.write_bytes(self._marker(step, "done", rank), json.dumps(body).encode())
+
+    def clear_markers(self, step: int, rank: int) -> None:
+        """Removes rank ``rank``'s done and failed markers of ``step`` left by an earlier save of the same
+        step, before its new persist begins, so a commit never takes them for the new one's."""
+        for kind in ("done", "failed"):
+            self.storage.remove(self._marker(step, kind, rank))
 
     def staged_path(self, step: int, rank: int, index: int) -> str:
         """Where a rank's commit-time or tracker file waits for the commit."""
@@ -152,6 +168,7 @@ class CommitLayout:
         deadline = time.monotonic() + timeout
         files: dict[int, list[FileRecord]] = {}
         bases: dict[int, str] = {}
+        saved_at = 0.0
         delay = 0.002
         while True:
             for r in ranks:
@@ -164,6 +181,7 @@ class CommitLayout:
                 if done is not None:
                     files[r] = [FileRecord(**f) for f in done["files"]]
                     bases[r] = str(done.get("base", ""))
+                    saved_at = max(saved_at, float(done.get("saved_at", 0.0)))
             if len(files) == len(ranks):
                 break
             if time.monotonic() >= deadline or stopping():
@@ -184,9 +202,11 @@ class CommitLayout:
                     f = replace(f, staged="")
                 kept.append(f)
             files[r] = kept
+        order = self.commit_order()
         manifest = Manifest(step, world_size, files, replicated, time.time(),
                             {**extra, "bases": {str(r): b for r, b in bases.items() if b},
-                             "trackers": [asdict(f) for f in trackers]})
+                             "trackers": [asdict(f) for f in trackers], "saved_at": saved_at},
+                            seq=max((q for q, _s in order), default=0) + 1)
         self.storage.write_bytes(self.manifest_path(step), manifest.to_json())
         self.storage.write_bytes(self.tracker_path, json.dumps({"step": step}).encode())
         for f in trackers:
@@ -216,13 +236,23 @@ class CommitLayout:
 
     # reading -------------------------------------------------------------
     def committed_steps(self) -> list[int]:
-        """Every step with a manifest, ascending (derived from storage alone)."""
-        steps = []
+        """Every step with a manifest, in commit order: the most recently committed last (derived from
+        storage alone; see the module docstring). Ascending for a job that never went back."""
+        return [s for _q, s in self.commit_order()]
+
+    def commit_order(self) -> list[tuple[int, int]]:
+        """(commit seq, step) of every step with a manifest, oldest commit first. A manifest that cannot
+        be read sorts by its step among those without a seq."""
+        out = []
         base = os.path.join(self.meta, "steps")
         for name in self.storage.listdir(base):
             if name.isdigit() and self.storage.exists(self.manifest_path(int(name))):
-                steps.append(int(name))
-        return sorted(steps)
+                try:
+                    seq = int(json.loads(self.storage.read_bytes(self.manifest_path(int(name)))).get("seq", 0))
+                except (OSError, ValueError, TypeError, AttributeError):
+                    seq = 0
+                out.append((seq, int(name)))
+        return sorted(out)
 
     def uncommitted_steps(self) -> list[int]:
         base = os.path.join(self.meta, "steps")

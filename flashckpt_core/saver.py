@@ -558,6 +558,7 @@ class CheckpointSaver:
                 raise E.PersistError(f"the snapshot of step {job.step} was overwritten before it was persisted")
             seg.set_flags(job.slot, h.flags | FLAG_PINNED)
         try:
+            self.layout.clear_markers(job.step, job.rank)  # an earlier save's of the same step
             tree = self._zero_copy_tree(seg, job.slot, h)
             is_set = is_fileset_tree(tree)
             if is_set:
@@ -566,7 +567,7 @@ class CheckpointSaver:
                 self.layout.write_intent(job.step, job.rank, [job.path])
                 recs = [self.storage.write_file(job.path, functools.partial(_torch_save, tree))]
             del tree  # drop the views of the segment before it may be unmapped
-            self.layout.write_done(job.step, job.rank, recs, base=job.path if is_set else "")
+            self.layout.write_done(job.step, job.rank, recs, base=job.path if is_set else "", saved_at=h.wall_time)
         finally:
             with lock:
                 h2 = seg.header(job.slot)
@@ -654,7 +655,8 @@ class CheckpointSaver:
             with self._cv:
                 persisters = dict(self._persisters)
                 known = set(self._steps)
-                newest_committed = max(self._committed, default=-1)
+                newest_committed = self._committed[-1] if self._committed else -1
+            saved_at = self._saved_at(newest_committed)
             if not persisters:
                 return None
             held: dict[int, dict[int, tuple[Segment, int]]] = {}  # local rank -> step -> (segment, slot)
@@ -662,7 +664,12 @@ class CheckpointSaver:
                 segs = [self._segment(path) for _epoch, path in segment_paths(self.job_dir, lr)]
                 held[lr] = {h.step: (seg, slot) for seg, slot, h in live_snapshots(segs)}
             common = set.intersection(*(set(steps) for steps in held.values()))
-            for step in sorted((s for s in common if s > newest_committed), reverse=True):
+
+            def newer(s: int) -> bool:  # saved after the newest commit's snapshot (legacy manifests: by step)
+                seg, slot = held[min(held)][s]
+                return seg.header(slot).wall_time > saved_at if saved_at else s > newest_committed
+
+            for step in sorted((s for s in common if newer(s)), reverse=True):
                 jobs = self._last_words_jobs(step, persisters, held)
                 if jobs is not None:
                     break
@@ -679,6 +686,15 @@ class CheckpointSaver:
                     self._enqueue(job)
         self._wait_step(step, timeout)
         return step
+
+    def _saved_at(self, step: int) -> float:
+        """The snapshot wall time committed ``step`` was persisted from; 0.0 when unknown."""
+        if step < 0:
+            return 0.0
+        try:
+            return float(self.layout.read_manifest(step).extra.get("saved_at", 0.0))
+        except (E.FlashCheckpointError, TypeError, ValueError):
+            return 0.0
 
     def _last_words_jobs(self, step: int, persisters: dict[int, _ClientInfo],
                          held: dict[int, dict[int, tuple[Segment, int]]]) -> list[dict[str, Any]] | None:
@@ -735,7 +751,7 @@ class CheckpointSaver:
                                    timeout=self.knobs.commit_timeout_s,
                                    stopping=lambda: self._stop.is_set() and not self._signalled)
                 with self._cv:
-                    self._committed = sorted(set(self._committed) | {step})
+                    self._committed = [s for s in self._committed if s != step] + [step]  # commit order
                 log.info("event=commit step=%d ranks=%s", step, spec["ranks"])
                 self._finish(step, None, committed=True)
             except Exception as e:

@@ -15,6 +15,7 @@ import select
 import signal
 
 import pytest
+import torch
 from _fault_helpers import (  # noqa: F401
     FaultEnv,
     assert_state_of,
@@ -28,7 +29,7 @@ from _fault_helpers import (  # noqa: F401
     wait_for,
 )
 
-from flashckpt_core import CheckpointEngine, PersistError
+from flashckpt_core import CheckpointEngine, PersistError, StorageType
 from flashckpt_core.shm import FLAG_PINNED, FLAG_UNRESERVED, PAGE, WRITING, Segment, segment_paths
 
 MB = 64
@@ -117,3 +118,46 @@ def test_kill_mid_copy_while_a_persist_holds_a_slot_keeps_the_newest_snapshot(fa
     finally:
         close_and_wait(engine)
     seg.close()
+
+
+# ------------------------------------------------------------------------------- the newest save wins
+def _sd(step: int, tag: float) -> dict:
+    return {"w": torch.full((1024,), tag), "step": step, "tag": tag}
+
+
+def test_memory_the_newest_save_of_a_step_wins_and_a_lower_step_starts_a_new_timeline(make_engine) -> None:
+    """In memory: step 5 saved twice loads the second content; after 40, then 30 and 31 (a rollback),
+    a restarted process loads 31, not 40 from the abandoned timeline."""
+    eng = make_engine(max_to_keep=0)
+    for step, tag in ((4, 4.0), (5, 5.0), (5, 5.5)):
+        eng.save(step, _sd(step, tag), storage_type=StorageType.MEMORY)
+    got = eng.load()
+    assert (eng.last_load.source, eng.last_load.step, got["tag"]) == ("memory", 5, 5.5)
+    assert eng.memory_steps()[0] == 5
+    for step in (40, 30, 31):
+        eng.save(step, _sd(step, float(step)), storage_type=StorageType.MEMORY)
+    assert eng.memory_steps() == [31, 30]  # 40 and both 5s are superseded by the new timeline
+    eng.close(release=False)  # a crash-like exit: the snapshots stay for the restarted process
+    eng2 = make_engine(max_to_keep=0)
+    got = eng2.load()
+    assert (eng2.last_load.source, eng2.last_load.step, got["tag"]) == ("memory", 31, 31.0)
+    eng2.close()
+
+
+def test_storage_the_newest_commit_wins(make_engine, ckpt_dir, runtime_dir) -> None:
+    """On storage: 40, then 30 and 31 (31 saved twice) committed in that order: a new process (memory
+    gone) loads the second 31; the tracker names 31 and 40 is the oldest commit."""
+    from helpers import wait_savers_gone
+
+    eng = make_engine(max_to_keep=0)
+    for step, tag in ((40, 40.0), (30, 30.0), (31, 31.0), (31, 31.5)):
+        eng.save(step, _sd(step, tag), storage_type=StorageType.DISK)
+        eng.wait(timeout=60)
+    eng.close()
+    wait_savers_gone(runtime_dir)
+    eng2 = make_engine(max_to_keep=0)
+    got = eng2.load()
+    assert (eng2.last_load.source, eng2.last_load.step, got["tag"]) == ("storage", 31, 31.5)
+    assert eng2.committed_steps() == [40, 30, 31]
+    assert eng2.layout.tracker_step() == 31 and eng2.layout.verify(31) == []
+    eng2.close()
