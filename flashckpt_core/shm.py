@@ -224,16 +224,18 @@ class Segment:
         return self.size - sum(self.slot_size - PAGE for i in range(self.nslots)
                                if self.header(i).flags & FLAG_UNRESERVED)
 
-    def reserve(self, i: int) -> None:
-        """Reserves slot ``i``'s memory (fallocate) and clears its FLAG_UNRESERVED; the caller holds the
-        segment's lock. Raises OSError (ENOSPC) when /dev/shm cannot hold it."""
+    def reserve(self, i: int, *, clear_flag: bool = True) -> None:
+        """Reserves slot ``i``'s memory (fallocate), faults it in, and (with ``clear_flag``, the caller
+        holding the segment's lock) clears its FLAG_UNRESERVED. Raises OSError (ENOSPC) when /dev/shm
+        cannot hold it."""
         fd = os.open(self.path, os.O_RDWR)
         try:
             os.posix_fallocate(fd, self.slot_off(i), self.slot_size)
         finally:
             os.close(fd)
         self._advise(_MADV_POPULATE_WRITE, self.slot_off(i), self.slot_size)
-        self.set_flags(i, self.header(i).flags & ~FLAG_UNRESERVED)
+        if clear_flag:
+            self.set_flags(i, self.header(i).flags & ~FLAG_UNRESERVED)
 
     def release(self, i: int) -> None:
         """Gives slot ``i``'s memory back (all but its header page: MADV_REMOVE punches the hole). The
