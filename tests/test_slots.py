@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import signal
 
 import pytest
@@ -53,9 +52,16 @@ def _release_persist(fifo: str) -> None:
     """Lets the held persist go on: the test opens the FIFO's other end until the persist wrote into it,
     then closes it, so the persist fails with a broken pipe."""
     fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+
+    def wrote() -> bool:
+        # b"": no writer yet, or one that left (the direct-I/O open fails on a FIFO; the buffered one follows).
+        try:
+            return bool(os.read(fd, 1 << 16))
+        except BlockingIOError:
+            return False
+
     try:
-        ready, _, _ = select.select([fd], [], [], 60)
-        assert ready, "the held persist did not write after its FIFO was opened"
+        wait_for(wrote, 60, "the held persist to write into its FIFO")
     finally:
         os.close(fd)
 
