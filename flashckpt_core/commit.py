@@ -21,6 +21,12 @@ Markers and manifests name the job that wrote them (``"job"``: its job key; abse
 jobs sharing a checkpoint dir never mix: a commit takes only its own job's done markers (another live
 job's marker for the same step is a clear error), and start-up clean-up leaves alone the uncommitted
 steps of every other job whose saver is alive (its job lock is held).
+
+"Newest" means most recently committed, never the highest step: each manifest carries a commit
+sequence number ``seq`` (one above every other manifest's), so a step saved again replaces its earlier
+commit and a lower step (a rolled-back timeline) is newer than the abandoned higher ones. Load, the
+tracker and retention all follow that order. Manifests without ``seq`` (older versions) count as 0 and
+keep their step order among themselves.
 """
 
 from __future__ import annotations
@@ -100,7 +106,9 @@ class Manifest:
         files: rank -> that rank's files (path relative to the checkpoint dir, size, xxh3).
         replicated: every rank's state is rank 0's (DDP): all ranks load rank 0's files.
         time: commit time (seconds since the epoch).
-        extra: adapter-specific JSON (framework tracker files written at commit, ...).
+        extra: adapter-specific JSON (framework tracker files written at commit, ...); ``saved_at`` is the
+            wall time of the newest of the ranks' snapshots it was persisted from.
+        seq: commit sequence number: higher is committed later (0 in manifests older than it).
         job: the job key of the job that wrote and committed it ("" in manifests older than the field).
     """
 
@@ -111,6 +119,7 @@ class Manifest:
     time: float
     extra: dict[str, Any]
     job: str = ""
+    seq: int = 0
 
     def files_for(self, rank: int) -> list[FileRecord]:
         if self.replicated or rank not in self.files:
@@ -122,7 +131,7 @@ class Manifest:
 
     def to_json(self) -> bytes:
         d = {"format": MANIFEST_FORMAT, "step": self.step, "world_size": self.world_size,
-             "replicated": self.replicated, "time": self.time, "extra": self.extra, "job": self.job,
+             "replicated": self.replicated, "time": self.time, "seq": self.seq, "extra": self.extra, "job": self.job,
              "files": {str(r): [asdict(f) for f in fs] for r, fs in self.files.items()}}
         return json.dumps(d, indent=1).encode()
 
@@ -160,9 +169,11 @@ class Manifest:
         sup = extra.get("supersedes", [])
         _need(isinstance(sup, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in sup),
               "extra.supersedes must be a list of steps")
-        job = d.get("job", "")
+        job, seq = d.get("job", ""), d.get("seq", 0)
         _need(isinstance(job, str), "field 'job' must be a string")
-        return Manifest(d["step"], d["world_size"], files, d["replicated"], float(d["time"]), extra, job)
+        _need(isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0, "field 'seq' must be an integer >= 0")
+        _need(isinstance(extra.get("saved_at", 0.0), (int, float)), "extra.saved_at must be a number")
+        return Manifest(d["step"], d["world_size"], files, d["replicated"], float(d["time"]), extra, job, seq)
 
 
 class CommitLayout:
@@ -290,12 +301,20 @@ class CommitLayout:
         body = json.dumps({"rank": rank, "paths": [self.rel(p) for p in paths], "job": self.job}).encode()
         self.storage.write_bytes(self._marker(step, "intent", rank), body)
 
-    def write_done(self, step: int, rank: int, files: list[FileRecord], base: str = "") -> None:
-        """Rank ``rank``'s files of ``step`` are durable; ``base`` is where the rank's set lives."""
+    def write_done(self, step: int, rank: int, files: list[FileRecord], base: str = "", saved_at: float = 0.0) -> None:
+        """Rank ``rank``'s files of ``step`` are durable; ``base`` is where the rank's set lives, ``saved_at``
+        the wall time of the snapshot they were persisted from."""
         recs = [asdict(replace(f, path=self.rel(f.path), staged=self.rel(f.staged) if f.staged else ""))
                 for f in files]
-        body = {"rank": rank, "files": recs, "base": self.rel(base) if base else "", "job": self.job}
+        body = {"rank": rank, "files": recs, "base": self.rel(base) if base else "", "job": self.job,
+                "saved_at": saved_at}
         self.storage.write_bytes(self._marker(step, "done", rank), json.dumps(body).encode())
+
+    def clear_markers(self, step: int, rank: int) -> None:
+        """Removes rank ``rank``'s done and failed markers of ``step`` left by an earlier save of the same
+        step, before its new persist begins, so a commit never takes them for the new one's."""
+        for kind in ("done", "failed"):
+            self.storage.remove(self._marker(step, kind, rank))
 
     def staged_path(self, step: int, rank: int, index: int) -> str:
         """Where a rank's commit-time or tracker file waits for the commit."""
@@ -367,6 +386,7 @@ class CommitLayout:
         deadline = time.monotonic() + timeout
         files: dict[int, list[FileRecord]] = {}
         bases: dict[int, str] = {}
+        saved_at = 0.0
         delay = 0.002
         while True:
             for r in ranks:
@@ -382,6 +402,7 @@ class CommitLayout:
                 if done is not None:
                     files[r] = list(done["files"])
                     bases[r] = str(done.get("base", ""))
+                    saved_at = max(saved_at, float(done.get("saved_at", 0.0)))
             if len(files) == len(ranks):
                 break
             if time.monotonic() >= deadline or stopping():
@@ -406,9 +427,12 @@ class CommitLayout:
         # this step's data now, so they stop counting as committed once this manifest is written.
         mine = {f.path for fs in files.values() for f in fs}
         supersedes = [s for s, paths in self._committed_files().items() if s != step and paths & mine]
+        order = self.commit_order()
         manifest = Manifest(step, world_size, files, replicated, time.time(),
                             {**extra, "bases": {str(r): b for r, b in bases.items() if b},
-                             "trackers": [asdict(f) for f in trackers], "supersedes": supersedes}, self.job)
+                             "trackers": [asdict(f) for f in trackers], "supersedes": supersedes,
+                             "saved_at": saved_at},
+                            self.job, seq=max((q for q, _s in order), default=0) + 1)
         self.storage.write_bytes(self.manifest_path(step), manifest.to_json())
         # Committed. Nothing below may report the step as failed: it is loadable whatever happens now.
         problems = []
@@ -448,12 +472,14 @@ class CommitLayout:
         """
         done = []
         manifests = self._committed_manifests()
-        for s, m in sorted(manifests.items()):
+        for s, m in manifests.items():  # in commit order
             for old in m.extra.get("supersedes", []):
-                if old != s and old in manifests and self.storage.exists(self.manifest_path(old)):
+                # Only a commit older than this one: a step committed again since is not superseded.
+                if (old != s and old in manifests and manifests[old].seq <= m.seq
+                        and self.storage.exists(self.manifest_path(old))):
                     self.delete_step(old)
                     done.append(f"removed step {old}, superseded by step {s}")
-        newest = max((s for s in manifests if self.storage.exists(self.manifest_path(s))), default=None)
+        newest = next((s for s in reversed(list(manifests)) if self.storage.exists(self.manifest_path(s))), None)
         tracked = self.tracker_step()
         if tracked != newest and (newest is not None or self.storage.exists(self.tracker_path)):
             self.write_tracker(newest)
@@ -487,13 +513,23 @@ class CommitLayout:
 
     # reading -------------------------------------------------------------
     def committed_steps(self) -> list[int]:
-        """Every step with a manifest, ascending (derived from storage alone)."""
-        steps = []
+        """Every step with a manifest, in commit order: the most recently committed last (derived from
+        storage alone; see the module docstring). Ascending for a job that never went back."""
+        return [s for _q, s in self.commit_order()]
+
+    def commit_order(self) -> list[tuple[int, int]]:
+        """(commit seq, step) of every step with a manifest, oldest commit first. A manifest that cannot
+        be read sorts by its step among those without a seq."""
+        out = []
         base = os.path.join(self.meta, "steps")
         for name in self.storage.listdir(base):
             if name.isdigit() and self.storage.exists(self.manifest_path(int(name))):
-                steps.append(int(name))
-        return sorted(steps)
+                try:
+                    seq = int(json.loads(self.storage.read_bytes(self.manifest_path(int(name)))).get("seq", 0))
+                except (OSError, ValueError, TypeError, AttributeError):
+                    seq = 0
+                out.append((seq, int(name)))
+        return sorted(out)
 
     def uncommitted_steps(self) -> list[int]:
         base = os.path.join(self.meta, "steps")

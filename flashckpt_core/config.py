@@ -44,7 +44,11 @@ class Knobs:
         shm_limit_bytes: pretend /dev/shm has at most this many free bytes (0 = real); FLASHCKPT_SHM_LIMIT_BYTES.
         grace_s: how long a saver with no clients keeps snapshots for a restarted trainer; FLASHCKPT_SAVER_GRACE_S.
         copy_threads: threads that copy tensors into shared memory; FLASHCKPT_COPY_THREADS.
-        slots: snapshot slots per segment (1 or 2); FLASHCKPT_SLOTS.
+        slots: snapshot slots per segment (1 or 2); FLASHCKPT_SLOTS. Two come with a spare third slot
+            whose memory is reserved only while a persist holds one slot and the other holds the newest
+            snapshot, so a snapshot neither waits for a persist nor overwrites the newest complete one
+            (up to 3x the state in /dev/shm while a persist runs; when /dev/shm cannot hold the spare
+            the snapshot waits for the persist). One slot holds 1x: a kill mid-copy loses the snapshot.
         commit_timeout_s: how long a committing saver waits for the other ranks' files; FLASHCKPT_COMMIT_TIMEOUT_S.
         rpc_timeout_s: bound on one control round trip to the saver; FLASHCKPT_RPC_TIMEOUT_S.
         spawn_timeout_s: bound on starting the saver daemon; FLASHCKPT_SPAWN_TIMEOUT_S.

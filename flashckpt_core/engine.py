@@ -125,7 +125,7 @@ class CheckpointEngine:
         self._requested: set[int] = set()  # steps whose persist was asked for and not known to be done
         self._lost_persists: str | None = None  # persists lost with a dead saver: raised once
         self._applied_retention: tuple[int, ...] = ()
-        self._retention_baseline = -1  # newest step committed before this engine started
+        self._retention_baseline = -1  # the step committed last before this engine started
         self._copier = Copier(self.knobs.copy_threads)
         r = self.ranks
         self._client: Client | None = None
@@ -139,7 +139,7 @@ class CheckpointEngine:
         self._reader = (self._handler if not replicated or r.local_rank == 0 else
                         SharedMemoryHandler(0, self.job_dir, copier=self._copier, weights_only=weights_only))
         self._closed = False
-        self._retention_baseline = max(hello["committed"], default=-1)
+        self._retention_baseline = hello["committed"][-1] if hello["committed"] else -1  # in commit order
         _open_engines.add(self)
 
     def _attach(self) -> dict[str, Any]:
@@ -218,7 +218,12 @@ class CheckpointEngine:
         then mutate its tensors (with ``overlap``, after ``wait_snapshot()``).
 
         Args:
-            step: the training step (the checkpoint's identity; newer steps are larger).
+            step: the training step. The newest save wins: saving a step again replaces its earlier
+                snapshot (in memory once the new copy is complete) and its earlier commit (on storage,
+                once the new one is committed); saving a lower step than before starts a new timeline
+                (a rollback), which abandons the higher steps: ``load`` returns the newest save, in
+                memory by save order and on storage by commit order, and retention keeps the steps
+                committed last, never the one just committed.
             state_dict: a tree of dicts/lists/tuples with tensors and plain leaves, or a ``FileSet``
                 (several files in their own formats; see ``flashckpt_core.files``).
             path: the file to persist to, inside the checkpoint dir (default ``step_<N>/rank_<R>.pt``);
@@ -414,7 +419,7 @@ class CheckpointEngine:
             self._requested.clear()
         else:
             done = {int(e["step"]) for e in errs}
-            self._requested = {s for s in self._requested if s > max(committed, default=-1) and s not in done}
+            self._requested = {s for s in self._requested if s not in committed and s not in done}
         self._retain(committed)
         failed = [e["error"] for e in errs if not e.get("committed")]
         notes = [e["error"] for e in errs if e.get("committed")]  # committed steps whose tracker update failed
@@ -430,15 +435,16 @@ class CheckpointEngine:
 
     def _retain(self, committed: list[int]) -> None:
         """Applies the deletion strategy after a commit newer than any that existed when this engine
-        started: an engine that only loads never deletes checkpoints."""
+        started: an engine that only loads never deletes checkpoints. ``committed`` is in commit order;
+        the step committed last is never deleted, whatever its number."""
         if self.ranks.rank != 0 or self.deletion_strategy is None or not committed:
             return
-        if max(committed) <= self._retention_baseline:
+        if committed[-1] == self._retention_baseline:
             return
         key = tuple(committed)
         if key == self._applied_retention:
             return
-        doomed = [s for s in self.deletion_strategy.steps_to_delete(sorted(committed)) if s != max(committed)]
+        doomed = [s for s in self.deletion_strategy.steps_to_delete(committed) if s != committed[-1]]
         self._applied_retention = key
         if doomed:
             self._client_call("delete_steps", steps=doomed, background=True)
@@ -537,8 +543,8 @@ class CheckpointEngine:
         ``memory=False`` considers storage only (for a caller that cannot use the memory snapshot)."""
         self._check_open("locate")
         self.wait_snapshot()
-        mem = self._reader.memory_steps()[:2] if memory else []
         committed = self.layout.committed_steps()
+        mem = self._newer_in_memory(committed)[:2] if memory else []
         step, source = self._agree(mem, committed)
         if source == "memory" and step is not None:
             return Located(step, "memory", self._reader.snapshot_name(step) or None)
@@ -619,8 +625,26 @@ class CheckpointEngine:
         self.last_load = LoadResult(step, source, time.perf_counter() - t0, nbytes)
         log.info("event=load step=%s source=%s bytes=%d seconds=%.4f", step, source, nbytes, self.last_load.seconds)
 
+    def _newer_in_memory(self, committed: list[int]) -> list[int]:
+        """This rank's live memory snapshots (newest save first) that are not older than the most recently
+        committed step: saved at or after the snapshot it was persisted from (legacy manifests without
+        that time: a step not lower than it)."""
+        snaps = self._reader.memory_snapshots()
+        if not committed:
+            return [s for s, _t in snaps]
+        try:
+            saved_at = float(self.layout.read_manifest(committed[-1]).extra.get("saved_at", 0.0))
+        except (E.CheckpointCorruptError, TypeError, ValueError):
+            saved_at = 0.0
+        if saved_at:
+            return [s for s, t in snaps if t >= saved_at]
+        return [s for s, _t in snaps if s >= committed[-1]]
+
     def _agree(self, mem: list[int], committed: list[int]) -> tuple[int | None, str]:
-        """All ranks pick the newest step that every rank has; memory wins when it holds that step."""
+        """All ranks pick the newest step that every rank has; memory wins when it holds that step.
+
+        ``mem`` holds only snapshots not older than the most recently committed step (``committed[-1]``,
+        commit order), so any step every rank holds in memory is the newest."""
         newest_committed = committed[-1] if committed else -1
         world = self._world()
         if world is None:
@@ -642,7 +666,7 @@ class CheckpointEngine:
             common.discard(-1)
             best_mem = max(common, default=-1)
             newest_committed = min(r[2] for r in rows)
-        if best_mem >= 0 and best_mem >= newest_committed:
+        if best_mem >= 0:
             return best_mem, "memory"
         if newest_committed >= 0:
             return newest_committed, "storage"
@@ -657,10 +681,12 @@ class CheckpointEngine:
         return None
 
     def _verified_step(self, committed: list[int], newest: int | None) -> int:
-        """The newest committed step (not newer than ``newest``) whose files verify on every rank."""
+        """The most recently committed step (not after ``newest`` in commit order) whose files verify on
+        every rank."""
         import torch.distributed as dist
 
-        for step in reversed([s for s in committed if newest is None or s <= newest]):
+        upto = committed.index(newest) + 1 if newest in committed else len(committed)
+        for step in reversed(committed[:upto]):
             problems = self.layout.verify(step, rank=self.ranks.rank)
             ok = torch.tensor([0 if problems else 1], dtype=torch.int64)
             if self._world() is not None:

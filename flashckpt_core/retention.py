@@ -1,6 +1,8 @@
 """Which committed checkpoints to delete. Strategies are pure functions of the committed steps on
 storage, so their state survives restarts; the engine applies them only after a commit and the
-newest committed step is never deleted."""
+newest committed step is never deleted. "Newest" is the most recently committed step, which after a
+rollback (a lower step saved after higher ones) is not the highest: strategies get the steps in commit
+order."""
 
 from __future__ import annotations
 
@@ -14,18 +16,20 @@ class CheckpointDeletionStrategy(ABC):
     """Decides which committed steps to delete.
 
     Call order: after each commit it observes, global rank 0's engine lists the committed steps on
-    storage (ascending), calls ``steps_to_delete`` and has the node's saver delete those steps. Other
-    ranks never call it. The newest committed step is removed from the answer before deleting.
+    storage in commit order (the most recently committed last; ascending unless a step was saved again
+    or the job rolled back), calls ``steps_to_delete`` and has the node's saver delete those steps.
+    Other ranks never call it. The most recently committed step is removed from the answer before
+    deleting.
     """
 
     @abstractmethod
     def steps_to_delete(self, committed_steps: Sequence[int]) -> list[int]:
-        """The steps among ``committed_steps`` (ascending) to delete."""
+        """The steps among ``committed_steps`` (in commit order, the newest last) to delete."""
 
     def clean_up(self, step: int, delete_func: Callable[[int], None],
                  committed_steps: Sequence[int] | None = None) -> None:
         """Seed-compatible entry point: deletes through ``delete_func`` after ``step`` was committed."""
-        steps = sorted(set(committed_steps or []) | {step})
+        steps = [s for s in (committed_steps or []) if s != step] + [step]  # ``step`` was committed last
         newest = steps[-1]
         for s in self.steps_to_delete(steps):
             if s != newest:
@@ -33,7 +37,7 @@ class CheckpointDeletionStrategy(ABC):
 
 
 class KeepLatestStepStrategy(CheckpointDeletionStrategy):
-    """Keeps the newest ``max_to_keep`` committed steps.
+    """Keeps the ``max_to_keep`` most recently committed steps.
 
     Args:
         max_to_keep: how many to keep (at least 1).
@@ -47,7 +51,7 @@ class KeepLatestStepStrategy(CheckpointDeletionStrategy):
         self.checkpoint_dir = checkpoint_dir
 
     def steps_to_delete(self, committed_steps: Sequence[int]) -> list[int]:
-        steps = sorted(committed_steps)
+        steps = list(committed_steps)
         return steps[: max(0, len(steps) - self.max_to_keep)]
 
 
@@ -66,5 +70,5 @@ class KeepStepIntervalStrategy(CheckpointDeletionStrategy):
         self.checkpoint_dir = checkpoint_dir
 
     def steps_to_delete(self, committed_steps: Sequence[int]) -> list[int]:
-        steps = sorted(committed_steps)
+        steps = list(committed_steps)
         return [s for s in steps[:-1] if s % self.keep_interval != 0]

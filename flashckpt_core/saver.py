@@ -41,7 +41,20 @@ from ._protocol import Client, peer_uid, recv_msg, send_msg
 from .commit import CommitLayout, TrackerUpdateError
 from .config import Knobs, is_default_runtime_dir, make_private_dir, open_private_dir
 from .ipc import SharedLock
-from .shm import COMPLETE, FLAG_PENDING, FLAG_PINNED, Segment, lock_path, segment_path, segment_paths
+from .shm import (
+    COMPLETE,
+    EMPTY,
+    FLAG_PENDING,
+    FLAG_PINNED,
+    FLAG_UNRESERVED,
+    WRITING,
+    Segment,
+    SlotHeader,
+    live_snapshots,
+    lock_path,
+    segment_path,
+    segment_paths,
+)
 from .storage import CheckpointStorage, PosixDiskStorage
 
 __all__ = ["CheckpointSaver", "ensure_saver", "SOCKET_NAME"]
@@ -211,7 +224,7 @@ class CheckpointSaver:
                 continue
             with SharedLock(lock_path(self.job_dir, seg.local_rank)):
                 for i in range(seg.nslots):
-                    seg.set_flags(i, 0)
+                    seg.set_flags(i, seg.header(i).flags & ~(FLAG_PINNED | FLAG_PENDING))
             self._segments[path] = seg
             log.info("adopted segment %s (steps %s)", path, [s for s, _ in seg.complete_steps()])
 
@@ -501,7 +514,10 @@ class CheckpointSaver:
     def _alloc_locked(self, local_rank: int, meta_cap: int, data_cap: int, nslots: int) -> str:
         existing = segment_paths(self.job_dir, local_rank)
         epoch = existing[-1][0] + 1 if existing else 0
-        need = 4096 + nslots * (4096 + _page(meta_cap) + _page(data_cap))
+        # Two slots come with a spare: its memory is reserved only while a persist holds a slot and the
+        # other holds the newest snapshot (see shm), so only its header page is needed now.
+        spare = 1 if nslots == 2 else 0
+        need = 4096 + nslots * (4096 + _page(meta_cap) + _page(data_cap)) + spare * 4096
         free = self._shm_free()
         if need > free:
             free = self._make_room(need)
@@ -513,8 +529,8 @@ class CheckpointSaver:
                 "(docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory), use FLASHCKPT_SLOTS=1, "
                 "or checkpoint less state per rank.")
         path = segment_path(self.job_dir, local_rank, epoch)
-        Segment.create(path, local_rank=local_rank, epoch=epoch, nslots=nslots,
-                       meta_cap=meta_cap, data_cap=data_cap)
+        Segment.create(path, local_rank=local_rank, epoch=epoch, nslots=nslots + spare,
+                       meta_cap=meta_cap, data_cap=data_cap, spare=spare)
         self._segments[path] = Segment(path, populate=False)
         log.info("allocated %s: %d slot(s), %d bytes", path, nslots, need)
         self._reap_segments(local_rank)
@@ -579,7 +595,7 @@ class CheckpointSaver:
         st = os.statvfs(self.job_dir)
         free = st.f_bavail * st.f_frsize
         if self.knobs.shm_limit_bytes:
-            used = sum(seg.size for seg in self._segments.values())
+            used = sum(seg.reserved_bytes() for seg in self._segments.values())
             free = min(free, max(0, self.knobs.shm_limit_bytes - used))
         return free
 
@@ -601,6 +617,48 @@ class CheckpointSaver:
                 os.unlink(path)
                 self._segments.pop(path).close()
 
+    def _prepare_spare(self, seg: Segment) -> None:
+        """Reserves and faults in a segment's spare slot as a persist begins, off the trainer's pause: a
+        snapshot taken while the persist runs may need it, and first-touching fresh shared memory (the
+        kernel zeroes each page) costs ~0.8 s per GB. Best effort: when /dev/shm cannot hold it, the
+        snapshot that needs it waits for this persist instead (see shm)."""
+        spares = [i for i in range(seg.nslots) if seg.header(i).flags & FLAG_UNRESERVED]
+        if not spares:
+            return
+        try:
+            seg.reserve(spares[0], clear_flag=False)  # no lock held: fallocate is idempotent
+        except OSError as e:
+            log.warning("could not reserve the spare snapshot slot of %s (%d bytes): %s; a snapshot taken "
+                        "during this persist will wait for it", seg.path, seg.slot_size, e)
+            return
+        with SharedLock(lock_path(self.job_dir, seg.local_rank)):
+            h = seg.header(spares[0])
+            if h.flags & FLAG_UNRESERVED and not h.flags & FLAG_PINNED:
+                seg.set_flags(spares[0], h.flags & ~FLAG_UNRESERVED)
+
+    def _release_spare(self, seg: Segment) -> None:
+        """Gives back the memory of one slot of a segment with a spare once all its slots are reserved and
+        none is held for a persist: the spare is needed only while a persist runs. The slot given back is
+        the oldest that is neither being written nor the newest complete one."""
+        if seg.nslots < 3:
+            return
+        with SharedLock(lock_path(self.job_dir, seg.local_rank)):
+            hs = [seg.header(i) for i in range(seg.nslots)]
+            if any(h.flags & (FLAG_PINNED | FLAG_PENDING | FLAG_UNRESERVED) for h in hs):
+                return
+            newest = max((i for i, h in enumerate(hs) if h.state == COMPLETE), key=lambda i: (hs[i].seq, i),
+                         default=None)
+            idle = [i for i, h in enumerate(hs) if i != newest and h.state != WRITING]
+            if not idle:
+                return
+            i = min(idle, key=lambda i: (hs[i].state == COMPLETE, hs[i].seq))
+            h = hs[i]
+            seg.write_header(i, SlotHeader(EMPTY, FLAG_UNRESERVED | FLAG_PINNED, -1, h.generation + 1,
+                                           0, 0, 0, 0, 0.0, h.seq))
+        seg.release(i)  # outside the lock: FLAG_PINNED keeps writers away meanwhile
+        with SharedLock(lock_path(self.job_dir, seg.local_rank)):
+            seg.set_flags(i, seg.header(i).flags & ~FLAG_PINNED)
+
     def _reap_quietly(self, local_rank: int) -> None:
         """Reaps outgrown segments after a snapshot (see ``_reap_segments``), never failing the request.
 
@@ -609,6 +667,9 @@ class CheckpointSaver:
         which the trainer's next persist or status request tells us."""
         try:
             self._reap_segments(local_rank)
+            paths = segment_paths(self.job_dir, local_rank)
+            if paths:
+                self._release_spare(self._segment(paths[-1][1]))
         except (OSError, E.FlashCheckpointError) as e:
             log.warning("freeing outgrown segments of local rank %d: %s", local_rank, e)
 
@@ -672,16 +733,22 @@ class CheckpointSaver:
                     seg.set_flags(job.slot, h.flags & ~FLAG_PENDING)
                 raise E.PersistError(f"the snapshot of step {job.step} was overwritten before it was persisted")
             seg.set_flags(job.slot, h.flags | FLAG_PINNED)
+        self._prepare_spare(seg)
         try:
+            self.layout.clear_markers(job.step, job.rank)  # an earlier save's of the same step
             # The worker writes the intent and the files (it maps the segment read-only); then the done marker.
             recs, is_set = self._worker.persist(seg_path=seg.path, slot=job.slot, generation=job.generation,
                                                 step=job.step, rank=job.rank, path=job.path)
-            self.layout.write_done(job.step, job.rank, recs, base=job.path if is_set else "")
+            self.layout.write_done(job.step, job.rank, recs, base=job.path if is_set else "", saved_at=h.wall_time)
         finally:
             with lock:
                 h2 = seg.header(job.slot)
                 if h2.generation == job.generation:
                     seg.set_flags(job.slot, h2.flags & ~(FLAG_PINNED | FLAG_PENDING))
+            try:
+                self._release_spare(seg)
+            except (OSError, E.FlashCheckpointError) as e:
+                log.warning("giving back the spare slot of %s: %s", seg.path, e)
         dt = time.perf_counter() - t0
         size = sum(r.size for r in recs)
         with self._cv:
@@ -722,18 +789,21 @@ class CheckpointSaver:
             with self._cv:
                 persisters = dict(self._persisters)
                 known = set(self._steps)
-                newest_committed = max(self._committed, default=-1)
+                newest_committed = self._committed[-1] if self._committed else -1
+            saved_at = self._saved_at(newest_committed)
             if not persisters:
                 return None
             held: dict[int, dict[int, tuple[Segment, int]]] = {}  # local rank -> step -> (segment, slot)
             for lr in persisters:
-                held[lr] = {}
-                for _epoch, path in segment_paths(self.job_dir, lr):
-                    seg = self._segment(path)
-                    for s, slot in seg.complete_steps():
-                        held[lr][s] = (seg, slot)
+                segs = [self._segment(path) for _epoch, path in segment_paths(self.job_dir, lr)]
+                held[lr] = {h.step: (seg, slot) for seg, slot, h in live_snapshots(segs)}
             common = set.intersection(*(set(steps) for steps in held.values()))
-            for step in sorted((s for s in common if s > newest_committed), reverse=True):
+
+            def newer(s: int) -> bool:  # saved after the newest commit's snapshot (legacy manifests: by step)
+                seg, slot = held[min(held)][s]
+                return seg.header(slot).wall_time > saved_at if saved_at else s > newest_committed
+
+            for step in sorted((s for s in common if newer(s)), reverse=True):
                 jobs = self._last_words_jobs(step, persisters, held)
                 if jobs is not None:
                     break
@@ -781,6 +851,15 @@ class CheckpointSaver:
             h = seg.header(job["slot"])
             if h.generation == job["generation"]:
                 seg.set_flags(job["slot"], h.flags & ~FLAG_PENDING)
+
+    def _saved_at(self, step: int) -> float:
+        """The snapshot wall time committed ``step`` was persisted from; 0.0 when unknown."""
+        if step < 0:
+            return 0.0
+        try:
+            return float(self.layout.read_manifest(step).extra.get("saved_at", 0.0))
+        except (E.FlashCheckpointError, TypeError, ValueError):
+            return 0.0
 
     def _last_words_jobs(self, step: int, persisters: dict[int, _ClientInfo],
                          held: dict[int, dict[int, tuple[Segment, int]]]) -> list[dict[str, Any]] | None:
@@ -851,9 +930,9 @@ class CheckpointSaver:
 
     def _committed_now(self, step: int) -> None:
         """Adds ``step`` to the committed steps, less those its commit superseded."""
-        with self._cv:
-            self._committed = sorted(s for s in set(self._committed) | {step}
-                                     if s == step or self.storage.exists(self.layout.manifest_path(s)))
+        with self._cv:  # in commit order: the step committed last is the newest
+            self._committed = [s for s in self._committed
+                               if s != step and self.storage.exists(self.layout.manifest_path(s))] + [step]
 
     def _finish(self, step: int, error: str | None, *, committed: bool) -> None:
         with self._cv:

@@ -1,19 +1,29 @@
-"""Shared-memory segments with two snapshot slots, and the trainer-side SharedMemoryHandler.
+"""Shared-memory segments with snapshot slots, and the trainer-side SharedMemoryHandler.
 
 Segment file (one per local rank and allocation epoch, created 0600 by the saver)::
 
     [0, 4096)            segment header: magic, version, nslots, slot_size, meta_cap, data_cap, local_rank
     slot i at 4096 + i * slot_size:
       [0, 4096)          slot header: state, flags, step, generation, meta_len, meta_xxh64,
-                         tensor_bytes, blob_len, wall_time
+                         tensor_bytes, blob_len, wall_time, seq
       [4096, +meta_cap)  metadata (JSON, no pickle)
       [.., +data_cap)    tensor storages (each 64-byte aligned), then the opaque blob
 
-A trainer writes a slot that is neither pinned by the saver (a persist reading it) nor pending (a
-persist requested but not started), preferring the slot that does not hold the newest complete
-snapshot; so a crash mid-copy leaves the previous snapshot intact. Readers accept a slot only when it
-is COMPLETE and its generation is unchanged after the read. Slot flags change only under the
-segment's SharedLock.
+``seq`` orders the snapshots of a local rank by save (it grows across segments and trainer restarts);
+"newest" always means the highest ``seq``, never the highest step. A snapshot is superseded once a
+later save of the same or a lower step is COMPLETE (the newest save of a step wins, and a lower step
+starts a new timeline): readers see only the live ones, ``live_snapshots``.
+
+A trainer never writes the slot holding the newest COMPLETE snapshot (with two or more slots), nor a
+slot pinned by the saver (a persist reading it) or pending (a persist requested but not started): so a
+kill at any point of a copy leaves the newest complete snapshot intact. The default segment has two
+slots plus a spare (``FLAG_UNRESERVED``): its header page exists but its memory is reserved only when
+a snapshot finds every other slot busy (one persisting, the other the newest), and given back by the
+saver once no persist holds a slot (``Segment.release``); so a snapshot never waits for a persist and
+the third slot's memory is held only while a persist runs. When /dev/shm cannot hold it, the snapshot
+waits (bounded) for the persist instead and says so in the log. Readers accept a slot only when it is
+COMPLETE and its generation is unchanged after the read. Slot flags change only under the segment's
+SharedLock.
 """
 
 from __future__ import annotations
@@ -65,21 +75,25 @@ from ._tree import (
 from .files import FILES_KEY
 from .ipc import SharedLock
 
-__all__ = ["SharedMemoryHandler", "Segment", "SlotHeader", "SlotRef", "Snapshot",
-           "EMPTY", "WRITING", "COMPLETE", "FLAG_PINNED", "FLAG_PENDING", "segment_paths"]
+__all__ = ["SharedMemoryHandler", "Segment", "SlotHeader", "SlotRef", "Snapshot", "EMPTY", "WRITING", "COMPLETE",
+           "FLAG_PINNED", "FLAG_PENDING", "FLAG_UNRESERVED", "live_snapshots", "segment_paths"]
 
 log = logging.getLogger(__name__)
 
 SEG_MAGIC = b"FLCKSEG1"
 SEG_VERSION = 1
 _SEG_HDR = struct.Struct("<8sIIQQQiq")
-_SLOT_HDR = struct.Struct("<IIqQQQQQd")
+_SLOT_HDR = struct.Struct("<IIqQQQQQdQ")  # zeros past wall_time read as seq 0 (older segments)
 PAGE = 4096
 EMPTY, WRITING, COMPLETE = 0, 1, 2
 FLAG_PINNED = 1   # the saver is reading this slot
 FLAG_PENDING = 2  # a persist of this slot was requested and has not finished
+FLAG_UNRESERVED = 4  # the slot's memory (all but its header page) is not reserved: reserve before writing
+_BUSY = FLAG_PINNED | FLAG_PENDING
 
 _MADV_POPULATE_READ = 22
+_MADV_POPULATE_WRITE = 23
+_MADV_REMOVE = 9
 _SEG_RE = re.compile(r"seg-r(\d+)-e(\d+)\.shm$")
 
 
@@ -121,6 +135,7 @@ class SlotHeader:
     tensor_bytes: int
     blob_len: int
     wall_time: float
+    seq: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,9 +171,9 @@ class Segment:
             size = st.st_size
             if size < PAGE:
                 raise E.SharedMemoryError(f"segment {path} is truncated ({size} bytes)")
-            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            # Not MAP_POPULATE: it would fault in (and so allocate) an unreserved spare slot too.
             prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
-            self.mm = mmap.mmap(fd, size, flags=flags, prot=prot)
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
         finally:
             os.close(fd)
         magic, ver, nslots, slot_size, meta_cap, data_cap, local_rank, epoch = _SEG_HDR.unpack_from(self.mm, 0)
@@ -175,14 +190,28 @@ class Segment:
         if not readonly:
             self._cbuf = (ctypes.c_char * size).from_buffer(self.mm)
             self.base = ctypes.addressof(self._cbuf)
+            if populate:  # map the reserved slots' pages up front, so the first copy does not fault page by page
+                self._advise(_MADV_POPULATE_WRITE, 0, PAGE)
+                for i in range(nslots):
+                    if not self.header(i).flags & FLAG_UNRESERVED:
+                        self._advise(_MADV_POPULATE_WRITE, self.slot_off(i), slot_size)
+
+    def _advise(self, advice: int, start: int, length: int) -> None:
+        try:
+            self.mm.madvise(advice, start, length)
+        except (OSError, ValueError, AttributeError):  # best effort (MADV_POPULATE_*: Linux >= 5.14)
+            pass
 
     @staticmethod
-    def create(path: str, *, local_rank: int, epoch: int, nslots: int, meta_cap: int, data_cap: int) -> int:
-        """Creates and fully reserves a segment file (fallocate, so a full /dev/shm fails here, not
-        with SIGBUS later). Returns its size in bytes."""
+    def create(path: str, *, local_rank: int, epoch: int, nslots: int, meta_cap: int, data_cap: int,
+               spare: int = 0) -> int:
+        """Creates a segment file and reserves its memory (fallocate, so a full /dev/shm fails here,
+        not with SIGBUS later), except that of the last ``spare`` slots: only their header pages are
+        reserved and they are flagged ``FLAG_UNRESERVED``. Returns the bytes reserved."""
         meta_cap, data_cap = _page(meta_cap), _page(data_cap)
         slot_size = PAGE + meta_cap + data_cap
         size = PAGE + nslots * slot_size
+        reserved = size - spare * (slot_size - PAGE)
         # A name of its own: an allocation racing this one never meets its temporary file.
         tmp = f"{path}.{os.getpid()}-{threading.get_native_id()}-{time.monotonic_ns()}.tmp"
         try:
@@ -192,16 +221,18 @@ class Segment:
         try:
             os.ftruncate(fd, size)
             try:
-                os.posix_fallocate(fd, 0, size)
+                os.posix_fallocate(fd, 0, PAGE + (nslots - spare) * slot_size)
+                for i in range(nslots - spare, nslots):
+                    os.posix_fallocate(fd, PAGE + i * slot_size, PAGE)
             except OSError as e:
                 raise E.SharedMemoryError(
-                    f"could not reserve {size} bytes of shared memory for local rank {local_rank} in "
+                    f"could not reserve {reserved} bytes of shared memory for local rank {local_rank} in "
                     f"{os.path.dirname(path)} ({e}); free space there or lower the snapshot size") from e
             hdr = _SEG_HDR.pack(SEG_MAGIC, SEG_VERSION, nslots, slot_size, meta_cap, data_cap, local_rank, epoch)
             os.pwrite(fd, hdr, 0)
-            empty = _SLOT_HDR.pack(EMPTY, 0, -1, 0, 0, 0, 0, 0, 0.0)
             for i in range(nslots):
-                os.pwrite(fd, empty, PAGE + i * slot_size)
+                flags = FLAG_UNRESERVED if i >= nslots - spare else 0
+                os.pwrite(fd, _SLOT_HDR.pack(EMPTY, flags, -1, 0, 0, 0, 0, 0, 0.0, 0), PAGE + i * slot_size)
         except BaseException:
             os.close(fd)
             os.unlink(tmp)
@@ -213,7 +244,31 @@ class Segment:
             raise E.SharedMemoryError(f"could not create the segment {path} of local rank {local_rank}: {e}") from e
         finally:
             os.unlink(tmp)
-        return size
+        return reserved
+
+    def reserved_bytes(self) -> int:
+        """Bytes of shared memory this segment holds (an unreserved slot holds only its header page)."""
+        return self.size - sum(self.slot_size - PAGE for i in range(self.nslots)
+                               if self.header(i).flags & FLAG_UNRESERVED)
+
+    def reserve(self, i: int, *, clear_flag: bool = True) -> None:
+        """Reserves slot ``i``'s memory (fallocate), faults it in, and (with ``clear_flag``, the caller
+        holding the segment's lock) clears its FLAG_UNRESERVED. Raises OSError (ENOSPC) when /dev/shm
+        cannot hold it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.posix_fallocate(fd, self.slot_off(i), self.slot_size)
+        finally:
+            os.close(fd)
+        self._advise(_MADV_POPULATE_WRITE, self.slot_off(i), self.slot_size)
+        if clear_flag:
+            self.set_flags(i, self.header(i).flags & ~FLAG_UNRESERVED)
+
+    def release(self, i: int) -> None:
+        """Gives slot ``i``'s memory back (all but its header page: MADV_REMOVE punches the hole). The
+        caller holds the segment's lock and has flagged it EMPTY, FLAG_UNRESERVED and FLAG_PINNED (so no
+        writer takes it meanwhile)."""
+        self._advise(_MADV_REMOVE, self.slot_off(i) + PAGE, self.slot_size - PAGE)
 
     def slot_off(self, i: int) -> int:
         return PAGE + i * self.slot_size
@@ -231,7 +286,7 @@ class Segment:
         # Fields first, state last: a reader never sees COMPLETE with stale fields.
         off = self.slot_off(i)
         _SLOT_HDR.pack_into(self.mm, off, WRITING if h.state == COMPLETE else h.state, h.flags, h.step,
-                            h.generation, h.meta_len, h.meta_xxh, h.tensor_bytes, h.blob_len, h.wall_time)
+                            h.generation, h.meta_len, h.meta_xxh, h.tensor_bytes, h.blob_len, h.wall_time, h.seq)
         if h.state == COMPLETE:
             struct.pack_into("<I", self.mm, off, COMPLETE)
 
@@ -258,13 +313,9 @@ class Segment:
             pass
 
     def complete_steps(self) -> list[tuple[int, int]]:
-        """(step, slot) of every COMPLETE slot."""
-        out = []
-        for i in range(self.nslots):
-            h = self.header(i)
-            if h.state == COMPLETE:
-                out.append((h.step, i))
-        return out
+        """(step, slot) of every live COMPLETE snapshot of this segment, oldest save first (superseded ones,
+        see ``live_snapshots``, left out)."""
+        return [(h.step, i) for _seg, i, h in live_snapshots([self])][::-1]
 
     def close(self) -> None:
         del self._cbuf
@@ -272,6 +323,28 @@ class Segment:
             self.mm.close()
         except BufferError:  # a zero-copy tensor still views it; the mapping goes with that tensor
             log.debug("segment %s still has views; leaving the mapping to the garbage collector", self.path)
+
+
+def live_snapshots(segs: list[Segment]) -> list[tuple[Segment, int, SlotHeader]]:
+    """The live COMPLETE snapshots of one local rank's ``segs``, newest save (highest ``seq``) first.
+
+    A snapshot is superseded (left out) when a later save's COMPLETE snapshot has the same or a lower
+    step: the newest save of a step wins, and a step lower than the newest starts a new timeline, which
+    abandons the newer steps of the old one. Superseded slots are not touched: they are dropped from
+    view only once their successor is COMPLETE, so a kill mid-copy of that successor still leaves them.
+    The live steps thus strictly decrease along the list."""
+    found = []
+    for seg in segs:
+        for i in range(seg.nslots):
+            h = seg.header(i)
+            if h.state == COMPLETE:
+                found.append((h.seq, seg.epoch, i, seg, h))
+    found.sort(key=lambda x: x[:3], reverse=True)
+    out: list[tuple[Segment, int, SlotHeader]] = []
+    for _seq, _epoch, i, seg, h in found:
+        if not out or h.step < out[-1][2].step:
+            out.append((seg, i, h))
+    return out
 
 
 def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None = None,
@@ -448,6 +521,8 @@ class SharedMemoryHandler:
         self._stream: Any = None
         self.slot_wait_timeout = slot_wait_timeout
         self.weights_only = weights_only
+        self._seq = -1  # the highest save sequence number seen; -1 until the live segments were read
+        self._warned_spare: set[str] = set()
 
     # ------------------------------------------------------------------ write
     def save_state_dict(self, step: int, state_dict: Any, ckpt_name: str = "") -> SlotRef:
@@ -546,9 +621,10 @@ class SharedMemoryHandler:
                 raise
             finally:
                 sources = None  # copied (or failed): the caller's tensors are free to go
-            gen = seg.header(slot).generation
+            h0 = seg.header(slot)
+            gen = h0.generation
             seg.write_header(slot, SlotHeader(COMPLETE, 0, step, gen, len(meta), xxhash.xxh64_intdigest(meta),
-                                              plan.tensor_bytes, len(blob), time.time()))
+                                              plan.tensor_bytes, len(blob), time.time(), h0.seq))
             return SlotRef(seg.path, slot, gen, step)
 
         return finish
@@ -585,21 +661,53 @@ class SharedMemoryHandler:
         self._seg = Segment(path)
         return self._seg
 
+    def _next_seq(self, seg: Segment) -> int:
+        """The save sequence number of a new snapshot: above every snapshot of this local rank in memory
+        (all live segments, the first time; a restarted trainer goes on from what it finds)."""
+        if self._seq < 0:
+            for _epoch, path in segment_paths(self.job_dir, self.local_rank):
+                try:
+                    other = self._open(path)
+                except (OSError, E.FlashCheckpointError):
+                    continue
+                self._seq = max([self._seq] + [other.header(i).seq for i in range(other.nslots)])
+        self._seq = max([self._seq] + [seg.header(i).seq for i in range(seg.nslots)]) + 1
+        return self._seq
+
     def _acquire_slot(self, seg: Segment) -> int:
+        """Claims a slot to write: never one pinned or pending for a persist, never (with two or more
+        slots) the one holding the newest COMPLETE snapshot; an empty or the oldest reserved slot first,
+        else the spare, reserved now. Waits (bounded) when none is left: every slot busy persisting, or
+        /dev/shm cannot hold the spare."""
         deadline = time.monotonic() + self.slot_wait_timeout
         delay = 0.0005
+        spare_failed = False
         while True:
             with self._lock:
                 hs = [seg.header(i) for i in range(seg.nslots)]
-                free = [i for i, h in enumerate(hs) if not h.flags & (FLAG_PINNED | FLAG_PENDING)]
-                if free:
-                    newest = max((h.step for h in hs if h.state == COMPLETE), default=None)
-                    # Never overwrite the newest complete snapshot while another slot is free.
-                    free.sort(key=lambda i: (hs[i].state == COMPLETE and hs[i].step == newest,
-                                             hs[i].state == COMPLETE, hs[i].step))
-                    i = free[0]
+                newest = max((i for i, h in enumerate(hs) if h.state == COMPLETE),
+                             key=lambda i: (hs[i].seq, i), default=None)
+                free = [i for i, h in enumerate(hs) if not h.flags & _BUSY and (i != newest or seg.nslots == 1)]
+                free.sort(key=lambda i: (bool(hs[i].flags & FLAG_UNRESERVED), hs[i].state == COMPLETE, hs[i].seq))
+                for i in free:
                     h = hs[i]
-                    seg.write_header(i, SlotHeader(WRITING, 0, h.step, h.generation + 1, 0, 0, 0, 0, 0.0))
+                    if h.flags & FLAG_UNRESERVED:
+                        if spare_failed:
+                            continue
+                        try:
+                            seg.reserve(i)
+                        except OSError as e:
+                            spare_failed = True
+                            if seg.path not in self._warned_spare:
+                                self._warned_spare.add(seg.path)
+                                log.warning(
+                                    "save(step): /dev/shm cannot hold the spare snapshot slot of local rank %d "
+                                    "(%d bytes: %s) while a persist holds the other; this and later snapshots "
+                                    "wait for the persist (up to %.0f s) instead. Enlarge /dev/shm to avoid "
+                                    "the wait.", self.local_rank, seg.slot_size, e, self.slot_wait_timeout)
+                            continue
+                    seq = self._next_seq(seg)
+                    seg.write_header(i, SlotHeader(WRITING, 0, h.step, h.generation + 1, 0, 0, 0, 0, 0.0, seq))
                     return i
             if time.monotonic() >= deadline:
                 raise E.CheckpointTimeoutError(
@@ -665,47 +773,46 @@ class SharedMemoryHandler:
             self._readers.pop(path).close()
 
     # ------------------------------------------------------------------- read
-    def memory_steps(self) -> list[int]:
-        """Steps of the COMPLETE snapshots held in shared memory for this local rank, newest first."""
-        steps: set[int] = set()
+    def _live(self) -> list[tuple[Segment, int, SlotHeader]]:
+        """``live_snapshots`` of every live segment of this local rank, newest save first."""
         live = segment_paths(self.job_dir, self.local_rank)
         self._forget_removed(live)
+        segs = []
         for _epoch, path in live:
             try:
-                seg = self._open(path)
+                segs.append(self._open(path))
             except (OSError, E.FlashCheckpointError):
                 continue
-            steps.update(s for s, _ in seg.complete_steps())
-        return sorted(steps, reverse=True)
+        return live_snapshots(segs)
+
+    def memory_snapshots(self) -> list[tuple[int, float]]:
+        """(step, wall time of the save) of the live COMPLETE snapshots of this local rank, newest save
+        first (superseded ones left out, see ``live_snapshots``; the steps strictly decrease)."""
+        return [(h.step, h.wall_time) for _seg, _i, h in self._live()]
+
+    def memory_steps(self) -> list[int]:
+        """Steps of the live COMPLETE snapshots held in shared memory for this local rank, newest first."""
+        return [s for s, _t in self.memory_snapshots()]
 
     def snapshot_name(self, step: int) -> str | None:
         """Where the COMPLETE snapshot of ``step`` is to be persisted (its ``ckpt_name``); None if absent."""
-        for _epoch, path in reversed(segment_paths(self.job_dir, self.local_rank)):
-            try:
-                seg = self._open(path)
-                for s, i in seg.complete_steps():
-                    if s == step:
-                        return str(seg.read_meta(i, seg.header(i)).get("name", ""))
-            except (OSError, ValueError, E.FlashCheckpointError):
-                continue
+        for seg, i, h in self._live():
+            if h.step == step:
+                try:
+                    return str(seg.read_meta(i, h).get("name", ""))
+                except (ValueError, E.FlashCheckpointError):
+                    return None
         return None
 
     def load_snapshot(self, step: int | None = None, *, into: Any = None) -> Snapshot | None:
-        """The newest COMPLETE snapshot (or the one of ``step``), copied out of shared memory (into the
-        matching tensors of ``into`` where given; see ``read_snapshot``)."""
-        live = segment_paths(self.job_dir, self.local_rank)
-        self._forget_removed(live)
-        for _epoch, path in reversed(live):
-            try:
-                seg = self._open(path)
-            except (OSError, E.FlashCheckpointError):
+        """The newest live COMPLETE snapshot (or the one of ``step``), copied out of shared memory (into
+        the matching tensors of ``into`` where given; see ``read_snapshot``)."""
+        for seg, i, h in self._live():
+            if step is not None and h.step != step:
                 continue
-            for s, i in sorted(seg.complete_steps(), reverse=True):
-                if step is not None and s != step:
-                    continue
-                snap = read_snapshot(seg, i, self._copier, step=s, weights_only=self.weights_only, into=into)
-                if snap is not None:
-                    return snap
+            snap = read_snapshot(seg, i, self._copier, step=h.step, weights_only=self.weights_only, into=into)
+            if snap is not None and snap.step == h.step:
+                return snap
         return None
 
     def load_state_dict(self, step: int | None = None) -> Any:

@@ -39,7 +39,7 @@ class DeleteEverything(CheckpointDeletionStrategy):
 # ------------------------------------------------------------------------------------------ pure
 @pytest.mark.parametrize("keep, steps, doomed", [
     (2, [1, 2, 3, 4], [1, 2]),
-    (2, [4, 1, 3, 2], [1, 2]),  # input order does not matter
+    (2, [4, 1, 3, 2], [4, 1]),  # commit order, not step order: the two committed last stay
     (3, [5, 9], []),
     (1, [7], []),
     (1, [], []),
@@ -147,3 +147,20 @@ def test_an_engine_that_only_loads_deletes_nothing(make_engine, ckpt_dir, runtim
     reader.wait(60)
     assert layout(ckpt_dir).committed_steps() == [5]
     reader.close()
+
+
+def test_retention_keeps_the_step_just_committed_after_a_rollback(make_engine, ckpt_dir, runtime_dir):
+    """max_to_keep=1: 100 committed, then 50 (the job rolled back): 50 is kept and loads, 100 goes."""
+    eng = make_engine(max_to_keep=1)
+    eng.save(100, sd(100), storage_type=DISK)
+    eng.wait(timeout=60)
+    eng.save(50, sd(50), storage_type=DISK)
+    eng.wait(timeout=60)
+    assert layout(ckpt_dir).committed_steps() == [50]
+    assert step_dirs(ckpt_dir) == ["step_50"]
+    eng.close()
+    wait_savers_gone(runtime_dir)
+    eng2 = make_engine(max_to_keep=1)
+    assert_same_tree(sd(50), eng2.load())
+    assert eng2.last_load.source == "storage" and eng2.last_load.step == 50
+    eng2.close()
