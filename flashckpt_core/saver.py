@@ -636,13 +636,17 @@ class CheckpointSaver:
             if h.flags & FLAG_UNRESERVED and not h.flags & FLAG_PINNED:
                 seg.set_flags(spares[0], h.flags & ~FLAG_UNRESERVED)
 
-    def _release_spare(self, seg: Segment) -> None:
+    def _release_spare(self, seg: Segment, *, blocking: bool = True) -> None:
         """Gives back the memory of one slot of a segment with a spare once all its slots are reserved and
         none is held for a persist: the spare is needed only while a persist runs. The slot given back is
-        the oldest that is neither being written nor the newest complete one."""
+        the oldest that is neither being written nor the newest complete one. Without ``blocking`` it
+        does nothing while the segment's lock is taken (a request handler never waits on a trainer)."""
         if seg.nslots < 3:
             return
-        with SharedLock(lock_path(self.job_dir, seg.local_rank)):
+        lock = SharedLock(lock_path(self.job_dir, seg.local_rank))
+        if not lock.acquire(blocking=blocking):
+            return
+        try:
             hs = [seg.header(i) for i in range(seg.nslots)]
             if any(h.flags & (FLAG_PINNED | FLAG_PENDING | FLAG_UNRESERVED) for h in hs):
                 return
@@ -655,6 +659,8 @@ class CheckpointSaver:
             h = hs[i]
             seg.write_header(i, SlotHeader(EMPTY, FLAG_UNRESERVED | FLAG_PINNED, -1, h.generation + 1,
                                            0, 0, 0, 0, 0.0, h.seq))
+        finally:
+            lock.release()
         seg.release(i)  # outside the lock: FLAG_PINNED keeps writers away meanwhile
         with SharedLock(lock_path(self.job_dir, seg.local_rank)):
             seg.set_flags(i, seg.header(i).flags & ~FLAG_PINNED)
@@ -669,7 +675,7 @@ class CheckpointSaver:
             self._reap_segments(local_rank)
             paths = segment_paths(self.job_dir, local_rank)
             if paths:
-                self._release_spare(self._segment(paths[-1][1]))
+                self._release_spare(self._segment(paths[-1][1]), blocking=False)
         except (OSError, E.FlashCheckpointError) as e:
             log.warning("freeing outgrown segments of local rank %d: %s", local_rank, e)
 
