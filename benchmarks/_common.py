@@ -564,8 +564,9 @@ def saver_persist(engine: Any, step: int) -> tuple[int, float] | None:
 
 
 def proc_cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds the processes ``pids`` (all their threads) have used so far."""
-    return sum(process_cpu_seconds(p) or 0.0 for p in pids)
+    """User + system CPU seconds the processes ``pids`` (all their threads) and their children (the
+    saver's persist worker) have used so far."""
+    return sum(process_cpu_seconds(p, children=True) or 0.0 for p in pids)
 
 
 def saver_pids(job_dirs: list[str]) -> list[int]:

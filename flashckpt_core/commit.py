@@ -107,7 +107,8 @@ class Manifest:
         replicated: every rank's state is rank 0's (DDP): all ranks load rank 0's files.
         time: commit time (seconds since the epoch).
         extra: adapter-specific JSON (framework tracker files written at commit, ...); ``saved_at`` is the
-            wall time of the newest of the ranks' snapshots it was persisted from.
+            wall time of the newest of the ranks' snapshots it was persisted from, ``saved_at_ranks`` that
+            of each rank's (compared only with snapshots of the same rank: one node's clock).
         seq: commit sequence number: higher is committed later (0 in manifests older than it).
         job: the job key of the job that wrote and committed it ("" in manifests older than the field).
     """
@@ -173,6 +174,9 @@ class Manifest:
         _need(isinstance(job, str), "field 'job' must be a string")
         _need(isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0, "field 'seq' must be an integer >= 0")
         _need(isinstance(extra.get("saved_at", 0.0), (int, float)), "extra.saved_at must be a number")
+        ranks_at = extra.get("saved_at_ranks", {})
+        _need(isinstance(ranks_at, dict) and all(isinstance(v, (int, float)) for v in ranks_at.values()),
+              "extra.saved_at_ranks must map ranks to times")
         return Manifest(d["step"], d["world_size"], files, d["replicated"], float(d["time"]), extra, job, seq)
 
 
@@ -387,6 +391,7 @@ class CommitLayout:
         files: dict[int, list[FileRecord]] = {}
         bases: dict[int, str] = {}
         saved_at = 0.0
+        ranks_at: dict[str, float] = {}  # rank -> the wall time of the snapshot its files came from
         delay = 0.002
         while True:
             for r in ranks:
@@ -403,6 +408,7 @@ class CommitLayout:
                     files[r] = list(done["files"])
                     bases[r] = str(done.get("base", ""))
                     saved_at = max(saved_at, float(done.get("saved_at", 0.0)))
+                    ranks_at[str(r)] = float(done.get("saved_at", 0.0))
             if len(files) == len(ranks):
                 break
             if time.monotonic() >= deadline or stopping():
@@ -431,7 +437,7 @@ class CommitLayout:
         manifest = Manifest(step, world_size, files, replicated, time.time(),
                             {**extra, "bases": {str(r): b for r, b in bases.items() if b},
                              "trackers": [asdict(f) for f in trackers], "supersedes": supersedes,
-                             "saved_at": saved_at},
+                             "saved_at": saved_at, "saved_at_ranks": ranks_at},
                             self.job, seq=max((q for q, _s in order), default=0) + 1)
         self.storage.write_bytes(self.manifest_path(step), manifest.to_json())
         # Committed. Nothing below may report the step as failed: it is loadable whatever happens now.

@@ -627,15 +627,20 @@ class CheckpointEngine:
 
     def _newer_in_memory(self, committed: list[int]) -> list[int]:
         """This rank's live memory snapshots (newest save first) that are not older than the most recently
-        committed step: saved at or after the snapshot it was persisted from (legacy manifests without
-        that time: a step not lower than it)."""
+        committed step: saved at or after the snapshot this rank's files of it were persisted from (where
+        that time is not known, as in older manifests: a step not lower than it)."""
         snaps = self._reader.memory_snapshots()
         if not committed:
             return [s for s, _t in snaps]
         try:
-            saved_at = float(self.layout.read_manifest(committed[-1]).extra.get("saved_at", 0.0))
-        except (E.CheckpointCorruptError, TypeError, ValueError):
-            saved_at = 0.0
+            m = self.layout.read_manifest(committed[-1])
+        except E.CheckpointCorruptError:
+            m = None
+        # The time of the snapshot this rank's files came from (replicated: rank 0's, which this node's
+        # reader holds only on rank 0's node): the same process's clock as the snapshots compared.
+        saved_at = 0.0
+        if m is not None and (not m.replicated or self.ranks.node_rank == 0):
+            saved_at = float(m.extra.get("saved_at_ranks", {}).get("0" if m.replicated else str(self.ranks.rank), 0.0))
         if saved_at:
             return [s for s, t in snaps if t >= saved_at]
         return [s for s, _t in snaps if s >= committed[-1]]

@@ -805,9 +805,11 @@ class CheckpointSaver:
                 held[lr] = {h.step: (seg, slot) for seg, slot, h in live_snapshots(segs)}
             common = set.intersection(*(set(steps) for steps in held.values()))
 
-            def newer(s: int) -> bool:  # saved after the newest commit's snapshot (legacy manifests: by step)
-                seg, slot = held[min(held)][s]
-                return seg.header(slot).wall_time > saved_at if saved_at else s > newest_committed
+            def newer(s: int) -> bool:  # saved after the newest commit's snapshot (unknown time: by step)
+                lr = min(held)
+                seg, slot = held[lr][s]
+                ref = saved_at.get(str(persisters[lr].rank), 0.0)  # that rank's own snapshot: one clock
+                return seg.header(slot).wall_time > ref if ref else s > newest_committed
 
             for step in sorted((s for s in common if newer(s)), reverse=True):
                 jobs = self._last_words_jobs(step, persisters, held)
@@ -858,14 +860,14 @@ class CheckpointSaver:
             if h.generation == job["generation"]:
                 seg.set_flags(job["slot"], h.flags & ~FLAG_PENDING)
 
-    def _saved_at(self, step: int) -> float:
-        """The snapshot wall time committed ``step`` was persisted from; 0.0 when unknown."""
+    def _saved_at(self, step: int) -> dict[str, float]:
+        """Rank -> the wall time of the snapshot committed ``step`` was persisted from ({} when unknown)."""
         if step < 0:
-            return 0.0
+            return {}
         try:
-            return float(self.layout.read_manifest(step).extra.get("saved_at", 0.0))
+            return {str(r): float(t) for r, t in self.layout.read_manifest(step).extra.get("saved_at_ranks", {}).items()}
         except (E.FlashCheckpointError, TypeError, ValueError):
-            return 0.0
+            return {}
 
     def _last_words_jobs(self, step: int, persisters: dict[int, _ClientInfo],
                          held: dict[int, dict[int, tuple[Segment, int]]]) -> list[dict[str, Any]] | None:
