@@ -60,6 +60,11 @@ class Knobs:
         persist_worker_idle_s: how long the saver's persist worker (the process that writes the files,
             and the only one that loads torch: ~250 MB) stays after its last persist; the next persist
             starts a new one (1-2 s); FLASHCKPT_PERSIST_WORKER_IDLE_S.
+        spare_hold_s: how long a segment's spare snapshot slot stays reserved after the last persist
+            that needed it held a slot (0: given back as soon as no persist holds a slot). Reserving it
+            again costs a first touch of fresh shared memory (~0.8 s per GB here), so with persists
+            every few steps it is kept; a full /dev/shm (an allocation that does not fit) takes it back
+            at once. FLASHCKPT_SPARE_HOLD_S.
     """
 
     runtime_dir: str
@@ -74,6 +79,7 @@ class Knobs:
     term_timeout_s: float = 120.0
     persist_nice: int = 10
     persist_worker_idle_s: float = 30.0
+    spare_hold_s: float = 60.0
 
     @staticmethod
     def from_env() -> Knobs:
@@ -94,6 +100,7 @@ class Knobs:
             term_timeout_s=_env_float("FLASHCKPT_TERM_TIMEOUT_S", 120.0),
             persist_nice=max(0, min(19, _env_int("FLASHCKPT_PERSIST_NICE", 10))),
             persist_worker_idle_s=max(0.0, _env_float("FLASHCKPT_PERSIST_WORKER_IDLE_S", 30.0)),
+            spare_hold_s=max(0.0, _env_float("FLASHCKPT_SPARE_HOLD_S", 60.0)),
         )
 
 

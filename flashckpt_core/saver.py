@@ -144,6 +144,7 @@ class CheckpointSaver:
         self._persist_on_exit = False  # a client's goodbye asked for its snapshots to be persisted
         self._agent: _Watch | None = None  # the launcher of the job, when it has one
         self._sock: socket.socket | None = None
+        self._persist_seen = -float("inf")  # monotonic time of the last persist activity (spare slot hold)
         self._dir_fd: int | None = None  # the job dir, checked: everything in it is reached through this fd
         self.stats = _Stats()
         # Writes the files (torch's work) in a process of its own, started on demand: see _persist_worker.
@@ -178,6 +179,7 @@ class CheckpointSaver:
         self._sock = sock
         self._spawn(self._accept_loop, "accept")
         self._spawn(self._commit_loop, "commit")
+        self._spawn(self._spare_keeper, "spare")
         log.info("saver %d serving %s for %s", os.getpid(), self.job_dir, self.layout.root)
 
     def _repair(self) -> None:
@@ -519,6 +521,9 @@ class CheckpointSaver:
         spare = 1 if nslots == 2 else 0
         need = 4096 + nslots * (4096 + _page(meta_cap) + _page(data_cap)) + spare * 4096
         free = self._shm_free()
+        if need > free:  # first this job's own spare slots, then other jobs' idle savers
+            self._release_spares_now()
+            free = self._shm_free()
         if need > free:
             free = self._make_room(need)
         if need > free:
@@ -636,12 +641,17 @@ class CheckpointSaver:
             if h.flags & FLAG_UNRESERVED and not h.flags & FLAG_PINNED:
                 seg.set_flags(spares[0], h.flags & ~FLAG_UNRESERVED)
 
-    def _release_spare(self, seg: Segment, *, blocking: bool = True) -> None:
+    def _release_spare(self, seg: Segment, *, blocking: bool = True, force: bool = False) -> None:
         """Gives back the memory of one slot of a segment with a spare once all its slots are reserved and
-        none is held for a persist: the spare is needed only while a persist runs. The slot given back is
-        the oldest that is neither being written nor the newest complete one. Without ``blocking`` it
-        does nothing while the segment's lock is taken (a request handler never waits on a trainer)."""
+        none is held for a persist: the spare is needed only while a persist runs. It is kept for
+        ``FLASHCKPT_SPARE_HOLD_S`` after the last persist (reserving it again costs a first touch of
+        fresh memory, which the next snapshot during a persist would pay), unless ``force`` (/dev/shm is
+        short). The slot given back is the oldest that is neither being written nor the newest complete
+        one. Without ``blocking`` it does nothing while the segment's lock is taken (a request handler
+        never waits on a trainer)."""
         if seg.nslots < 3:
+            return
+        if not force and time.monotonic() - self._persist_seen < self.knobs.spare_hold_s:
             return
         lock = SharedLock(lock_path(self.job_dir, seg.local_rank))
         if not lock.acquire(blocking=blocking):
@@ -664,6 +674,29 @@ class CheckpointSaver:
         seg.release(i)  # outside the lock: FLAG_PINNED keeps writers away meanwhile
         with SharedLock(lock_path(self.job_dir, seg.local_rank)):
             seg.set_flags(i, seg.header(i).flags & ~FLAG_PINNED)
+
+    def _spare_keeper(self) -> None:
+        """Gives the spare slots back once no persist has held a slot for the hold period."""
+        while not self._stop.wait(1.0):
+            if time.monotonic() - self._persist_seen < self.knobs.spare_hold_s:
+                continue
+            try:
+                segs = list(self._segments.values())
+            except RuntimeError:  # changed size meanwhile: next round
+                continue
+            for seg in segs:
+                try:
+                    self._release_spare(seg, blocking=False)
+                except (OSError, ValueError, E.FlashCheckpointError) as e:  # ValueError: unmapped meanwhile
+                    log.debug("giving back the spare slot of %s: %s", seg.path, e)
+
+    def _release_spares_now(self) -> None:
+        """/dev/shm is short: every spare slot not held for a persist gives its memory back at once."""
+        for seg in list(self._segments.values()):
+            try:
+                self._release_spare(seg, force=True)
+            except (OSError, ValueError, E.FlashCheckpointError) as e:
+                log.warning("giving back the spare slot of %s: %s", seg.path, e)
 
     def _reap_quietly(self, local_rank: int) -> None:
         """Reaps outgrown segments after a snapshot (see ``_reap_segments``), never failing the request.
@@ -739,6 +772,7 @@ class CheckpointSaver:
                     seg.set_flags(job.slot, h.flags & ~FLAG_PENDING)
                 raise E.PersistError(f"the snapshot of step {job.step} was overwritten before it was persisted")
             seg.set_flags(job.slot, h.flags | FLAG_PINNED)
+        self._persist_seen = time.monotonic()
         self._prepare_spare(seg)
         try:
             self.layout.clear_markers(job.step, job.rank)  # an earlier save's of the same step
@@ -751,6 +785,7 @@ class CheckpointSaver:
                 h2 = seg.header(job.slot)
                 if h2.generation == job.generation:
                     seg.set_flags(job.slot, h2.flags & ~(FLAG_PINNED | FLAG_PENDING))
+            self._persist_seen = time.monotonic()
             try:
                 self._release_spare(seg)
             except (OSError, E.FlashCheckpointError) as e:

@@ -82,7 +82,9 @@ def test_kill_mid_copy_while_a_persist_holds_a_slot_keeps_the_newest_snapshot(fa
     # The persist of step 2 is held with its slot pinned: its temp file is a FIFO with no reader, so the
     # saver's persist thread blocks opening it until the test opens the other end.
     hold = _hold_persist(ckpt, 2)
-    trainer = fault_env.trainer(ckpt, "--mb", str(MB), "--plan", "2:disk,3:memory", "--loop", "1000", "--hold")
+    # The saver keeps the spare reserved for FLASHCKPT_SPARE_HOLD_S after the last persist: 2 s here.
+    trainer = fault_env.trainer(ckpt, "--mb", str(MB), "--plan", "2:disk,3:memory", "--loop", "1000", "--hold",
+                                FLASHCKPT_SPARE_HOLD_S="2")
     seg = _segment(job_dir)
 
     def mid_copy_while_persisting() -> bool:
@@ -110,8 +112,8 @@ def test_kill_mid_copy_while_a_persist_holds_a_slot_keeps_the_newest_snapshot(fa
             f"loaded step {engine.last_load.step} from {engine.last_load.source}; the newest snapshot was {newest}"
         assert_state_of(sd, newest, MB)
         del sd
-        # The saver's last words commit the newest snapshot; then no persist holds a slot and the spare's
-        # memory is given back: two slots' worth stays reserved.
+        # The saver's last words commit the newest snapshot; then no persist holds a slot and, after the
+        # hold period, the spare's memory is given back: two slots' worth stays reserved.
         wait_for(lambda: committed(ckpt, newest), 120, f"the last words to commit step {newest}")
         try:
             engine.wait(timeout=120)
