@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import errors as E
-from ._lease import Lease
+from ._lease import Lease, pid_running
 from ._persist_worker import PersistWorker
 from ._protocol import Client, peer_uid, recv_msg, send_msg
 from .commit import CommitLayout, TrackerUpdateError
@@ -1046,7 +1046,7 @@ class _Watch:
         if self._fd is not None:
             self._gone = bool(select.select([self._fd], [], [], 0)[0])  # readable once it exited
         else:
-            self._gone = not _alive(self.pid)
+            self._gone = not pid_running(self.pid)
         return self._gone
 
     def close(self) -> None:
@@ -1151,7 +1151,7 @@ def _spawn_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs) -> Client:
     if "error" in report:
         raise failed(f"the saver could not start: {report['error']}")
     if not report.get("ready"):
-        if pid and _alive(pid):  # neither ready nor failed within the time: stop it, it would serve nobody
+        if pid and pid_running(pid):  # neither ready nor failed within the time: stop it, it would serve nobody
             os.kill(pid, signal.SIGTERM)
             raise failed(f"the saver did not come up within {knobs.spawn_timeout_s:.0f} s and was stopped")
         raise failed(f"the saver died while starting (exit {rc})" if rc else "the saver died while starting")
@@ -1202,16 +1202,6 @@ def _explain_os_error(e: BaseException, where: str) -> str:
                 "shared memory of dead jobs), enlarge it (docker run --shm-size=...) or set "
                 "FLASHCKPT_RUNTIME_DIR to a larger RAM-backed file system")
     return f"{type(e).__name__}: {e}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def lock_job(job_dir: str) -> SharedLock:

@@ -295,3 +295,17 @@ def _child_main(spec_path: str) -> int:
 
 if __name__ == "__main__":
     sys.exit(_child_main(sys.argv[1]))
+
+
+def flock_waiters(path: str) -> set[int]:
+    """Pids blocked waiting for the flock on ``path`` (from /proc/locks)."""
+    ino = os.stat(path).st_ino
+    pids = set()
+    with open("/proc/locks") as f:
+        for line in f:
+            fields = line.split()
+            if "->" in fields and "FLOCK" in fields:
+                i = fields.index("FLOCK")
+                if int(fields[i + 4].rsplit(":", 1)[1]) == ino:
+                    pids.add(int(fields[i + 3]))
+    return pids

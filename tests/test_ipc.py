@@ -10,7 +10,7 @@ import struct
 
 import pytest
 import torch
-from helpers import saver_pids, wait_for
+from helpers import flock_waiters, saver_pids, wait_for
 
 from flashckpt_core import (
     CheckpointTimeoutError,
@@ -195,20 +195,6 @@ def test_malformed_messages_are_rejected_and_the_saver_keeps_serving(make_engine
     eng.close()
 
 
-def _spawn_lock_waiters(lock_path: str) -> set[int]:
-    """Pids blocked waiting for the flock on ``lock_path`` (from /proc/locks)."""
-    ino = os.stat(lock_path).st_ino
-    pids = set()
-    with open("/proc/locks") as f:
-        for line in f:
-            fields = line.split()
-            if "->" in fields and "FLOCK" in fields:
-                i = fields.index("FLOCK")
-                if int(fields[i + 4].rsplit(":", 1)[1]) == ino:
-                    pids.add(int(fields[i + 3]))
-    return pids
-
-
 def test_an_exiting_saver_refuses_new_clients(make_engine, runtime_dir):
     eng = make_engine()
     eng.save(1, {"w": torch.zeros(4)}, storage_type=StorageType.MEMORY)
@@ -218,7 +204,7 @@ def test_an_exiting_saver_refuses_new_clients(make_engine, runtime_dir):
     spawn_lock = lock_job(job_dir)
     try:
         eng.close(release=True)
-        wait_for(lambda: pid in _spawn_lock_waiters(os.path.join(job_dir, "spawn.lock")), 30,
+        wait_for(lambda: pid in flock_waiters(os.path.join(job_dir, "spawn.lock")), 30,
                  "the saver to start its clean-up")
         c = Client(os.path.join(job_dir, SOCKET_NAME), timeout=30)
         try:

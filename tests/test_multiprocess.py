@@ -170,7 +170,8 @@ def test_two_ranks_commit_only_when_every_rank_persisted_and_agree_on_load(ckpt_
         assert r["manifest_ranks"] == [0, 1] and r["manifest_world_size"] == 2
         assert r["verify"] == [] and r["tracker"] == 5 and r["my_file_ok"]
         assert r["agreed"] == ["memory", 6] and r["agreed_ok"]
-    assert r0["memory_steps"] == [7, 6] and r1["memory_steps"] == [6, 5]
+    # The newest two; the spare slot, kept reserved for a while after a persist, may hold an older third.
+    assert r0["memory_steps"][:2] == [7, 6] and r1["memory_steps"][:2] == [6, 5]
 
 
 def test_four_ranks_persist_commit_and_load_from_memory_then_storage(ckpt_dir, tmp_path):

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 from _fault_helpers import kill9, stop
-from helpers import saver_pids, wait_for
+from helpers import flock_waiters, saver_pids, wait_for
 
 from flashckpt_core import CheckpointTimeoutError, PersistError, SharedDict, SharedLock, StorageType
 from flashckpt_core.commit import CommitLayout
@@ -38,20 +38,6 @@ def _cont(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
-def _lock_waiters(path: str) -> set[int]:
-    """Pids blocked waiting for the flock on ``path`` (from /proc/locks)."""
-    ino = os.stat(path).st_ino
-    pids = set()
-    with open("/proc/locks") as f:
-        for line in f:
-            fields = line.split()
-            if "->" in fields and "FLOCK" in fields:
-                i = fields.index("FLOCK")
-                if int(fields[i + 4].rsplit(":", 1)[1]) == ino:
-                    pids.add(int(fields[i + 3]))
-    return pids
-
-
 @pytest.mark.multiproc
 def test_a_late_reply_is_never_taken_for_a_later_calls(make_engine, runtime_dir, monkeypatch):
     """Defect: after one timed-out request, the late reply stayed on the socket and wait() read it as
@@ -67,7 +53,7 @@ def test_a_late_reply_is_never_taken_for_a_later_calls(make_engine, runtime_dir,
             eng.save(2, state(2), storage_type=DISK)  # the snapshot is taken; the persist goes unanswered
         seg_lock.acquire()
         _cont(pid)  # the saver now answers the persist request, late, and its persist blocks on the lock
-        wait_for(lambda: pid in _lock_waiters(lock_path(eng.job_dir, 0)), 30, "the saver's persist to wait")
+        wait_for(lambda: pid in flock_waiters(lock_path(eng.job_dir, 0)), 30, "the saver's persist to wait")
         with pytest.raises(CheckpointTimeoutError, match="still running"):
             eng.wait(timeout=1)  # the saver's answer to this wait, not the late answer to the persist
     finally:
@@ -136,7 +122,7 @@ def test_the_engine_recovers_from_a_killed_saver(make_engine, runtime_dir, ckpt_
             eng.save(2, state(2), storage_type=DISK)
         seg_lock.acquire()
         _cont(old)
-        wait_for(lambda: old in _lock_waiters(lock_path(eng.job_dir, 0)), 30, "the saver's persist to wait")
+        wait_for(lambda: old in flock_waiters(lock_path(eng.job_dir, 0)), 30, "the saver's persist to wait")
         kill9(old)
     finally:
         _cont(old)
@@ -158,7 +144,7 @@ def test_the_engine_recovers_from_a_killed_saver(make_engine, runtime_dir, ckpt_
     for s in (1, 4, 5):
         assert layout.verify(s) == []
     assert torch.equal(torch.load(eng.step_path(4))["w"], state(4)["w"])
-    assert eng.memory_steps() == [5, 4]
+    assert eng.memory_steps()[:2] == [5, 4]  # (the spare slot, kept after a persist, may hold step 3 too)
     got = eng.load()
     assert (eng.last_load.source, eng.last_load.step) == ("memory", 5)
     assert torch.equal(got["w"], state(5)["w"])
