@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="", help="also write the table and the raw samples (JSON) here")
     args = p.parse_args(argv)
 
-    os.environ.setdefault("FLASHCKPT_RUNTIME_DIR", tempfile.mkdtemp(prefix="fcbench-", dir="/dev/shm"))
+    own_runtime = None
+    if not os.environ.get("FLASHCKPT_RUNTIME_DIR"):
+        own_runtime = os.environ["FLASHCKPT_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="fcbench-", dir="/dev/shm")
     from flashckpt_core import CheckpointEngine, StorageType
 
     work = args.dir or tempfile.mkdtemp(prefix="fcbench-overlap-", dir="/tmp")
@@ -131,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     limit.close()
     if not args.dir:
         shutil.rmtree(work, ignore_errors=True)
+    if own_runtime is not None:  # the saver removes its job dir as it exits; then this one is empty
+        deadline = time.monotonic() + 30
+        while os.listdir(own_runtime) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        shutil.rmtree(own_runtime, ignore_errors=True)
 
     copy = statistics.median(samples["copy limit"])
     rows = [[k, _ms(v), f"{statistics.median(v) / copy:.2f}x" if v else "-"] for k, v in samples.items()]
