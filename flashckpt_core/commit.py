@@ -292,13 +292,17 @@ class CommitLayout:
                             "each step to its own path")
 
     def _committed_manifests(self) -> dict[int, Manifest]:
-        out = {}
-        for s in self.committed_steps():
-            try:
-                out[s] = self.read_manifest(s)
-            except E.CheckpointCorruptError:
-                continue
-        return out
+        """Step -> manifest of every committed step whose manifest is sound, in commit order (each
+        manifest read once; ``committed_steps`` also lists the damaged ones)."""
+        out = []
+        base = os.path.join(self.meta, "steps")
+        for name in self.storage.listdir(base):
+            if name.isdigit():
+                try:
+                    out.append((int(name), self.read_manifest(int(name))))
+                except E.CheckpointCorruptError:  # missing (not committed) or damaged
+                    continue
+        return dict(sorted(out, key=lambda sm: (sm[1].seq, sm[0])))
 
     # markers -------------------------------------------------------------
     def write_intent(self, step: int, rank: int, paths: list[str]) -> None:

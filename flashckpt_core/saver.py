@@ -768,8 +768,7 @@ class CheckpointSaver:
         with lock:
             h = seg.header(job.slot)
             if h.state != COMPLETE or h.generation != job.generation or h.step != job.step:
-                if h.generation == job.generation:
-                    seg.set_flags(job.slot, h.flags & ~FLAG_PENDING)
+                seg.release_pending(job.slot, job.generation)
                 raise E.PersistError(f"the snapshot of step {job.step} was overwritten before it was persisted")
             seg.set_flags(job.slot, h.flags | FLAG_PINNED)
         self._persist_seen = time.monotonic()
@@ -882,18 +881,12 @@ class CheckpointSaver:
         snapshot overwrites it before the persist pins it; False when it was overwritten already."""
         seg = self._segment(job["seg_path"])
         with SharedLock(lock_path(self.job_dir, seg.local_rank)):
-            h = seg.header(job["slot"])
-            if h.state != COMPLETE or h.generation != job["generation"] or h.step != job["step"]:
-                return False
-            seg.set_flags(job["slot"], h.flags | FLAG_PENDING)
-        return True
+            return seg.hold_pending(job["slot"], job["generation"], job["step"])
 
     def _unhold_slot(self, job: dict[str, Any]) -> None:
         seg = self._segment(job["seg_path"])
         with SharedLock(lock_path(self.job_dir, seg.local_rank)):
-            h = seg.header(job["slot"])
-            if h.generation == job["generation"]:
-                seg.set_flags(job["slot"], h.flags & ~FLAG_PENDING)
+            seg.release_pending(job["slot"], job["generation"])
 
     def _saved_at(self, step: int) -> dict[str, float]:
         """Rank -> the wall time of the snapshot committed ``step`` was persisted from ({} when unknown)."""

@@ -293,6 +293,22 @@ class Segment:
     def set_flags(self, i: int, flags: int) -> None:
         struct.pack_into("<I", self.mm, self.slot_off(i) + 4, flags)
 
+    def hold_pending(self, i: int, generation: int, step: int | None = None) -> bool:
+        """Flags slot ``i`` PENDING (a persist of it is coming: no snapshot may overwrite it) when it still
+        holds the COMPLETE snapshot of ``generation`` (and ``step``); False when it was overwritten. The
+        caller holds the segment's lock."""
+        h = self.header(i)
+        if h.state != COMPLETE or h.generation != generation or (step is not None and h.step != step):
+            return False
+        self.set_flags(i, h.flags | FLAG_PENDING)
+        return True
+
+    def release_pending(self, i: int, generation: int) -> None:
+        """Clears slot ``i``'s PENDING flag if it still holds ``generation``. The caller holds the lock."""
+        h = self.header(i)
+        if h.generation == generation:
+            self.set_flags(i, h.flags & ~FLAG_PENDING)
+
     def read_meta(self, i: int, h: SlotHeader) -> dict[str, Any]:
         raw = self.mm[self.meta_off(i): self.meta_off(i) + h.meta_len]
         if xxhash.xxh64_intdigest(raw) != h.meta_xxh:
@@ -745,17 +761,13 @@ class SharedMemoryHandler:
         """Flags ``ref``'s slot as awaiting a persist, so no later snapshot overwrites it first."""
         seg = self._open(ref.path)
         with self._lock:
-            h = seg.header(ref.slot)
-            if h.state != COMPLETE or h.generation != ref.generation:
+            if not seg.hold_pending(ref.slot, ref.generation):
                 raise E.FlashCheckpointError(f"step {ref.step}: its slot was overwritten before its persist")
-            seg.set_flags(ref.slot, h.flags | FLAG_PENDING)
 
     def clear_pending(self, ref: SlotRef) -> None:
         seg = self._open(ref.path)
         with self._lock:
-            h = seg.header(ref.slot)
-            if h.generation == ref.generation:
-                seg.set_flags(ref.slot, h.flags & ~FLAG_PENDING)
+            seg.release_pending(ref.slot, ref.generation)
 
     def _open(self, path: str) -> Segment:
         """The segment at ``path``: the one we write, else a cached read-only mapping (not prefaulted:
