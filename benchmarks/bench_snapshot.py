@@ -365,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.keep:  # only what this run created; --dir itself goes only when left empty
         for d in dirs.values():
             shutil.rmtree(d, ignore_errors=True)
+        from flashckpt_core.commit import CommitLayout
+        from flashckpt_core.storage import PosixDiskStorage
+
+        CommitLayout(dirs["fc_gpt"], PosixDiskStorage()).tidy()  # their records beside them (work/.flashckpt)
         try:
             os.rmdir(work)
         except OSError:

@@ -24,6 +24,9 @@ import time
 
 import torch
 
+from flashckpt_core.commit import CommitLayout
+from flashckpt_core.storage import PosixDiskStorage
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -106,7 +109,7 @@ def main() -> int:
               "persisting the last snapshot, restarting 2 workers, rendezvous, load) |")
         print(f"| of which the load | {resume['seconds'] * 1e3:.1f} ms from memory (torch.load of the "
               f"step-{disk_step} file: {disk_load_s * 1e3:.1f} ms) |")
-        committed = sorted(int(d) for d in os.listdir(os.path.join(ckpt, ".flashckpt", "steps")))
+        committed = sorted(CommitLayout(ckpt, PosixDiskStorage()).committed_steps())
         print(f"| committed checkpoints | steps {committed} (step {args.crash_at_step}: last words after the crash) |")
         same = end_resumed["digest"] == end_ref["digest"]
         print(f"| final weights equal an uninterrupted run | {'yes' if same else 'NO'} |")

@@ -5,7 +5,7 @@ Two uses:
 - A writer lease (``writer-rNNN.lease`` in the job's runtime dir): exclusive. The one engine that writes
   a local rank's shared-memory segment holds it, so a second writer (another engine in the process,
   another job with the same job key) is refused instead of writing the same slots.
-- A job lease (``.flashckpt/jobs/<job key>.lock`` in the checkpoint dir): shared. Every saver of a job
+- A job lease (``jobs/<job key>.lock`` in the checkpoint dir's commit records; see ``_records``): shared. Every saver of a job
   holds it while alive; another job's start-up clean-up asks ``held`` and leaves the steps of a live
   job alone.
 
@@ -122,11 +122,16 @@ class Lease:
         return self._fd is not None
 
 
-def held(path: str) -> bool:
-    """Whether some process holds a lease on ``path`` (shared or exclusive)."""
+def held(path: str, *, dir_fd: int | None = None) -> bool:
+    """Whether some process holds a lease on ``path`` (shared or exclusive; relative to ``dir_fd``
+    when given). A symbolic link is never followed (never held)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -2,7 +2,8 @@
 
     flashckpt ls DIR                 steps in DIR: committed or not, size, age, files
     flashckpt verify DIR [--step N]  checks sizes and checksums against the manifests (exit 1 on damage)
-    flashckpt gc [--dry-run]         removes runtime dirs (segments, sockets, locks) of dead jobs
+    flashckpt gc [DIR] [--dry-run]   removes runtime dirs (segments, sockets, locks) of dead jobs; with DIR,
+                                     also DIR's stale commit records and the records of deleted dirs beside it
     flashckpt native [--build]       the C++ fast path for many small tensors: built or not; build it now
 """
 
@@ -43,8 +44,25 @@ def _age(t: float) -> str:
     return f"{s / 86400:.1f}d"
 
 
+def _not_a_dir(path: str) -> str | None:
+    """Why ``path`` cannot be a checkpoint dir (missing, a file), or None."""
+    if os.path.isdir(path):
+        return None
+    if not os.path.lexists(path):
+        return f"{path} does not exist"
+    return f"{path} is a file, not a checkpoint dir" if os.path.isfile(path) else f"{path} is not a directory"
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
+    why = _not_a_dir(os.path.abspath(args.dir))
+    if why:
+        print(why, file=sys.stderr)
+        return 2
     layout = CommitLayout(args.dir, PosixDiskStorage())
+    stale = layout.stale_reason() if os.path.isdir(layout.meta) else None
+    if stale:
+        print(f"the commit records in {layout.meta} are stale ({stale}); a saver starting on "
+              f"{layout.root}, or `flashckpt gc {layout.root}`, removes them", file=sys.stderr)
     committed = layout.committed_steps()
     pending = layout.uncommitted_steps()
     latest = layout.tracker_step()
@@ -78,6 +96,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    why = _not_a_dir(os.path.abspath(args.dir))
+    if why:
+        print(why, file=sys.stderr)
+        return 2
     layout = CommitLayout(args.dir, PosixDiskStorage())
     steps = layout.committed_steps()
     if args.step is not None:
@@ -116,13 +138,32 @@ def _alive(job_dir: str) -> bool:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    removed = 0
+    if args.dir is not None:
+        path = os.path.abspath(args.dir)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            print(_not_a_dir(path), file=sys.stderr)
+            return 2
+        if not os.path.isdir(os.path.dirname(path)):
+            print(f"{os.path.dirname(path)} does not exist", file=sys.stderr)
+            return 2
+        for line in CommitLayout(path, PosixDiskStorage()).tidy(dry_run=args.dry_run):
+            print(f"{'would remove' if args.dry_run else 'removed'} {line}")
+            removed += 1
+    removed += _gc_runtime(args.dry_run)
+    if not removed:
+        print("nothing to clean" + (" (dry run: nothing would be removed)" if args.dry_run else ""))
+    return 0
+
+
+def _gc_runtime(dry_run: bool) -> int:
+    """Removes (or, ``dry_run``, lists) the runtime dirs of jobs whose saver is gone; returns how many."""
     from .saver import lock_job
 
     root = Knobs.from_env().runtime_dir
     try:
         names = sorted(os.listdir(root))
     except FileNotFoundError:
-        print(f"nothing to clean: {root} does not exist")
         return 0
     removed = 0
     for name in names:
@@ -130,8 +171,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if not os.path.isdir(d) or _alive(d):
             continue
         size = sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d) if os.path.isfile(os.path.join(d, n)))
-        if args.dry_run:
+        if dry_run:
             print(f"would remove {d} ({_size(size)})")
+            removed += 1
             continue
         lock = lock_job(d)  # a saver starting right now holds it until its socket answers
         try:
@@ -142,9 +184,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             lock.release()
         removed += 1
         print(f"removed {d} ({_size(size)} of shared memory and sockets of a job whose saver is gone)")
-    if not removed and not args.dry_run:
-        print("nothing to clean")
-    return 0
+    return removed
 
 
 def cmd_native(args: argparse.Namespace) -> int:
@@ -172,8 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("dir")
     v.add_argument("--step", type=int)
     v.set_defaults(fn=cmd_verify)
-    g = sub.add_parser("gc", help="remove shared memory and sockets of jobs whose saver is gone")
-    g.add_argument("--dry-run", action="store_true")
+    g = sub.add_parser("gc", help="remove shared memory and sockets of jobs whose saver is gone; with DIR, also "
+                                  "DIR's stale commit records and those of deleted checkpoint dirs beside it")
+    g.add_argument("dir", nargs="?", help="a checkpoint dir")
+    g.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
     g.set_defaults(fn=cmd_gc)
     n = sub.add_parser("native", help="the C++ fast path for many small tensors: its state; --build builds it now")
     n.add_argument("--build", action="store_true", help="compile it now (needs a C++ compiler and ninja)")

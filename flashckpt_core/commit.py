@@ -1,14 +1,18 @@
 """The commit protocol on storage: intents, per-rank done markers, manifests and the tracker.
 
-Layout under the checkpoint dir (``META`` = ``.flashckpt``)::
+The records of checkpoint dir ``D`` live in ``<parent(D)>/.flashckpt/<basename(D)>/`` (``D/.flashckpt/``
+for checkpoint dirs written by older versions and a few other cases; ``_records`` decides, in one
+place, and keeps them bound to ``D``). ``D`` itself holds only what the user's framework writes. In the
+records (``CommitLayout.meta``)::
 
-    .flashckpt/tracker.json                    newest committed step (atomically replaced)
-    .flashckpt/jobs/<job key>.lock             held (shared flock) by every live saver of that job
-    .flashckpt/steps/<step>/intent_rank_R.json files rank R is about to write (for clean-up after a crash)
-    .flashckpt/steps/<step>/done_rank_R.json   rank R's files with sizes and checksums
-    .flashckpt/steps/<step>/failed_rank_R.json rank R's persist failed
-    .flashckpt/steps/<step>/manifest.json      the commit record: all files, sizes, checksums, world layout
-    .flashckpt/steps/<step>/staged/rank_R/     a FileSet's commit-time and tracker files until the commit
+    dir.json                     the checkpoint dir they describe (its inode number; beside only)
+    tracker.json                 newest committed step (atomically replaced)
+    jobs/<job key>.lock          held (shared flock) by every live saver of that job
+    steps/<step>/intent_rank_R.json  files rank R is about to write (for clean-up after a crash)
+    steps/<step>/done_rank_R.json    rank R's files with sizes and checksums
+    steps/<step>/failed_rank_R.json  rank R's persist failed
+    steps/<step>/manifest.json   the commit record: all files, sizes, checksums, world layout
+    steps/<step>/staged/rank_R/  a FileSet's commit-time and tracker files until the commit
 
 A step is committed once its manifest exists; the tracker only names the newest one and is rewritten
 after the manifest (readers go by the manifests; a new saver re-derives the tracker from them). Files
@@ -39,15 +43,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from . import _records
 from . import errors as E
-from ._lease import held
+from ._lease import Lease, held
+from ._records import META, records_dir
 from .storage import CheckpointStorage, FileRecord
 
-__all__ = ["META", "Manifest", "CommitLayout", "TrackerUpdateError"]
+__all__ = ["META", "records_dir", "Manifest", "CommitLayout", "TrackerUpdateError"]
 
 log = logging.getLogger(__name__)
 
-META = ".flashckpt"
 MANIFEST_FORMAT = "flashckpt-manifest/1"
 _KINDS = ("file", "commit", "tracker")
 _FORMATS = ("torch", "raw")
@@ -189,8 +194,118 @@ class CommitLayout:
     def __init__(self, checkpoint_dir: str, storage: CheckpointStorage, *, job: str = "") -> None:
         self.root = os.path.abspath(checkpoint_dir)
         self.storage = storage
-        self.meta = os.path.join(self.root, META)
+        self.meta = records_dir(self.root)  # the records dir (see ``_records``)
         self.job = job
+
+    # the records dir -----------------------------------------------------
+    @property
+    def beside(self) -> bool:
+        """Whether the records live beside the checkpoint dir (else inside it, in ``.flashckpt``)."""
+        return self.meta != os.path.join(self.root, META)
+
+    def claim(self) -> Lease | None:
+        """Makes the records ready for a saver starting on this checkpoint dir (created when missing),
+        and takes this job's lock in them, held (shared) for the saver's life (``job_lock_path``).
+
+        Beside the checkpoint dir, under the parent's lock: stale records (``stale_reason``) that no
+        live job holds a lock in are moved aside and removed; the records are bound to the checkpoint
+        dir (``dir.json``); creating them sweeps the parent's orphans. The records dir is chosen again
+        here, so it may change (``meta``): read it after the claim.
+
+        Returns:
+            The job lock, or None when it could not be taken in 10 s (logged: other jobs may then clean
+            up this job's uncommitted steps).
+
+        Raises:
+            CheckpointDirError: ``<parent>/.flashckpt`` cannot be used (a symbolic link, another
+                user's), or the checkpoint dir cannot be created.
+        """
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise E.CheckpointDirError(f"cannot create the checkpoint dir {self.root}: {e}") from e
+        self.meta = records_dir(self.root)
+        if self.beside:
+            top, name = os.path.split(self.meta)
+            with _records.locked_parent(top) as top_fd:
+                self.meta = records_dir(self.root)  # again, under the lock
+                if self.beside:
+                    self._renew(top_fd, name)
+                    return self._take_job_lock()
+        return self._take_job_lock()
+
+    def _renew(self, top_fd: int, name: str) -> None:
+        if os.path.isdir(self.meta):
+            why = self.stale_reason()
+            if why:
+                live = _records.live_jobs_at(top_fd, name)
+                if live:
+                    log.warning("the commit records in %s look stale (%s), but jobs %s hold their locks there; "
+                                "left alone", self.meta, why, live)
+                else:
+                    to = _records.follow_or_discard(top_fd, os.path.dirname(self.root), name)
+                    log.warning("the commit records in %s were stale (%s): %s; starting afresh", self.meta, why,
+                                f"moved to {os.path.join(os.path.dirname(self.meta), to)}, the records of the "
+                                "directory they describe, renamed since" if to else "removed")
+        if _records.bind(top_fd, name, self.root):
+            for line in self._swept(top_fd):
+                log.info("%s", line)
+
+    def _swept(self, top_fd: int, *, dry_run: bool = False) -> list[str]:
+        parent = os.path.dirname(self.root)
+        top = os.path.join(parent, META)
+        return [f"{os.path.join(top, n)}: the commit records of {os.path.join(parent, n)}, which no longer exists" +
+                (f"; moved to {os.path.join(top, to)} (that directory was renamed to {to})" if to else "")
+                for n, to in _records.sweep(top_fd, parent, dry_run=dry_run)]
+
+    def _take_job_lock(self) -> Lease | None:
+        path = self.job_lock_path(self.job)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            lock = Lease(path, shared=True)
+            if lock.try_acquire(timeout=10.0):
+                return lock
+            log.warning("could not take the job lock %s; other jobs may clean up this job's steps", path)
+        except OSError as e:
+            log.warning("could not take the job lock %s (%s); other jobs may clean up this job's steps", path, e)
+        return None
+
+    def stale_reason(self) -> str | None:
+        """Why the records beside the checkpoint dir describe an earlier directory of its name (it was
+        deleted and made again, or all its checkpoint files are gone), or None. Reads only."""
+        if not self.beside:
+            return None
+        try:
+            ino = os.stat(self.root).st_ino
+        except OSError:
+            return f"the checkpoint dir {self.root} does not exist"
+        bound = _records.read_binding(self.meta)
+        if bound is not None and bound != ino:
+            return (f"they were written for an earlier directory {self.root} (inode {bound}; now {ino}), "
+                    "which was deleted")
+        manifests = self._committed_manifests()
+        paths = [f.path for m in manifests.values() for f in m.all_files()]
+        if paths and not any(os.path.lexists(os.path.join(self.root, p)) for p in paths):
+            return f"no file of their committed steps {sorted(manifests)} exists in {self.root}"
+        return None
+
+    def tidy(self, *, dry_run: bool = False) -> list[str]:
+        """``flashckpt gc DIR``: removes this checkpoint dir's stale records (``stale_reason``) and the
+        orphans beside it (records of sibling dirs that no longer exist), when no live job holds a
+        lock in them. Returns what was removed (or would be), one line each."""
+        parent = os.path.dirname(self.root)
+        top = os.path.join(parent, META)
+        if not os.path.isdir(top) or os.path.islink(top):
+            return []
+        with _records.locked_parent(top, lock=not dry_run) as top_fd:
+            name = os.path.basename(self.root)
+            why = self.stale_reason() if os.path.isdir(self.meta) and self.beside and os.path.isdir(self.root) \
+                else None
+            done = []
+            if why and not _records.live_jobs_at(top_fd, name):
+                to = _records.follow_or_discard(top_fd, parent, name, dry_run=dry_run)
+                done.append(f"{self.meta}: stale, {why}" + (f"; moved to {os.path.join(top, to)}" if to else ""))
+            return done + self._swept(top_fd, dry_run=dry_run)
 
     # paths ---------------------------------------------------------------
     def step_dir(self, step: int) -> str:
@@ -245,10 +360,10 @@ class CommitLayout:
                                            f"{self.root} through a symlink")
         return path
 
-    def _confined(self, path: str) -> bool:
-        """Whether ``path``'s directory, symlinks resolved, lies inside the checkpoint dir (the last
-        component may itself be a symlink: removing or replacing it does not touch its target)."""
-        root = os.path.realpath(self.root)
+    def _confined(self, path: str, within: str | None = None) -> bool:
+        """Whether ``path``'s directory, symlinks resolved, lies inside the checkpoint dir (or ``within``;
+        the last component may itself be a symlink: removing or replacing it does not touch its target)."""
+        root = os.path.realpath(within or self.root)
         d = os.path.realpath(os.path.dirname(path))
         return d == root or d.startswith(root + os.sep)
 
@@ -257,7 +372,8 @@ class CommitLayout:
         is written. ``path`` is the file, or the ``FileSet`` directory whose ``files`` (absolute paths,
         trackers excluded) are written.
 
-        Refused: paths under ``.flashckpt`` (manifests, markers, the tracker); paths equal to or inside
+        Refused: paths in the records dir (manifests, markers, the tracker) and in the checkpoint dir's
+        ``.flashckpt`` (the name of the records dir inside it); paths equal to or inside
         another committed step's ``FileSet`` directory; a file where another step's committed files
         lie below. Allowed: a file that replaces exactly a file another committed step lists (a fixed
         name such as Lightning's ``last.ckpt``); it is written staged and moved into place at the
@@ -266,12 +382,17 @@ class CommitLayout:
         Raises:
             CheckpointDirError: the target is refused (the message says what to do).
         """
-        self.rel(path)
         targets = [os.path.abspath(path)] + [os.path.abspath(f) for f in (files or [])]
-        for t in targets:
-            if t == self.meta or t.startswith(self.meta + os.sep):
-                raise E.CheckpointDirError(f"save(step={step}): {path} lies in {self.meta}, flashckpt's commit "
-                                           "records (manifests, tracker.json); choose a path outside it")
+        # The records, wherever they are, and the name of the inside layout even when they are beside:
+        # a checkpoint dir holding ``.flashckpt`` would be read as one an older flashckpt wrote.
+        for records in dict.fromkeys((self.meta, os.path.join(self.root, META))):
+            for t in targets:
+                if t == records or t.startswith(records + os.sep):
+                    raise E.CheckpointDirError(
+                        f"save(step={step}): {t} lies in {records}, " +
+                        ("flashckpt's commit records (manifests, tracker.json)" if records == self.meta else
+                         "a name flashckpt reserves for its commit records") + "; choose a path outside it")
+        self.rel(path)
         for s, m in self._committed_manifests().items():
             if s == step:
                 continue
@@ -312,7 +433,7 @@ class CommitLayout:
     def write_done(self, step: int, rank: int, files: list[FileRecord], base: str = "", saved_at: float = 0.0) -> None:
         """Rank ``rank``'s files of ``step`` are durable; ``base`` is where the rank's set lives, ``saved_at``
         the wall time of the snapshot they were persisted from."""
-        recs = [asdict(replace(f, path=self.rel(f.path), staged=self.rel(f.staged) if f.staged else ""))
+        recs = [asdict(replace(f, path=self.rel(f.path), staged=self._staged_rel(f.staged) if f.staged else ""))
                 for f in files]
         body = {"rank": rank, "files": recs, "base": self.rel(base) if base else "", "job": self.job,
                 "saved_at": saved_at}
@@ -327,6 +448,29 @@ class CommitLayout:
     def staged_path(self, step: int, rank: int, index: int) -> str:
         """Where a rank's commit-time or tracker file waits for the commit."""
         return os.path.join(self.step_dir(step), "staged", f"rank_{rank}", f"{index:05d}")
+
+    def _staged_rel(self, path: str) -> str:
+        """How markers and manifests name a staged file: relative to the records dir (``steps/...``)."""
+        rel = os.path.relpath(os.path.abspath(path), self.meta)
+        if rel.startswith("..") or not self._confined(path, self.meta):
+            raise E.CheckpointDirError(f"{path} is not a staged file in the commit records {self.meta}")
+        return rel
+
+    def _staged_abs(self, rel: str) -> str:
+        """The staged file a record names: relative to the records dir, or, in records written by older
+        versions (``.flashckpt/steps/...``), relative to the checkpoint dir. Confined to either.
+
+        Raises:
+            CheckpointCorruptError: ``rel`` is not confined (the record naming it is damaged or crafted).
+        """
+        _check_rel(rel, "a staged path")
+        if rel.split(os.sep)[0] == META:
+            return self.abs(rel)
+        path = os.path.join(self.meta, rel)
+        if not self._confined(path, self.meta):
+            raise E.CheckpointCorruptError(f"a staged path: {rel!r} leads outside the commit records {self.meta} "
+                                           "through a symlink")
+        return path
 
     def write_failed(self, step: int, rank: int, error: str) -> None:
         try:
@@ -510,13 +654,13 @@ class CommitLayout:
         for t in m.extra.get("trackers", []):
             try:
                 f = record_from_json(t, "extra.trackers")
-                if f.staged and self.storage.exists(self.abs(f.staged)):
+                if f.staged and self.storage.exists(self._staged_abs(f.staged)):
                     self._move_staged(f)
             except E.CheckpointCorruptError as e:
                 log.error("step %d: not writing a framework tracker file: %s", steps[-1], e)
 
     def _move_staged(self, f: FileRecord) -> None:
-        src = self.abs(f.staged)
+        src = self._staged_abs(f.staged)
         if not self.storage.exists(src) and self.storage.exists(self.abs(f.path)):
             return  # moved by an earlier attempt at this commit
         self.storage.move(src, self.abs(f.path))
@@ -613,8 +757,8 @@ class CommitLayout:
 
     def _remove_step_dir(self, step: int) -> None:
         d = self.step_dir(step)
-        if not self._confined(d):
-            log.error("not removing %s: it leads outside the checkpoint dir %s through a symlink", d, self.root)
+        if not self._confined(d, self.meta):
+            log.error("not removing %s: it leads outside the commit records %s through a symlink", d, self.meta)
             return
         self.storage.remove_tree(d)
 

@@ -116,7 +116,6 @@ class CheckpointEngine:
         self.knobs = Knobs.from_env()
         self.ranks = RankInfo.current()
         self.job_dir = job_dir(self.checkpoint_dir, self.knobs)
-        self.layout = CommitLayout(self.checkpoint_dir, PosixDiskStorage())
         self.last_load: LoadResult | None = None
         self._cursor = 0
         self._status_at = 0.0  # monotonic time of the last round trip to the saver
@@ -130,6 +129,8 @@ class CheckpointEngine:
         r = self.ranks
         self._client: Client | None = None
         hello = self._attach()
+        # After the saver's start: it readied the commit records (CommitLayout.claim).
+        self.layout = CommitLayout(self.checkpoint_dir, PosixDiskStorage())
         # The rank that writes this local rank's snapshots takes its writer lease at its first save and
         # holds it until close: a second writer (another engine, another job with this job key) is refused.
         self._handler = SharedMemoryHandler(r.local_rank, self.job_dir,
@@ -238,7 +239,7 @@ class CheckpointEngine:
 
         Raises:
             InvalidStateDictError: ``state_dict`` holds something that cannot be stored (nothing written).
-            CheckpointDirError: ``path`` is outside the checkpoint dir, under its ``.flashckpt`` records, or
+            CheckpointDirError: ``path`` is outside the checkpoint dir, in its commit records, or
                 over another committed step's files (nothing written). A file that replaces exactly a file
                 of an older step (a fixed name reused) is allowed: that step is superseded at the commit.
             SharedMemoryError: shared memory cannot hold the snapshot.

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from . import errors as E
+from ._records import META
 
 __all__ = ["FileSet", "FileEntry", "FILES_KEY", "is_fileset_tree", "safetensors_dtype", "tensor_view", "host_bytes"]
 
@@ -157,9 +158,9 @@ def _check_name(name: str, kind: str) -> str:
     if not isinstance(name, str) or not name or "\\" in name or "\0" in name:
         raise ValueError(f"FileSet entry name {name!r}: must be a non-empty relative path with '/' separators")
     norm = posixpath.normpath(name)
-    if os.path.isabs(name) or norm.startswith("..") or norm in (".", "") or norm.startswith(".flashckpt"):
+    if os.path.isabs(name) or norm.startswith("..") or norm in (".", "") or norm.split("/")[0] == META:
         raise ValueError(f"FileSet entry name {name!r}: must be a relative path inside the checkpoint "
-                         "(no '..', not absolute, not under .flashckpt)")
+                         f"(no '..', not absolute, not under {META}, the name flashckpt reserves for its records)")
     return norm
 
 

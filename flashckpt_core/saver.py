@@ -193,18 +193,10 @@ class CheckpointSaver:
         self._committed = self.layout.committed_steps()
 
     def _hold_job_lock(self) -> None:
-        """Holds this job's lock on the checkpoint dir for the saver's life: other jobs' start-up clean-up
-        then leaves this job's uncommitted steps alone (``CommitLayout.clean_uncommitted``)."""
-        path = self.layout.job_lock_path(self.layout.job)
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            lock = Lease(path, shared=True)
-            if lock.try_acquire(timeout=10.0):
-                self._job_lock = lock
-                return
-            log.warning("could not take the job lock %s; other jobs may clean up this job's steps", path)
-        except OSError as e:
-            log.warning("could not take the job lock %s (%s); other jobs may clean up this job's steps", path, e)
+        """Readies the commit records (stale ones removed, bound to the checkpoint dir) and holds this
+        job's lock in them for the saver's life: other jobs' start-up clean-up then leaves this job's
+        uncommitted steps alone (``CommitLayout.claim``, ``CommitLayout.clean_uncommitted``)."""
+        self._job_lock = self.layout.claim()
 
     def _spawn(self, target: Any, name: str, *args: Any) -> threading.Thread:
         t = threading.Thread(target=target, args=args, name=f"flashckpt-saver-{name}", daemon=True)
@@ -330,11 +322,12 @@ class CheckpointSaver:
         except OSError as e:
             log.warning("cleaning up %s: %s", self.job_dir, e)
         finally:
+            # The job lock goes first: a saver this spawn lock lets start next must not find it held.
+            if self._job_lock is not None:
+                self._job_lock.release()
+                self._job_lock = None
             if spawn_lock is not None:
                 spawn_lock.release()
-        if self._job_lock is not None:
-            self._job_lock.release()
-            self._job_lock = None
         log.info("saver %d exited; runtime dir %s removed", os.getpid(), self.job_dir)
 
     # ------------------------------------------------------------------ server

@@ -52,6 +52,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 
 from flashckpt_core import CheckpointEngine as FlashEngine
 from flashckpt_core import FlashCheckpointError, LoadResult, StorageType
+from flashckpt_core.commit import META
 from flashckpt_core.files import FileSet
 from flashckpt_core.retention import CheckpointDeletionStrategy
 
@@ -501,9 +502,9 @@ class DeepSpeedCheckpointer:
 def _check_tag(tag: str) -> str:
     norm = posixpath.normpath(tag)
     if not tag or "\0" in tag or "\\" in tag or tag.startswith("/") or norm.startswith("..") or norm == "." \
-            or norm.split("/")[0] == ".flashckpt":
+            or norm.split("/")[0] == META:
         raise ValueError(f"save_checkpoint(tag={tag!r}): a tag names a directory inside save_dir; use a "
-                         "non-empty relative name without '..'")
+                         f"non-empty relative name without '..', other than {META} (flashckpt reserves it)")
     return norm
 
 

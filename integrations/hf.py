@@ -240,8 +240,10 @@ def get_last_checkpoint(folder: str, *, verify: bool = False) -> str | None:
     ``checkpoint-N`` holding a ``trainer_state.json`` (the file the Trainer writes last).
     """
     layout = CommitLayout(folder, PosixDiskStorage())
-    committed = layout.committed_steps() if os.path.isdir(layout.meta) else []
-    if committed or (os.path.isdir(layout.meta) and layout.uncommitted_steps()):
+    # Records that describe an earlier directory of this name (deleted since) are not this folder's.
+    records = os.path.isdir(layout.meta) and layout.stale_reason() is None
+    committed = layout.committed_steps() if records else []
+    if committed or (records and layout.uncommitted_steps()):
         for step in reversed(committed):
             try:
                 base = layout.base(step, 0)
@@ -482,9 +484,10 @@ class FlashCkptTrainer(Trainer):
         ValueError: FSDP is enabled (not supported yet, see docs/hf.md), or the Trainer runs on XLA/SageMaker
             model parallelism.
 
-    The checkpoint dir is the run's output dir (``args.output_dir``); flashckpt keeps its bookkeeping in
-    ``<output_dir>/.flashckpt/``. ``save_total_limit`` and the best checkpoint are honoured by flashckpt's
-    retention after each commit, which never deletes a checkpoint still being persisted. Use this module's
+    The checkpoint dir is the run's output dir (``args.output_dir``); flashckpt keeps its bookkeeping beside
+    it, in ``<parent of output_dir>/.flashckpt/<name of output_dir>/`` (see docs/design.md, **Records**), so
+    the output dir holds only what the Trainer writes. ``save_total_limit`` and the best checkpoint are
+    honoured by flashckpt's retention after each commit, which never deletes a checkpoint still being persisted. Use this module's
     ``get_last_checkpoint`` (not transformers') to find the newest committed checkpoint.
 
     Thread safety: as the Trainer (one training thread).
@@ -739,7 +742,8 @@ class AcceleratorCheckpointer:
 
     Args:
         accelerator: the ``accelerate.Accelerator`` whose prepared objects are saved.
-        checkpoint_dir: where checkpoints live (flashckpt's bookkeeping goes to its ``.flashckpt/``); with
+        checkpoint_dir: where checkpoints live (flashckpt's bookkeeping goes beside it, to
+            ``<parent>/.flashckpt/<name>/``); with
             ``ProjectConfiguration(automatic_checkpoint_naming=True)`` it defaults to the project dir, the
             checkpoints go to ``<project_dir>/checkpoints/checkpoint_<i>`` as Accelerate names them, and
             ``total_limit`` is the retention.

@@ -178,8 +178,9 @@ def find_resume_path(checkpoint_dir: str) -> str | None:
                     break
         finally:
             reader.close()
-    if os.path.isdir(root):
-        for step, path in sorted(_single_file_steps(CommitLayout(root, PosixDiskStorage())).items(), reverse=True):
+    layout = CommitLayout(root, PosixDiskStorage())
+    if os.path.isdir(root) and layout.stale_reason() is None:  # records of a deleted dir of this name: not ours
+        for step, path in sorted(_single_file_steps(layout).items(), reverse=True):
             if step <= best[0]:
                 break
             if os.path.exists(path):
@@ -624,8 +625,8 @@ background (see the module docstring of ``integrations.lightning``).
 
 Args:
     checkpoint_dir: the directory that contains every ``.ckpt`` path Lightning saves (default: the
-        directory of the first checkpoint saved or loaded). flashckpt keeps its bookkeeping in
-        ``<checkpoint_dir>/.flashckpt``; the job's saver and shared memory are keyed by it.
+        directory of the first checkpoint saved or loaded). flashckpt keeps its bookkeeping beside it, in
+        ``<parent>/.flashckpt/<name>/``; the job's saver and shared memory are keyed by it.
     weights_only: how Python objects in memory snapshots are decoded (torch's weights-only rules).
     teardown_timeout_s: how long ``teardown`` waits for the persists (None: no bound).
     load_wait_s: how long a rank that does not hold a checkpoint in memory waits for it on storage.

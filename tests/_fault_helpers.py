@@ -293,16 +293,23 @@ def read_events(path: str) -> list[dict[str, Any]]:
         return []
 
 
+def _layout(ckpt: str) -> Any:
+    from flashckpt_core.commit import CommitLayout
+    from flashckpt_core.storage import PosixDiskStorage
+
+    return CommitLayout(ckpt, PosixDiskStorage())
+
+
 def tracker_step(ckpt: str) -> int | None:
     try:
-        with open(os.path.join(ckpt, ".flashckpt", "tracker.json")) as f:
+        with open(_layout(ckpt).tracker_path) as f:
             return int(json.load(f)["step"])
     except FileNotFoundError:
         return None
 
 
 def step_meta_dir(ckpt: str, step: int) -> str:
-    return os.path.join(ckpt, ".flashckpt", "steps", f"{step:012d}")
+    return _layout(ckpt).step_dir(step)
 
 
 def committed(ckpt: str, step: int) -> bool:

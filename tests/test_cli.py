@@ -65,8 +65,33 @@ def test_ls_lists_committed_and_uncommitted_steps_with_sizes(fault_env: FaultEnv
     assert "(latest)" in lines[20] and "3.0 MiB" in lines[20]
     assert "not committed" in lines[30]
 
-    r = run_cli(fault_env, "ls", os.path.join(fault_env.tmp, "empty"))
+    empty = os.path.join(fault_env.tmp, "empty")
+    os.makedirs(empty)
+    r = run_cli(fault_env, "ls", empty)
     assert r.returncode == 0 and "no flashckpt checkpoints" in r.stdout
+
+
+def test_ls_and_verify_of_a_missing_dir_or_a_file_say_so(fault_env: FaultEnv) -> None:
+    missing = os.path.join(fault_env.tmp, "no-such-dir")
+    a_file = os.path.join(fault_env.tmp, "model.ckpt")
+    with open(a_file, "wb") as f:
+        f.write(b"not a dir")
+    for cmd in ("ls", "verify"):
+        r = run_cli(fault_env, cmd, missing, console=True)
+        assert r.returncode == 2 and f"{missing} does not exist" in r.stderr, (cmd, r.stdout, r.stderr)
+        assert "no flashckpt checkpoints" not in r.stdout and not os.path.exists(missing)
+        r = run_cli(fault_env, cmd, a_file, console=True)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (cmd, r.stdout, r.stderr)
+        assert f"{a_file} is a file, not a checkpoint dir" in r.stderr, r.stderr
+    r = run_cli(fault_env, "gc", a_file)
+    assert r.returncode == 2 and "is a file, not a checkpoint dir" in r.stderr
+
+
+def test_gc_dry_run_with_nothing_to_do_says_so(fault_env: FaultEnv) -> None:
+    r = run_cli(fault_env, "gc", "--dry-run", console=True)
+    assert r.returncode == 0 and "nothing to clean (dry run: nothing would be removed)" in r.stdout, r.stdout
+    r = run_cli(fault_env, "gc", "--dry-run", os.path.join(fault_env.tmp, "ckpt"))
+    assert r.returncode == 0 and "nothing would be removed" in r.stdout, r.stdout
 
 
 def test_verify_reports_missing_files_and_uncommitted_steps(fault_env: FaultEnv) -> None:

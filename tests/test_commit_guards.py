@@ -88,7 +88,7 @@ def test_manifest_and_markers_of_the_wrong_structure_are_damaged_steps(fault_env
         sd = engine.load()
         assert engine.last_load is not None and (engine.last_load.step, engine.last_load.source) == (1, "storage")
         assert sd["step"] == 1
-        assert not os.path.exists(layout.step_dir(3))  # the crashed step's records are cleaned up
+        assert not os.path.exists(layout.step_dir(3)), fault_env.saver_logs()  # the crashed step is cleaned up
     finally:
         close_and_wait(engine)
 
@@ -139,7 +139,8 @@ def test_save_refuses_paths_over_other_steps_committed_files(fault_env: FaultEnv
         engine.save(2, fs, path="set2", storage_type=StorageType.DISK)
         engine.wait(timeout=60)
         refused = {
-            ".flashckpt/tracker.json": "commit records",
+            os.path.join(engine.layout.meta, "tracker.json"): "commit records",  # beside the checkpoint dir
+            ".flashckpt/tracker.json": "reserves for its commit records",  # the inside layout's name
             ".flashckpt/steps/000000000001/manifest.json": "commit records",
             "set2/b.pt": "directory of committed step 2",
             "set2/new.pt": "directory of committed step 2",

@@ -75,7 +75,7 @@ def test_fileset_persists_native_files_commit_and_tracker(make_engine, ckpt_dir)
     m = CommitLayout(ckpt_dir, PosixDiskStorage()).read_manifest(3)
     assert sorted(f.name for f in m.files[0]) == [".metadata", "model.safetensors", "optimizer.pt",
                                                   "sub/blob.bin", "trainer_state.json"]
-    assert not os.path.exists(os.path.join(ckpt_dir, ".flashckpt", "steps", f"{3:012d}", "staged", "rank_0", "00000"))
+    assert not os.path.exists(CommitLayout(ckpt_dir, PosixDiskStorage()).staged_path(3, 0, 0))
 
     # From memory: the same set, and ``into`` fills existing tensors in place.
     loc = eng.locate()

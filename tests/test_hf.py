@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from helpers import run_ranks, wait_for
@@ -131,11 +132,15 @@ def _stopper(at: int, how: str):
     return Stop()
 
 
-def committed(out: str) -> list[int]:
+def layout(out: str) -> Any:
     from flashckpt_core.commit import CommitLayout
     from flashckpt_core.storage import PosixDiskStorage
 
-    return CommitLayout(out, PosixDiskStorage()).committed_steps()
+    return CommitLayout(out, PosixDiskStorage())
+
+
+def committed(out: str) -> list[int]:
+    return layout(out).committed_steps()
 
 
 def checkpoint_dirs(out: str) -> list[str]:
@@ -244,7 +249,7 @@ def test_resume_never_picks_uncommitted_or_partial_checkpoints(tmp_path):
     assert committed(out) == [1, 2]
     t2 = make_trainer(out, max_steps=3, save_steps=1, config=_config(0))
     t2.flashckpt_engine()  # its saver is up: what follows looks like a persist of step 5 in flight
-    steps_dir = os.path.join(out, ".flashckpt", "steps", f"{5:012d}")
+    steps_dir = layout(out).step_dir(5)
     os.makedirs(steps_dir)
     with open(os.path.join(steps_dir, "intent_rank_0.json"), "w") as f:
         json.dump({"rank": 0, "paths": ["checkpoint-5/trainer_state.json"]}, f)
@@ -268,6 +273,18 @@ def _config(every: int):
     from integrations.hf import FlashCkptConfig
 
     return FlashCkptConfig(memory_snapshot_steps=every)
+
+
+def test_output_dir_lists_what_a_vanilla_trainer_writes(tmp_path):
+    """The output dir and every checkpoint dir in it hold exactly the entries a vanilla Trainer's do:
+    flashckpt's records live beside the output dir."""
+    ours, theirs = str(tmp_path / "flash"), str(tmp_path / "vanilla")
+    make_trainer(theirs, vanilla=True, save_total_limit=2).train()
+    make_trainer(ours, save_total_limit=2).train()
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(theirs)) == ["checkpoint-6", "checkpoint-8"]
+    for name in os.listdir(theirs):
+        assert sorted(os.listdir(os.path.join(ours, name))) == sorted(os.listdir(os.path.join(theirs, name))), name
+    assert committed(ours) == [6, 8] and layout(ours).meta == str(tmp_path / ".flashckpt" / "flash")
 
 
 def test_save_total_limit_fast_saves_and_best_model(tmp_path):

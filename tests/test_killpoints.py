@@ -174,8 +174,7 @@ def observe(ckpt: str, job_dir: str) -> Frozen:
     points = []
     if any(h.state == WRITING for h in hs):
         points.append("copy")
-    if any(h.flags & FLAG_PINNED for h in hs) or \
-            [p for p in files_named(ckpt, ".flashckpt-tmp") if os.sep + ".flashckpt" + os.sep not in p]:
+    if any(h.flags & FLAG_PINNED for h in hs) or files_named(ckpt, ".flashckpt-tmp"):
         points.append("persist")
     newest = committed[-1] if committed else -1
     for s in uncommitted:

@@ -28,6 +28,8 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 from flashckpt_core import PersistError  # noqa: E402
+from flashckpt_core.commit import CommitLayout  # noqa: E402
+from flashckpt_core.storage import PosixDiskStorage  # noqa: E402
 from integrations.lightning import (  # noqa: E402
     FlashCheckpointIO,
     FlashMemorySnapshot,
@@ -177,12 +179,13 @@ def test_native_files_top_k_and_vanilla_resume(tmp_path) -> None:
     L.Trainer(max_steps=steps, devices=1, callbacks=callbacks(theirs), **QUIET).fit(vanilla)
 
     top = ["epoch=1-step=11.ckpt", "epoch=1-step=12.ckpt"]
-    assert sorted(os.listdir(ours)) == sorted([".flashckpt", "copies", "last.ckpt", *top])
+    # The checkpoint dir looks exactly as vanilla Lightning leaves it: flashckpt's records live beside it.
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(theirs)) == sorted(["copies", "last.ckpt", *top])
     assert os.readlink(os.path.join(ours, "last.ckpt")) == top[1]
     assert sorted(os.listdir(os.path.join(ours, "copies"))) == ["epoch=1-step=12.ckpt", "last.ckpt"]
     assert sorted(os.listdir(os.path.join(theirs, "copies"))) == ["epoch=1-step=12.ckpt", "last.ckpt"]
     # One flashckpt record per live file: records of removed and overwritten saves are gone.
-    records = os.listdir(os.path.join(ours, ".flashckpt", "steps"))
+    records = os.listdir(os.path.join(CommitLayout(ours, PosixDiskStorage()).meta, "steps"))
     assert len(records) == 4, records
 
     for name in [*top, "copies/last.ckpt", "copies/epoch=1-step=12.ckpt"]:
@@ -229,7 +232,7 @@ def test_removal_waits_for_pending_persist(tmp_path, runtime_dir) -> None:
         io.teardown()
     finally:
         io.teardown()
-    assert sorted(os.listdir(root)) == [".flashckpt", "c.ckpt", "keep.ckpt"]
+    assert sorted(os.listdir(root)) == ["c.ckpt", "keep.ckpt"]
     assert torch.load(c, weights_only=True)["global_step"] == 3
     assert torch.load(keep, weights_only=True)["global_step"] == 0
     print(f"removals that waited for their persist: {io.deferred_removals}")
@@ -248,7 +251,7 @@ def test_teardown_surfaces_persist_error(tmp_path) -> None:
             trainer.fit(model)
         assert io.engine is None
         files = sorted(os.listdir(root))
-        assert files == [".flashckpt", "epoch=0-step=2.ckpt"], files
+        assert files == [".flashckpt", "epoch=0-step=2.ckpt"], files  # a mount point keeps its records inside
         first = torch.load(os.path.join(root, "epoch=0-step=2.ckpt"), weights_only=True)
         assert first["global_step"] == 2
 
@@ -323,4 +326,4 @@ def test_wrong_setups_fail_clearly(tmp_path) -> None:
     pl.Trainer(max_steps=2, plugins=[pio], callbacks=[PLFlashMemorySnapshot(),
                                                       pl.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=1)],
                **QUIET).fit(PLRegressor())
-    assert sorted(os.listdir(root)) == [".flashckpt", "epoch=0-step=2.ckpt"]
+    assert sorted(os.listdir(root)) == ["epoch=0-step=2.ckpt"]

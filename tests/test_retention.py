@@ -84,7 +84,7 @@ def test_interval_strategy_applied_after_commits(make_engine, ckpt_dir):
     eng.wait(60)
     assert layout(ckpt_dir).committed_steps() == [3, 6, 7]
     assert step_dirs(ckpt_dir) == ["step_3", "step_6", "step_7"]
-    assert sorted(os.listdir(os.path.join(ckpt_dir, ".flashckpt", "steps"))) == [f"{s:012d}" for s in (3, 6, 7)]
+    assert sorted(os.listdir(os.path.join(layout(ckpt_dir).meta, "steps"))) == [f"{s:012d}" for s in (3, 6, 7)]
     for step in (3, 6, 7):
         assert layout(ckpt_dir).verify(step) == []
         assert_same_tree(sd(step), eng.load(resume_path=f"step_{step}/rank_00000.pt"))

@@ -1,0 +1,387 @@
+"""Where a checkpoint dir's commit records live, and their upkeep: binding, stale records, orphans.
+
+The records of checkpoint dir ``D`` live beside it, in ``<parent(D)>/.flashckpt/<basename(D)>/``, so
+``D`` holds exactly what the user's framework writes there, and on the same file system (a manifest
+is written by a rename). They stay inside, in ``D/.flashckpt/``, when:
+
+- ``D/.flashckpt`` exists (a checkpoint dir written by an older flashckpt keeps its records);
+- ``D`` is a mount point (its parent is another file system), or ``/``;
+- the parent is not writable by this user, or its ``.flashckpt`` is not a real directory of this user
+  (a symbolic link, a file, another user's: never followed nor shared);
+- ``D``'s name is one flashckpt uses for its own entries beside checkpoint dirs.
+
+Records that exist beside ``D`` are used first. The choice depends only on facts of the shared storage,
+so every process of every node of a job picks the same place (``place``).
+
+Beside records are bound to their directory: ``dir.json`` holds ``D``'s inode number (``st_ino`` only:
+``st_dev`` differs between NFS clients), written as the records are created. A saver starting on ``D``
+(``CommitLayout.claim``) finds them stale when ``D``'s inode differs (``D`` was deleted and made again)
+or when no file of any committed step exists; with no job lock held in them, it moves them aside (a
+rename to a hidden name in ``<parent>/.flashckpt``) and removes them, then starts afresh. Creating
+records sweeps orphans: records whose checkpoint dir no longer exists and whose job locks nobody holds.
+Records whose directory was renamed in the same parent (a sibling has the bound inode and no records
+of its own) move to its new name instead of being removed.
+``<parent>/.flashckpt`` goes once it is empty. Claims and sweeps of one parent take turns on the lock
+``<parent>/.flashckpt/.lock``; everything there is reached through a checked ``O_NOFOLLOW`` fd, so no
+symbolic link is ever followed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import stat
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from . import errors as E
+from ._lease import held
+
+__all__ = ["META", "Placement", "place", "records_dir", "locked_parent", "bind", "read_binding", "live_jobs_at",
+           "discard", "renamed_to", "follow_or_discard", "sweep"]
+
+log = logging.getLogger(__name__)
+
+META = ".flashckpt"
+DIR_JSON = "dir.json"
+RECORDS_FORMAT = "flashckpt-records/1"
+LOCK_NAME = ".lock"
+_ASIDE = ".flashckpt-stale-"  # records moved aside, being removed
+_NEW = ".flashckpt-new-"  # records being created
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_EFFECTIVE = os.access in os.supports_effective_ids
+
+_logged: set[tuple[str, str]] = set()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the records of a checkpoint dir live: ``path``, ``beside`` it or inside it, and why."""
+
+    path: str
+    beside: bool
+    why: str
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _unusable(top: str, st: os.stat_result) -> str:
+    if stat.S_ISLNK(st.st_mode):
+        return f"{top} is a symbolic link, which flashckpt never follows"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{top} is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"{top} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    return ""
+
+
+def place(root: str) -> Placement:
+    """Where the records of checkpoint dir ``root`` live (see the module docstring). Reads only."""
+    root = os.path.abspath(root)
+    parent, name = os.path.split(root)
+    inside = os.path.join(root, META)
+
+    def at_inside(why: str) -> Placement:
+        return Placement(inside, False, why)
+
+    if not name:
+        return at_inside("the checkpoint dir is /")
+    if name in (META, LOCK_NAME) or name.startswith((_ASIDE, _NEW)):
+        return at_inside(f"its name {name!r} is one flashckpt uses for its own entries beside checkpoint dirs")
+    top = os.path.join(parent, META)
+    beside = os.path.join(top, name)
+    top_st = _lstat(top)
+    if top_st is not None:
+        why = _unusable(top, top_st)
+        if why:
+            return at_inside(why)
+        st = _lstat(beside)
+        if st is not None:
+            if stat.S_ISDIR(st.st_mode):
+                return Placement(beside, True, "its records are there")
+            return at_inside(f"{beside} is not a directory")
+    if _lstat(inside) is not None:
+        return at_inside(f"{inside} exists (records of an older flashckpt, or kept inside before)")
+    if os.path.ismount(root):
+        return at_inside(f"it is a mount point: {parent} is another file system")
+    writable = top if top_st is not None else parent
+    if not os.access(writable, os.W_OK | os.X_OK, effective_ids=_EFFECTIVE):
+        return at_inside(f"{writable} is not writable by this user")
+    return Placement(beside, True, f"flashckpt keeps the records of the checkpoint dirs in {parent} in {top}")
+
+
+def records_dir(root: str) -> str:
+    """The records dir of checkpoint dir ``root`` (``place``); logs the choice once per process."""
+    p = place(root)
+    key = (os.path.abspath(root), p.path)
+    if key not in _logged:
+        _logged.add(key)
+        log.log(logging.DEBUG if p.beside else logging.INFO, "commit records of %s are in %s: %s",
+                key[0], p.path, p.why)
+    return p.path
+
+
+def _same(fd: int, name: str, dir_fd: int | None) -> bool:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_ino, st.st_dev) == (own.st_ino, own.st_dev)
+
+
+@contextlib.contextmanager
+def locked_parent(top: str, *, timeout: float = 60.0, lock: bool = True) -> Iterator[int]:
+    """An fd of ``top`` (``<parent>/.flashckpt``), created 0755 when missing, checked to be a real
+    directory of this user, and, with ``lock``, with its lock (the file ``.lock`` in it) held. On leaving,
+    the lock file is removed (a waiter finds it gone and takes a new one), and ``top`` when empty.
+
+    Raises:
+        CheckpointDirError: ``top`` is a symbolic link, not a directory, another user's, or its lock is
+            held for ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if lock:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(top, 0o755)
+        try:
+            fd = os.open(top, _DIR_FLAGS)
+        except FileNotFoundError:
+            if not lock:
+                raise
+            continue  # removed by the last user of another parent lock between our mkdir and open
+        except OSError as e:
+            st = _lstat(top)
+            raise E.CheckpointDirError(f"{(_unusable(top, st) if st else '') or f'{top}: {e}'}; flashckpt keeps "
+                                       "the commit records of the checkpoint dirs beside it there") from e
+        lfd = -1
+        try:
+            why = _unusable(top, os.fstat(fd))
+            if why:
+                raise E.CheckpointDirError(f"{why}; flashckpt keeps the commit records of the checkpoint dirs "
+                                           "beside it there: remove it, or ask its owner")
+            if not lock:
+                break
+            try:
+                lfd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
+            except FileNotFoundError:
+                os.close(fd)
+                continue
+            while True:
+                try:
+                    fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise E.CheckpointDirError(f"{os.path.join(top, LOCK_NAME)} stayed locked for "
+                                                   f"{timeout:.0f} s; is a flashckpt process hung there?") from None
+                    time.sleep(0.005)
+        except BaseException:
+            if lfd >= 0:
+                os.close(lfd)
+            os.close(fd)
+            raise
+        if _same(lfd, LOCK_NAME, fd) and _same(fd, top, None):
+            break
+        os.close(lfd)  # the lock file or ``top`` was removed while we waited: take the new one
+        os.close(fd)
+    try:
+        yield fd
+    finally:
+        try:
+            if lock:
+                os.unlink(LOCK_NAME, dir_fd=fd)  # waiters find their file gone and start over
+                if not os.listdir(fd):
+                    os.rmdir(top)  # only when empty: a claim that just started there keeps it
+        except OSError:
+            pass
+        if lfd >= 0:
+            os.close(lfd)
+        os.close(fd)
+
+
+def _open_dir_at(dir_fd: int, name: str) -> int | None:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError:  # missing, a symbolic link (ELOOP), not a directory
+        return None
+
+
+def _read_binding_at(dir_fd: int) -> int | None:
+    try:
+        fd = os.open(DIR_JSON, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        d = json.loads(os.read(fd, 1 << 16))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    ok = isinstance(d, dict) and d.get("format") == RECORDS_FORMAT and isinstance(d.get("ino"), int)
+    return int(d["ino"]) if ok else None
+
+
+def read_binding(records: str) -> int | None:
+    """The inode number ``records``/dir.json binds them to; None when missing or unreadable."""
+    try:
+        fd = os.open(records, _DIR_FLAGS)
+    except OSError:
+        return None
+    try:
+        return _read_binding_at(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_binding(dir_fd: int, root: str, ino: int) -> None:
+    body = json.dumps({"format": RECORDS_FORMAT, "dir": root, "ino": ino, "time": time.time()}).encode()
+    tmp = f"{DIR_JSON}.{uuid.uuid4().hex}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+    try:
+        os.write(fd, body)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, DIR_JSON, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    os.fsync(dir_fd)
+
+
+def bind(top_fd: int, name: str, root: str) -> bool:
+    """Binds the records ``name`` in ``top_fd`` to the checkpoint dir ``root`` (its inode in
+    ``dir.json``), creating them when missing: made complete under a temporary name, then renamed into
+    place. Returns True when it created them. The caller holds the parent lock."""
+    ino = os.stat(root).st_ino
+    fd = _open_dir_at(top_fd, name)
+    if fd is not None:
+        try:
+            if _read_binding_at(fd) is None:
+                _write_binding(fd, root, ino)
+        finally:
+            os.close(fd)
+        return False
+    tmp = f"{_NEW}{uuid.uuid4().hex}"
+    os.mkdir(tmp, 0o755, dir_fd=top_fd)
+    fd = os.open(tmp, _DIR_FLAGS, dir_fd=top_fd)
+    try:
+        _write_binding(fd, root, ino)
+    finally:
+        os.close(fd)
+    os.rename(tmp, name, src_dir_fd=top_fd, dst_dir_fd=top_fd)
+    os.fsync(top_fd)
+    return True
+
+
+def live_jobs_at(top_fd: int, name: str) -> list[str]:
+    """The jobs whose locks in the records ``name`` (in ``top_fd``) are held by a live saver."""
+    fd = _open_dir_at(top_fd, name)
+    if fd is None:
+        return []
+    try:
+        jobs = _open_dir_at(fd, "jobs")
+    finally:
+        os.close(fd)
+    if jobs is None:
+        return []
+    try:
+        return sorted(n[:-5] for n in os.listdir(jobs) if n.endswith(".lock") and held(n, dir_fd=jobs))
+    finally:
+        os.close(jobs)
+
+
+def discard(top_fd: int, name: str) -> None:
+    """Moves the records ``name`` aside (one rename: readers see them whole or not at all), then removes
+    them, never following a symbolic link."""
+    aside = name if name.startswith(_ASIDE) else f"{_ASIDE}{uuid.uuid4().hex}"
+    if aside != name:
+        os.rename(name, aside, src_dir_fd=top_fd, dst_dir_fd=top_fd)
+        os.fsync(top_fd)
+    shutil.rmtree(aside, dir_fd=top_fd, ignore_errors=True)
+
+
+def renamed_to(top_fd: int, parent: str, name: str) -> str | None:
+    """The name of the directory in ``parent`` that the records ``name`` are bound to, when it is no
+    longer ``name`` (the checkpoint dir was renamed in ``parent``) and has no records of its own; None
+    otherwise. Reads only."""
+    fd = _open_dir_at(top_fd, name)
+    if fd is None:
+        return None
+    try:
+        ino = _read_binding_at(fd)
+    finally:
+        os.close(fd)
+    if ino is None:
+        return None
+    dev = os.stat(parent).st_dev
+    with os.scandir(parent) as it:
+        for e in it:
+            if e.name == name or e.inode() != ino or place(e.path).path != os.path.join(parent, META, e.name):
+                continue
+            st = e.stat(follow_symlinks=False)
+            if st.st_ino != ino or st.st_dev != dev or not stat.S_ISDIR(st.st_mode):
+                continue
+            try:
+                os.stat(e.name, dir_fd=top_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return e.name  # beside it, and none there yet
+            return None
+    return None
+
+
+def follow_or_discard(top_fd: int, parent: str, name: str, *, dry_run: bool = False) -> str:
+    """Moves the records ``name`` to the directory they are bound to when it was renamed (see
+    ``renamed_to``; returns its name), else removes them (``discard``; returns ""). The caller holds the
+    parent lock (``dry_run``: need not, and nothing changes)."""
+    to = renamed_to(top_fd, parent, name)
+    if dry_run:
+        return to or ""
+    if to:
+        os.rename(name, to, src_dir_fd=top_fd, dst_dir_fd=top_fd)
+        os.fsync(top_fd)
+        return to
+    discard(top_fd, name)
+    return ""
+
+
+def sweep(top_fd: int, parent: str, *, dry_run: bool = False) -> list[tuple[str, str]]:
+    """Removes the orphans in ``top_fd`` (``<parent>/.flashckpt``): records whose checkpoint dir
+    ``<parent>/<name>`` no longer exists, and leftovers of interrupted creations and removals, when no
+    live job holds a lock in them; records of a dir renamed in ``parent`` follow it instead
+    (``follow_or_discard``). Entries that are not flashckpt's records (no ``dir.json`` of ours), and
+    symbolic links, are left alone. The caller holds the parent lock (``dry_run``: need not).
+
+    Returns:
+        (name, the name they moved to or "" when removed) of each orphan (with ``dry_run``: would be).
+    """
+    out = []
+    for name in sorted(os.listdir(top_fd)):
+        if name == LOCK_NAME:
+            continue
+        leftover = name.startswith((_ASIDE, _NEW))
+        if not leftover and os.path.lexists(os.path.join(parent, name)):
+            continue
+        fd = _open_dir_at(top_fd, name)
+        if fd is None:
+            continue
+        try:
+            ours = leftover or _read_binding_at(fd) is not None
+        finally:
+            os.close(fd)
+        if not ours or live_jobs_at(top_fd, name):
+            continue
+        out.append((name, "" if leftover else follow_or_discard(top_fd, parent, name, dry_run=dry_run)))
+        if leftover and not dry_run:
+            discard(top_fd, name)
+    return out
