@@ -364,30 +364,48 @@ class _FlashIOImpl:
         """Who saves: "run" (a Trainer's fit/validate/test/predict before its teardown), "interrupt"
         (its exception handling, which tears down next), "trainer" (``Trainer.save_checkpoint``
         elsewhere: no teardown follows) or "direct" (not a Trainer)."""
-        run, interrupt, save = self._codes()
+        codes = self._codes()
         via_trainer = False
         f: Any = sys._getframe(2)
         while f is not None:
             code = f.f_code
-            if code is run:
+            if code is codes["run_stage"]:
                 return "run"
-            if code is interrupt:
+            if code is codes["interrupt"]:
                 return "interrupt"
-            if code is save:
+            if code is codes["save"]:
                 via_trainer = True
             f = f.f_back
         return "trainer" if via_trainer else "direct"
 
+    def _failing(self) -> BaseException | None:
+        """The exception Lightning tears down for, if it does: the one being handled when a Trainer's
+        ``_teardown`` calls us for an interrupted run (not when ``fit`` merely runs inside some
+        ``except`` block), or, called by something else, whatever exception is being handled."""
+        exc = sys.exc_info()[1]
+        if exc is None:
+            return None
+        teardown = self._codes()["teardown"]
+        f: Any = sys._getframe(1)
+        while f is not None:
+            if f.f_code is teardown:
+                trainer = f.f_locals.get("self")
+                return exc if getattr(trainer, "interrupted", True) else None
+            f = f.f_back
+        return exc
+
     @classmethod
-    def _codes(cls) -> tuple[Any, Any, Any]:
-        """The code of ``Trainer._run_stage``, of the exception handler's ``_interrupt`` and of
-        ``Trainer.save_checkpoint`` of this class's Lightning package."""
+    def _codes(cls) -> dict[str, Any]:
+        """The code objects of this class's Lightning package that tell where a call comes from:
+        ``Trainer._run_stage``, ``Trainer._teardown``, ``Trainer.save_checkpoint`` and the exception
+        handler's ``_interrupt``."""
         codes = cls.__dict__.get("_trainer_codes")
         if codes is None:
             pkg = "lightning.pytorch" if cls._tree == "lightning" else "pytorch_lightning"
             trainer = importlib.import_module(f"{pkg}.trainer.trainer").Trainer
             call = importlib.import_module(f"{pkg}.trainer.call")
-            codes = (trainer._run_stage.__code__, call._interrupt.__code__, trainer.save_checkpoint.__code__)
+            codes = {"run_stage": trainer._run_stage.__code__, "teardown": trainer._teardown.__code__,
+                     "save": trainer.save_checkpoint.__code__, "interrupt": call._interrupt.__code__}
             cls._trainer_codes = codes
         return codes
 
@@ -498,7 +516,7 @@ class _FlashIOImpl:
             PersistError: a persist failed (earlier committed checkpoints are intact).
             CheckpointTimeoutError: persists still running after ``teardown_timeout_s``.
         """
-        failing = sys.exc_info()[1]
+        failing = self._failing()
         error, self._late_error = self._late_error, None
         if self._engine is not None:
             try:

@@ -235,9 +235,11 @@ def test_removal_waits_for_pending_persist(tmp_path, runtime_dir) -> None:
     print(f"removals that waited for their persist: {io.deferred_removals}")
 
 
-def test_teardown_surfaces_persist_error(tmp_path) -> None:
+@pytest.mark.parametrize("inside_except", [False, True])
+def test_teardown_surfaces_persist_error(tmp_path, inside_except: bool) -> None:
     """The last save does not fit on the (8 MiB tmpfs) checkpoint dir: trainer.fit raises the
-    PersistError from teardown; the earlier checkpoint is intact; no partial file is left."""
+    PersistError from teardown, also when fit runs inside an ``except`` block (an exception being
+    handled that is not fit's own); the earlier checkpoint is intact; no partial file is left."""
     root = str(tmp_path / "small")
     with small_tmpfs(root, "8m"):
         model = new_model(width=6000, inputs=64)  # ~4.8 MB per checkpoint: one fits, two do not
@@ -245,7 +247,12 @@ def test_teardown_surfaces_persist_error(tmp_path) -> None:
         trainer = L.Trainer(max_steps=4, devices=1, plugins=[io], **QUIET, callbacks=[
             ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1)])
         with pytest.raises(PersistError, match="No space left on device"):
-            trainer.fit(model)
+            if not inside_except:
+                trainer.fit(model)
+            try:
+                raise KeyError("unrelated")
+            except KeyError:
+                trainer.fit(model)
         assert io.engine is None
         files = sorted(os.listdir(root))
         assert files == [".flashckpt", "epoch=0-step=2.ckpt"], files
