@@ -27,6 +27,7 @@ them. See docs/lightning.md.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import logging
@@ -34,6 +35,7 @@ import os
 import shutil
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -93,7 +95,9 @@ def _remove_path(path: str) -> None:
         shutil.rmtree(path)
 
 
-def _storage_type(storage_options: Any, memory_only: bool) -> StorageType:
+def _storage_type(storage_options: Any, memory_only: bool) -> StorageType | None:
+    """What ``storage_options`` asks of flashckpt; None for options that are not flashckpt's (they go
+    to Lightning's ``TorchCheckpointIO``, as with a Trainer without the plugin)."""
     if memory_only:
         return StorageType.MEMORY
     if storage_options is None:
@@ -102,8 +106,7 @@ def _storage_type(storage_options: Any, memory_only: bool) -> StorageType:
         return storage_options
     if isinstance(storage_options, str) and storage_options.lower() in ("memory", "mem", "disk"):
         return StorageType.DISK if storage_options.lower() == "disk" else StorageType.MEMORY
-    raise TypeError(f"FlashCheckpointIO.save_checkpoint(storage_options={storage_options!r}): pass None (persist), "
-                    "StorageType.MEMORY or StorageType.DISK (or 'memory' / 'disk')")
+    return None
 
 
 def _single_file_steps(layout: CommitLayout) -> dict[int, str]:
@@ -227,6 +230,7 @@ class _FlashIOImpl:
 
     _tree = "lightning"
     _torch_io_cls: Any = None
+    _trainer_codes: Any = None  # set per built class by _codes()
 
     def __init__(self, checkpoint_dir: str | None = None, *, weights_only: bool = True,
                  teardown_timeout_s: float | None = 1800.0, load_wait_s: float = 600.0) -> None:
@@ -240,6 +244,7 @@ class _FlashIOImpl:
         self.last_load: tuple[str, str] | None = None  # (source: "memory" | "storage", path)
         self.deferred_removals = 0  # removals that waited for a persist of their path
         self._warned_dir = False
+        self._warned_url = False
         self._memory_only = 0
         self._reset()
 
@@ -251,10 +256,13 @@ class _FlashIOImpl:
         self._live: dict[str, list[int]] = {}  # path -> committed engine steps that list it
         self._doomed: set[str] = set()  # removed paths whose removal waits for their persists
         self._high = -1  # newest committed engine step seen
+        self._placeholders: set[str] = set()  # empty files made at save for pending persists (_reserve)
+        self._late_error: BaseException | None = None  # a save's error while fit fails, for teardown
+        self._finalizer: weakref.finalize | None = None  # closes the engine when the plugin is dropped
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the Trainer: no engine crosses over
         state = dict(self.__dict__)
-        for k in ("_engine", "_names", "_pending", "_live", "_doomed"):
+        for k in ("_engine", "_names", "_pending", "_live", "_doomed", "_placeholders", "_late_error", "_finalizer"):
             state.pop(k, None)
         return state
 
@@ -272,41 +280,161 @@ class _FlashIOImpl:
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         """Copies ``checkpoint`` into shared memory and schedules its persist to ``path``.
 
-        Returns once the copy is in shared memory (the tensors may then change). The ``.ckpt`` is
-        written in the background, atomically, as ``torch.save(checkpoint)`` would write it.
+        Returns once the copy is in shared memory (the tensors may then change); ``path`` exists from
+        then on (an empty file until the persist replaces it), so ``ModelCheckpoint`` sees it, as after
+        ``torch.save``. The ``.ckpt`` is written in the background, atomically, as ``torch.save(checkpoint)``
+        would write it, and is on storage when ``teardown`` returns (at the end of ``fit``, also when
+        ``fit`` raises). ``Trainer.save_checkpoint`` outside ``fit``/``validate``/``test``/``predict``
+        (no teardown follows) returns once the file is on storage. A direct call is on storage at
+        ``teardown()`` or when the process exits.
 
         Args:
             checkpoint: the dict Lightning built (``Trainer.save_checkpoint``).
             path: the ``.ckpt`` to write, a local path inside ``checkpoint_dir`` (default: the directory
-                of the first checkpoint this plugin saves or loads).
+                of the first checkpoint this plugin saves or loads). A URL (``s3://``, ``memory://``) is
+                saved by Lightning's ``TorchCheckpointIO`` instead (synchronously, no flash snapshot).
             storage_options: None or ``StorageType.DISK`` to persist; ``StorageType.MEMORY`` for a
-                memory-only snapshot (persisted only if the process dies before a newer one).
+                memory-only snapshot (persisted only if the process dies before a newer one). Other
+                options are Lightning's: the save goes to ``TorchCheckpointIO`` with them.
 
         Raises:
-            FlashCheckpointError: ``path`` is a URL or outside ``checkpoint_dir`` (nothing written).
-            PersistError: an earlier persist failed (raised after this snapshot was taken).
+            FlashCheckpointError: ``path`` is outside ``checkpoint_dir``, or a memory-only snapshot of a
+                URL (nothing written).
+            PersistError: an earlier persist failed (raised after this snapshot was taken); outside
+                ``fit``, this one failed.
         """
         storage = _storage_type(storage_options, self._memory_only > 0)
+        if storage is None:
+            self._torch_save(checkpoint, path, storage_options)
+            return
         target = _local_path(path, "save_checkpoint")
         if target is None:
-            raise FlashCheckpointError(f"FlashCheckpointIO.save_checkpoint({os.fspath(path)!r}): flashckpt writes "
-                                       "local or mounted (POSIX) paths only; use a local dirpath")
+            if storage == StorageType.MEMORY:
+                raise FlashCheckpointError(
+                    f"FlashCheckpointIO.save_checkpoint({os.fspath(path)!r}): a memory-only snapshot needs a local "
+                    "path (its persist after a crash is written by flashckpt); give FlashMemorySnapshot(dirpath=...) "
+                    "or FlashCheckpointIO(checkpoint_dir=...) a local directory")
+            self._torch_save(checkpoint, path, None)
+            return
+        context = self._caller()
         engine = self._ensure_engine(target, "save_checkpoint")
         self._reconcile()
         seq, self._seq = self._seq, self._seq + 1
         self._doomed.discard(target)  # saved again after a removal: the new file stays
         if storage == StorageType.DISK:
             self._pending[seq] = target
+        disk = storage == StorageType.DISK and engine.persists  # this rank writes the file
         t0 = time.perf_counter()
         try:
             engine.save(seq, checkpoint, path=target, storage_type=storage)
-        except PersistError:
-            raise  # about an earlier persist; this one was scheduled
+        except PersistError as e:  # about an earlier persist; this one was scheduled
+            if context != "interrupt":
+                self._reserve(target, disk)
+                raise
+            # Saving on the way out of a failing fit (save_on_exception): the user's exception goes on;
+            # teardown reports this one with it.
+            log.error("FlashCheckpointIO.save_checkpoint(%s) while fit fails: %s", target, e)
+            self._late_error = self._late_error or e
         except BaseException:
             self._pending.pop(seq, None)
             raise
+        self._reserve(target, disk)
         log.info("event=lightning_save path=%s engine_step=%d global_step=%s storage=%s seconds=%.4f", target, seq,
                  checkpoint.get("global_step"), storage.value, time.perf_counter() - t0)
+        if disk and context == "trainer":  # no teardown follows: durable on return, as torch.save is
+            self._wait_persists()
+
+    def _torch_save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any) -> None:
+        """Saves with Lightning's ``TorchCheckpointIO``: URLs, and ``storage_options`` that are not flashckpt's."""
+        if storage_options is None and not self._warned_url:
+            self._warned_url = True
+            log.warning("FlashCheckpointIO: %s is not a local path; flashckpt writes local (POSIX) paths only, so "
+                        "Lightning's TorchCheckpointIO saves it (synchronously, without a flash snapshot) and every "
+                        "other URL of this plugin. Use a local dirpath for flash checkpoints.", os.fspath(path))
+        io = self._torch_io_cls()
+        try:
+            io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        except TypeError as e:
+            if storage_options is None:
+                raise
+            raise TypeError(f"FlashCheckpointIO.save_checkpoint(storage_options={storage_options!r}): flashckpt takes "
+                            "None (persist), StorageType.MEMORY or StorageType.DISK (or 'memory' / 'disk'); other "
+                            f"storage_options go to Lightning's TorchCheckpointIO, which refused them: {e}") from e
+
+    def _caller(self) -> str:
+        """Who saves: "run" (a Trainer's fit/validate/test/predict before its teardown), "interrupt"
+        (its exception handling, which tears down next), "trainer" (``Trainer.save_checkpoint``
+        elsewhere: no teardown follows) or "direct" (not a Trainer)."""
+        codes = self._codes()
+        via_trainer = False
+        f: Any = sys._getframe(2)
+        while f is not None:
+            code = f.f_code
+            if code is codes["run_stage"]:
+                return "run"
+            if code is codes["interrupt"]:
+                return "interrupt"
+            if code is codes["save"]:
+                via_trainer = True
+            f = f.f_back
+        return "trainer" if via_trainer else "direct"
+
+    def _failing(self) -> BaseException | None:
+        """The exception Lightning tears down for, if it does: the one being handled when a Trainer's
+        ``_teardown`` calls us for an interrupted run (not when ``fit`` merely runs inside some
+        ``except`` block), or, called by something else, whatever exception is being handled."""
+        exc = sys.exc_info()[1]
+        if exc is None:
+            return None
+        teardown = self._codes()["teardown"]
+        f: Any = sys._getframe(1)
+        while f is not None:
+            if f.f_code is teardown:
+                trainer = f.f_locals.get("self")
+                return exc if getattr(trainer, "interrupted", True) else None
+            f = f.f_back
+        return exc
+
+    @classmethod
+    def _codes(cls) -> dict[str, Any]:
+        """The code objects of this class's Lightning package that tell where a call comes from:
+        ``Trainer._run_stage``, ``Trainer._teardown``, ``Trainer.save_checkpoint`` and the exception
+        handler's ``_interrupt``."""
+        codes = cls.__dict__.get("_trainer_codes")
+        if codes is None:
+            pkg = "lightning.pytorch" if cls._tree == "lightning" else "pytorch_lightning"
+            trainer = importlib.import_module(f"{pkg}.trainer.trainer").Trainer
+            call = importlib.import_module(f"{pkg}.trainer.call")
+            codes = {"run_stage": trainer._run_stage.__code__, "teardown": trainer._teardown.__code__,
+                     "save": trainer.save_checkpoint.__code__, "interrupt": call._interrupt.__code__}
+            cls._trainer_codes = codes
+        return codes
+
+    def _reserve(self, target: str, disk: bool) -> None:
+        """Creates ``target`` empty when it does not exist, so that it exists once ``save_checkpoint``
+        returns, as after ``torch.save``: ``ModelCheckpoint`` picks ``-v1`` names by that. The persist
+        replaces it atomically; a failed persist removes it again."""
+        if not disk:
+            return
+        try:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except OSError:  # it exists (the usual case for a repeated name), or the persist will say why not
+            return
+        os.close(fd)
+        self._placeholders.add(target)
+
+    def _wait_persists(self) -> None:
+        """Waits (up to ``teardown_timeout_s``) until every scheduled persist is on storage."""
+        engine = self._engine
+        if engine is None:
+            return
+        try:
+            engine.wait(self.teardown_timeout_s)
+        except PersistError:
+            self._reconcile(all_done=True)  # wait() raises it only once no persist runs
+            raise
+        self._reconcile(all_done=True)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Loads ``path``: from shared memory when memory holds its newest save, else from the file.
@@ -348,10 +476,11 @@ class _FlashIOImpl:
         return sd
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Removes ``path`` once every persist of it scheduled so far is done; never before.
+        """Removes ``path`` at once, and again once every persist of it scheduled so far is done.
 
-        Removal is immediate when no persist of ``path`` is pending, else it happens at a later call
-        (the next save, removal or ``teardown``). A path saved again after its removal is kept.
+        When a persist of ``path`` is pending, the file is gone on return (as with vanilla) and the
+        persist's file is removed when it lands, at a later call (the next save, removal or
+        ``teardown``), so a removed checkpoint never stays. A path saved again after its removal is kept.
         """
         target = _local_path(path, "remove_checkpoint")
         if target is not None and os.path.isdir(target) and not os.path.islink(target) and not self._warned_dir:
@@ -369,6 +498,8 @@ class _FlashIOImpl:
         if target in self._pending.values():
             self._doomed.add(target)
             self.deferred_removals += 1
+            self._placeholders.discard(target)
+            _remove_path(target)  # what is there now (the empty file of a pending save, an older save)
             log.debug("removal of %s waits for its persist", target)
             return
         self._delete(target)
@@ -376,36 +507,36 @@ class _FlashIOImpl:
     def teardown(self) -> None:
         """Waits for the scheduled persists, applies the removals that waited for them, and detaches.
 
-        Called by Lightning at the end of ``fit``/``validate``/``test``. After an exception (Lightning
-        tears down inside its exception handler) it does not wait: the saver finishes the persists,
-        writes the newest snapshot as last words and keeps the snapshots in memory for a restart.
+        Called by Lightning at the end of ``fit``/``validate``/``test``/``predict``, also when they
+        raise: a checkpoint saved on the way out (``ModelCheckpoint(save_on_exception=True)``) is on
+        storage before the exception reaches the caller. An error while waiting then does not replace
+        the exception: it is logged and added to it as a note. After an exception the saver keeps the
+        snapshots in memory for a restart (its grace period); otherwise it exits once every rank detached.
 
         Raises:
             PersistError: a persist failed (earlier committed checkpoints are intact).
             CheckpointTimeoutError: persists still running after ``teardown_timeout_s``.
         """
-        engine = self._engine
-        if engine is None:
-            return
-        failing = sys.exc_info()[1] is not None
-        error: BaseException | None = None
-        try:
-            if not failing:
+        failing = self._failing()
+        error, self._late_error = self._late_error, None
+        if self._engine is not None:
+            try:
                 try:
-                    engine.wait(self.teardown_timeout_s)
-                    self._reconcile(all_done=True)
-                except PersistError as e:
-                    error = e
-                    self._reconcile(all_done=True)  # wait() returns only once no persist runs
+                    self._wait_persists()
                 except FlashCheckpointError as e:
-                    error = e
-            if self._doomed:
-                log.warning("FlashCheckpointIO.teardown: %d removal(s) still wait for their persists and are "
-                            "skipped: %s", len(self._doomed), sorted(self._doomed))
-        finally:
-            self._close(release=not failing)
-        if error is not None:
+                    error = error or e
+                if self._doomed:
+                    log.warning("FlashCheckpointIO.teardown: %d removal(s) still wait for their persists and are "
+                                "skipped: %s", len(self._doomed), sorted(self._doomed))
+            finally:
+                self._close(release=failing is None)
+        if error is None:
+            return
+        if failing is None:
             raise error
+        log.error("FlashCheckpointIO.teardown while %s propagates: %s", type(failing).__name__, error)
+        if hasattr(failing, "add_note"):  # Python 3.11+
+            failing.add_note(f"FlashCheckpointIO.teardown: {type(error).__name__}: {error}")
 
     # ------------------------------------------------------------------ more API
     @contextlib.contextmanager
@@ -440,6 +571,11 @@ class _FlashIOImpl:
                 raise FlashCheckpointError(self._outside(op, target, root))
             engine = CheckpointEngine(root, max_to_keep=0, replicated=True, weights_only=self.weights_only)
             self._engine = engine
+            _open_ios.add(self)
+            # A plugin dropped without teardown (a save outside fit) detaches when collected; at exit the
+            # engine's own handler closes it, after _wait_at_exit.
+            self._finalizer = weakref.finalize(self, engine.close)
+            self._finalizer.atexit = False
             try:
                 self._names = SharedMemoryHandler(0, engine.job_dir, weights_only=self.weights_only)
                 self._scan(engine)
@@ -489,6 +625,12 @@ class _FlashIOImpl:
                 if seq in done:
                     self._live.setdefault(path, []).append(seq)
                     self._supersede(path)
+                    self._placeholders.discard(path)
+                elif path in self._placeholders and path not in self._pending.values():
+                    self._placeholders.discard(path)
+                    with contextlib.suppress(OSError):
+                        if os.path.getsize(path) == 0:  # still the empty file: its persist failed
+                            os.remove(path)
         waiting = set(self._pending.values())
         for path in sorted(self._doomed - waiting):
             self._doomed.discard(path)
@@ -558,6 +700,9 @@ class _FlashIOImpl:
 
     def _close(self, *, release: bool) -> None:
         engine, names = self._engine, self._names
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        _open_ios.discard(self)
         self._reset()
         try:
             if names is not None:
@@ -565,6 +710,23 @@ class _FlashIOImpl:
         finally:
             if engine is not None:
                 engine.close(release=release)
+
+
+_open_ios: weakref.WeakSet[_FlashIOImpl] = weakref.WeakSet()  # plugins with an engine
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """Saves still persisting when the interpreter exits (``save_checkpoint`` called directly, or by
+    ``ddp_spawn``'s worker) are on storage before the process ends, as ``torch.save``'s files would
+    be. Registered after the engine's own exit handler, so it runs first; that one then detaches."""
+    for io in list(_open_ios):
+        if io._engine is None or not (io._pending or io._doomed):
+            continue
+        try:
+            io._wait_persists()
+        except Exception as e:  # at exit: report, never raise
+            log.error("FlashCheckpointIO at exit: %s", e)
 
 
 # ---------------------------------------------------------------------------------------- the callback

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("lightning")
 
 import torch  # noqa: E402
-from _fault_helpers import saver_pid, small_tmpfs, wait_for  # noqa: E402
+from _fault_helpers import saver_pid, saver_pids, small_tmpfs, wait_for  # noqa: E402
 from helpers import assert_same_tree, launch_ranks  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -238,9 +238,11 @@ def test_removal_waits_for_pending_persist(tmp_path, runtime_dir) -> None:
     print(f"removals that waited for their persist: {io.deferred_removals}")
 
 
-def test_teardown_surfaces_persist_error(tmp_path) -> None:
+@pytest.mark.parametrize("inside_except", [False, True])
+def test_teardown_surfaces_persist_error(tmp_path, inside_except: bool) -> None:
     """The last save does not fit on the (8 MiB tmpfs) checkpoint dir: trainer.fit raises the
-    PersistError from teardown; the earlier checkpoint is intact; no partial file is left."""
+    PersistError from teardown, also when fit runs inside an ``except`` block (an exception being
+    handled that is not fit's own); the earlier checkpoint is intact; no partial file is left."""
     root = str(tmp_path / "small")
     with small_tmpfs(root, "8m"):
         model = new_model(width=6000, inputs=64)  # ~4.8 MB per checkpoint: one fits, two do not
@@ -248,7 +250,12 @@ def test_teardown_surfaces_persist_error(tmp_path) -> None:
         trainer = L.Trainer(max_steps=4, devices=1, plugins=[io], **QUIET, callbacks=[
             ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1)])
         with pytest.raises(PersistError, match="No space left on device"):
-            trainer.fit(model)
+            if not inside_except:
+                trainer.fit(model)
+            try:
+                raise KeyError("unrelated")
+            except KeyError:
+                trainer.fit(model)
         assert io.engine is None
         files = sorted(os.listdir(root))
         assert files == [".flashckpt", "epoch=0-step=2.ckpt"], files  # a mount point keeps its records inside
@@ -327,3 +334,176 @@ def test_wrong_setups_fail_clearly(tmp_path) -> None:
                                                       pl.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=1)],
                **QUIET).fit(PLRegressor())
     assert sorted(os.listdir(root)) == ["epoch=0-step=2.ckpt"]
+
+
+# ------------------------------------------------------------------------------------------ as vanilla does
+class RaiseAt(Callback):
+    """Raises RuntimeError("boom at <step>") at the end of training step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"boom at {self.step}")
+
+
+def test_checkpoint_saved_on_exception_is_on_storage_when_fit_raises(tmp_path) -> None:
+    """ModelCheckpoint(save_on_exception=True): when fit raises, the checkpoint written on the way out
+    (step=5.ckpt) and the step checkpoints are complete files before the exception reaches the caller,
+    and the snapshots stay in memory for a restart (a new plugin loads step=5.ckpt from memory)."""
+    root = str(tmp_path / "ckpt")
+    io = FlashCheckpointIO(root)
+    trainer = L.Trainer(max_steps=20, devices=1, plugins=[io], **QUIET, callbacks=[
+        ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, save_on_exception=True,
+                        filename="{step}"), RaiseAt(5)])
+    with pytest.raises(RuntimeError, match="boom at 5"):
+        trainer.fit(new_model(width=512))
+    assert io.engine is None
+    exc = os.path.join(root, "step=5.ckpt")
+    got = torch.load(exc, weights_only=True)  # on storage already, complete
+    assert got["global_step"] == 5
+    assert sorted(f for f in os.listdir(root) if f.endswith(".ckpt")) == ["step=2.ckpt", "step=4.ckpt", "step=5.ckpt"]
+    assert torch.load(os.path.join(root, "step=4.ckpt"), weights_only=True)["global_step"] == 4
+    # Kept in memory for a restart (crash semantics); loading from it also lets the saver go.
+    again = FlashCheckpointIO(root)
+    try:
+        sd = again.load_checkpoint(exc)
+        assert again.last_load == ("memory", exc)
+        assert_same_tree(got["state_dict"], sd["state_dict"])
+    finally:
+        again.teardown()
+
+
+def test_error_while_waiting_on_the_way_out_does_not_replace_the_exception(tmp_path) -> None:
+    """The checkpoint written on the way out of a failing fit does not fit on the (8 MiB tmpfs) dir:
+    fit raises the user's exception, with the persist error logged and added to it as a note; the
+    earlier checkpoint is intact and no partial or empty file is left."""
+    root = str(tmp_path / "small")
+    with small_tmpfs(root, "8m"):
+        io = FlashCheckpointIO(root)
+        trainer = L.Trainer(max_steps=20, devices=1, plugins=[io], **QUIET, callbacks=[
+            ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, save_on_exception=True),
+            RaiseAt(3)])
+        with pytest.raises(RuntimeError, match="boom at 3") as info:
+            trainer.fit(new_model(width=6000, inputs=64))  # ~4.8 MB per checkpoint: one fits, two do not
+        notes = " ".join(getattr(info.value, "__notes__", []))
+        assert "PersistError" in notes and "No space left on device" in notes, notes
+        assert sorted(f for f in os.listdir(root) if f.endswith(".ckpt")) == ["epoch=0-step=2.ckpt"]
+        assert torch.load(os.path.join(root, "epoch=0-step=2.ckpt"), weights_only=True)["global_step"] == 2
+        again = FlashCheckpointIO(root)
+        again.load_checkpoint(os.path.join(root, "epoch=0-step=2.ckpt"))
+        again.teardown()  # lets the saver that kept the snapshots go
+
+
+def test_save_outside_fit_is_on_storage_on_return(tmp_path, runtime_dir) -> None:
+    """trainer.save_checkpoint after fit (no teardown follows) returns once the file is on storage, as
+    torch.save does; the plugin's saver goes once the plugin is dropped."""
+    import gc
+
+    root = str(tmp_path / "ckpt")
+    io = FlashCheckpointIO(root)
+    trainer = L.Trainer(max_steps=2, devices=1, plugins=[io], enable_checkpointing=False, **QUIET)
+    trainer.fit(new_model(width=512))
+    for name in ("a.ckpt", "sub/b.ckpt"):
+        path = os.path.join(root, name)
+        trainer.save_checkpoint(path)
+        assert torch.load(path, weights_only=True)["global_step"] == 2  # complete on return
+    assert io.engine is not None and saver_pids(runtime_dir)
+    del trainer, io
+    gc.collect()
+    wait_for(lambda: not saver_pids(runtime_dir), 30, "the dropped plugin's saver to exit")
+
+
+def test_direct_save_is_on_storage_when_the_process_exits(tmp_path) -> None:
+    """A process that calls FlashCheckpointIO.save_checkpoint itself and exits without teardown (as
+    ddp_spawn's worker does) finds its file complete on storage the moment it has exited."""
+    import subprocess
+    import textwrap
+
+    root = str(tmp_path / "ckpt")
+    path = os.path.join(root, "direct.ckpt")
+    code = textwrap.dedent(f"""
+        import torch
+        from integrations.lightning import FlashCheckpointIO
+        io = FlashCheckpointIO({root!r})
+        io.save_checkpoint({{"state_dict": {{"w": torch.arange(4 << 20, dtype=torch.float32)}}, "global_step": 7}},
+                           {path!r})
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    got = torch.load(path, weights_only=True)
+    assert got["global_step"] == 7 and torch.equal(got["state_dict"]["w"], torch.arange(4 << 20, dtype=torch.float32))
+
+
+def test_version_counter_sees_files_still_persisting(tmp_path) -> None:
+    """ModelCheckpoint picks "-v<N>" names by whether a file exists: a name that repeats while its
+    first save is still persisting gets a new version, as with vanilla, never an overwrite; a rerun
+    of the same Trainer continues the versions."""
+    root = str(tmp_path / "ckpt")
+    mc = ModelCheckpoint(dirpath=root, save_top_k=-1, monitor="step", mode="max", filename="test",
+                         every_n_train_steps=1)
+    trainer = L.Trainer(max_steps=3, devices=1, plugins=[FlashCheckpointIO(root)], callbacks=[mc], **QUIET)
+    trainer.fit(new_model(width=512))
+    trainer.fit_loop.epoch_loop.max_steps = 5
+    trainer.fit(new_model(width=512))
+    want = {"test.ckpt": 1, "test-v1.ckpt": 2, "test-v2.ckpt": 3, "test-v3.ckpt": 4, "test-v4.ckpt": 5}
+    assert {os.path.basename(p) for p in mc.best_k_models} == set(want)
+    assert sorted(f for f in os.listdir(root) if f.endswith(".ckpt")) == sorted(want)
+    for name, step in want.items():
+        assert torch.load(os.path.join(root, name), weights_only=True)["global_step"] == step, name
+
+
+def test_storage_options_that_are_not_ours_go_to_lightning(tmp_path) -> None:
+    """storage_options flashckpt does not take are handed to Lightning's TorchCheckpointIO, which
+    refuses them as it does without the plugin; the message also says what flashckpt takes."""
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    root = str(tmp_path / "ckpt")
+    io = FlashCheckpointIO(root)
+    trainer = L.Trainer(max_steps=1, devices=1, plugins=[io], enable_checkpointing=False, **QUIET)
+    trainer.fit(new_model())
+    path = os.path.join(root, "x.ckpt")
+    for options in ("my instance storage options", {"x": 1}):
+        with pytest.raises(TypeError) as ours:
+            trainer.save_checkpoint(path, storage_options=options)
+        with pytest.raises(TypeError) as vanilla:
+            TorchCheckpointIO().save_checkpoint({}, path, storage_options=options)
+        assert str(vanilla.value) in str(ours.value) and "StorageType.MEMORY" in str(ours.value)
+        assert not os.path.exists(path)
+    trainer.save_checkpoint(path, storage_options=StorageType.DISK)
+    assert torch.load(path, weights_only=True)["global_step"] == 1
+    io.teardown()
+
+
+def test_urls_are_saved_by_lightnings_torch_io(tmp_path, caplog) -> None:
+    """A ModelCheckpoint on an fsspec URL (memory://) saves through Lightning's TorchCheckpointIO (one
+    warning), next to a local one that flashckpt persists; training resumes from the URL. A memory-only
+    snapshot of a URL is refused with what to do."""
+    import uuid
+
+    import fsspec
+
+    url = f"memory://flashckpt-test-{uuid.uuid4().hex}"
+    root = str(tmp_path / "ckpt")
+    io = FlashCheckpointIO(root)
+    fs = fsspec.filesystem("memory")
+    try:
+        with caplog.at_level("WARNING", logger="integrations.lightning"):
+            L.Trainer(max_steps=4, devices=1, plugins=[io], **QUIET, callbacks=[
+                ModelCheckpoint(dirpath=url, every_n_train_steps=2, save_top_k=-1, filename="{step}"),
+                ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{step}", monitor="step",
+                                mode="max")]).fit(new_model())
+        assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(url, detail=False)) == ["step=2.ckpt", "step=4.ckpt"]
+        assert sorted(os.listdir(root)) == [".flashckpt", "step=2.ckpt", "step=4.ckpt"]
+        assert io.resume_path() == os.path.join(root, "step=4.ckpt")  # flashckpt's own record
+        assert len([r for r in caplog.records if "TorchCheckpointIO" in r.getMessage()]) == 1
+        start = StartStep()
+        L.Trainer(max_steps=6, devices=1, plugins=[FlashCheckpointIO(root)], enable_checkpointing=False,
+                  callbacks=[start], **QUIET).fit(new_model(), ckpt_path=f"{url}/step=4.ckpt")
+        assert start.start == 4
+        with pytest.raises(Exception, match="FlashMemorySnapshot\\(dirpath="):
+            io.save_checkpoint({"w": torch.zeros(1)}, f"{url}/snap.ckpt", storage_options=StorageType.MEMORY)
+    finally:
+        if fs.exists(url):
+            fs.rm(url, recursive=True)
