@@ -495,7 +495,7 @@ def test_urls_are_saved_by_lightnings_torch_io(tmp_path, caplog) -> None:
                 ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{step}", monitor="step",
                                 mode="max")]).fit(new_model())
         assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(url, detail=False)) == ["step=2.ckpt", "step=4.ckpt"]
-        assert sorted(os.listdir(root)) == [".flashckpt", "step=2.ckpt", "step=4.ckpt"]
+        assert sorted(os.listdir(root)) == ["step=2.ckpt", "step=4.ckpt"]
         assert io.resume_path() == os.path.join(root, "step=4.ckpt")  # flashckpt's own record
         assert len([r for r in caplog.records if "TorchCheckpointIO" in r.getMessage()]) == 1
         start = StartStep()
