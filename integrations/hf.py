@@ -25,8 +25,9 @@ serialized; the tensors are copied once, into shared memory), and the small file
 pass every other path through unchanged.
 
 Overridden Trainer hooks (all documented in docs/hf.md): ``train``, ``_save_checkpoint``,
-``_maybe_log_save_evaluate``, ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``,
-``_load_best_model``.
+``_maybe_log_save_evaluate``, ``_finalize_training``, ``_load_from_checkpoint``,
+``_load_optimizer_and_scheduler``, ``_load_best_model``. Added: ``trainer.get_last_checkpoint()`` (the
+DLRover Flash Checkpoint API), ``flashckpt_engine``, ``flashckpt_wait``, ``flashckpt_close``.
 
 Accelerate users get the same through ``AcceleratorCheckpointer(accelerator, checkpoint_dir)``:
 ``save_state`` / ``load_state`` with Accelerate's own layout, memory first.
@@ -89,7 +90,8 @@ class FlashCkptConfig:
             and a restarted ``train(resume_from_checkpoint=True)`` loads it from memory.
         wait_on_train_end: when ``train()`` returns, every checkpoint it saved is committed on storage
             (as with the vanilla Trainer, whose files are written when it returns). False returns at
-            once; the saver still persists them.
+            once; the saver still persists them. (With ``save_total_limit=1`` and a best checkpoint
+            training waits anyway: the Trainer deletes all but the best one at the end.)
         scratch_dir: where the small files of a checkpoint are staged while it is captured (default
             ``/dev/shm`` when present, else the system temp dir). Nothing large is written there, except
             for a DeepSpeed resume from memory (see docs/hf.md).
@@ -512,6 +514,8 @@ class FlashCkptTrainer(Trainer):
         self._flash_disk_steps: set[int] = set()
         self._flash_last_step = -1
         self._flash_run_dir = ""
+        # get_last_checkpoint's answer and the engine that gave it, for the next train()
+        self._flash_located: tuple[CheckpointEngine, Located] | None = None
 
     # ------------------------------------------------------------------ engine
     def flashckpt_engine(self, run_dir: str | None = None) -> CheckpointEngine:
@@ -536,8 +540,27 @@ class FlashCkptTrainer(Trainer):
     def flashckpt_close(self, release: bool = True) -> None:
         """Detaches from the saver (see ``CheckpointEngine.close``); ``train()`` does it when it returns."""
         eng, self._flash = self._flash, None
+        self._flash_located = None
         if eng is not None:
             eng.close(release)
+
+    def get_last_checkpoint(self) -> str | None:
+        """The newest checkpoint every rank can resume from, for ``train(resume_from_checkpoint=...)``
+        (the DLRover Flash Checkpoint idiom ``trainer.train(resume_from_checkpoint=trainer.get_last_checkpoint())``).
+
+        A step that memory holds (at least as new as the newest committed one) gives its
+        ``<output_dir>/checkpoint-N`` path, which ``train`` then resumes from memory, even while that
+        directory is still being persisted or does not exist (a memory-only snapshot); otherwise the
+        newest committed checkpoint whose checksums verify; in a directory flashckpt never wrote to, the
+        newest vanilla ``checkpoint-N`` with a ``trainer_state.json``; else None (start from scratch).
+        Every rank calls it (as ``train``)."""
+        run_dir = os.path.abspath(self._get_output_dir(trial=None))
+        engine = self.flashckpt_engine(run_dir)
+        loc = engine.locate()
+        if loc.source == "none":
+            return get_last_checkpoint(run_dir)
+        self._flash_located = (engine, loc)  # train() uses it rather than verifying the checksums again
+        return loc.path
 
     def _flash_best_step(self) -> int | None:
         best = self.state.best_model_checkpoint
@@ -577,7 +600,9 @@ class FlashCkptTrainer(Trainer):
             return None
         run_dir = os.path.abspath(self._get_output_dir(trial=trial))
         engine = self.flashckpt_engine(run_dir)
-        loc = engine.locate()  # every rank: they agree on the step
+        cached, self._flash_located = self._flash_located, None
+        # Every rank locates (they agree on the step), or every rank uses get_last_checkpoint's answer.
+        loc = cached[1] if cached is not None and cached[0] is engine else engine.locate()
         want = None if resume is True else os.path.abspath(os.fspath(resume))
         if loc.source == "memory" and loc.step is not None and (want is None or want == loc.path):
             self._flash_view = self._flash_memory_view(engine, loc)
@@ -630,6 +655,32 @@ class FlashCkptTrainer(Trainer):
         step = self.state.global_step
         if every and step > 0 and step % every == 0 and step != self._flash_last_step:
             self._flash_save(getattr(self, "_trial", None), StorageType.MEMORY)
+
+    def _finalize_training(self, trial: Any, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's end of training. With ``save_total_limit=1`` and a best checkpoint, that is where
+        the Trainer deletes every checkpoint but the best one: here they are committed first and deleted
+        through flashckpt, so the deletion never meets a persist and the commit records stay true (the
+        Trainer's own deletion then finds only what flashckpt does not track, as it would)."""
+        best = self.state.best_model_checkpoint
+        if best is not None and self.args.save_total_limit == 1:
+            self.flashckpt_wait()  # every rank (a barrier)
+            if self.args.process_index == 0 and self._flash is not None:
+                self._flash_delete_all_but(self._flash, self._flash_best_step())
+        return super()._finalize_training(trial, *args, **kwargs)
+
+    @staticmethod
+    def _flash_delete_all_but(engine: CheckpointEngine, keep: int | None) -> None:
+        """Deletes every committed step but ``keep`` (the newest included: the Trainer deletes it too
+        when it is not the best), then points the tracker at what is left. Nothing may be in flight."""
+        layout = engine.layout
+        doomed = [s for s in layout.committed_steps() if s != keep]
+        for s in doomed:
+            layout.delete_step(s)
+        if doomed:
+            left = layout.committed_steps()
+            layout.write_tracker(left[-1] if left else None)
+            log.info("event=retention deleted=%s (save_total_limit=1 at the end of training: only the best is kept)",
+                     doomed)
 
     def _flash_save(self, trial: Any, storage: StorageType) -> None:
         """Builds this rank's files of ``checkpoint-<global_step>`` (what the vanilla Trainer writes) and

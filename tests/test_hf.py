@@ -6,7 +6,9 @@ built from config (2 layers, hidden 32), synthetic data, no downloads.
   resumes from memory and finishes: identical final weights and identical logged losses. The persisted
   checkpoint has the vanilla file set, and a vanilla Trainer resumes from it to the same weights.
   A malformed or uncommitted ``checkpoint-N`` is never picked.
-- save_total_limit with a save every step and best-model tracking; DDP and DeepSpeed ZeRO-2 on 2 gloo
+- save_total_limit with a save every step and best-model tracking; save_total_limit=1 with a best
+  checkpoint while the last persist is held (the Trainer's end-of-training deletion never races it);
+  ``trainer.get_last_checkpoint()`` resuming from memory; DDP and DeepSpeed ZeRO-2 on 2 gloo
   ranks (resume from memory after a failure; one launch for both); PEFT/LoRA; the Accelerate helper;
   FSDP refused.
 
@@ -307,6 +309,131 @@ def test_save_total_limit_fast_saves_and_best_model(tmp_path):
     best_w = st.load_file(os.path.join(best, "model.safetensors"))
     for k, v in best_w.items():
         assert torch.equal(t.model.state_dict()[k], v), k
+
+
+def _hold_last_persist(runtime_dir: str, last: int, fallback_s: float):
+    """A callback that waits for the persists in flight, then freezes the saver's persist worker
+    (SIGSTOP) at the end of step ``last``, before that step's save, and lets it go on (SIGCONT) in ``on_train_end`` (called after the Trainer's
+    end-of-training clean-up) or ``fallback_s`` after that save, whichever comes first. So the last
+    checkpoint's persist is still under way while the Trainer finishes, however fast the disk is."""
+    import threading
+
+    from helpers import child_pids, saver_pids
+    from transformers import TrainerCallback
+
+    class Hold(TrainerCallback):
+        def __init__(self) -> None:
+            self.frozen: list[int] = []
+            self.trainer = None  # the FlashCkptTrainer it is given to
+            self.timer: threading.Timer | None = None
+            self.lock = threading.Lock()
+            self.released_by = ""
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == last:
+                # The earlier persists first: one frozen with its slot pinned would block the next save.
+                self.trainer.flashckpt_wait()
+                (saver,) = saver_pids(runtime_dir)
+                self.frozen = child_pids(saver)
+                assert self.frozen, "the saver has no persist worker to freeze"
+                for pid in self.frozen:
+                    os.kill(pid, signal.SIGSTOP)
+
+        def on_save(self, args, state, control, **kw):
+            if state.global_step == last and self.frozen:
+                self.timer = threading.Timer(fallback_s, self.release, ("the fallback timer",))
+                self.timer.start()
+
+        def on_train_end(self, args, state, control, **kw):
+            self.release("on_train_end")
+
+        def release(self, by: str) -> None:
+            with self.lock:
+                frozen, self.frozen = self.frozen, []
+                if frozen and not self.released_by:
+                    self.released_by = by
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+
+        def close(self) -> None:
+            self.release("close")
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer.join()
+
+    return Hold()
+
+
+def test_save_total_limit_1_with_best_never_races_a_persist(tmp_path, runtime_dir, monkeypatch):
+    """save_total_limit=1 with a best checkpoint (not the newest): at the end of training the Trainer
+    deletes every checkpoint but the best. The last checkpoint's persist is held (its worker SIGSTOPped)
+    until that clean-up ran or 4 s passed: the end state must still be the vanilla Trainer's, file for
+    file, with only the best step committed. (Unfixed, the clean-up ran before the persist wrote
+    ``checkpoint-8``: it survived, or was deleted half-written and train() raised a PersistError.)"""
+    monkeypatch.setenv("FLASHCKPT_PERSIST_WORKER_IDLE_S", "600")  # the worker is there to freeze at step 8
+    kw = dict(save_steps=1, save_total_limit=1, eval_strategy="steps", eval_steps=1, metric_for_best_model="loss",
+              greater_is_better=True)  # the eval loss falls: the best is an early step
+    ref_dir, out = str(tmp_path / "vanilla"), str(tmp_path / "flash")
+    ref = make_trainer(ref_dir, vanilla=True, **kw)
+    ref.train()
+    best = os.path.basename(ref.state.best_model_checkpoint)
+    assert best != f"checkpoint-{N_STEPS}" and checkpoint_dirs(ref_dir) == [best]
+
+    hold = _hold_last_persist(runtime_dir, N_STEPS, 4.0)
+    t = hold.trainer = make_trainer(out, callbacks=[hold], config=_config(0), **kw)
+    try:
+        t.train()
+    finally:
+        hold.close()
+    assert t.state.best_model_checkpoint == os.path.join(out, best)
+    assert checkpoint_dirs(out) == [best]
+    assert committed(out) == [int(best.rsplit("-", 1)[1])]
+    ours, theirs = os.path.join(out, best), os.path.join(ref_dir, best)
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(theirs))
+    import safetensors.torch as st
+
+    tree_equal(st.load_file(os.path.join(theirs, "model.safetensors")), st.load_file(os.path.join(ours, "model.safetensors")))
+    for d in (ours, theirs):  # the same state but for the run dir and eval timings
+        with open(os.path.join(d, "trainer_state.json")) as f:
+            state = json.load(f)
+        state["best_model_checkpoint"] = os.path.basename(state["best_model_checkpoint"])
+        state["log_history"] = [{k: v for k, v in h.items() if "runtime" not in k and "per_second" not in k}
+                                for h in state["log_history"]]
+        if d == ours:
+            ours_state = state
+    assert ours_state == state
+    from integrations.hf import get_last_checkpoint
+
+    assert get_last_checkpoint(out, verify=True) == os.path.join(out, best)
+    assert hold.released_by == "the fallback timer"  # train() waited for the held persist before the clean-up
+
+
+def test_get_last_checkpoint_method_resumes_from_memory(tmp_path):
+    """The DLRover idiom ``trainer.train(resume_from_checkpoint=trainer.get_last_checkpoint())``: None in
+    an empty dir; after a failure at step 5 (storage: step 3, memory: step 5) the path of
+    ``checkpoint-5``, from which train() resumes from memory, matching an uninterrupted vanilla run; once
+    everything is committed and memory released, the newest committed checkpoint."""
+    ref = make_trainer(str(tmp_path / "vanilla"), vanilla=True)
+    ref.train()
+    out = str(tmp_path / "flash")
+    fresh = make_trainer(out)
+    assert fresh.get_last_checkpoint() is None
+    fresh.flashckpt_close()
+    with pytest.raises(RuntimeError, match="simulated"):
+        make_trainer(out, callbacks=[_stopper(5, "raise")]).train()
+    r = make_trainer(out)
+    last = r.get_last_checkpoint()
+    assert last == os.path.join(out, "checkpoint-5")
+    r.train(resume_from_checkpoint=last)
+    assert (r.flashckpt_last_resume.source, r.flashckpt_last_resume.step) == ("memory", 5)
+    assert_weights_equal(weights(ref.model), weights(r.model))
+    assert losses(r, after=5) == losses(ref, after=5)
+    after = make_trainer(out)
+    assert after.get_last_checkpoint() == os.path.join(out, f"checkpoint-{N_STEPS}")
+    after.flashckpt_close()
+    on_vanilla = make_trainer(str(tmp_path / "vanilla"))  # a directory only a vanilla Trainer wrote to
+    assert on_vanilla.get_last_checkpoint() == os.path.join(str(tmp_path / "vanilla"), f"checkpoint-{N_STEPS}")
+    on_vanilla.flashckpt_close()
 
 
 # ------------------------------------------------------------------------------------------ PEFT
