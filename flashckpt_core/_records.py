@@ -5,7 +5,8 @@ The records of checkpoint dir ``D`` live beside it, in ``<parent(D)>/.flashckpt/
 is written by a rename). They stay inside, in ``D/.flashckpt/``, when:
 
 - ``D/.flashckpt`` exists (a checkpoint dir written by an older flashckpt keeps its records);
-- ``D`` is a mount point (its parent is another file system), or ``/``;
+- ``D`` is a mount point or on another file system than its parent (a symbolic link to one), or ``/``:
+  a commit moves staged files from the records into ``D`` by rename;
 - the parent is not writable by this user, or its ``.flashckpt`` is not a real directory of this user
   (a symbolic link, a file, another user's: never followed nor shared);
 - ``D``'s name is one flashckpt uses for its own entries beside checkpoint dirs.
@@ -42,9 +43,10 @@ from dataclasses import dataclass
 
 from . import errors as E
 from ._lease import held
+from .config import _DIR_FLAGS
 
 __all__ = ["META", "Placement", "place", "records_dir", "locked_parent", "bind", "read_binding", "live_jobs_at",
-           "discard", "renamed_to", "follow_or_discard", "sweep"]
+           "discard", "renamed_to", "follow_or_discard", "sweep", "usable_top"]
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,6 @@ RECORDS_FORMAT = "flashckpt-records/1"
 LOCK_NAME = ".lock"
 _ASIDE = ".flashckpt-stale-"  # records moved aside, being removed
 _NEW = ".flashckpt-new-"  # records being created
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _EFFECTIVE = os.access in os.supports_effective_ids
 
 _logged: set[tuple[str, str]] = set()
@@ -86,6 +87,19 @@ def _unusable(top: str, st: os.stat_result) -> str:
     return ""
 
 
+def _other_fs(root: str, parent: str) -> bool:
+    try:
+        return os.stat(root).st_dev != os.stat(parent).st_dev or os.path.ismount(root)
+    except OSError:  # not there (yet)
+        return False
+
+
+def usable_top(top: str) -> bool:
+    """Whether ``top`` (``<parent>/.flashckpt``) exists and may hold records: a real directory of ours."""
+    st = _lstat(top)
+    return st is not None and not _unusable(top, st)
+
+
 def place(root: str) -> Placement:
     """Where the records of checkpoint dir ``root`` live (see the module docstring). Reads only."""
     root = os.path.abspath(root)
@@ -113,8 +127,9 @@ def place(root: str) -> Placement:
             return at_inside(f"{beside} is not a directory")
     if _lstat(inside) is not None:
         return at_inside(f"{inside} exists (records of an older flashckpt, or kept inside before)")
-    if os.path.ismount(root):
-        return at_inside(f"it is a mount point: {parent} is another file system")
+    if _other_fs(root, parent):
+        return at_inside(f"it is a mount point or on another file system than {parent} (a commit moves files "
+                         "between the records and the checkpoint dir by rename)")
     writable = top if top_st is not None else parent
     if not os.access(writable, os.W_OK | os.X_OK, effective_ids=_EFFECTIVE):
         return at_inside(f"{writable} is not writable by this user")

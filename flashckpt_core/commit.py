@@ -295,7 +295,7 @@ class CommitLayout:
         lock in them. Returns what was removed (or would be), one line each."""
         parent = os.path.dirname(self.root)
         top = os.path.join(parent, META)
-        if not os.path.isdir(top) or os.path.islink(top):
+        if not _records.usable_top(top):
             return []
         with _records.locked_parent(top, lock=not dry_run) as top_fd:
             name = os.path.basename(self.root)

@@ -197,11 +197,13 @@ _NAMESPACE_SCRIPT = textwrap.dedent("""
     import json, os, subprocess, sys
     from flashckpt_core import CheckpointEngine, StorageType
     from flashckpt_core.commit import records_dir
+    from flashckpt_core.files import FileSet
 
     base = sys.argv[1]
-    ro_parent, real, tmpfs_parent = (os.path.join(base, n) for n in ("ro", "real", "rw"))
-    ro_ckpt, tmpfs_ckpt = os.path.join(ro_parent, "ckpt"), os.path.join(tmpfs_parent, "ckpt")
-    for d in (ro_ckpt, real, tmpfs_ckpt):
+    ro_parent, real, tmpfs_parent, fs2 = (os.path.join(base, n) for n in ("ro", "real", "rw", "fs2"))
+    ro_ckpt, tmpfs_ckpt, link_ckpt = (os.path.join(ro_parent, "ckpt"), os.path.join(tmpfs_parent, "ckpt"),
+                                      os.path.join(base, "ln", "ckpt"))
+    for d in (ro_ckpt, real, tmpfs_ckpt, fs2, os.path.dirname(link_ckpt)):
         os.makedirs(d)
 
     def sh(*cmd):
@@ -212,13 +214,18 @@ _NAMESPACE_SCRIPT = textwrap.dedent("""
     sh("mount", "--bind", ro_parent, ro_parent)
     sh("mount", "--bind", real, ro_ckpt)
     sh("mount", "-o", "remount,ro,bind", ro_parent)
-    # A dir that is a mount point of another file system.
+    # A dir that is a mount point of another file system; a symbolic link to a dir on another one.
     sh("mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", tmpfs_ckpt)
+    sh("mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", fs2)
+    os.makedirs(os.path.join(fs2, "ckpt"))
+    os.symlink(os.path.join(fs2, "ckpt"), link_ckpt)
     out = {}
-    for name, ckpt in (("ro_parent", ro_ckpt), ("mount_point", tmpfs_ckpt)):
+    for name, ckpt in (("ro_parent", ro_ckpt), ("mount_point", tmpfs_ckpt), ("link_to_other_fs", link_ckpt)):
         eng = CheckpointEngine(ckpt, max_to_keep=0)
         try:
-            eng.save(1, {"w": __import__("torch").arange(10)}, storage_type=StorageType.DISK)
+            # A commit-time file: written staged in the records, moved into the dir by rename at the commit.
+            fs = FileSet().add_raw("a.bin", b"a").add_raw("meta.json", b"{}", kind="commit")
+            eng.save(1, fs, path="set_1", storage_type=StorageType.DISK)
             eng.wait(timeout=60)
             out[name] = {"meta": eng.layout.meta, "rule": records_dir(ckpt), "ls": sorted(os.listdir(ckpt)),
                          "parent": sorted(os.listdir(os.path.dirname(ckpt))), "steps": eng.committed_steps()}
@@ -228,9 +235,10 @@ _NAMESPACE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_a_read_only_parent_or_a_mount_point_keeps_the_records_inside(fault_env: FaultEnv) -> None:
-    """In a private mount namespace: a parent on a read-only mount with a writable dir in it, and a dir
-    that is a tmpfs mount point. Both keep their records inside, and save and commit as before."""
+def test_a_read_only_parent_or_another_file_system_keeps_the_records_inside(fault_env: FaultEnv) -> None:
+    """In a private mount namespace: a parent on a read-only mount with a writable dir in it, a dir that
+    is a tmpfs mount point, and a symbolic link to a dir on a tmpfs. All keep their records inside, and
+    save and commit a set with a commit-time file (moved from the records by rename) as before."""
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("needs root and unshare(1) for a private mount namespace")
     if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
@@ -241,12 +249,12 @@ def test_a_read_only_parent_or_a_mount_point_keeps_the_records_inside(fault_env:
     assert r.returncode == 0, r.stdout + r.stderr + fault_env.saver_logs()
     wait_savers_gone(fault_env.runtime_dir)
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    for name, parent in (("ro_parent", "ro"), ("mount_point", "rw")):
+    for name, parent in (("ro_parent", "ro"), ("mount_point", "rw"), ("link_to_other_fs", "ln")):
         ckpt = os.path.join(base, parent, "ckpt")
         got = out[name]
         assert got["meta"] == got["rule"] == os.path.join(ckpt, META), got
-        assert got["ls"] == [META, "step_1"] and got["parent"] == ["ckpt"] and got["steps"] == [1], got
-    assert sorted(os.listdir(os.path.join(base, "real"))) == [META, "step_1"]  # what the ro parent's dir held
+        assert got["ls"] == [META, "set_1"] and got["parent"] == ["ckpt"] and got["steps"] == [1], got
+    assert sorted(os.listdir(os.path.join(base, "real"))) == [META, "set_1"]  # what the ro parent's dir held
 
 
 def test_a_parent_flashckpt_that_is_a_link_or_not_ours_is_never_used(fault_env: FaultEnv,
