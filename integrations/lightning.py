@@ -245,6 +245,7 @@ class _FlashIOImpl:
         self.deferred_removals = 0  # removals that waited for a persist of their path
         self._warned_dir = False
         self._warned_url = False
+        self._warned_outside = False
         self._memory_only = 0
         self._reset()
 
@@ -259,6 +260,7 @@ class _FlashIOImpl:
         self._placeholders: set[str] = set()  # empty files made at save for pending persists (_reserve)
         self._late_error: BaseException | None = None  # a save's error while fit fails, for teardown
         self._finalizer: weakref.finalize | None = None  # closes the engine when the plugin is dropped
+        self._loaded_only = True  # the engine has only loaded so far (its directory is not yet the plugin's)
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the Trainer: no engine crosses over
         state = dict(self.__dict__)
@@ -291,7 +293,8 @@ class _FlashIOImpl:
         Args:
             checkpoint: the dict Lightning built (``Trainer.save_checkpoint``).
             path: the ``.ckpt`` to write, a local path inside ``checkpoint_dir`` (default: the directory
-                of the first checkpoint this plugin saves or loads). A URL (``s3://``, ``memory://``) is
+                of the first checkpoint this plugin saves; without ``checkpoint_dir``, a path outside it
+                is saved by ``TorchCheckpointIO``). A URL (``s3://``, ``memory://``) is
                 saved by Lightning's ``TorchCheckpointIO`` instead (synchronously, no flash snapshot).
             storage_options: None or ``StorageType.DISK`` to persist; ``StorageType.MEMORY`` for a
                 memory-only snapshot (persisted only if the process dies before a newer one). Other
@@ -316,6 +319,19 @@ class _FlashIOImpl:
                     "or FlashCheckpointIO(checkpoint_dir=...) a local directory")
             self._torch_save(checkpoint, path, None)
             return
+        if self._elsewhere(target):
+            engine = self._engine
+            assert engine is not None  # _elsewhere says so
+            if storage == StorageType.MEMORY:
+                raise FlashCheckpointError(self._outside("save_checkpoint", target, engine.checkpoint_dir))
+            if not self._warned_outside:
+                self._warned_outside = True
+                log.warning("FlashCheckpointIO: %s is outside %s, the directory this plugin took from its first save; "
+                            "Lightning's TorchCheckpointIO saves it (synchronously, without a flash snapshot), as every "
+                            "other path outside it. Construct FlashCheckpointIO(checkpoint_dir=...) with a directory "
+                            "that contains every path you save, to flash them all.", target, engine.checkpoint_dir)
+            self._torch_save(checkpoint, path, None)
+            return
         context = self._caller()
         engine = self._ensure_engine(target, "save_checkpoint")
         self._reconcile()
@@ -325,16 +341,11 @@ class _FlashIOImpl:
             self._pending[seq] = target
         disk = storage == StorageType.DISK and engine.persists  # this rank writes the file
         t0 = time.perf_counter()
+        error: PersistError | None = None
         try:
             engine.save(seq, checkpoint, path=target, storage_type=storage)
         except PersistError as e:  # about an earlier persist; this one was scheduled
-            if context != "interrupt":
-                self._reserve(target, disk)
-                raise
-            # Saving on the way out of a failing fit (save_on_exception): the user's exception goes on;
-            # teardown reports this one with it.
-            log.error("FlashCheckpointIO.save_checkpoint(%s) while fit fails: %s", target, e)
-            self._late_error = self._late_error or e
+            error = e
         except BaseException:
             self._pending.pop(seq, None)
             raise
@@ -342,11 +353,29 @@ class _FlashIOImpl:
         log.info("event=lightning_save path=%s engine_step=%d global_step=%s storage=%s seconds=%.4f", target, seq,
                  checkpoint.get("global_step"), storage.value, time.perf_counter() - t0)
         if disk and context == "trainer":  # no teardown follows: durable on return, as torch.save is
-            self._wait_persists()
+            try:
+                self._wait_persists()
+            except PersistError as e:
+                error = error or e
+        if error is None:
+            return
+        if context != "interrupt":
+            raise error
+        # Saving on the way out of a failing fit (save_on_exception): the fit's exception goes on, and
+        # teardown reports this error with it.
+        log.error("FlashCheckpointIO.save_checkpoint(%s) while fit fails: %s", target, error)
+        self._late_error = self._late_error or error
+
+    def _elsewhere(self, target: str) -> bool:
+        """Whether a save to ``target`` falls outside the directory this plugin chose by itself (no
+        ``checkpoint_dir`` given: the first save's directory); such saves go to ``TorchCheckpointIO``."""
+        engine = self._engine
+        return not (engine is None or self.checkpoint_dir or self._loaded_only or _inside(target, engine.checkpoint_dir))
 
     def _torch_save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any) -> None:
-        """Saves with Lightning's ``TorchCheckpointIO``: URLs, and ``storage_options`` that are not flashckpt's."""
-        if storage_options is None and not self._warned_url:
+        """Saves with Lightning's ``TorchCheckpointIO``: URLs, paths outside the directory the plugin
+        chose by itself, and ``storage_options`` that are not flashckpt's."""
+        if storage_options is None and not self._warned_url and _local_path(path, "save_checkpoint") is None:
             self._warned_url = True
             log.warning("FlashCheckpointIO: %s is not a local path; flashckpt writes local (POSIX) paths only, so "
                         "Lightning's TorchCheckpointIO saves it (synchronously, without a flash snapshot) and every "
@@ -457,6 +486,7 @@ class _FlashIOImpl:
             if _inside(target, root) and (self._engine is not None or os.path.isdir(job_dir(root))):
                 self._ensure_engine(target, "load_checkpoint")
                 seq = self._memory_choice(target)
+        own = target
         target, seq = self._agree(target, seq)
         if target is not None and seq is not None and self._engine is not None:
             if seq in self._engine.memory_steps() and self._names is not None and \
@@ -470,7 +500,8 @@ class _FlashIOImpl:
         kw: dict[str, Any] = {"weights_only": weights_only}
         if map_location is not None:
             kw["map_location"] = map_location
-        sd = io.load_checkpoint(target if target is not None else path, **kw)
+        # The caller's own path as given (Lightning's messages name it so); another rank's choice as chosen.
+        sd = io.load_checkpoint(path if target == own else target, **kw)
         self.last_load = ("storage", str(target if target is not None else path))
         log.info("event=lightning_load path=%s source=storage", target or path)
         return sd
@@ -565,6 +596,11 @@ class _FlashIOImpl:
     # ------------------------------------------------------------------ internals
     def _ensure_engine(self, target: str, op: str) -> CheckpointEngine:
         engine = self._engine
+        if engine is not None and self._loaded_only and op == "save_checkpoint" and not self.checkpoint_dir \
+                and not _inside(target, engine.checkpoint_dir):
+            # Made to load a checkpoint of another directory (a resume from it): saves go elsewhere.
+            self._close(release=True)
+            engine = None
         if engine is None:
             root = self.checkpoint_dir or os.path.dirname(target)
             if not _inside(target, root):
@@ -584,6 +620,7 @@ class _FlashIOImpl:
                 raise
         if not _inside(target, engine.checkpoint_dir):
             raise FlashCheckpointError(self._outside(op, target, engine.checkpoint_dir))
+        self._loaded_only = self._loaded_only and op != "save_checkpoint"
         return engine
 
     @staticmethod
@@ -787,8 +824,9 @@ background (see the module docstring of ``integrations.lightning``).
 
 Args:
     checkpoint_dir: the directory that contains every ``.ckpt`` path Lightning saves (default: the
-        directory of the first checkpoint saved or loaded). flashckpt keeps its bookkeeping beside it, in
-        ``<parent>/.flashckpt/<name>/``; the job's saver and shared memory are keyed by it.
+        directory of the first checkpoint saved; saves outside it then go to ``TorchCheckpointIO``).
+        flashckpt keeps its bookkeeping beside it, in ``<parent>/.flashckpt/<name>/``; the job's saver and
+        shared memory are keyed by it.
     weights_only: how Python objects in memory snapshots are decoded (torch's weights-only rules).
     teardown_timeout_s: how long ``teardown`` waits for the persists (None: no bound).
     load_wait_s: how long a rank that does not hold a checkpoint in memory waits for it on storage.

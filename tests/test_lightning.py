@@ -36,6 +36,7 @@ from integrations.lightning import (  # noqa: E402
     StorageType,
     UnsupportedStrategyError,
     check_strategy,
+    find_resume_path,
 )
 
 QUIET: dict[str, Any] = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu"}
@@ -507,3 +508,44 @@ def test_urls_are_saved_by_lightnings_torch_io(tmp_path, caplog) -> None:
     finally:
         if fs.exists(url):
             fs.rm(url, recursive=True)
+
+
+def test_resume_from_another_dir_then_save_in_a_new_one(tmp_path) -> None:
+    """A plugin without checkpoint_dir that first loads a checkpoint of another directory (a resume
+    from a failed run whose saver still holds it in memory) and then saves into a new directory: it
+    loads from memory and its saves are flash checkpoints of the new directory (they were refused)."""
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    trainer = L.Trainer(max_steps=20, devices=1, plugins=[FlashCheckpointIO()], **QUIET, callbacks=[
+        ModelCheckpoint(dirpath=first, every_n_train_steps=2, save_top_k=-1, filename="{step}"), RaiseAt(5)])
+    with pytest.raises(RuntimeError, match="boom at 5"):
+        trainer.fit(new_model())
+    io = FlashCheckpointIO()
+    start = StartStep()
+    L.Trainer(max_steps=8, devices=1, plugins=[io], **QUIET, callbacks=[
+        start, ModelCheckpoint(dirpath=second, every_n_train_steps=2, save_top_k=-1, filename="{step}")]).fit(
+        new_model(), ckpt_path=os.path.join(first, "step=4.ckpt"))
+    assert start.start == 4 and io.last_load == ("memory", os.path.join(first, "step=4.ckpt"))
+    assert sorted(f for f in os.listdir(second) if f.endswith(".ckpt")) == ["step=6.ckpt", "step=8.ckpt"]
+    assert find_resume_path(second) == os.path.join(second, "step=8.ckpt")  # flashckpt's commit record
+    assert sorted(f for f in os.listdir(first) if f.endswith(".ckpt")) == ["step=2.ckpt", "step=4.ckpt"]
+
+
+def test_paths_outside_the_plugins_dir_and_missing_files_as_vanilla(tmp_path, caplog) -> None:
+    """Without checkpoint_dir, a save outside the first save's directory goes to Lightning's
+    TorchCheckpointIO (one warning) instead of failing the run; a missing checkpoint is reported
+    under the name it was given."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    io = FlashCheckpointIO()
+    trainer = L.Trainer(max_steps=4, devices=1, plugins=[io], **QUIET, callbacks=[
+        ModelCheckpoint(dirpath=a, every_n_train_steps=2, save_top_k=-1, filename="{step}"),
+        ModelCheckpoint(dirpath=b, every_n_train_steps=2, save_top_k=-1, filename="{step}", monitor="step",
+                        mode="max")])
+    with caplog.at_level("WARNING", logger="integrations.lightning"):
+        trainer.fit(new_model())
+    for d in (a, b):
+        assert sorted(f for f in os.listdir(d) if f.endswith(".ckpt")) == ["step=2.ckpt", "step=4.ckpt"], d
+        assert torch.load(os.path.join(d, "step=4.ckpt"), weights_only=True)["global_step"] == 4
+    assert find_resume_path(a) == os.path.join(a, "step=4.ckpt") and find_resume_path(b) is None
+    assert len([r for r in caplog.records if "is outside" in r.getMessage()]) == 1
+    with pytest.raises(FileNotFoundError, match="Checkpoint file not found: not existing$"):
+        L.Trainer(max_steps=5, devices=1, plugins=[FlashCheckpointIO()], **QUIET).fit(new_model(), ckpt_path="not existing")
