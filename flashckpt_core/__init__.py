@@ -1,6 +1,12 @@
 """flashckpt's engine: shared-memory snapshots, background persistence, atomic commits.
 
 This package imports no training framework (torch only); adapters live in ``integrations``.
+
+The public names are those in ``__all__``. The building blocks DLRover exports under the names
+``TensorMeta``, ``SharedMemoryHandler``, ``SharedLock``, ``SharedQueue`` and ``SharedDict`` exist here
+with other signatures and meanings (a slot layout record, the trainer's side of a shared-memory segment,
+an ``flock``, proxies to the saver's named objects); they are internal, in ``flashckpt_core._tree``,
+``.shm`` and ``.ipc``, and not exported, so that no code written against DLRover's classes half-works.
 """
 
 from __future__ import annotations
@@ -9,7 +15,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._tree import TensorMeta
     from .commit import CommitLayout, Manifest
     from .config import StorageType
     from .engine import CheckpointEngine, LoadResult, Located
@@ -26,20 +31,18 @@ if TYPE_CHECKING:
     )
     from .files import FileEntry, FileSet
     from .interval import storage_type_for
-    from .ipc import SharedDict, SharedLock, SharedQueue
     from .retention import CheckpointDeletionStrategy, KeepLatestStepStrategy, KeepStepIntervalStrategy
     from .saver import CheckpointSaver
-    from .shm import SharedMemoryHandler
+    from .shm import SharedMemoryHandler  # noqa: F401  (internal; see _INTERNAL)
     from .storage import CheckpointStorage, FileRecord, PosixDiskStorage
 
 # Public name -> the module defining it, imported on first use (PEP 562): the saver daemon, run as
 # ``python -m flashckpt_core.saver``, imports only what it needs, and torch only when it persists.
 _WHERE = {
-    "TensorMeta": "_tree", "CommitLayout": "commit", "Manifest": "commit", "StorageType": "config",
+    "CommitLayout": "commit", "Manifest": "commit", "StorageType": "config",
     "CheckpointEngine": "engine", "LoadResult": "engine", "Located": "engine", "FileEntry": "files",
-    "FileSet": "files", "storage_type_for": "interval", "SharedDict": "ipc", "SharedLock": "ipc",
-    "SharedQueue": "ipc", "CheckpointDeletionStrategy": "retention", "KeepLatestStepStrategy": "retention",
-    "KeepStepIntervalStrategy": "retention", "CheckpointSaver": "saver", "SharedMemoryHandler": "shm",
+    "FileSet": "files", "storage_type_for": "interval", "CheckpointDeletionStrategy": "retention",
+    "KeepLatestStepStrategy": "retention", "KeepStepIntervalStrategy": "retention", "CheckpointSaver": "saver",
     "CheckpointStorage": "storage", "FileRecord": "storage", "PosixDiskStorage": "storage",
     **{name: "errors" for name in ("CheckpointCorruptError", "CheckpointDirError", "CheckpointTimeoutError",
                                    "FlashCheckpointError", "InvalidStateDictError", "PersistError",
@@ -47,8 +50,13 @@ _WHERE = {
 }
 
 
+# Not public (see above); still resolved here for the in-tree adapter that imports it from the package
+# (integrations/lightning.py), until it imports from flashckpt_core.shm.
+_INTERNAL = {"SharedMemoryHandler": "shm"}
+
+
 def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
+    module = _WHERE.get(name) or _INTERNAL.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)
@@ -63,8 +71,8 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointEngine", "LoadResult", "Located", "storage_type_for", "FileSet", "FileEntry", "StorageType", "TensorMeta", "SharedMemoryHandler", "CheckpointSaver",
-    "SharedLock", "SharedQueue", "SharedDict", "CheckpointDeletionStrategy", "KeepLatestStepStrategy",
+    "CheckpointEngine", "LoadResult", "Located", "storage_type_for", "FileSet", "FileEntry", "StorageType",
+    "CheckpointSaver", "CheckpointDeletionStrategy", "KeepLatestStepStrategy",
     "KeepStepIntervalStrategy", "CheckpointStorage", "PosixDiskStorage", "FileRecord", "CommitLayout",
     "Manifest", "FlashCheckpointError", "InvalidStateDictError", "CheckpointDirError", "SharedMemoryError",
     "SaverError", "PersistError", "CheckpointCorruptError", "CheckpointTimeoutError", "ProtocolError",

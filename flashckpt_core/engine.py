@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import math
 import os
+import re
 import sys
 import time
+import urllib.parse
 import uuid
 import weakref
 from collections.abc import Callable
@@ -23,13 +26,13 @@ from ._protocol import Client, ConnectionLost, process_cpu_seconds
 from .commit import CommitLayout
 from .config import Knobs, RankInfo, StorageType, job_dir
 from .files import FileEntry, FileSet, is_fileset_tree
-from .interval import AutoIntervals, storage_type_for
-from .retention import CheckpointDeletionStrategy, KeepLatestStepStrategy
+from .interval import AutoIntervals, default_failure_rates, storage_type_for
+from .retention import CheckpointDeletionStrategy, KeepLatestStepStrategy, uses_clean_up
 from .saver import ensure_saver
 from .shm import SharedMemoryHandler
 from .storage import PosixDiskStorage
 
-__all__ = ["CheckpointEngine", "LoadResult", "Located"]
+__all__ = ["CheckpointEngine", "LoadResult", "Located", "local_dir", "resolve_in"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,59 @@ class Located:
     path: str | None
 
 
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def local_dir(checkpoint_dir: str | os.PathLike[str], what: str = "CheckpointEngine") -> str:
+    """The local path ``checkpoint_dir`` names, as given (relative paths stay relative): a ``file://``
+    URL becomes its absolute path; any other URL (``s3://``, ``gs://``, ``hdfs://``, ...) is refused.
+
+    Raises:
+        CheckpointDirError: an unsupported URL, a ``file://`` URL naming a host, or an empty path.
+    """
+    d = os.fspath(checkpoint_dir)
+    if not isinstance(d, str):
+        raise TypeError(f"{what}(checkpoint_dir={d!r}): a path (str or os.PathLike) is needed")
+    m = _URL.match(d)
+    if m is not None:
+        scheme = m.group(1).lower()
+        if scheme != "file":
+            raise E.CheckpointDirError(
+                f"{what}({d!r}): {scheme}:// storage is not supported yet; flashckpt writes to a local or mounted "
+                "file system only (object stores such as S3 are planned). Pass a local directory, or mount the "
+                "bucket (for example with mountpoint-s3 or s3fs) and pass the mount's path")
+        url = urllib.parse.urlparse(d)
+        if url.netloc not in ("", "localhost") or not url.path:
+            raise E.CheckpointDirError(f"{what}({d!r}): a file:// URL names an absolute local path, as in "
+                                       "file:///data/ckpt (three slashes); a host or a relative path is not allowed")
+        return urllib.parse.unquote(url.path)
+    if not d:
+        raise E.CheckpointDirError(f"{what}(checkpoint_dir=''): give a directory")
+    return d
+
+
+def resolve_in(root: str, given: str, path: str | os.PathLike[str], what: str = "path") -> str:
+    """The absolute path that a ``path`` argument names, for a checkpoint dir ``root`` (absolute) given
+    by the user as ``given``.
+
+    An absolute path (or ``file://`` URL) is itself. A relative path that begins with the checkpoint dir
+    as it was given, such as ``os.path.join(checkpoint_dir, "checkpoint-10.pt")`` with a relative
+    ``checkpoint_dir``, is relative to the directory the checkpoint dir was given from (that path, as
+    the user wrote it). Any other relative path is relative to the checkpoint dir. So with
+    ``checkpoint_dir="work/s01"``, ``"work/s01/ckpt-10.pt"`` and ``"ckpt-10.pt"`` both mean
+    ``<cwd>/work/s01/ckpt-10.pt``; to mean a subdirectory of the checkpoint dir that repeats its relative
+    name (``work/s01/work/s01/...``), pass an absolute path.
+    """
+    p = local_dir(path, what)
+    if os.path.isabs(p):
+        return os.path.abspath(p)
+    if given and not os.path.isabs(given):
+        g, n = os.path.normpath(given), os.path.normpath(p)
+        if g != "." and (n == g or n.startswith(g + os.sep)):
+            return os.path.abspath(os.path.join(root, os.path.relpath(n, g)))
+    return os.path.abspath(os.path.join(root, p))
+
+
 # Memory snapshots ask the saver for news (failed persists, commits) at most this often, without waiting
 # for the answer (it is collected by a later snapshot); wait() and every persist ask at once.
 _STATUS_EVERY_S = 0.5
@@ -63,26 +119,32 @@ class CheckpointEngine:
     """Checkpoints one rank's state dict: into node shared memory at once, to storage in the background.
 
     Args:
-        checkpoint_dir: where persisted checkpoints go; created if missing, must be writable.
+        checkpoint_dir: where persisted checkpoints go: a local (or mounted) directory, or a ``file://``
+            URL; created if missing, must be writable. Other URLs (``s3://``, ...) are refused: object
+            stores are not supported yet.
         max_to_keep: committed checkpoints to keep when no ``deletion_strategy`` is given (0 keeps all).
         save_mem_interval: with ``save(storage_type=None)``, snapshot to memory every this many steps.
         save_storage_interval: with ``save(storage_type=None)``, persist every this many steps.
         auto_save: with ``save(storage_type=None)``, choose memory and storage intervals from the measured
-            step time, snapshot pause and persist time and the given failure rates (Young/Daly).
-        deletion_strategy: which committed checkpoints to delete after each commit.
+            step time, snapshot pause and persist time and the failure rates (Young/Daly).
+        deletion_strategy: which committed checkpoints to delete after each commit (see
+            ``retention.CheckpointDeletionStrategy``: ``steps_to_delete`` or DLRover's ``clean_up``).
         replicated: every rank holds the same state (DDP): local rank 0 of each node snapshots, global
             rank 0 persists, and every rank loads that one copy.
         process_group: the group whose ranks agree on the step to load (the default group when None).
         process_mtbf_s / node_mtbf_s: with ``auto_save``, the mean seconds between failures that memory
             survives (process crashes) and that lose the node (``interval.mtbf_from_failures_per_day``
-            converts a daily count); at least one is needed.
+            converts a daily count); one given alone means no failures of the other kind. With neither,
+            ``interval.default_failure_rates(world_size)`` (Llama 3's published per-GPU rate, 78% of
+            failures losing the node), logged at INFO.
         weights_only: load persisted files with ``torch.load(weights_only=True)``, and decode the
             Python objects of memory snapshots under the same rules; set False only for trusted
             checkpoints holding arbitrary Python objects.
         overlap: ``save`` returns before its copy is done (see ``save`` and ``wait_snapshot``).
 
     Raises:
-        CheckpointDirError: ``checkpoint_dir`` cannot be created or written.
+        CheckpointDirError: ``checkpoint_dir`` is a URL other than ``file://``, a file, or cannot be
+            created or written.
         SaverError: the node's saver could not be started or reached.
 
     Thread safety: one thread per engine. ``save`` must not run concurrently with a mutation of the
@@ -94,14 +156,15 @@ class CheckpointEngine:
                  deletion_strategy: CheckpointDeletionStrategy | None = None, *, replicated: bool = False,
                  process_group: Any = None, weights_only: bool = True, process_mtbf_s: float | None = None,
                  node_mtbf_s: float | None = None, overlap: bool = False) -> None:
-        self._auto = (AutoIntervals(process_mtbf_s=process_mtbf_s or math.inf, node_mtbf_s=node_mtbf_s or math.inf)
-                      if auto_save else None)
         for name, v in (("max_to_keep", max_to_keep), ("save_mem_interval", save_mem_interval),
                         ("save_storage_interval", save_storage_interval)):
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"CheckpointEngine({name}={v!r}): must be an integer >= 0")
-        self.checkpoint_dir = os.path.abspath(checkpoint_dir)
-        _check_writable(self.checkpoint_dir)
+        self.ranks = RankInfo.current()
+        self._auto = self._auto_intervals(process_mtbf_s, node_mtbf_s) if auto_save else None
+        self._given_dir = local_dir(checkpoint_dir)
+        self.checkpoint_dir = os.path.abspath(self._given_dir)
+        _check_writable(self.checkpoint_dir, self._given_dir)
         self.save_mem_interval = save_mem_interval
         self.save_storage_interval = save_storage_interval
         self.replicated = replicated
@@ -114,7 +177,6 @@ class CheckpointEngine:
             deletion_strategy = KeepLatestStepStrategy(max_to_keep, self.checkpoint_dir)
         self.deletion_strategy = deletion_strategy
         self.knobs = Knobs.from_env()
-        self.ranks = RankInfo.current()
         self.job_dir = job_dir(self.checkpoint_dir, self.knobs)
         self.last_load: LoadResult | None = None
         self._cursor = 0
@@ -125,6 +187,7 @@ class CheckpointEngine:
         self._lost_persists: str | None = None  # persists lost with a dead saver: raised once
         self._applied_retention: tuple[int, ...] = ()
         self._retention_baseline = -1  # the step committed last before this engine started
+        self._cleaned_up: list[int] = []  # commit order last seen by a clean_up strategy
         self._copier = Copier(self.knobs.copy_threads)
         r = self.ranks
         self._client: Client | None = None
@@ -141,7 +204,24 @@ class CheckpointEngine:
                         SharedMemoryHandler(0, self.job_dir, copier=self._copier, weights_only=weights_only))
         self._closed = False
         self._retention_baseline = hello["committed"][-1] if hello["committed"] else -1  # in commit order
+        self._cleaned_up = [int(s) for s in hello["committed"]]
         _open_engines.add(self)
+
+    def _auto_intervals(self, process_mtbf_s: float | None, node_mtbf_s: float | None) -> AutoIntervals:
+        """``auto_save``'s interval chooser, with the default failure rates when none are given."""
+        if process_mtbf_s is None and node_mtbf_s is None:
+            rates = default_failure_rates(self.ranks.world_size)
+            log.info("auto_save: no failure rates given; assuming %s. Pass process_mtbf_s / node_mtbf_s (seconds) "
+                     "to use your cluster's own", rates.describe())
+            return AutoIntervals(process_mtbf_s=rates.process_mtbf_s, node_mtbf_s=rates.node_mtbf_s)
+        return AutoIntervals(process_mtbf_s=math.inf if process_mtbf_s is None else process_mtbf_s,
+                             node_mtbf_s=math.inf if node_mtbf_s is None else node_mtbf_s)
+
+    def resolve(self, path: str | os.PathLike[str]) -> str:
+        """The absolute path a ``path`` argument (of ``save``, ``load``, ``delete_checkpoint``) names: see
+        ``resolve_in`` (an absolute path is itself; a relative one that begins with the checkpoint dir as
+        given is relative to where it was given; any other relative path is inside the checkpoint dir)."""
+        return resolve_in(self.checkpoint_dir, self._given_dir, path)
 
     def _attach(self) -> dict[str, Any]:
         """Connects to the job's saver on this node (starting one when none runs) and says hello.
@@ -228,7 +308,10 @@ class CheckpointEngine:
             state_dict: a tree of dicts/lists/tuples with tensors and plain leaves, or a ``FileSet``
                 (several files in their own formats; see ``flashckpt_core.files``).
             path: the file to persist to, inside the checkpoint dir (default ``step_<N>/rank_<R>.pt``);
-                for a ``FileSet``, the directory its files go to (default ``step_<N>``).
+                for a ``FileSet``, the directory its files go to (default ``step_<N>``). Absolute, or
+                relative as ``resolve`` says: ``os.path.join(checkpoint_dir, "x.pt")`` means that path
+                whether ``checkpoint_dir`` is absolute or relative; a bare ``"x.pt"`` is inside the
+                checkpoint dir.
             storage_type: MEMORY or DISK; None lets the intervals decide (and may skip the step).
             overlap: return before the copy is done; it runs in the background (a thread for CPU
                 tensors, a CUDA stream for GPU ones) while training goes on, and the tensors must not
@@ -271,7 +354,7 @@ class CheckpointEngine:
             default = os.path.join(self.checkpoint_dir, f"step_{step}")
         else:
             default = self.default_path(step)
-        target = os.path.abspath(os.path.join(self.checkpoint_dir, path) if path else default)
+        target = self.resolve(path) if path else default
         if storage_type == StorageType.DISK and self.persists:
             # Before anything is written: refuses paths outside the checkpoint dir, in its commit records,
             # or over another committed step's files.
@@ -392,7 +475,7 @@ class CheckpointEngine:
         """One round trip to the saver; a saver that died is replaced (``_reattach``) and the request
         sent to the new one, after ``on_reattach``."""
         if self._closed:
-            raise E.SaverError(f"{op}: the engine is closed")
+            raise E.FlashCheckpointError(_closed_message(op))
         client = self._client
         if client is not None and self._status_req is not None:  # its reply is in what this one says
             client.cancel(self._status_req)
@@ -440,6 +523,9 @@ class CheckpointEngine:
         the step committed last is never deleted, whatever its number."""
         if self.ranks.rank != 0 or self.deletion_strategy is None or not committed:
             return
+        if uses_clean_up(self.deletion_strategy):
+            self._clean_up(committed)
+            return
         if committed[-1] == self._retention_baseline:
             return
         key = tuple(committed)
@@ -449,6 +535,57 @@ class CheckpointEngine:
         self._applied_retention = key
         if doomed:
             self._client_call("delete_steps", steps=doomed, background=True)
+
+    def _clean_up(self, committed: list[int]) -> None:
+        """DLRover's contract: ``clean_up(step, delete_func)`` once per commit seen since the last call,
+        with the step committed just before it (in commit order); a step committed again counts anew."""
+        seen = self._cleaned_up
+        if committed == seen:
+            return
+        self._cleaned_up = list(committed)
+        self._applied_retention = tuple(committed)  # wait() waits for the deletions this schedules
+        before = set(seen)
+        moved = bool(seen) and committed[-1] in before and committed[-1] != seen[-1]  # saved again
+        strategy = self.deletion_strategy
+        assert strategy is not None  # checked by the caller
+        for i, step in enumerate(committed):
+            if i == 0 or (step in before and not (moved and i == len(committed) - 1)):
+                continue
+            prev = committed[i - 1]
+            try:
+                strategy.clean_up(prev, self.delete_checkpoint)
+            except Exception as e:  # retention never stops training; the strategy's fault is reported
+                log.error("%s.clean_up(step=%d) after the commit of step %d failed: %s: %s", type(strategy).__name__,
+                          prev, step, type(e).__name__, e)
+
+    def delete_checkpoint(self, path: str | os.PathLike[str] | int) -> None:
+        """Deletes a checkpoint's file or directory inside the checkpoint dir, safely: through the node's
+        saver, in the background (after the commits queued before it; ``wait()`` waits for it), removing
+        the commit records of the committed steps whose files it held. It is the ``delete_func`` that a
+        ``clean_up`` deletion strategy receives.
+
+        Args:
+            path: a file or directory, absolute or relative (as for ``save``, see ``resolve``); or a
+                committed step number (its files are deleted wherever they lie; the newest committed
+                step and steps that are not committed are left alone).
+
+        Raises:
+            CheckpointDirError: nothing is deleted when ``path`` is outside the checkpoint dir, is the
+                checkpoint dir itself or flashckpt's commit records, holds the newest committed step, holds
+                only part of a committed step's files, or is being written by a persist in flight.
+            FileNotFoundError: ``path`` does not exist.
+        """
+        self._check_open("delete_checkpoint")
+        if isinstance(path, bool):
+            raise TypeError(f"delete_checkpoint({path!r}): pass a path or a step number")
+        if isinstance(path, int):
+            self._client_call("delete_steps", steps=[path], background=True)
+            return
+        target = self.resolve(path)
+        reply = self._client_call("delete_path", path=target)
+        if reply.get("missing"):
+            raise FileNotFoundError(errno.ENOENT, f"delete_checkpoint({os.fspath(path)!r}): no such file or directory",
+                                    target)
 
     def saver_cpu_seconds(self) -> float | None:
         """CPU time (user + system, all threads) the node's saver daemon and its persist workers have used
@@ -528,7 +665,7 @@ class CheckpointEngine:
 
     def _check_open(self, op: str) -> None:
         if self._closed:
-            raise E.FlashCheckpointError(f"{op}(): the CheckpointEngine is closed")
+            raise E.FlashCheckpointError(_closed_message(op))
 
     # ------------------------------------------------------------------ load
     def memory_steps(self) -> list[int]:
@@ -572,12 +709,14 @@ class CheckpointEngine:
 
         Raises:
             CheckpointCorruptError: ``resume_path`` does not match its manifest.
+            CheckpointDirError: ``resume_path`` lies outside the checkpoint dir.
+            FileNotFoundError: ``resume_path`` does not exist (the message lists the committed steps).
         """
         self._check_open("load")
         self.wait_snapshot()
         t0 = time.perf_counter()
         if resume_path:
-            sd = self._load_file(os.path.abspath(os.path.join(self.checkpoint_dir, resume_path)))
+            sd = self._load_file(self._resume_target(resume_path))
             self._loaded(None, "storage", t0, 0)
             return sd
         loc = self.locate()
@@ -725,6 +864,36 @@ class CheckpointEngine:
                 fs[f.name] = FileEntry("raw", [self.layout.storage.read_bytes(path)], f.kind)
         return fs
 
+    def _resume_target(self, resume_path: str) -> str:
+        """The file (or ``FileSet`` directory) ``load(resume_path)`` reads; a clear error when it is
+        outside the checkpoint dir or missing."""
+        path = self.resolve(resume_path)
+        rel = os.path.relpath(path, self.checkpoint_dir)
+        if rel == ".." or rel.startswith(".." + os.sep):
+            raise E.CheckpointDirError(
+                f"load(resume_path={resume_path!r}): {path} is outside the checkpoint dir {self.checkpoint_dir}. "
+                "load() reads this checkpoint dir only: pass the file (or FileSet directory) of one of its "
+                f"committed steps, as saved ({self._committed_listing()}), or no resume_path for the newest; "
+                "for another directory, construct a checkpointer on it")
+        if not os.path.exists(path):
+            raise FileNotFoundError(errno.ENOENT, f"load(resume_path={resume_path!r}): no such file or directory "
+                                    f"({path}); {self._committed_listing()}", resume_path)
+        return path
+
+    def _committed_listing(self, limit: int = 10) -> str:
+        """The committed steps and this rank's paths, for error messages."""
+        steps = self.layout.committed_steps()
+        if not steps:
+            return f"{self.checkpoint_dir} holds no committed step"
+        parts = []
+        for s in steps[-limit:]:
+            try:
+                parts.append(f"step {s}: {self._storage_path(s)}")
+            except E.FlashCheckpointError:
+                parts.append(f"step {s}: <damaged manifest>")
+        more = f" (and {len(steps) - limit} older)" if len(steps) > limit else ""
+        return f"committed steps in {self.checkpoint_dir}{more}: " + "; ".join(parts)
+
     def _load_file(self, path: str) -> Any:
         rel = self.layout.rel(path)
         for step in reversed(self.layout.committed_steps()):
@@ -810,13 +979,28 @@ def _close_at_exit() -> None:
             log.warning("closing a CheckpointEngine at exit: %s", e)
 
 
-def _check_writable(d: str) -> None:
+def _closed_message(op: str) -> str:
+    return (f"{op}(): this checkpointer is closed (close() was called, or its `with` block ended); create a new "
+            "checkpointer to save or load again")
+
+
+def _check_writable(d: str, given: str | None = None) -> None:
+    """Creates the checkpoint dir ``d`` when missing and checks that it is a writable directory."""
+    shown = given if given is not None else d
+    f = d
+    while f and not os.path.isdir(f):  # the nearest existing ancestor that is not a directory
+        if os.path.lexists(f):
+            what = "is a file" if f == d else f"lies under {f}, which is a file"
+            raise E.CheckpointDirError(f"CheckpointEngine({shown!r}): the checkpoint dir {d} {what}, not a directory; "
+                                       "pass a directory (it is created when missing)")
+        parent = os.path.dirname(f)
+        f = "" if parent == f else parent
     try:
         os.makedirs(d, exist_ok=True)
         probe = os.path.join(d, f".flashckpt-probe-{uuid.uuid4().hex}")
-        with open(probe, "wb") as f:
-            f.write(b"ok")
+        with open(probe, "wb") as fh:
+            fh.write(b"ok")
         os.unlink(probe)
     except OSError as e:
-        raise E.CheckpointDirError(f"CheckpointEngine({d!r}): the checkpoint dir is not writable ({e}); "
+        raise E.CheckpointDirError(f"CheckpointEngine({shown!r}): the checkpoint dir {d} is not writable ({e}); "
                                    "choose a writable directory or fix its permissions") from e

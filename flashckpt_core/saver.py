@@ -83,6 +83,7 @@ class _StepState:
     status: str = "persisting"  # persisting -> committing -> committed | failed
     error: str | None = None
     commits_here: bool = False
+    paths: set[str] = field(default_factory=set)  # where this node's ranks persist it (delete_path refuses them)
 
 
 @dataclass
@@ -448,6 +449,15 @@ class CheckpointSaver:
                 self._commit_q.put((-1, {"delete": steps}))
                 return {"ok": True, "scheduled": steps}
             return {"ok": True, "deleted": self._delete_steps(steps)}
+        if op == "delete_path":
+            path = os.path.abspath(str(msg["path"]))
+            steps = self._path_deletion(path)  # refusals raise CheckpointDirError, before anything is deleted
+            if not os.path.lexists(path):
+                return {"ok": True, "missing": True}
+            with self._cv:
+                self._inflight += 1
+            self._commit_q.put((-1, {"delete_path": path}))
+            return {"ok": True, "scheduled": steps}
         if op == "give_way":
             # Another job of this user is short of shared memory: an idle saver (clients came and went,
             # none is attached, no work) persists what is newer than its last commit and exits.
@@ -723,6 +733,7 @@ class CheckpointSaver:
         self.layout.check_target(job.step, job.path, files=[])
         with self._cv:
             st = self._steps.setdefault(job.step, _StepState())
+            st.paths.add(job.path)
             if job.commit is not None:
                 st.commits_here = True
             self._inflight += 1
@@ -930,11 +941,14 @@ class CheckpointSaver:
             if item is None:
                 return
             step, spec = item
-            if "delete" in spec:  # retention, ordered after the commits queued before it
+            if "delete" in spec or "delete_path" in spec:  # retention, ordered after the commits queued before it
                 try:
-                    self._delete_steps([int(x) for x in spec["delete"]])
+                    if "delete" in spec:
+                        self._delete_steps([int(x) for x in spec["delete"]])
+                    else:
+                        self._delete_path(spec["delete_path"])
                 except Exception:
-                    log.exception("retention failed to delete steps %s", spec["delete"])
+                    log.exception("retention failed to delete %s", spec.get("delete", spec.get("delete_path")))
                 with self._cv:
                     self._work_done()
                 continue
@@ -991,6 +1005,80 @@ class CheckpointSaver:
                         f"wait(): {self._inflight} persist(s) still running after {timeout:.0f} s")
                 self._cv.wait(timeout=min(left, 1.0) if left is not None else 1.0)
         return self._status(cursor)
+
+    def _path_deletion(self, path: str) -> list[int]:
+        """The committed steps whose files all lie at or under ``path``, which a deletion strategy's
+        ``delete_func`` may remove (with them).
+
+        Raises:
+            CheckpointDirError: ``path`` may not be deleted: it is outside the checkpoint dir (or reaches
+                out through a symlink), the checkpoint dir itself, flashckpt's commit records, or holds the
+                newest committed step, only part of a committed step, or a step being persisted.
+        """
+        root, meta = self.layout.root, self.layout.meta
+        what = f"delete_func({path!r})"
+        if path == root:
+            raise E.CheckpointDirError(f"{what}: that is the checkpoint dir itself; delete one checkpoint's file or "
+                                       "directory inside it")
+        try:
+            self.layout.rel(path)
+        except E.CheckpointDirError:
+            raise E.CheckpointDirError(f"{what}: {path} is outside the checkpoint dir {root} (or reaches outside it "
+                                       "through a symlink); only checkpoints inside it are deleted") from None
+        if path == meta or path.startswith(meta + os.sep) or meta.startswith(path + os.sep):
+            raise E.CheckpointDirError(f"{what}: {path} holds flashckpt's commit records ({meta}); they are "
+                                       "removed with their steps, never directly")
+        with self._cv:
+            committed = list(self._committed)
+            busy = {s: set(st.paths) for s, st in self._steps.items() if not self._step_done(s)}
+        for s, targets in busy.items():
+            for t in targets:
+                if t == path or t.startswith(path + os.sep) or path.startswith(t + os.sep):
+                    raise E.CheckpointDirError(f"{what}: step {s} is being persisted to {t}; it is not deleted "
+                                               "while in flight (try again after its commit)")
+        covered = []
+
+        def under(f: str) -> bool:
+            return f == path or f.startswith(path + os.sep)
+
+        for s in committed:
+            try:
+                m = self.layout.read_manifest(s)
+            except E.CheckpointCorruptError:
+                continue
+            files = [os.path.join(root, f.path) for f in m.all_files()]
+            inside = [f for f in files if under(f)]
+            if not inside:
+                continue
+            if s == committed[-1]:
+                raise E.CheckpointDirError(f"{what}: {path} holds step {s}, the newest committed checkpoint, which "
+                                           "is never deleted")
+            if len(inside) < len(files):
+                rest = [f for f in files if not under(f)]
+                raise E.CheckpointDirError(f"{what}: {path} holds only part of committed step {s} (its other files: "
+                                           f"{', '.join(rest[:3])}{', ...' if len(rest) > 3 else ''}); delete the "
+                                           "whole checkpoint (or the step: delete_func(step))")
+            covered.append(s)
+        return covered
+
+    def _delete_path(self, path: str) -> None:
+        """Deletes ``path`` for a deletion strategy: the committed steps it holds (their records first),
+        then what is left there. Checked again here: a persist or commit may have come since the request."""
+        try:
+            steps = self._path_deletion(path)
+        except E.CheckpointDirError as e:
+            log.error("not deleting %s: %s", path, e)
+            return
+        if steps:
+            for s in steps:
+                self.layout.delete_step(s)
+            with self._cv:
+                self._committed = [s for s in self._committed if s not in steps]
+        if os.path.isdir(path) and not os.path.islink(path):
+            self.storage.remove_tree(path)
+        else:
+            self.storage.remove(path)
+        log.info("event=retention deleted_path=%s steps=%s", path, steps)
 
     def _delete_steps(self, steps: list[int]) -> list[int]:
         with self._cv:

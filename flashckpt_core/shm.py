@@ -58,6 +58,8 @@ from ._tree import (
     Flat,
     SnapshotPlan,
     TensorMeta,
+    _key_str,
+    _path_to,
     build_tensor,
     contiguous_strides,
     decode_opaque,
@@ -511,7 +513,8 @@ class SharedMemoryHandler:
         copier: the thread pool that copies bytes (one is made when None).
         slot_wait_timeout: bound on waiting for a free slot while both are busy persisting.
         weights_only: decode opaque leaves of loaded snapshots only into the types
-            ``torch.load(weights_only=True)`` accepts.
+            ``torch.load(weights_only=True)`` accepts; a writer then refuses, before writing anything, a
+            state dict holding a leaf that would not load back under those rules.
         writer_info: what the writer lease says about its holder (JSON), for a refused second writer.
 
     Not thread-safe. While ``save_state_dict`` runs the caller must not mutate the tensors it passed;
@@ -539,6 +542,7 @@ class SharedMemoryHandler:
         self.weights_only = weights_only
         self._seq = -1  # the highest save sequence number seen; -1 until the live segments were read
         self._warned_spare: set[str] = set()
+        self._loadable: set[int] = set()  # digests of opaque leaves known to load under weights_only
 
     # ------------------------------------------------------------------ write
     def save_state_dict(self, step: int, state_dict: Any, ckpt_name: str = "") -> SlotRef:
@@ -593,6 +597,8 @@ class SharedMemoryHandler:
                     self._plan = plan_snapshot(flat.tensors, sig)
                 plan = self._plan
             blob, lengths = encode_opaque(flat.opaque)
+            if self.weights_only and flat.opaque:
+                self._check_loadable(state_dict, flat.opaque, blob, lengths)
             meta = self._meta_json(step, ckpt_name, flat, plan, lengths)
             seg = self._segment_for(len(meta), plan.tensor_bytes + len(blob))
             slot = self._acquire_slot(seg)
@@ -644,6 +650,38 @@ class SharedMemoryHandler:
             return SlotRef(seg.path, slot, gen, step)
 
         return finish
+
+    def _check_loadable(self, root: Any, opaque: list[Any], blob: bytes, lengths: list[int]) -> None:
+        """Refuses, before anything is written, an opaque leaf that ``torch.load(weights_only=True)`` (and
+        a memory load under the same rules) would refuse at resume time. Each distinct leaf (by its
+        pickle's digest) is checked once, so a training loop saving the same objects pays a hash per
+        leaf, and a state dict of tensors and plain values nothing at all."""
+        import io
+
+        from torch import _weights_only_unpickler
+
+        pos = 0
+        for x, n in zip(opaque, lengths, strict=True):
+            raw = blob[pos:pos + n]
+            pos += n
+            key = xxhash.xxh64_intdigest(raw)
+            if key in self._loadable:
+                continue
+            try:
+                _weights_only_unpickler.load(io.BytesIO(raw), encoding="utf-8")
+            except Exception as e:
+                cls = type(x)
+                found = re.search(r"GLOBAL ([\w.]+)", str(e))
+                name = found.group(1) if found else f"{cls.__module__}.{cls.__qualname__}"
+                raise E.InvalidStateDictError(
+                    f"save(): the value at {_key_str(_path_to(root, x))} ({cls.__module__}.{cls.__qualname__}) would "
+                    f"not load back: weights_only loading, the default, refuses {name}. Nothing was saved. Either "
+                    f"allow it, before saving and loading: torch.serialization.add_safe_globals([{name}]); or, for "
+                    "checkpoints you trust, construct the engine / checkpointer with weights_only=False; or save "
+                    "plain values instead (e.g. vars(args) for an argparse.Namespace)") from e
+            if len(self._loadable) >= 4096:
+                self._loadable.clear()
+            self._loadable.add(key)
 
     def _meta_json(self, step: int, name: str, flat: Flat, plan: SnapshotPlan, lengths: list[int]) -> bytes:
         head = json.dumps({"v": 1, "step": step, "name": name, "opaque": lengths}, separators=(",", ":"))

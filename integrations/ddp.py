@@ -31,7 +31,8 @@ class DdpCheckpointer:
     """Checkpointer for DDP (replicated state).
 
     Args:
-        checkpoint_dir: where checkpoints are persisted (shared by all nodes).
+        checkpoint_dir: where checkpoints are persisted (shared by all nodes): a local or mounted
+            directory, or a ``file://`` URL (``s3://`` and other URLs are refused: not supported yet).
         deletion_strategy: which committed checkpoints to delete; None keeps the newest ``max_to_keep``.
         max_to_keep: committed checkpoints kept without a ``deletion_strategy`` (0 keeps all).
         process_group: the group whose ranks agree on what to load (default group when None).
@@ -54,7 +55,10 @@ class DdpCheckpointer:
 
         Call it on every rank (ranks that neither snapshot nor persist return at once). Returns once the
         copy is in shared memory; the state may then be changed. ``path`` defaults to
-        ``<checkpoint_dir>/step_<step>/checkpoint.pt``; a relative path is taken inside the checkpoint dir.
+        ``<checkpoint_dir>/step_<step>/checkpoint.pt``; it is absolute, or relative as
+        ``CheckpointEngine.resolve`` says: ``os.path.join(checkpoint_dir, f"checkpoint-{step}.pt")`` (DLRover's
+        guide) means that file whether ``checkpoint_dir`` is absolute or relative, and a bare
+        ``"checkpoint-10.pt"`` lies inside the checkpoint dir.
         """
         return self.engine.save(step, state_dict, path or None, storage_type)
 

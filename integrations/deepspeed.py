@@ -209,12 +209,12 @@ class DeepSpeedCheckpointer:
             log.warning("DeepSpeedCheckpointer: checkpoint_serialization=false is not honoured: persisted files "
                         "use torch's zipfile format, which torch.load reads either way")
         self.engine = engine
-        self.checkpoint_dir = os.path.abspath(checkpoint_dir)
         self.process_group = process_group
         # DeepSpeed's files hold Python objects (configs, enums, shapes) and DeepSpeed loads them with
         # weights_only=False; memory snapshots are decoded the same way (they are this job's own, mode 0600).
         self._core = FlashEngine(checkpoint_dir, max_to_keep=max_to_keep, deletion_strategy=deletion_strategy,
                                  replicated=False, process_group=process_group, weights_only=False)
+        self.checkpoint_dir = self._core.checkpoint_dir  # absolute; a file:// URL mapped, other URLs refused
         self._ds_engine = FlashDeepSpeedCheckpointEngine(inner)
         engine.checkpoint_engine = self._ds_engine
         self._step_dirs: dict[int, str] = {}  # step -> tag dir, of this run's saves
@@ -496,7 +496,9 @@ class DeepSpeedCheckpointer:
 
     def _check_open(self, op: str) -> None:
         if self._closed:
-            raise FlashCheckpointError(f"{op}(): the DeepSpeedCheckpointer is closed")
+            raise FlashCheckpointError(f"{op}(): this DeepSpeedCheckpointer is closed (close() was called, or its "
+                                       "`with` block ended); create a new DeepSpeedCheckpointer(engine, checkpoint_dir) "
+                                       "to save or load again")
 
 
 def _check_tag(tag: str) -> str:

@@ -104,8 +104,10 @@ class FsdpShardCheckpointer:
             state_dict: what ``dcp.save`` accepts: a dict of DTensors / ShardedTensors / tensors / plain
                 values or ``Stateful`` objects, e.g. ``{"model": m_sd, "optim": o_sd, "step": step}`` with
                 ``m_sd, o_sd = get_state_dict(model, optimizer)`` (what ``load_checkpoint`` expects).
-            path: the checkpoint's directory, relative to ``checkpoint_dir`` or absolute inside it; use one
-                per step. Default ``step_<step>``.
+            path: the checkpoint's directory inside ``checkpoint_dir``, one per step: absolute, or relative
+                as ``CheckpointEngine.resolve`` says (``os.path.join(checkpoint_dir, str(step))`` means that
+                directory, also for a relative ``checkpoint_dir``; a bare ``"10"`` is inside it). Default
+                ``step_<step>``.
             storage_type: MEMORY (snapshot only; still persisted if the trainer dies) or DISK.
 
         Returns:
@@ -152,8 +154,8 @@ class FsdpShardCheckpointer:
         also reshards: a checkpoint saved by N ranks loads on M. Collective: call it on every rank.
 
         Args:
-            resume_path: read this persisted DCP directory instead (relative to ``checkpoint_dir`` or
-                absolute); it must hold a ``.metadata``.
+            resume_path: read this persisted DCP directory instead (absolute, or relative as for
+                ``save_checkpoint``); it must hold a ``.metadata``.
 
         Raises:
             CheckpointCorruptError: ``resume_path`` is not a committed DCP checkpoint, or every
@@ -258,7 +260,7 @@ class FsdpShardCheckpointer:
         log.info("event=fsdp_load step=%s source=%s seconds=%.4f", step, source, self.last_load.seconds)
 
     def _dir(self, path: str, op: str) -> str:
-        d = os.path.abspath(os.path.join(self.checkpoint_dir, path))
+        d = self.engine.resolve(path)  # os.path.join(checkpoint_dir, str(step)) means that dir, as in DLRover's guide
         if os.path.relpath(d, self.checkpoint_dir).startswith(".."):
             raise ValueError(f"{op}(path={path!r}): {d} is outside the checkpoint dir {self.checkpoint_dir}")
         if d == self.checkpoint_dir:

@@ -102,6 +102,66 @@ def assert_same_tree(a: Any, b: Any, where: str = "<root>") -> None:
         assert a == b, f"{where}: {b!r:.200} instead of {a!r:.200}"
 
 
+def tree_digest(*trees: Any) -> str:
+    """SHA-256 over trees of tensors (dtype, shape, bytes; a DTensor's or ShardedTensor's local shard),
+    containers (dict keys sorted) and plain values (their repr): equal digests mean bit-identical states."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if hasattr(x, "to_local"):  # DTensor
+            x = x.to_local()
+        elif hasattr(x, "local_tensor"):  # ShardedTensor
+            x = x.local_tensor()
+        if isinstance(x, torch.Tensor):
+            h.update(str((x.dtype, tuple(x.shape))).encode())
+            h.update(x.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):
+                h.update(str(k).encode())
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        else:
+            h.update(repr(x).encode())
+
+    for t in trees:
+        walk(t)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------- held persists
+def hold_persist(target: str) -> str:
+    """Makes the persist to file ``target`` block (its slot pinned) until ``release_persist``: its temp file
+    is a FIFO with no reader, so the saver's persist blocks opening it. Returns the FIFO's path."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    fifo = f"{target}.flashckpt-tmp"
+    os.mkfifo(fifo, 0o600)
+    return fifo
+
+
+def release_persist(fifo: str) -> None:
+    """Lets a held persist go on: opens the FIFO's other end until the persist wrote into it, then closes
+    it, so the persist fails with a broken pipe."""
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+
+    def wrote() -> bool:
+        # b"": no writer yet, or one that left (the direct-I/O open fails on a FIFO; the buffered one follows).
+        try:
+            return bool(os.read(fd, 1 << 16))
+        except BlockingIOError:
+            return False
+
+    try:
+        wait_for(wrote, 60, "the held persist to write into its FIFO")
+    finally:
+        os.close(fd)
+
+
 # ---------------------------------------------------------------------------------------- processes
 def _proc_state(pid: int) -> str | None:
     try:

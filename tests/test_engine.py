@@ -5,6 +5,7 @@ fall-backs from memory to storage and from a damaged step to the previous one.""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 
@@ -327,7 +328,7 @@ def test_closed_engine_and_bad_arguments(make_engine, ckpt_dir):
     with pytest.raises(ValueError, match="max_to_keep"):
         make_engine(max_to_keep=-1)
     with pytest.raises(ValueError, match="failure rate"):
-        make_engine(auto_save=True)  # automatic intervals need a failure rate
+        make_engine(auto_save=True, process_mtbf_s=math.inf, node_mtbf_s=math.inf)  # no failures: nothing to place
     eng = make_engine()
     with pytest.raises(ValueError, match="step"):
         eng.save(-1, model_sd(1), storage_type=MEMORY)

@@ -34,9 +34,9 @@ from _fault_helpers import (  # noqa: F401
     wait_for,
 )
 
-from flashckpt_core import CheckpointEngine, PersistError, SharedMemoryError, SharedMemoryHandler, StorageType
+from flashckpt_core import CheckpointEngine, PersistError, SharedMemoryError, StorageType
 from flashckpt_core.commit import CommitLayout
-from flashckpt_core.shm import COMPLETE, FLAG_PINNED, WRITING, Segment, SlotHeader, segment_paths
+from flashckpt_core.shm import COMPLETE, FLAG_PINNED, WRITING, Segment, SharedMemoryHandler, SlotHeader, segment_paths
 from flashckpt_core.storage import PosixDiskStorage
 
 MB = 200  # big enough that copies and persists take a while; small enough for 2 cores and 4 minutes

@@ -13,7 +13,6 @@ The workers below run in the rank processes (see helpers.launch_ranks) and retur
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import pickle
@@ -21,7 +20,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import run_ranks
+from helpers import run_ranks, tree_digest
 
 pytest.importorskip("torch.distributed.fsdp")
 pytest.importorskip("torch.distributed.checkpoint.state_dict")
@@ -67,27 +66,7 @@ def state(model, opt) -> dict:
 
 def local_digest(model, opt) -> str:
     """SHA-256 over this rank's shards of the weights and optimizer state, and the plain values."""
-    h = hashlib.sha256()
-
-    def walk(x):
-        if hasattr(x, "to_local"):
-            x = x.to_local()
-        if isinstance(x, torch.Tensor):
-            t = x.detach().contiguous().reshape(-1)
-            h.update(str((x.dtype, tuple(x.shape))).encode())
-            h.update(t.view(torch.uint8).numpy().tobytes())
-        elif isinstance(x, dict):
-            for k in sorted(x, key=str):
-                h.update(str(k).encode())
-                walk(x[k])
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-        else:
-            h.update(repr(x).encode())
-
-    walk(state(model, opt))
-    return h.hexdigest()
+    return tree_digest(state(model, opt))
 
 
 def full_state(model, opt) -> dict:

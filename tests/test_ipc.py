@@ -17,12 +17,10 @@ from flashckpt_core import (
     FlashCheckpointError,
     ProtocolError,
     SaverError,
-    SharedDict,
-    SharedLock,
-    SharedQueue,
     StorageType,
 )
 from flashckpt_core._protocol import MAX_MESSAGE, Client, recv_msg, send_msg
+from flashckpt_core.ipc import SharedDict, SharedLock, SharedQueue
 from flashckpt_core.saver import SOCKET_NAME, lock_job
 
 # fork: the children only use fcntl and files, and start in milliseconds (no second torch import).

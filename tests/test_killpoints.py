@@ -54,9 +54,19 @@ from _fault_helpers import (  # noqa: F401
     wait_for,
 )
 
-from flashckpt_core import CheckpointEngine, SharedMemoryHandler
+from flashckpt_core import CheckpointEngine
 from flashckpt_core.commit import CommitLayout
-from flashckpt_core.shm import COMPLETE, EMPTY, FLAG_PENDING, FLAG_PINNED, WRITING, Segment, SlotHeader, segment_paths
+from flashckpt_core.shm import (
+    COMPLETE,
+    EMPTY,
+    FLAG_PENDING,
+    FLAG_PINNED,
+    WRITING,
+    Segment,
+    SharedMemoryHandler,
+    SlotHeader,
+    segment_paths,
+)
 from flashckpt_core.storage import PosixDiskStorage
 
 TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_killpoint_trainer.py")

@@ -25,7 +25,7 @@ from _fault_helpers import (  # noqa: F401
     wait_for,
 )
 
-from flashckpt_core import SharedMemoryHandler
+from flashckpt_core.shm import SharedMemoryHandler
 
 pytestmark = pytest.mark.multiproc
 

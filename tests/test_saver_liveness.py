@@ -21,8 +21,9 @@ import torch
 from _fault_helpers import kill9, stop
 from helpers import flock_waiters, saver_pids, wait_for
 
-from flashckpt_core import CheckpointTimeoutError, PersistError, SharedDict, SharedLock, StorageType
+from flashckpt_core import CheckpointTimeoutError, PersistError, StorageType
 from flashckpt_core.commit import CommitLayout
+from flashckpt_core.ipc import SharedDict, SharedLock
 from flashckpt_core.shm import lock_path
 from flashckpt_core.storage import PosixDiskStorage
 

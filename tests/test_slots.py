@@ -27,6 +27,7 @@ from _fault_helpers import (  # noqa: F401
     tracker_step,
     wait_for,
 )
+from helpers import hold_persist, release_persist
 
 from flashckpt_core import CheckpointEngine, PersistError, StorageType
 from flashckpt_core.shm import FLAG_PINNED, FLAG_UNRESERVED, PAGE, WRITING, Segment, segment_paths
@@ -40,30 +41,8 @@ def _segment(job_dir: str) -> Segment:
 
 
 def _hold_persist(ckpt: str, step: int) -> str:
-    """Makes the persist of ``step`` (rank 0, default path) block, its slot pinned, until ``_release_persist``."""
-    d = os.path.join(ckpt, f"step_{step}")
-    os.makedirs(d)
-    fifo = os.path.join(d, "rank_00000.pt.flashckpt-tmp")
-    os.mkfifo(fifo, 0o600)
-    return fifo
-
-
-def _release_persist(fifo: str) -> None:
-    """Lets the held persist go on: the test opens the FIFO's other end until the persist wrote into it,
-    then closes it, so the persist fails with a broken pipe."""
-    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-
-    def wrote() -> bool:
-        # b"": no writer yet, or one that left (the direct-I/O open fails on a FIFO; the buffered one follows).
-        try:
-            return bool(os.read(fd, 1 << 16))
-        except BlockingIOError:
-            return False
-
-    try:
-        wait_for(wrote, 60, "the held persist to write into its FIFO")
-    finally:
-        os.close(fd)
+    """Makes the persist of ``step`` (rank 0, default path) block, its slot pinned, until ``release_persist``."""
+    return hold_persist(os.path.join(ckpt, f"step_{step}", "rank_00000.pt"))
 
 
 def _last_saved(log: str) -> int:
@@ -103,7 +82,7 @@ def test_kill_mid_copy_while_a_persist_holds_a_slot_keeps_the_newest_snapshot(fa
     wait_for(mid_copy_while_persisting, 120, "the trainer to be caught mid-copy while step 2 is persisted")
     newest = _last_saved(fault_env.log("trainer.log"))  # its snapshot completed before this copy began
     kill9(trainer.pid)
-    _release_persist(hold)  # the persist of step 2 fails (a broken pipe); the newest snapshot is what matters
+    release_persist(hold)  # the persist of step 2 fails (a broken pipe); the newest snapshot is what matters
 
     engine = CheckpointEngine(ckpt, max_to_keep=0)  # the restarted trainer
     try:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from flashckpt_core import FileSet, StorageType
+from flashckpt_core.engine import local_dir
 from flashckpt_core.errors import FlashCheckpointError
 from flashckpt_core.retention import CheckpointDeletionStrategy
 from flashckpt_core.torchfile import load_parts, torch_save_parts
@@ -86,7 +87,7 @@ def configure(*, max_to_keep: int = 0, deletion_strategy: CheckpointDeletionStra
 
 def get_checkpointer(checkpoint_dir: str) -> MegatronCheckpointer:
     """The checkpointer of ``checkpoint_dir`` (Megatron-LM's ``--save`` / ``--load``), created on first use."""
-    key = os.path.abspath(checkpoint_dir)
+    key = os.path.abspath(local_dir(checkpoint_dir, "get_checkpointer"))  # s3:// etc. refused, file:// mapped
     ck = _CHECKPOINTERS.get(key)
     if ck is None:
         ck = MegatronCheckpointer(key, **_OPTIONS)

@@ -158,7 +158,7 @@ class MegatronCheckpointer:
 
         Raises:
             FlashCheckpointError: it does not (nothing was written)."""
-        p = os.path.abspath(os.path.join(self.checkpoint_dir, str(path)))
+        p = self.engine.resolve(path)
         if p == self.checkpoint_dir or os.path.commonpath([p, self.checkpoint_dir]) != self.checkpoint_dir:
             raise FlashCheckpointError(f"{what}({str(path)!r}): the checkpoint must be a directory inside the "
                                        f"checkpointer's dir {self.checkpoint_dir} (for example "
