@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from .interval import storage_type_for
     from .retention import CheckpointDeletionStrategy, KeepLatestStepStrategy, KeepStepIntervalStrategy
     from .saver import CheckpointSaver
-    from .shm import SharedMemoryHandler  # noqa: F401  (internal; see _INTERNAL)
     from .storage import CheckpointStorage, FileRecord, PosixDiskStorage
 
 # Public name -> the module defining it, imported on first use (PEP 562): the saver daemon, run as
@@ -50,13 +49,8 @@ _WHERE = {
 }
 
 
-# Not public (see above); still resolved here for the in-tree adapter that imports it from the package
-# (integrations/lightning.py), until it imports from flashckpt_core.shm.
-_INTERNAL = {"SharedMemoryHandler": "shm"}
-
-
 def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name) or _INTERNAL.get(name)
+    module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)

@@ -45,10 +45,10 @@ from flashckpt_core import (
     FlashCheckpointError,
     PersistError,
     PosixDiskStorage,
-    SharedMemoryHandler,
     StorageType,
 )
 from flashckpt_core.config import job_dir
+from flashckpt_core.shm import SharedMemoryHandler
 
 # The four Lightning classes are built on first use by the module's __getattr__ (their package is imported then).
 __all__ = ["FlashCheckpointIO", "FlashMemorySnapshot", "PLFlashCheckpointIO", "PLFlashMemorySnapshot",  # noqa: F822

@@ -82,7 +82,9 @@ def start(suite: Suite, copy: str, mode: str, work: str) -> tuple[subprocess.Pop
     env = dict(os.environ)
     env.update(PYTHONPATH=os.pathsep.join([HERE, ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                PYTHONDONTWRITEBYTECODE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               FLASHCKPT_CONFORMANCE_STATS=stats)
+               FLASHCKPT_CONFORMANCE_STATS=stats,
+               # savers that keep snapshots for a restart (after a test's exception) go soon after the test
+               FLASHCKPT_SAVER_GRACE_S="5")
     env.pop("PYTEST_ADDOPTS", None)
     env.pop("PYTEST_CURRENT_TEST", None)
     cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-o", "addopts=",
