@@ -229,12 +229,13 @@ class CommitLayout:
             top, name = os.path.split(self.meta)
             with _records.locked_parent(top) as top_fd:
                 self.meta = records_dir(self.root)  # again, under the lock
-                if self.beside:
-                    self._renew(top_fd, name)
-                    return self._take_job_lock()
+                if self.beside and self._renew(top_fd, name):
+                    return self._take_job_lock()  # before the parent lock goes: the records are in use
         return self._take_job_lock()
 
-    def _renew(self, top_fd: int, name: str) -> None:
+    def _renew(self, top_fd: int, name: str) -> bool:
+        """Removes stale records, binds (or creates) them; False when, the stale ones gone, the rule
+        now keeps the records inside (``meta`` changed)."""
         if os.path.isdir(self.meta):
             why = self.stale_reason()
             if why:
@@ -247,9 +248,13 @@ class CommitLayout:
                     log.warning("the commit records in %s were stale (%s): %s; starting afresh", self.meta, why,
                                 f"moved to {os.path.join(os.path.dirname(self.meta), to)}, the records of the "
                                 "directory they describe, renamed since" if to else "removed")
+                    self.meta = records_dir(self.root)
+                    if not self.beside:
+                        return False
         if _records.bind(top_fd, name, self.root):
             for line in self._swept(top_fd):
                 log.info("%s", line)
+        return True
 
     def _swept(self, top_fd: int, *, dry_run: bool = False) -> list[str]:
         parent = os.path.dirname(self.root)
