@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-logs", help="copy both runs' pytest output into this directory")
     args = ap.parse_args(argv)
     vendor = vendor_dir(args.vendor)
+    if args.keep_logs:
+        os.makedirs(args.keep_logs, exist_ok=True)
     names = args.suites or list(SUITES)
     missing = [n for n in names if not os.path.isdir(os.path.join(vendor, SUITES[n].vendor))]
     if missing:
