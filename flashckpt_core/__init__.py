@@ -54,7 +54,8 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
+    if name in _WHERE:  # public names are cached; internal ones stay out of dir()
+        globals()[name] = value
     return value
 
 

@@ -94,18 +94,26 @@ def resolve_in(root: str, given: str, path: str | os.PathLike[str], what: str = 
     by the user as ``given``.
 
     An absolute path (or ``file://`` URL) is itself. A relative path that begins with the checkpoint dir
-    as it was given, such as ``os.path.join(checkpoint_dir, "checkpoint-10.pt")`` with a relative
-    ``checkpoint_dir``, is relative to the directory the checkpoint dir was given from (that path, as
-    the user wrote it). Any other relative path is relative to the checkpoint dir. So with
-    ``checkpoint_dir="work/s01"``, ``"work/s01/ckpt-10.pt"`` and ``"ckpt-10.pt"`` both mean
-    ``<cwd>/work/s01/ckpt-10.pt``; to mean a subdirectory of the checkpoint dir that repeats its relative
-    name (``work/s01/work/s01/...``), pass an absolute path.
+    as it was given (relative), such as ``os.path.join(checkpoint_dir, "checkpoint-10.pt")``, or with the
+    checkpoint dir as seen from the current directory, is that path: relative to where the checkpoint
+    dir was given, or to the current directory. Any other relative path is relative to the checkpoint
+    dir. So with ``checkpoint_dir="work/s01"`` (or its absolute path, from the directory holding
+    ``work``), ``"work/s01/ckpt-10.pt"`` and ``"ckpt-10.pt"`` both mean ``<cwd>/work/s01/ckpt-10.pt``;
+    to mean a subdirectory of the checkpoint dir that repeats its relative name
+    (``work/s01/work/s01/...``), pass an absolute path.
     """
     p = local_dir(path, what)
     if os.path.isabs(p):
         return os.path.abspath(p)
-    if given and not os.path.isabs(given):
-        g, n = os.path.normpath(given), os.path.normpath(p)
+    n = os.path.normpath(p)
+    prefixes = [os.path.normpath(given)] if given and not os.path.isabs(given) else []
+    try:
+        here = os.path.relpath(root, os.getcwd())
+        if not (here == ".." or here.startswith(".." + os.sep)):
+            prefixes.append(here)
+    except OSError:  # the current directory was removed
+        pass
+    for g in prefixes:
         if g != "." and (n == g or n.startswith(g + os.sep)):
             return os.path.abspath(os.path.join(root, os.path.relpath(n, g)))
     return os.path.abspath(os.path.join(root, p))
@@ -220,7 +228,8 @@ class CheckpointEngine:
     def resolve(self, path: str | os.PathLike[str]) -> str:
         """The absolute path a ``path`` argument (of ``save``, ``load``, ``delete_checkpoint``) names: see
         ``resolve_in`` (an absolute path is itself; a relative one that begins with the checkpoint dir as
-        given is relative to where it was given; any other relative path is inside the checkpoint dir)."""
+        given, or as seen from the current directory, is that path; any other relative path is inside the
+        checkpoint dir)."""
         return resolve_in(self.checkpoint_dir, self._given_dir, path)
 
     def _attach(self) -> dict[str, Any]:
