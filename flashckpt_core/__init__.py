@@ -54,8 +54,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)
-    if name in _WHERE:  # public names are cached; internal ones stay out of dir()
-        globals()[name] = value
+    globals()[name] = value
     return value
 
 

@@ -54,6 +54,7 @@ import torch
 
 from flashckpt_core import CheckpointEngine, FileEntry, FileSet, Located, StorageType
 from flashckpt_core.commit import CommitLayout
+from flashckpt_core.engine import local_dir
 from flashckpt_core.retention import CheckpointDeletionStrategy
 from flashckpt_core.storage import PosixDiskStorage
 
@@ -496,6 +497,9 @@ class FlashCkptTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, flashckpt_config: FlashCkptConfig | None = None, **kwargs: Any) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(training_args, "output_dir", None):  # a URL is refused before the Trainer makes the dir
+            self._flash_dir(training_args.output_dir)
         super().__init__(*args, **kwargs)
         self.flashckpt_config = flashckpt_config or FlashCkptConfig()
         if self.is_fsdp_enabled or getattr(self, "is_fsdp_xla_enabled", False):
@@ -520,7 +524,7 @@ class FlashCkptTrainer(Trainer):
     # ------------------------------------------------------------------ engine
     def flashckpt_engine(self, run_dir: str | None = None) -> CheckpointEngine:
         """The engine of ``run_dir`` (default: ``args.output_dir``), created on first use."""
-        run_dir = os.path.abspath(run_dir or self._get_output_dir(trial=getattr(self, "_trial", None)))
+        run_dir = self._flash_dir(run_dir or self._get_output_dir(trial=getattr(self, "_trial", None)))
         if self._flash is not None and self._flash.checkpoint_dir == run_dir:
             return self._flash
         self.flashckpt_close()
@@ -530,6 +534,11 @@ class FlashCkptTrainer(Trainer):
                                        weights_only=not self.is_deepspeed_enabled)
         self._flash_run_dir = run_dir
         return self._flash
+
+    @staticmethod
+    def _flash_dir(output_dir: str) -> str:
+        """The absolute local checkpoint dir of ``output_dir``; URLs (``s3://...``) are refused with what to do."""
+        return os.path.abspath(local_dir(output_dir, "FlashCkptTrainer(args.output_dir)"))
 
     def flashckpt_wait(self, timeout: float | None = None) -> None:
         """Blocks until every checkpoint saved so far is committed (on every rank); raises a persist error."""
@@ -554,7 +563,7 @@ class FlashCkptTrainer(Trainer):
         newest committed checkpoint whose checksums verify; in a directory flashckpt never wrote to, the
         newest vanilla ``checkpoint-N`` with a ``trainer_state.json``; else None (start from scratch).
         Every rank calls it (as ``train``)."""
-        run_dir = os.path.abspath(self._get_output_dir(trial=None))
+        run_dir = self._flash_dir(self._get_output_dir(trial=None))
         engine = self.flashckpt_engine(run_dir)
         loc = engine.locate()
         if loc.source == "none":
@@ -580,6 +589,7 @@ class FlashCkptTrainer(Trainer):
         self._flash_last_step = -1
         self._flash_disk_steps.clear()
         try:
+            self._flash_dir(self._get_output_dir(trial=trial))  # a URL is refused before any step
             resume = self._flash_resolve(resume_from_checkpoint, trial)
             out = super().train(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
                                 **kwargs)
@@ -598,7 +608,7 @@ class FlashCkptTrainer(Trainer):
         self.flashckpt_last_resume = None
         if resume is None or resume is False:
             return None
-        run_dir = os.path.abspath(self._get_output_dir(trial=trial))
+        run_dir = self._flash_dir(self._get_output_dir(trial=trial))
         engine = self.flashckpt_engine(run_dir)
         cached, self._flash_located = self._flash_located, None
         # Every rank locates (they agree on the step), or every rank uses get_last_checkpoint's answer.
@@ -688,7 +698,7 @@ class FlashCkptTrainer(Trainer):
         from transformers.trainer_utils import SaveStrategy
 
         step = self.state.global_step
-        run_dir = os.path.abspath(self._get_output_dir(trial=trial))
+        run_dir = self._flash_dir(self._get_output_dir(trial=trial))
         name = f"{PREFIX}-{step}"
         engine = self.flashckpt_engine(run_dir)
         if self.hp_search_backend is None and trial is None:

@@ -289,6 +289,17 @@ def test_output_dir_lists_what_a_vanilla_trainer_writes(tmp_path):
     assert committed(ours) == [6, 8] and layout(ours).meta == str(tmp_path / ".flashckpt" / "flash")
 
 
+def test_an_object_store_url_as_output_dir_is_refused_before_training(tmp_path, monkeypatch):
+    """``output_dir="s3://..."`` is refused with what to do (object stores are not served yet) when the
+    Trainer is built, and nothing is written locally (it used to be written to ``./s3:/bucket/run``)."""
+    from flashckpt_core import CheckpointDirError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointDirError, match="s3://"):
+        make_trainer("s3://bucket/run")
+    assert os.listdir(tmp_path) == []
+
+
 def test_save_total_limit_fast_saves_and_best_model(tmp_path):
     """A save every step with save_total_limit=2 and the best checkpoint tracked: the newest and the best
     survive, every surviving dir is committed, and the best model is loaded at the end. (The metric is the
