@@ -359,10 +359,9 @@ def test_argparse_namespace_is_refused_at_save(tmp_path, runtime_dir):
 
 # ------------------------------------------------------------------------------------------ exports
 def test_the_public_package_exports_no_half_match_of_dlrovers_internal_classes():
-    exec("from flashckpt_core import SharedMemoryHandler", {})  # as integrations/lightning.py still does
     for name in ("TensorMeta", "SharedMemoryHandler", "SharedLock", "SharedQueue", "SharedDict"):
         assert name not in flashckpt_core.__all__ and name not in dir(flashckpt_core)
-    for name in ("TensorMeta", "SharedLock", "SharedQueue", "SharedDict"):
+    for name in ("TensorMeta", "SharedMemoryHandler", "SharedLock", "SharedQueue", "SharedDict"):
         with pytest.raises(ImportError):
             exec(f"from flashckpt_core import {name}", {})
     for name in flashckpt_core.__all__:
