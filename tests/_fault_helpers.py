@@ -42,6 +42,7 @@ GRACE_S = 5.0
 
 # ------------------------------------------------------------------------------------------ processes
 from helpers import _proc_state as proc_state  # noqa: E402  (shared with the core tests)
+from helpers import saver_pids as all_saver_pids  # noqa: E402
 from helpers import wait_for  # noqa: E402
 
 
@@ -60,19 +61,9 @@ def cmdline(pid: int) -> list[str]:
 
 def saver_pids(runtime_dir: str, job_dir: str | None = None) -> list[int]:
     """Live saver daemons whose ``--job-dir`` is under ``runtime_dir`` (or is exactly ``job_dir``)."""
-    prefix = runtime_dir.rstrip("/") + "/"
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        argv = cmdline(int(name))
-        if SAVER_MODULE not in argv or "--job-dir" not in argv:
-            continue
-        jd = argv[argv.index("--job-dir") + 1]
-        if (jd == job_dir) if job_dir is not None else jd.startswith(prefix):
-            if alive(int(name)):
-                out.append(int(name))
-    return sorted(out)
+    found = all_saver_pids(runtime_dir)
+    return sorted(pid for pid, argv in found.items() if "--job-dir" in argv and
+                  (job_dir is None or argv[argv.index("--job-dir") + 1] == job_dir))
 
 
 def saver_pid(runtime_dir: str, job_dir: str) -> int:

@@ -163,19 +163,30 @@ def release_persist(fifo: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------- processes
-def _proc_state(pid: int) -> str | None:
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of ``pid`` from /proc, or None when it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read().decode(errors="replace")
     except OSError:
         return None
-    return raw[raw.rfind(")") + 2:].split(" ", 1)[0]
+    fields = raw[raw.rfind(")") + 2:].split(" ")
+    return fields[0], int(fields[1])
+
+
+def _proc_state(pid: int) -> str | None:
+    st = _proc_stat(pid)
+    return st[0] if st else None
 
 
 def saver_pids(runtime_dir: str) -> dict[int, list[str]]:
-    """Live saver daemons whose ``--job-dir`` lies under ``runtime_dir``: pid -> argv (from /proc)."""
+    """Live saver daemons whose ``--job-dir`` lies under ``runtime_dir``: pid -> argv (from /proc).
+
+    A saver's child between fork and exec (its persist worker starting) still shows the saver's command
+    line: a process whose parent is one of the savers found is not counted."""
     prefix = runtime_dir.rstrip("/") + "/"
     out: dict[int, list[str]] = {}
+    parents: dict[int, int] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -186,10 +197,12 @@ def saver_pids(runtime_dir: str) -> dict[int, list[str]]:
             continue
         if SAVER_MODULE not in argv or not any(a.startswith(prefix) for a in argv):
             continue
-        if _proc_state(int(name)) in (None, "Z", "X"):
+        st = _proc_stat(int(name))
+        if st is None or st[0] in ("Z", "X"):
             continue
         out[int(name)] = argv
-    return out
+        parents[int(name)] = st[1]
+    return {pid: argv for pid, argv in out.items() if parents[pid] not in out}
 
 
 def child_pids(pid: int | None = None) -> list[int]:
