@@ -26,8 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-
-from flashckpt_core._protocol import process_cpu_seconds
+from flashckpt._protocol import process_cpu_seconds
 
 __all__ = [
     "REPO_ROOT", "GB", "GPTConfig", "gpt_config_for_bytes", "gpt_param_shapes", "build_gpt_state_dict",
@@ -531,7 +530,7 @@ def dir_bytes(path: str) -> int:
 class SaveLog(logging.Handler):
     """Captures the engine's ``event=save ... seconds=`` log line (the copy part of save(), without the RPC).
 
-    Attach it to the ``flashckpt_core.engine`` logger; ``last`` is the newest save's seconds."""
+    Attach it to the ``flashckpt.engine`` logger; ``last`` is the newest save's seconds."""
 
     _SECONDS = re.compile(r"seconds=([0-9.]+)")
 
@@ -580,7 +579,7 @@ def saver_pids(job_dirs: list[str]) -> list[int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"flashckpt_core.saver" in argv and any(j.encode() in argv for j in job_dirs):
+        if b"flashckpt.saver" in argv and any(j.encode() in argv for j in job_dirs):
             out.append(int(pid))
     return out
 

@@ -48,7 +48,7 @@ def child_main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"mode": args.mode}
     sd: Any = None
     if args.mode in ("flashckpt", "flashckpt_into"):
-        from flashckpt_core import CheckpointEngine
+        from flashckpt import CheckpointEngine
 
         t0 = time.perf_counter()
         engine = CheckpointEngine(args.dir, max_to_keep=1)

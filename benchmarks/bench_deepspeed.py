@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from integrations.deepspeed import DeepSpeedCheckpointer, StorageType  # noqa: E402
+from flashckpt.integrations.deepspeed import DeepSpeedCheckpointer, StorageType  # noqa: E402
 
 
 def build(params_m: float, zero: int, bf16: bool, world: int):

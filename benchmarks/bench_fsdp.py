@@ -47,7 +47,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
 
     sys.path.insert(0, REPO)
-    from integrations.fsdp import FsdpShardCheckpointer, StorageType
+    from flashckpt.integrations.fsdp import FsdpShardCheckpointer, StorageType
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

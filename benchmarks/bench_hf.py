@@ -45,9 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir on the repo's disk)")
     a = p.parse_args(argv)
 
+    from flashckpt.integrations.hf import FlashCkptConfig, FlashCkptTrainer
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
-
-    from integrations.hf import FlashCkptConfig, FlashCkptTrainer
 
     base = a.dir or tempfile.mkdtemp(prefix="bench_hf-", dir=os.path.join(os.path.dirname(__file__), ".."))
     flash_dir, vanilla_dir = os.path.join(base, "flash"), os.path.join(base, "vanilla")

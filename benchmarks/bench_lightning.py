@@ -32,10 +32,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import lightning as L  # noqa: E402
+from flashckpt.integrations.lightning import FlashCheckpointIO  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO  # noqa: E402
-
-from integrations.lightning import FlashCheckpointIO  # noqa: E402
 
 
 class Stack(L.LightningModule):

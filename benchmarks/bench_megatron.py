@@ -1,5 +1,5 @@
 """Pause per checkpoint of a megatron-core GPT's ``sharded_state_dict()`` in the ``torch_dist`` format:
-flashckpt (``patches.megatron.dist_ckpt.save``) against vanilla ``dist_checkpointing.save``, in the same
+flashckpt (``flashckpt.patches.megatron.dist_ckpt.save``) against vanilla ``dist_checkpointing.save``, in the same
 run, on the same state; and the load after a restart: flashckpt from memory against vanilla
 ``dist_checkpointing.load`` from the files.
 
@@ -83,9 +83,8 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     torch.cuda.synchronize = lambda *a, **k: None  # vanilla megatron-core's save on a CPU (see the docstring)
     torch.cuda.current_device = lambda: "cpu"
+    from flashckpt.patches.megatron.dist_ckpt import MegatronCheckpointer, StorageType, iteration_dir, load, save
     from megatron.core import dist_checkpointing, parallel_state
-
-    from patches.megatron.dist_ckpt import MegatronCheckpointer, StorageType, iteration_dir, load, save
 
     parallel_state.initialize_model_parallel(1, 1)
     base = opts.dir or (tempfile.mkdtemp(prefix="bench-megatron-") if rank == 0 else "")

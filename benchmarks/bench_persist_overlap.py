@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     own_runtime = None
     if not os.environ.get("FLASHCKPT_RUNTIME_DIR"):
         own_runtime = os.environ["FLASHCKPT_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="fcbench-", dir="/dev/shm")
-    from flashckpt_core import CheckpointEngine, StorageType
+    from flashckpt import CheckpointEngine, StorageType
 
     work = args.dir or tempfile.mkdtemp(prefix="fcbench-overlap-", dir="/tmp")
     sd = build_gpt_state_dict(gpt_config_for_bytes(args.size_gb * GB))

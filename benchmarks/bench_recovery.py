@@ -68,7 +68,7 @@ def main() -> int:
     flags = model_flags(args.state_gb) + ["--steps", str(args.steps), "--save_storage_interval",
                                           str(args.storage_interval)]
     crash = ["--crash_at_step", str(args.crash_at)]
-    agent = ["flashckpt_core.launcher", "--max_restarts", "1"]
+    agent = ["flashckpt.launcher", "--max_restarts", "1"]
     rows = []
     try:
         res = {}

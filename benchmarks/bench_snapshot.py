@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--rounds and --inner must be >= 1")
     # A benchmark that dies must not leave savers holding GBs of /dev/shm for the default 10 minutes.
     os.environ.setdefault("FLASHCKPT_SAVER_GRACE_S", "30")
-    from flashckpt_core import CheckpointEngine, StorageType
-    from flashckpt_core import __version__ as fc_version
+    from flashckpt import CheckpointEngine, StorageType
+    from flashckpt import __version__ as fc_version
 
     wall0 = time.perf_counter()
     load_start = os.getloadavg()
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         rmtree_contents(d)
 
     save_log = SaveLog()
-    elog = logging.getLogger("flashckpt_core.engine")
+    elog = logging.getLogger("flashckpt.engine")
     elog.addHandler(save_log)
     elog.setLevel(logging.INFO)
     elog.propagate = False
@@ -365,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.keep:  # only what this run created; --dir itself goes only when left empty
         for d in dirs.values():
             shutil.rmtree(d, ignore_errors=True)
-        from flashckpt_core.commit import CommitLayout
-        from flashckpt_core.storage import PosixDiskStorage
+        from flashckpt.commit import CommitLayout
+        from flashckpt.storage import PosixDiskStorage
 
         CommitLayout(dirs["fc_gpt"], PosixDiskStorage()).tidy()  # their records beside them (work/.flashckpt)
         try:

@@ -70,7 +70,7 @@ MODES: dict[str, tuple[str, list[str]]] = {
 
 def has_overlap() -> bool:
     try:
-        from flashckpt_core import CheckpointEngine
+        from flashckpt import CheckpointEngine
     except ImportError:
         return False
     return hasattr(CheckpointEngine, "wait_snapshot")

@@ -265,7 +265,7 @@ class Systems:
 
     # -------------------------------------------------------------- flashckpt
     def _setup_flashckpt(self) -> None:
-        from flashckpt_core import CheckpointEngine, StorageType
+        from flashckpt import CheckpointEngine, StorageType
 
         c, sd = self.case, self.case.sd
         t_init, eng = _clock(lambda: CheckpointEngine(os.path.join(c.work, "fc"), max_to_keep=1))

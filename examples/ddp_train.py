@@ -37,11 +37,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flashckpt_core import (
+from flashckpt import (
     CheckpointEngine,  # noqa: E402
     storage_type_for,  # noqa: E402
 )
-from integrations.ddp import DdpCheckpointer, StorageType  # noqa: E402
+from flashckpt.integrations.ddp import DdpCheckpointer, StorageType  # noqa: E402
 
 
 class Block(nn.Module):

@@ -34,8 +34,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flashckpt_core import storage_type_for  # noqa: E402
-from integrations.deepspeed import DeepSpeedCheckpointer  # noqa: E402
+from flashckpt import storage_type_for  # noqa: E402
+from flashckpt.integrations.deepspeed import DeepSpeedCheckpointer  # noqa: E402
 
 
 def build(args: argparse.Namespace):

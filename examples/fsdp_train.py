@@ -30,9 +30,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from flashckpt import storage_type_for  # noqa: E402
+from flashckpt.integrations.fsdp import FsdpShardCheckpointer  # noqa: E402
+
 from examples.ddp_train import TinyGPT, batch  # noqa: E402
-from flashckpt_core import storage_type_for  # noqa: E402
-from integrations.fsdp import FsdpShardCheckpointer  # noqa: E402
 
 
 def full_weights_digest(model: torch.nn.Module) -> str:

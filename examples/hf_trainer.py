@@ -21,9 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from flashckpt.integrations.hf import FlashCkptConfig, FlashCkptTrainer, get_last_checkpoint  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
-
-from integrations.hf import FlashCkptConfig, FlashCkptTrainer, get_last_checkpoint  # noqa: E402
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -33,9 +33,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning as L  # noqa: E402
+from flashckpt.integrations.lightning import FlashCheckpointIO, FlashMemorySnapshot  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
-
-from integrations.lightning import FlashCheckpointIO, FlashMemorySnapshot  # noqa: E402
 
 
 class TinyGPT(L.LightningModule):

@@ -15,7 +15,7 @@ a resume that reads shared memory when the snapshot is there (storage otherwise)
 the node's saver also persists it as "last words" a moment after the process died.)
 
 Megatron-LM users do not need this file: they import ``save_checkpoint`` / ``load_checkpoint`` from
-``patches.megatron`` (see docs/megatron.md). This example uses megatron-core alone (what is on PyPI);
+``flashckpt.patches.megatron`` (see docs/megatron.md). This example uses megatron-core alone (what is on PyPI);
 the optimizer is a torch ``AdamW`` kept in the common state (megatron-core's own optimizers need CUDA).
 """
 
@@ -84,9 +84,8 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group("gloo", rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
     rank, world = dist.get_rank(), dist.get_world_size()
+    from flashckpt.patches.megatron.dist_ckpt import MegatronCheckpointer, StorageType, iteration_dir, load, save
     from megatron.core import parallel_state
-
-    from patches.megatron.dist_ckpt import MegatronCheckpointer, StorageType, iteration_dir, load, save
 
     parallel_state.initialize_model_parallel(1, 1)  # data parallel over all ranks
     model = build_model()

@@ -5,7 +5,7 @@ This package imports no training framework (torch only); adapters live in ``inte
 The public names are those in ``__all__``. The building blocks DLRover exports under the names
 ``TensorMeta``, ``SharedMemoryHandler``, ``SharedLock``, ``SharedQueue`` and ``SharedDict`` exist here
 with other signatures and meanings (a slot layout record, the trainer's side of a shared-memory segment,
-an ``flock``, proxies to the saver's named objects); they are internal, in ``flashckpt_core._tree``,
+an ``flock``, proxies to the saver's named objects); they are internal, in ``flashckpt._tree``,
 ``.shm`` and ``.ipc``, and not exported, so that no code written against DLRover's classes half-works.
 """
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .storage import CheckpointStorage, FileRecord, PosixDiskStorage
 
 # Public name -> the module defining it, imported on first use (PEP 562): the saver daemon, run as
-# ``python -m flashckpt_core.saver``, imports only what it needs, and torch only when it persists.
+# ``python -m flashckpt.saver``, imports only what it needs, and torch only when it persists.
 _WHERE = {
     "CommitLayout": "commit", "Manifest": "commit", "StorageType": "config",
     "CheckpointEngine": "engine", "LoadResult": "engine", "Located": "engine", "FileEntry": "files",

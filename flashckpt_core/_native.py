@@ -115,7 +115,7 @@ def status() -> str:
 
 def _start_background_build() -> None:
     global _builder
-    code = "import os; os.nice(19); import flashckpt_core._native as n; n.build()"
+    code = "import os; os.nice(19); import flashckpt._native as n; n.build()"
     try:
         _builder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -3,7 +3,7 @@
 Persisting needs torch (a snapshot's tree of zero-copy tensors, ``torch.save``'s format); the saver does
 not: it serves trainers, pins slots, writes markers and commits. The saver therefore never imports torch
 (~250 MB of RSS it would keep for the rest of its life, a 600 s grace period after a crash included):
-its first persist starts this worker (``python -m flashckpt_core._persist_worker``, a subprocess, never a
+its first persist starts this worker (``python -m flashckpt._persist_worker``, a subprocess, never a
 fork of the multi-threaded saver), and the worker exits once it was idle for
 FLASHCKPT_PERSIST_WORKER_IDLE_S (``Knobs.persist_worker_idle_s``), so memory goes back down once
 persists are done. The next persist starts a new one.
@@ -62,7 +62,7 @@ __all__ = ["PersistWorker", "WORKER_MODULE"]
 
 log = logging.getLogger(__name__)
 
-WORKER_MODULE = __spec__.name  # flashckpt_core._persist_worker, also when run with -m
+WORKER_MODULE = __spec__.name  # flashckpt._persist_worker, also when run with -m
 _LEN = struct.Struct(">I")
 _MAX_MESSAGE = 64 << 20
 
@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}", description="flashckpt persist worker")
     p.add_argument("--checkpoint-dir", required=True)
     p.add_argument("--job", default="")
-    p.add_argument("--storage", default="flashckpt_core.storage:PosixDiskStorage")
+    p.add_argument("--storage", default="flashckpt.storage:PosixDiskStorage")
     p.add_argument("--nice", type=int, default=0)
     args = p.parse_args(argv)
     # The protocol's pipes get fds of their own; fd 0 and 1 become /dev/null and stderr, so nothing a

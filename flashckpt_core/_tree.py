@@ -284,7 +284,7 @@ def _check_tensor(t: torch.Tensor, path: list[Any]) -> None:
             f"save(): tensor at {where} is quantized; store its int_repr() and quantization parameters instead.")
     raise InvalidStateDictError(
         f"save(): tensor at {where} is a {type(t).__name__}, a tensor subclass; pass its local data "
-        "(DTensor.to_local()) or use the sharded checkpointer (integrations.fsdp.FsdpShardCheckpointer).")
+        "(DTensor.to_local()) or use the sharded checkpointer (flashckpt.integrations.fsdp.FsdpShardCheckpointer).")
 
 
 def _check_opaque(x: Any, root: Any) -> None:

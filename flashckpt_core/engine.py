@@ -315,7 +315,7 @@ class CheckpointEngine:
                 memory by save order and on storage by commit order, and retention keeps the steps
                 committed last, never the one just committed.
             state_dict: a tree of dicts/lists/tuples with tensors and plain leaves, or a ``FileSet``
-                (several files in their own formats; see ``flashckpt_core.files``).
+                (several files in their own formats; see ``flashckpt.files``).
             path: the file to persist to, inside the checkpoint dir (default ``step_<N>/rank_<R>.pt``);
                 for a ``FileSet``, the directory its files go to (default ``step_<N>``). Absolute, or
                 relative as ``resolve`` says: ``os.path.join(checkpoint_dir, "x.pt")`` means that path

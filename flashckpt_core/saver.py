@@ -12,7 +12,7 @@ from __future__ import annotations
 
 # ruff: noqa: E402  (the daemon defers torch before the imports below)
 if __name__ == "__main__":  # the daemon never loads torch: its persist worker does (_persist_worker)
-    from flashckpt_core._lazy import defer
+    from flashckpt._lazy import defer
 
     defer("torch")
 
@@ -58,6 +58,8 @@ from .shm import (
 from .storage import CheckpointStorage, PosixDiskStorage
 
 __all__ = ["CheckpointSaver", "ensure_saver", "SOCKET_NAME"]
+
+SAVER_MODULE = __spec__.name  # the daemon runs as ``python -m`` this module (flashckpt.saver, also when run with -m)
 
 log = logging.getLogger(__name__)
 
@@ -1185,8 +1187,6 @@ def _spawn_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs) -> Client:
     path = os.path.join(job_dir, SOCKET_NAME)
     log_path = os.path.join(job_dir, _LOG_NAME)
     env = dict(os.environ)
-    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("OMP_NUM_THREADS", "1")
     try:
         dir_fd = open_private_dir(job_dir)
@@ -1202,7 +1202,7 @@ def _spawn_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs) -> Client:
     try:
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "flashckpt_core.saver", "--daemonize", "--job-dir", job_dir,
+                [sys.executable, "-m", SAVER_MODULE, "--daemonize", "--job-dir", job_dir,
                  "--checkpoint-dir", os.path.abspath(checkpoint_dir), "--ready-fd", str(wfd)],
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, close_fds=True, pass_fds=(wfd,),
                 start_new_session=True, env=env, cwd="/")
@@ -1307,7 +1307,7 @@ def _tail(path: str, n: int = 3000) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flashckpt_core.saver", description="flashckpt node saver")
+    p = argparse.ArgumentParser(prog=f"python -m {SAVER_MODULE}", description="flashckpt node saver")
     p.add_argument("--job-dir", required=True)
     p.add_argument("--checkpoint-dir", required=True)
     p.add_argument("--daemonize", action="store_true", help="fork into the background and return at once")

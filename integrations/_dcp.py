@@ -1,7 +1,7 @@
 """PyTorch Distributed Checkpoint (DCP) over flashckpt ``FileSet``s: a ``StorageWriter`` that stages a
 rank's items for a memory snapshot instead of writing them, and a ``StorageReader`` that serves them
 back from memory. Framework-neutral (plain DCP: FSDP, FSDP2/``fully_shard``, DTensor, ShardedTensor and
-megatron-core's ``torch_dist`` format all go through it); ``integrations.fsdp`` is its first user.
+megatron-core's ``torch_dist`` format all go through it); ``flashckpt.integrations.fsdp`` is its first user.
 
 The persisted layout is the one ``FileSystemWriter`` writes (torch 2.13, ``filesystem.py``), so
 ``torch.distributed.checkpoint.load`` with a ``FileSystemReader`` loads it without flashckpt:
@@ -54,6 +54,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from flashckpt import FileSet
+from flashckpt.errors import CheckpointCorruptError, FlashCheckpointError
+from flashckpt.files import tensor_view
+from flashckpt.torchfile import torch_save_parts
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import (
@@ -75,11 +79,6 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
-
-from flashckpt_core import FileSet
-from flashckpt_core.errors import CheckpointCorruptError, FlashCheckpointError
-from flashckpt_core.files import tensor_view
-from flashckpt_core.torchfile import torch_save_parts
 
 __all__ = ["FileSetStorageWriter", "FileSetStorageReader", "CachingSavePlanner", "open_memory_reader",
            "torch_save_frame", "data_file_name", "METADATA_NAME"]

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashckpt_core import CheckpointEngine, StorageType
-from flashckpt_core.engine import LoadResult
-from flashckpt_core.retention import CheckpointDeletionStrategy
+from flashckpt import CheckpointEngine, StorageType
+from flashckpt.engine import LoadResult
+from flashckpt.retention import CheckpointDeletionStrategy
 
 __all__ = ["DdpCheckpointer", "StorageType"]
 

@@ -49,12 +49,11 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-from flashckpt_core import CheckpointEngine as FlashEngine
-from flashckpt_core import FlashCheckpointError, LoadResult, StorageType
-from flashckpt_core.commit import META
-from flashckpt_core.files import FileSet
-from flashckpt_core.retention import CheckpointDeletionStrategy
+from flashckpt import CheckpointEngine as FlashEngine
+from flashckpt import FlashCheckpointError, LoadResult, StorageType
+from flashckpt.commit import META
+from flashckpt.files import FileSet
+from flashckpt.retention import CheckpointDeletionStrategy
 
 __all__ = ["DeepSpeedCheckpointer", "FlashDeepSpeedCheckpointEngine", "StorageType"]
 

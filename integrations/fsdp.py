@@ -3,7 +3,7 @@ through PyTorch Distributed Checkpoint (DCP).
 
 Every rank holds a unique shard, so every rank snapshots its own into the node's shared memory. The save
 runs ``torch.distributed.checkpoint.save`` with a ``StorageWriter`` that stages the rank's items instead of
-writing them (``integrations._dcp``; the save plan is computed once and reused while the state dict's
+writing them (``flashckpt.integrations._dcp``; the save plan is computed once and reused while the state dict's
 structure is unchanged); the saver then persists them in DCP's own layout (``__{rank}_0.distcp`` per rank,
 ``.metadata`` last, as the commit marker), so ``dcp.load`` with a ``FileSystemReader`` loads a persisted
 checkpoint without flashckpt, on any number of ranks.
@@ -35,10 +35,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from flashckpt_core import CheckpointEngine, FileSet, StorageType
-from flashckpt_core.engine import LoadResult
-from flashckpt_core.errors import CheckpointCorruptError
-from flashckpt_core.retention import CheckpointDeletionStrategy
+from flashckpt import CheckpointEngine, FileSet, StorageType
+from flashckpt.engine import LoadResult
+from flashckpt.errors import CheckpointCorruptError
+from flashckpt.retention import CheckpointDeletionStrategy
 
 __all__ = ["FsdpShardCheckpointer", "StorageType", "SaveTiming"]
 

@@ -51,18 +51,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from flashckpt_core import CheckpointEngine, FileEntry, FileSet, Located, StorageType
-from flashckpt_core.commit import CommitLayout
-from flashckpt_core.engine import local_dir
-from flashckpt_core.retention import CheckpointDeletionStrategy
-from flashckpt_core.storage import PosixDiskStorage
+from flashckpt import CheckpointEngine, FileEntry, FileSet, Located, StorageType
+from flashckpt.commit import CommitLayout
+from flashckpt.engine import local_dir
+from flashckpt.retention import CheckpointDeletionStrategy
+from flashckpt.storage import PosixDiskStorage
 
 try:
     import transformers
     from transformers import Trainer
 except ImportError as _e:  # pragma: no cover - the extra is missing
-    raise ImportError("integrations.hf needs transformers: pip install 'flashckpt[hf]'") from _e
+    raise ImportError("flashckpt.integrations.hf needs transformers: pip install 'flashckpt[hf]'") from _e
 
 __all__ = ["FlashCkptTrainer", "FlashCkptConfig", "AcceleratorCheckpointer", "get_last_checkpoint",
            "StorageType", "TESTED_TRANSFORMERS"]
@@ -506,7 +505,7 @@ class FlashCkptTrainer(Trainer):
             raise ValueError(
                 "FlashCkptTrainer: FSDP through the Trainer is not supported yet (its sharded checkpoints could "
                 "not be verified here: accelerate's FSDP does not run on CPU). Use the vanilla Trainer for FSDP "
-                "runs, or integrations.fsdp.FsdpShardCheckpointer in a custom loop.")
+                "runs, or flashckpt.integrations.fsdp.FsdpShardCheckpointer in a custom loop.")
         from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
         if is_torch_xla_available() or is_sagemaker_mp_enabled():
@@ -920,7 +919,7 @@ class AcceleratorCheckpointer:
 def _check_version() -> None:
     """The overridden hooks are private Trainer methods: say so when another minor release runs."""
     if transformers.__version__.split(".")[:2] != TESTED_TRANSFORMERS.split(".")[:2]:
-        log.warning("integrations.hf was tested with transformers %s; this is %s (see docs/hf.md for the "
+        log.warning("flashckpt.integrations.hf was tested with transformers %s; this is %s (see docs/hf.md for the "
                     "Trainer hooks it overrides)", TESTED_TRANSFORMERS, transformers.__version__)
 
 

@@ -9,7 +9,7 @@ the node's saver daemon, which also writes the newest snapshot when the training
 
 Example::
 
-    from integrations.lightning import FlashCheckpointIO, FlashMemorySnapshot
+    from flashckpt.integrations.lightning import FlashCheckpointIO, FlashMemorySnapshot
 
     ckpt_io = FlashCheckpointIO("ckpts")
     trainer = L.Trainer(max_steps=1000, plugins=[ckpt_io], callbacks=[
@@ -39,7 +39,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from flashckpt_core import (
+from flashckpt import (
     CheckpointEngine,
     CommitLayout,
     FlashCheckpointError,
@@ -47,8 +47,8 @@ from flashckpt_core import (
     PosixDiskStorage,
     StorageType,
 )
-from flashckpt_core.config import job_dir
-from flashckpt_core.shm import SharedMemoryHandler
+from flashckpt.config import job_dir
+from flashckpt.shm import SharedMemoryHandler
 
 # The four Lightning classes are built on first use by the module's __getattr__ (their package is imported then).
 __all__ = ["FlashCheckpointIO", "FlashMemorySnapshot", "PLFlashCheckpointIO", "PLFlashMemorySnapshot",  # noqa: F822
@@ -205,11 +205,11 @@ def check_strategy(strategy: Any) -> None:
     why = None
     if "DeepSpeedStrategy" in names:
         why = ("DeepSpeedStrategy saves through deepspeed_engine.save_checkpoint, not CheckpointIO; use "
-               "integrations.deepspeed for DeepSpeed, or a strategy that saves one .ckpt (ddp, fsdp with "
+               "flashckpt.integrations.deepspeed for DeepSpeed, or a strategy that saves one .ckpt (ddp, fsdp with "
                "state_dict_type='full')")
     elif "FSDPStrategy" in names and getattr(strategy, "_state_dict_type", "full") == "sharded":
         why = ("FSDPStrategy(state_dict_type='sharded') saves with torch.distributed.checkpoint, not CheckpointIO; "
-               "use FSDPStrategy(state_dict_type='full'), or integrations.fsdp for sharded checkpoints")
+               "use FSDPStrategy(state_dict_type='full'), or flashckpt.integrations.fsdp for sharded checkpoints")
     elif "ModelParallelStrategy" in names and getattr(strategy, "_save_distributed_checkpoint", False):
         why = ("ModelParallelStrategy(save_distributed_checkpoint=True) saves with torch.distributed.checkpoint, "
                "not CheckpointIO; use ModelParallelStrategy(save_distributed_checkpoint=False)")
@@ -276,7 +276,7 @@ class _FlashIOImpl:
         other = _NAMES["pytorch_lightning" if self._tree == "lightning" else "lightning"][0]
         pkg = "pytorch_lightning" if self._tree == "lightning" else "lightning"
         return (f"{type(self).__name__}(checkpoint_dir={self.checkpoint_dir!r}) [a '{self._tree}' CheckpointIO; "
-                f"with a {pkg}.Trainer use integrations.lightning.{other}]")
+                f"with a {pkg}.Trainer use flashckpt.integrations.lightning.{other}]")
 
     # ------------------------------------------------------------------ CheckpointIO API
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
@@ -518,7 +518,7 @@ class _FlashIOImpl:
             self._warned_dir = True
             log.warning("FlashCheckpointIO.remove_checkpoint(%r): a directory, which this plugin never writes: the "
                         "Trainer's strategy saves without CheckpointIO (DeepSpeed, sharded FSDP), so its checkpoints "
-                        "are not flash checkpoints; see integrations.lightning.check_strategy", target)
+                        "are not flash checkpoints; see flashckpt.integrations.lightning.check_strategy", target)
         if target is None or self._engine is None or not _inside(target, self._engine.checkpoint_dir):
             if target is None:
                 self._torch_io_cls().remove_checkpoint(path)
@@ -820,7 +820,7 @@ class _MemorySnapshotImpl:
 
 # ---------------------------------------------------------------------------------------- class trees
 _IO_DOC = """Lightning ``CheckpointIO`` that snapshots checkpoints to shared memory and persists them in the
-background (see the module docstring of ``integrations.lightning``).
+background (see the module docstring of ``flashckpt.integrations.lightning``).
 
 Args:
     checkpoint_dir: the directory that contains every ``.ckpt`` path Lightning saves (default: the
@@ -874,6 +874,6 @@ def __getattr__(name: str) -> Any:
             try:
                 return _build(tree)[name]
             except ImportError as e:
-                raise ImportError(f"integrations.lightning.{name} needs the '{tree}' package (pip install "
+                raise ImportError(f"flashckpt.integrations.lightning.{name} needs the '{tree}' package (pip install "
                                   f"{'lightning' if tree == 'lightning' else 'pytorch-lightning'}==2.6.6): {e}") from e
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

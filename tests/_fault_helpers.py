@@ -36,7 +36,7 @@ REPO = os.path.dirname(TESTS_DIR)
 VENV_BIN = os.path.dirname(sys.executable)
 TRAINER = os.path.join(TESTS_DIR, "_fault_trainer.py")
 DDP_TRAIN = os.path.join(REPO, "examples", "ddp_train.py")
-SAVER_MODULE = "flashckpt_core.saver"
+SAVER_MODULE = "flashckpt.saver"
 GRACE_S = 5.0
 
 
@@ -285,8 +285,8 @@ def read_events(path: str) -> list[dict[str, Any]]:
 
 
 def _layout(ckpt: str) -> Any:
-    from flashckpt_core.commit import CommitLayout
-    from flashckpt_core.storage import PosixDiskStorage
+    from flashckpt.commit import CommitLayout
+    from flashckpt.storage import PosixDiskStorage
 
     return CommitLayout(ckpt, PosixDiskStorage())
 
@@ -313,7 +313,7 @@ def run_cli(fe: FaultEnv, *args: str, console: bool = False, timeout: float = 60
     if console:
         return subprocess.run([os.path.join(VENV_BIN, "flashckpt"), *args], env=fe.env(), capture_output=True,
                               text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    from flashckpt_core import cli
+    from flashckpt import cli
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -20,8 +20,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _fault_helpers import fill_state, make_state  # noqa: E402
-
-from flashckpt_core import CheckpointEngine, StorageType  # noqa: E402
+from flashckpt import CheckpointEngine, StorageType  # noqa: E402
 
 
 def main() -> int:

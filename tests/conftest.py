@@ -5,7 +5,7 @@ Every test gets its own FLASHCKPT_RUNTIME_DIR (short, under /dev/shm, so Unix so
 test that leaks: an engine left open, a saver daemon of its runtime dir still alive after its engines
 closed, files left in its runtime dir (segments, sockets, locks), threads, child processes or
 environment variables. Savers started by a test run as detached daemons, so they are found by scanning
-/proc for ``flashckpt_core.saver`` with the test's runtime dir on their command line.
+/proc for ``flashckpt.saver`` with the test's runtime dir on their command line.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _native_fast_path():
     """Builds the C++ fast path once (cached across runs), before any test: engines then use it, as on a
     machine where it was built, and no test starts a background build. FLASHCKPT_NATIVE=0 runs the whole
     suite on the Python fallback instead; tests/test_native.py covers both either way."""
-    from flashckpt_core import _native
+    from flashckpt import _native
 
     if os.environ.get("FLASHCKPT_NATIVE", "auto").strip().lower() not in _native._OFF:
         try:
@@ -164,7 +164,7 @@ def ckpt_dir(tmp_path):
 def make_engine(runtime_dir, ckpt_dir):
     """Builds CheckpointEngines (on ``ckpt_dir`` unless told otherwise) and fails the test if one is left
     open; a leftover is closed with release=True so its saver exits."""
-    from flashckpt_core import CheckpointEngine
+    from flashckpt import CheckpointEngine
 
     engines = []
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-SAVER_MODULE = "flashckpt_core.saver"
+SAVER_MODULE = "flashckpt.saver"
 
 
 # ---------------------------------------------------------------------------------------- polling

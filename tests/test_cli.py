@@ -18,10 +18,9 @@ from _fault_helpers import (  # noqa: F401
     saver_pids,
     wait_for,
 )
-
-from flashckpt_core import CheckpointEngine, StorageType
-from flashckpt_core.commit import CommitLayout
-from flashckpt_core.storage import PosixDiskStorage
+from flashckpt import CheckpointEngine, StorageType
+from flashckpt.commit import CommitLayout
+from flashckpt.storage import PosixDiskStorage
 
 
 def _mib(n: int) -> str:

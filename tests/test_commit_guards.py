@@ -19,10 +19,9 @@ from _fault_helpers import (  # noqa: F401
     saver_pid,
     wait_for,
 )
-
-from flashckpt_core import CheckpointDirError, CheckpointEngine, FileSet, PersistError, StorageType
-from flashckpt_core.commit import CommitLayout
-from flashckpt_core.storage import PosixDiskStorage
+from flashckpt import CheckpointDirError, CheckpointEngine, FileSet, PersistError, StorageType
+from flashckpt.commit import CommitLayout
+from flashckpt.storage import PosixDiskStorage
 
 MB = 0.05
 

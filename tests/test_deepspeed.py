@@ -153,8 +153,7 @@ def _same_fp32(ours: str, vanilla: str) -> str:
 def phase1_worker(root: str, names: list[str], ready: str) -> dict:
     """Per config: a storage checkpoint at step 2, a memory checkpoint at step 4; then wait to be killed."""
     import torch.distributed as dist
-
-    from integrations.deepspeed import DeepSpeedCheckpointer, StorageType
+    from flashckpt.integrations.deepspeed import DeepSpeedCheckpointer, StorageType
 
     out: dict = {}
     keep = []
@@ -183,7 +182,7 @@ def phase1_worker(root: str, names: list[str], ready: str) -> dict:
 
 def _input_errors(engine, ck, ckpt: str) -> dict:
     """Bad input is refused before anything is written; the checkpoints already there stay intact."""
-    from integrations.deepspeed import StorageType
+    from flashckpt.integrations.deepspeed import StorageType
 
     before = sorted(os.listdir(ckpt))
     errs = {}
@@ -216,8 +215,7 @@ def phase2_worker(root: str, names: list[str], vanilla_root: str) -> dict:
     from our persisted files; our tag directory against vanilla DeepSpeed's save of the same state."""
     import torch
     import torch.distributed as dist
-
-    from integrations.deepspeed import DeepSpeedCheckpointer
+    from flashckpt.integrations.deepspeed import DeepSpeedCheckpointer
 
     rank = dist.get_rank()
     out: dict = {}
@@ -337,7 +335,7 @@ def persist_kill_worker(ckpt: str, width: int) -> dict:
     """Commits global_step1, then starts persisting global_step2 (big enough to take a while) and waits
     to be killed."""
     engine = _engine("zero1", width)
-    from integrations.deepspeed import DeepSpeedCheckpointer
+    from flashckpt.integrations.deepspeed import DeepSpeedCheckpointer
 
     ck = DeepSpeedCheckpointer(engine, ckpt)
     _train(engine, 1, 1)
@@ -351,7 +349,7 @@ def persist_kill_worker(ckpt: str, width: int) -> dict:
 
 def resume_after_persist_kill_worker(ckpt: str, width: int) -> dict:
     """Vanilla DeepSpeed loads what `latest` names; then the checkpointer resumes from memory."""
-    from integrations.deepspeed import DeepSpeedCheckpointer
+    from flashckpt.integrations.deepspeed import DeepSpeedCheckpointer
 
     out: dict = {}
     van = _engine("zero1", width)
@@ -369,9 +367,8 @@ def resume_after_persist_kill_worker(ckpt: str, width: int) -> dict:
 
 def test_latest_never_names_a_tag_killed_while_persisting(tmp_path, runtime_dir):
     from _fault_helpers import files_named, kill9, saver_pids, stop
-
-    from flashckpt_core.commit import CommitLayout
-    from flashckpt_core.storage import PosixDiskStorage
+    from flashckpt.commit import CommitLayout
+    from flashckpt.storage import PosixDiskStorage
 
     ckpt, width = str(tmp_path / "ckpt"), 3072  # 9.5 M parameters: ~110 MB of files for rank 0, ~70 MB for rank 1
     layout = CommitLayout(ckpt, PosixDiskStorage())

@@ -61,7 +61,7 @@ def _ddp_model():
 
 def ddp_guide_save(steps: int, save_memory_interval: int, save_storage_interval: int) -> dict:
     # from dlrover.trainer.torch.flash_checkpoint.ddp import (
-    from integrations.ddp import (
+    from flashckpt.integrations.ddp import (
         DdpCheckpointer,
         StorageType,
     )
@@ -104,7 +104,7 @@ def ddp_guide_save(steps: int, save_memory_interval: int, save_storage_interval:
 
 
 def ddp_guide_load() -> dict:
-    from integrations.ddp import DdpCheckpointer
+    from flashckpt.integrations.ddp import DdpCheckpointer
 
     checkpoint_dir = CHECKPOINT_DIR
     model, optimizer = _ddp_model()
@@ -152,17 +152,16 @@ def _fsdp_digest(model, optimizer) -> str:
 def fsdp_guide_save(steps: int, save_memory_interval: int, save_storage_interval: int) -> dict:
     import warnings
 
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import StateDictType
-
     # from dlrover.python.common.storage import CheckpointDeletionStrategy
-    from flashckpt_core import CheckpointDeletionStrategy
+    from flashckpt import CheckpointDeletionStrategy
 
     # from dlrover.trainer.torch.flash_checkpoint.fsdp import (
-    from integrations.fsdp import (
+    from flashckpt.integrations.fsdp import (
         FsdpShardCheckpointer,
         StorageType,
     )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     checkpoint_dir = CHECKPOINT_DIR
@@ -228,11 +227,10 @@ def fsdp_guide_load() -> dict:
     import warnings
 
     import torch.distributed.checkpoint as dist_cp
+    from flashckpt.integrations.fsdp import FsdpShardCheckpointer
     from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import StateDictType
-
-    from integrations.fsdp import FsdpShardCheckpointer
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     checkpoint_dir = CHECKPOINT_DIR
@@ -304,10 +302,10 @@ def _ds_digest(model) -> str:
 
 def ds_guide_save(steps: int, save_memory_interval: int, save_storage_interval: int) -> dict:
     # from dlrover.python.common.store import KeepStepIntervalStrategy
-    from flashckpt_core import KeepStepIntervalStrategy
+    from flashckpt import KeepStepIntervalStrategy
 
     # from dlrover.trainer.torch.flash_checkpoint.deepspeed import (
-    from integrations.deepspeed import (
+    from flashckpt.integrations.deepspeed import (
         DeepSpeedCheckpointer,
         StorageType,
     )
@@ -348,7 +346,7 @@ def ds_guide_save(steps: int, save_memory_interval: int, save_storage_interval: 
 
 
 def ds_guide_load() -> dict:
-    from integrations.deepspeed import DeepSpeedCheckpointer
+    from flashckpt.integrations.deepspeed import DeepSpeedCheckpointer
 
     checkpoint_dir = CHECKPOINT_DIR
     model = _ds_model()
@@ -385,7 +383,7 @@ def test_megatron_imports_and_call_shape():
     # from dlrover.trainer.torch.flash_checkpoint.megatron_dist_ckpt import save_checkpoint
     # from dlrover.trainer.torch.flash_checkpoint.megatron_dist_ckpt import load_checkpoint
     # from dlrover.trainer.torch.flash_checkpoint.megatron import StorageType
-    from patches.megatron import StorageType, load_checkpoint, save_checkpoint
+    from flashckpt.patches.megatron import StorageType, load_checkpoint, save_checkpoint
 
     inspect.signature(save_checkpoint).bind(100, "model", "optimizer", "opt_param_scheduler",
                                             storage_type=StorageType.MEMORY)

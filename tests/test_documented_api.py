@@ -17,12 +17,10 @@ import logging
 import math
 import os
 
+import flashckpt
 import pytest
 import torch
-from helpers import assert_same_tree, hold_persist, release_persist, saver_pids, wait_for
-
-import flashckpt_core
-from flashckpt_core import (
+from flashckpt import (
     CheckpointDeletionStrategy,
     CheckpointDirError,
     CheckpointEngine,
@@ -34,7 +32,8 @@ from flashckpt_core import (
     PersistError,
     StorageType,
 )
-from integrations.ddp import DdpCheckpointer
+from flashckpt.integrations.ddp import DdpCheckpointer
+from helpers import assert_same_tree, hold_persist, release_persist, saver_pids, wait_for
 
 DISK, MEMORY = StorageType.DISK, StorageType.MEMORY
 
@@ -95,7 +94,7 @@ class Recorder(CheckpointDeletionStrategy):
 def test_an_exception_in_clean_up_is_logged_never_raised_into_training(make_engine, ckpt_dir, caplog):
     strategy = Recorder()
     eng = make_engine(deletion_strategy=strategy)
-    with caplog.at_level(logging.ERROR, logger="flashckpt_core.engine"):
+    with caplog.at_level(logging.ERROR, logger="flashckpt.engine"):
         for step in (1, 2):
             eng.save(step, sd(step), storage_type=DISK)
             eng.wait(60)
@@ -183,7 +182,7 @@ def test_a_strategy_must_implement_one_contract():
 
 # ------------------------------------------------------------------------------------------ relative paths
 def test_a_relative_path_from_the_cwd_with_an_absolute_checkpoint_dir(tmp_path, monkeypatch):
-    from flashckpt_core.engine import resolve_in
+    from flashckpt.engine import resolve_in
 
     monkeypatch.chdir(tmp_path)
     root = str(tmp_path / "work" / "s01")
@@ -219,7 +218,7 @@ def test_a_path_joined_onto_a_relative_checkpoint_dir_is_never_doubled(runtime_d
 
 
 def test_resolve_rule():
-    from flashckpt_core.engine import resolve_in
+    from flashckpt.engine import resolve_in
 
     root = "/cwd/work/s01"
     assert resolve_in(root, "work/s01", "work/s01/ckpt-10.pt") == "/cwd/work/s01/ckpt-10.pt"
@@ -234,9 +233,9 @@ def test_resolve_rule():
 # ------------------------------------------------------------------------------------------ URLs
 @pytest.mark.parametrize("url", ["s3://bucket/prefix", "S3://bucket", "gs://b/p", "hdfs://nn:8020/ckpt"])
 def test_urls_are_refused_by_the_engine_and_the_adapters(runtime_dir, tmp_path, monkeypatch, url):
-    from integrations.fsdp import FsdpShardCheckpointer
-    from patches.megatron._lm import get_checkpointer
-    from patches.megatron.dist_ckpt import MegatronCheckpointer
+    from flashckpt.integrations.fsdp import FsdpShardCheckpointer
+    from flashckpt.patches.megatron._lm import get_checkpointer
+    from flashckpt.patches.megatron.dist_ckpt import MegatronCheckpointer
 
     monkeypatch.chdir(tmp_path)
     for make in (CheckpointEngine, DdpCheckpointer, FsdpShardCheckpointer, MegatronCheckpointer, get_checkpointer):
@@ -261,9 +260,9 @@ def test_a_file_url_maps_to_its_local_path(make_engine, tmp_path):
 
 # ------------------------------------------------------------------------------------------ auto_save
 def test_auto_save_without_failure_rates_uses_the_published_default(make_engine, caplog):
-    from flashckpt_core.interval import default_failure_rates
+    from flashckpt.interval import default_failure_rates
 
-    with caplog.at_level(logging.INFO, logger="flashckpt_core.engine"):
+    with caplog.at_level(logging.INFO, logger="flashckpt.engine"):
         eng = make_engine(auto_save=True, max_to_keep=0)
     assert "419 unexpected interruptions in 54 days on 16,384 GPUs" in caplog.text
     rates = default_failure_rates(1)
@@ -274,7 +273,7 @@ def test_auto_save_without_failure_rates_uses_the_published_default(make_engine,
 
 
 def test_default_failure_rates_follow_the_llama3_report():
-    from flashckpt_core.interval import GPU_MTBF_S, default_failure_rates
+    from flashckpt.interval import GPU_MTBF_S, default_failure_rates
 
     assert GPU_MTBF_S == pytest.approx(16384 * 54 * 86400 / 419)
     one, many = default_failure_rates(1), default_failure_rates(16384)
@@ -345,7 +344,7 @@ def test_argparse_namespace_is_refused_at_save(tmp_path, runtime_dir):
     import sys
 
     code = ("import argparse, torch\n"
-            "from flashckpt_core import CheckpointEngine, InvalidStateDictError, StorageType\n"
+            "from flashckpt import CheckpointEngine, InvalidStateDictError, StorageType\n"
             f"e = CheckpointEngine({str(tmp_path / 'c')!r})\n"
             "try:\n"
             "    e.save(1, {'w': torch.ones(2), 'args': argparse.Namespace(lr=0.1)}, storage_type=StorageType.DISK)\n"
@@ -360,12 +359,12 @@ def test_argparse_namespace_is_refused_at_save(tmp_path, runtime_dir):
 # ------------------------------------------------------------------------------------------ exports
 def test_the_public_package_exports_no_half_match_of_dlrovers_internal_classes():
     for name in ("TensorMeta", "SharedMemoryHandler", "SharedLock", "SharedQueue", "SharedDict"):
-        assert name not in flashckpt_core.__all__ and name not in dir(flashckpt_core)
+        assert name not in flashckpt.__all__ and name not in dir(flashckpt)
     for name in ("TensorMeta", "SharedMemoryHandler", "SharedLock", "SharedQueue", "SharedDict"):
         with pytest.raises(ImportError):
-            exec(f"from flashckpt_core import {name}", {})
-    for name in flashckpt_core.__all__:
-        assert getattr(flashckpt_core, name) is not None
+            exec(f"from flashckpt import {name}", {})
+    for name in flashckpt.__all__:
+        assert getattr(flashckpt, name) is not None
 
 
 # ------------------------------------------------------------------------------------------ error messages

@@ -11,6 +11,10 @@ import signal
 
 import pytest
 import torch
+from flashckpt import CheckpointCorruptError, CheckpointDirError, FlashCheckpointError, StorageType
+from flashckpt.commit import CommitLayout
+from flashckpt.shm import segment_paths
+from flashckpt.storage import PosixDiskStorage
 from helpers import (
     assert_same_tree,
     child_pids,
@@ -21,11 +25,6 @@ from helpers import (
     wait_for,
     wait_savers_gone,
 )
-
-from flashckpt_core import CheckpointCorruptError, CheckpointDirError, FlashCheckpointError, StorageType
-from flashckpt_core.commit import CommitLayout
-from flashckpt_core.shm import segment_paths
-from flashckpt_core.storage import PosixDiskStorage
 
 DISK, MEMORY = StorageType.DISK, StorageType.MEMORY
 
@@ -60,7 +59,7 @@ def clone_tree(x):
 # ---------------------------------------------------------------------------------------- workers
 def restarted_trainer(ckpt_dir: str) -> dict:
     """A new process: loads what is in memory, then says its final goodbye."""
-    from flashckpt_core import CheckpointEngine
+    from flashckpt import CheckpointEngine
 
     eng = CheckpointEngine(ckpt_dir, max_to_keep=0)
     try:
@@ -75,7 +74,7 @@ def crashing_trainer(ckpt_dir: str, ready_file: str) -> None:
     """Saves (DISK step 1, MEMORY step 2), reports ready and waits to be killed with SIGKILL."""
     import threading
 
-    from flashckpt_core import CheckpointEngine
+    from flashckpt import CheckpointEngine
 
     eng = CheckpointEngine(ckpt_dir, max_to_keep=0)
     eng.save(1, model_sd(1), storage_type=DISK)
@@ -301,7 +300,7 @@ def test_damaged_newest_committed_step_falls_back_to_the_previous_one(make_engin
         f.write(bytes(b ^ 0xFF for b in chunk))
 
     second = make_engine(max_to_keep=0)
-    with caplog.at_level(logging.WARNING, logger="flashckpt_core.engine"):
+    with caplog.at_level(logging.WARNING, logger="flashckpt.engine"):
         sd = second.load()
     assert (second.last_load.source, second.last_load.step) == ("storage", 1)
     assert_same_tree(model_sd(1), sd)
@@ -446,7 +445,7 @@ def test_saver_cpu_seconds_counts_the_persist_work(make_engine, runtime_dir, mon
     """saver_cpu_seconds() reads the CPU time of the saver daemon and its children: it is the saver's pid,
     and a persist of 64 MB (xxh3 + CRC-32 + copy of every byte, in the saver's persist worker) makes it
     grow, still counted once that worker exited (and was reaped)."""
-    from flashckpt_core._protocol import process_cpu_seconds
+    from flashckpt._protocol import process_cpu_seconds
 
     monkeypatch.setenv("FLASHCKPT_PERSIST_WORKER_IDLE_S", "1")
     engine = make_engine()

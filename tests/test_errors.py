@@ -9,9 +9,7 @@ import threading
 
 import pytest
 import torch
-from helpers import assert_same_tree, leftovers, saver_pids, wait_savers_gone
-
-from flashckpt_core import (
+from flashckpt import (
     CheckpointDirError,
     CheckpointEngine,
     FlashCheckpointError,
@@ -20,10 +18,11 @@ from flashckpt_core import (
     SharedMemoryError,
     StorageType,
 )
-from flashckpt_core._tree import flatten
-from flashckpt_core.commit import CommitLayout
-from flashckpt_core.config import job_key
-from flashckpt_core.storage import PosixDiskStorage
+from flashckpt._tree import flatten
+from flashckpt.commit import CommitLayout
+from flashckpt.config import job_key
+from flashckpt.storage import PosixDiskStorage
+from helpers import assert_same_tree, leftovers, saver_pids, wait_savers_gone
 
 DISK, MEMORY = StorageType.DISK, StorageType.MEMORY
 

@@ -33,11 +33,10 @@ from _fault_helpers import (  # noqa: F401
     tracker_step,
     wait_for,
 )
-
-from flashckpt_core import CheckpointEngine, PersistError, SharedMemoryError, StorageType
-from flashckpt_core.commit import CommitLayout
-from flashckpt_core.shm import COMPLETE, FLAG_PINNED, WRITING, Segment, SharedMemoryHandler, SlotHeader, segment_paths
-from flashckpt_core.storage import PosixDiskStorage
+from flashckpt import CheckpointEngine, PersistError, SharedMemoryError, StorageType
+from flashckpt.commit import CommitLayout
+from flashckpt.shm import COMPLETE, FLAG_PINNED, WRITING, Segment, SharedMemoryHandler, SlotHeader, segment_paths
+from flashckpt.storage import PosixDiskStorage
 
 MB = 200  # big enough that copies and persists take a while; small enough for 2 cores and 4 minutes
 
@@ -312,7 +311,7 @@ def test_corrupted_file_in_newest_step(fault_env: FaultEnv, caplog: pytest.LogCa
 
     engine = CheckpointEngine(ckpt, max_to_keep=0)
     try:
-        with caplog.at_level(logging.WARNING, logger="flashckpt_core.engine"):
+        with caplog.at_level(logging.WARNING, logger="flashckpt.engine"):
             sd = engine.load()
         assert (engine.last_load.source, engine.last_load.step) == ("storage", 1)
         assert_state_of(sd, 1, mb)

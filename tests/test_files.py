@@ -9,12 +9,11 @@ import signal
 
 import pytest
 import torch
+from flashckpt import CheckpointTimeoutError, FileSet, StorageType
+from flashckpt.commit import CommitLayout
+from flashckpt.storage import FileRecord, PosixDiskStorage
 from helpers import assert_same_tree, launch_ranks, run_ranks, saver_pids, wait_for, wait_savers_gone
 from safetensors.torch import load_file
-
-from flashckpt_core import CheckpointTimeoutError, FileSet, StorageType
-from flashckpt_core.commit import CommitLayout
-from flashckpt_core.storage import FileRecord, PosixDiskStorage
 
 DISK, MEMORY = StorageType.DISK, StorageType.MEMORY
 
@@ -148,7 +147,7 @@ def test_commit_time_file_waits_for_every_rank(ckpt_dir):
 def crashing_set_trainer(ckpt_dir: str, ready_file: str) -> None:
     import threading
 
-    from flashckpt_core import CheckpointEngine
+    from flashckpt import CheckpointEngine
 
     eng = CheckpointEngine(ckpt_dir, max_to_keep=0)
     eng.save(1, make_set(1), path="checkpoint-1", storage_type=DISK)
@@ -161,7 +160,7 @@ def crashing_set_trainer(ckpt_dir: str, ready_file: str) -> None:
 
 
 def restarted_set_trainer(ckpt_dir: str) -> dict:
-    from flashckpt_core import CheckpointEngine
+    from flashckpt import CheckpointEngine
 
     eng = CheckpointEngine(ckpt_dir, max_to_keep=0)
     try:

@@ -10,9 +10,8 @@ import zipfile
 import pytest
 import torch
 import xxhash
-
-from flashckpt_core.filewriter import BUFFER_BYTES, write_parts
-from flashckpt_core.torchfile import torch_save_parts, zip_crc_slots
+from flashckpt.filewriter import BUFFER_BYTES, write_parts
+from flashckpt.torchfile import torch_save_parts, zip_crc_slots
 
 
 def _zip_records(data: bytes) -> dict[str, bytes]:
@@ -62,7 +61,7 @@ def test_zlib_crc_fallback(tmp_path: str, monkeypatch: pytest.MonkeyPatch) -> No
     """Without ISA-L (a platform with no ``isal`` wheel) the standard library's CRC-32 gives the same file."""
     import zlib
 
-    import flashckpt_core.filewriter as fw
+    import flashckpt.filewriter as fw
 
     obj = {"a": torch.randn(3 << 18), "b": torch.arange(1000)}  # 3 MiB: several copy pieces
     monkeypatch.setattr(fw, "_crc32", zlib.crc32)
@@ -74,7 +73,7 @@ def test_zlib_crc_fallback(tmp_path: str, monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_split_without_recording_pickler(tmp_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the pickler cannot record storages in torch.save's own pass, a second walk orders them."""
-    import flashckpt_core.torchfile as tf
+    import flashckpt.torchfile as tf
 
     monkeypatch.setattr(tf, "_save_recording_storages", lambda obj, sink: None)
     a = torch.randn(100)
@@ -113,7 +112,7 @@ def test_raw_parts_and_non_contiguous_tensors(tmp_path: str) -> None:
 def test_bounce_buffers_are_reused(tmp_path: str) -> None:
     """Consecutive writes take the same bounce buffers (no fresh pages to fault in and zero per persist);
     each file is still exactly the bytes it should be, with no leftovers of the previous one."""
-    import flashckpt_core.filewriter as fw
+    import flashckpt.filewriter as fw
 
     first = os.path.join(str(tmp_path), "a.pt")
     second = os.path.join(str(tmp_path), "b.pt")

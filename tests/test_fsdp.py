@@ -1,4 +1,4 @@
-"""FsdpShardCheckpointer and the DCP layer under it (integrations._dcp), with real FSDP2 (``fully_shard``
+"""FsdpShardCheckpointer and the DCP layer under it (flashckpt.integrations._dcp), with real FSDP2 (``fully_shard``
 on a CPU device mesh, gloo) in real rank processes.
 
 - In one process: the torch.save record split (dtype matrix), the writer's layout against
@@ -102,9 +102,8 @@ def train_worker(ckpt_dir: str, out_dir: str, steps: int, *, memory_at=(), disk_
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from flashckpt.integrations.fsdp import FsdpShardCheckpointer, StorageType
     from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    from integrations.fsdp import FsdpShardCheckpointer, StorageType
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt = build(world)
@@ -157,9 +156,8 @@ def failing_rank_worker(ckpt_dir: str) -> dict:
     its persist fails, so the step must not commit and ``.metadata`` must never appear. Then step 3
     persists normally."""
     import torch.distributed as dist
-
-    from flashckpt_core import PersistError
-    from integrations.fsdp import FsdpShardCheckpointer
+    from flashckpt import PersistError
+    from flashckpt.integrations.fsdp import FsdpShardCheckpointer
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt = build(world)
@@ -210,8 +208,8 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_torch_save_frame_around_the_data_is_a_torch_save_file(dtype):
-    from flashckpt_core.files import tensor_view as _tensor_bytes
-    from integrations._dcp import torch_save_frame
+    from flashckpt.files import tensor_view as _tensor_bytes
+    from flashckpt.integrations._dcp import torch_save_frame
 
     for shape in [(), (0,), (7,), (3, 5), (2, 0, 4), (64, 33)]:
         t = (torch.rand(shape) > 0.5) if dtype == torch.bool else (torch.randn(shape) * 50).to(dtype)
@@ -238,8 +236,7 @@ def test_writer_layout_matches_file_system_writer_and_memory_reader_loads_it(tmp
     offsets and lengths for every item), vanilla ``dcp.load`` reads it once written out, and the memory
     reader serves it back."""
     import torch.distributed.checkpoint as dcp
-
-    from integrations._dcp import CachingSavePlanner, FileSetStorageWriter, open_memory_reader
+    from flashckpt.integrations._dcp import CachingSavePlanner, FileSetStorageWriter, open_memory_reader
 
     sd = _mixed_state()
     ours, ref = str(tmp_path / "ours"), str(tmp_path / "ref")
@@ -285,8 +282,7 @@ def test_cached_plan_is_replaced_when_the_structure_or_a_dtype_changes():
     """A new key, and a tensor that keeps its shape but changes dtype (DCP's own plan comparison looks at
     keys, offsets and sizes only), both re-plan: the metadata and the data describe the new state."""
     import torch.distributed.checkpoint as dcp
-
-    from integrations._dcp import CachingSavePlanner, FileSetStorageWriter, open_memory_reader
+    from flashckpt.integrations._dcp import CachingSavePlanner, FileSetStorageWriter, open_memory_reader
 
     writer, planner = FileSetStorageWriter(), CachingSavePlanner()
     states = [{"w": torch.randn(4, 3), "step": 1}, {"w": torch.randn(4, 3), "step": 2},
@@ -311,8 +307,8 @@ def test_cached_plan_is_replaced_when_the_structure_or_a_dtype_changes():
 
 
 def test_bad_input_is_refused_before_anything_is_written(ckpt_dir):
-    from flashckpt_core import CheckpointCorruptError
-    from integrations.fsdp import FsdpShardCheckpointer
+    from flashckpt import CheckpointCorruptError
+    from flashckpt.integrations.fsdp import FsdpShardCheckpointer
 
     ckpt = FsdpShardCheckpointer(ckpt_dir)
     try:

@@ -90,9 +90,8 @@ def train_args(out: str, **kw):
 
 
 def make_trainer(out: str, *, vanilla: bool = False, model=None, callbacks=(), config=None, **kw):
+    from flashckpt.integrations.hf import FlashCkptConfig, FlashCkptTrainer
     from transformers import Trainer
-
-    from integrations.hf import FlashCkptConfig, FlashCkptTrainer
 
     _env()
     args = train_args(out, **kw)
@@ -135,8 +134,8 @@ def _stopper(at: int, how: str):
 
 
 def layout(out: str) -> Any:
-    from flashckpt_core.commit import CommitLayout
-    from flashckpt_core.storage import PosixDiskStorage
+    from flashckpt.commit import CommitLayout
+    from flashckpt.storage import PosixDiskStorage
 
     return CommitLayout(out, PosixDiskStorage())
 
@@ -222,7 +221,7 @@ def test_continuity_kill9_resume_from_memory_and_vanilla_format(tmp_path):
         json.dump({"global_step": 99}, f)
     with open(os.path.join(bad, "model.safetensors"), "wb") as f:
         f.write(b"\0" * 10)
-    from integrations.hf import get_last_checkpoint
+    from flashckpt.integrations.hf import get_last_checkpoint
 
     assert get_last_checkpoint(out) == os.path.join(out, "checkpoint-3")
 
@@ -259,7 +258,7 @@ def test_resume_never_picks_uncommitted_or_partial_checkpoints(tmp_path):
         os.makedirs(os.path.join(out, f"checkpoint-{step}"))
         with open(os.path.join(out, f"checkpoint-{step}", "trainer_state.json"), "w") as f:
             json.dump({"global_step": step}, f)
-    from integrations.hf import get_last_checkpoint
+    from flashckpt.integrations.hf import get_last_checkpoint
 
     assert get_last_checkpoint(out) == os.path.join(out, "checkpoint-2")
     with pytest.raises(ValueError, match="not committed"):
@@ -272,7 +271,7 @@ def test_resume_never_picks_uncommitted_or_partial_checkpoints(tmp_path):
 
 
 def _config(every: int):
-    from integrations.hf import FlashCkptConfig
+    from flashckpt.integrations.hf import FlashCkptConfig
 
     return FlashCkptConfig(memory_snapshot_steps=every)
 
@@ -292,7 +291,7 @@ def test_output_dir_lists_what_a_vanilla_trainer_writes(tmp_path):
 def test_an_object_store_url_as_output_dir_is_refused_before_training(tmp_path, monkeypatch):
     """``output_dir="s3://..."`` is refused with what to do (object stores are not served yet) when the
     Trainer is built, and nothing is written locally (it used to be written to ``./s3:/bucket/run``)."""
-    from flashckpt_core import CheckpointDirError
+    from flashckpt import CheckpointDirError
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointDirError, match="s3://"):
@@ -413,7 +412,7 @@ def test_save_total_limit_1_with_best_never_races_a_persist(tmp_path, runtime_di
         if d == ours:
             ours_state = state
     assert ours_state == state
-    from integrations.hf import get_last_checkpoint
+    from flashckpt.integrations.hf import get_last_checkpoint
 
     assert get_last_checkpoint(out, verify=True) == os.path.join(out, best)
     assert hold.released_by == "the fallback timer"  # train() waited for the held persist before the clean-up
@@ -481,8 +480,7 @@ def test_lora_resume_from_memory(tmp_path):
 # ------------------------------------------------------------------------------------------ Accelerate
 def test_accelerate_save_load_state(tmp_path):
     from accelerate import Accelerator
-
-    from integrations.hf import AcceleratorCheckpointer, StorageType
+    from flashckpt.integrations.hf import AcceleratorCheckpointer, StorageType
 
     _env()
     acc = Accelerator(cpu=True)
@@ -552,9 +550,8 @@ def deepspeed_worker(base: str) -> dict:
     """ZeRO-2 through the Trainer on CPU (a torch optimizer, so no op is compiled): a failure after step 3
     (storage has step 2) and a resume from memory, against a vanilla Trainer with DeepSpeed resuming from
     the step-2 checkpoint flashckpt persisted: both must finish with the same weights and losses."""
+    from flashckpt.integrations.hf import FlashCkptTrainer
     from transformers import Trainer
-
-    from integrations.hf import FlashCkptTrainer
 
     ds = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
           "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto"}
@@ -630,7 +627,7 @@ def test_fsdp_is_refused(tmp_path, monkeypatch):
     """accelerate's FSDP does not run on CPU (the Trainer wants several processes and accelerate leaves
     FSDP off on CPU), so it cannot be verified here and FlashCkptTrainer refuses it. FSDP being on is
     simulated (the one stand-in of this file): the accelerator set-up reports FSDP."""
-    from integrations.hf import FlashCkptTrainer
+    from flashckpt.integrations.hf import FlashCkptTrainer
 
     orig = FlashCkptTrainer.create_accelerator_and_postprocess
 

@@ -3,8 +3,7 @@
 import math
 
 import pytest
-
-from flashckpt_core.interval import (
+from flashckpt.interval import (
     AutoIntervals,
     daly_interval,
     expected_goodput,
@@ -97,7 +96,7 @@ def test_auto_intervals_need_a_failure_rate():
 
 
 def test_storage_type_for_fixed_intervals():
-    from flashckpt_core import StorageType, storage_type_for
+    from flashckpt import StorageType, storage_type_for
 
     assert [storage_type_for(s, 1, 10) for s in (1, 9, 10, 20)] == [StorageType.MEMORY, StorageType.MEMORY,
                                                                       StorageType.DISK, StorageType.DISK]

@@ -10,18 +10,17 @@ import struct
 
 import pytest
 import torch
-from helpers import flock_waiters, saver_pids, wait_for
-
-from flashckpt_core import (
+from flashckpt import (
     CheckpointTimeoutError,
     FlashCheckpointError,
     ProtocolError,
     SaverError,
     StorageType,
 )
-from flashckpt_core._protocol import MAX_MESSAGE, Client, recv_msg, send_msg
-from flashckpt_core.ipc import SharedDict, SharedLock, SharedQueue
-from flashckpt_core.saver import SOCKET_NAME, lock_job
+from flashckpt._protocol import MAX_MESSAGE, Client, recv_msg, send_msg
+from flashckpt.ipc import SharedDict, SharedLock, SharedQueue
+from flashckpt.saver import SOCKET_NAME, lock_job
+from helpers import flock_waiters, saver_pids, wait_for
 
 # fork: the children only use fcntl and files, and start in milliseconds (no second torch import).
 _fork = multiprocessing.get_context("fork")

@@ -53,10 +53,9 @@ from _fault_helpers import (  # noqa: F401
     stop,
     wait_for,
 )
-
-from flashckpt_core import CheckpointEngine
-from flashckpt_core.commit import CommitLayout
-from flashckpt_core.shm import (
+from flashckpt import CheckpointEngine
+from flashckpt.commit import CommitLayout
+from flashckpt.shm import (
     COMPLETE,
     EMPTY,
     FLAG_PENDING,
@@ -67,7 +66,7 @@ from flashckpt_core.shm import (
     SlotHeader,
     segment_paths,
 )
-from flashckpt_core.storage import PosixDiskStorage
+from flashckpt.storage import PosixDiskStorage
 
 TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_killpoint_trainer.py")
 VICTIMS = ("trainer", "saver", "both", "saver_then_trainer", "trainer_then_saver")

@@ -24,8 +24,7 @@ from _fault_helpers import (  # noqa: F401
     tracker_step,
     wait_for,
 )
-
-from flashckpt_core.shm import SharedMemoryHandler
+from flashckpt.shm import SharedMemoryHandler
 
 pytestmark = pytest.mark.multiproc
 
@@ -74,7 +73,7 @@ def test_sigterm_to_flashckpt_run_commits_the_newest_snapshot(fault_env: FaultEn
     assert tracker_step(ckpt) is None  # nothing committed yet: no storage save was due
     # The savers of a launcher that is gone exit once their last client left: this one (which persists
     # nothing) holds the saver, and its snapshots, for the comparison below.
-    from flashckpt_core._protocol import Client
+    from flashckpt._protocol import Client
 
     holder = Client(os.path.join(fault_env.job_dir(ckpt), "saver.sock"), timeout=60)
     holder.call("hello", rank=1000, local_rank=1000, persists=False)

@@ -28,9 +28,8 @@ from _fault_helpers import (  # noqa: F401
     tracker_step,
     wait_for,
 )
+from flashckpt import CheckpointEngine, PersistError, SaverError, SharedMemoryError, StorageType
 from helpers import child_pids, leftovers
-
-from flashckpt_core import CheckpointEngine, PersistError, SaverError, SharedMemoryError, StorageType
 
 
 def _fill(directory: str) -> None:
@@ -98,7 +97,7 @@ def test_saver_that_cannot_bind_reports_why_and_exits(tmp_path, monkeypatch, ckp
         rt = os.path.join(mnt, "rt")
         os.mkdir(rt, 0o700)
         _fill(rt)
-        from flashckpt_core.config import job_key
+        from flashckpt.config import job_key
 
         # Free exactly the inodes the spawner needs: the job dir, its spawn lock and its log.
         for i in range(3):
@@ -119,7 +118,7 @@ def test_saver_that_cannot_bind_reports_why_and_exits(tmp_path, monkeypatch, ckp
 # ------------------------------------------------------------------------------------------ exit paths
 _TRAINER = """
 import signal, sys, torch
-from flashckpt_core import CheckpointEngine, StorageType
+from flashckpt import CheckpointEngine, StorageType
 ckpt, mode = sys.argv[1], sys.argv[2]
 def sd(step):
     return {"w": torch.full((4096,), float(step)), "step": step}
@@ -170,7 +169,7 @@ def test_trainer_ending_without_close_has_its_saver_persist_and_exit(fault_env: 
 
 
 def _load_from_memory(ckpt: str) -> tuple[str, int | None]:
-    from flashckpt_core import CheckpointEngine
+    from flashckpt import CheckpointEngine
 
     eng = CheckpointEngine(ckpt)
     try:
@@ -259,11 +258,11 @@ def _maps_torch(pid: int) -> bool:
 
 
 def _persist_workers(saver: int) -> list[int]:
-    """The saver's live persist workers (its children running flashckpt_core._persist_worker)."""
+    """The saver's live persist workers (its children running flashckpt._persist_worker)."""
     out = []
     for kid in child_pids(saver):
         with contextlib.suppress(OSError), open(f"/proc/{kid}/cmdline", "rb") as f:
-            if b"flashckpt_core._persist_worker" in f.read():
+            if b"flashckpt._persist_worker" in f.read():
                 out.append(kid)
     return out
 

@@ -25,12 +25,9 @@ from helpers import assert_same_tree, launch_ranks  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning as L  # noqa: E402
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
-
-from flashckpt_core import PersistError  # noqa: E402
-from flashckpt_core.commit import CommitLayout  # noqa: E402
-from flashckpt_core.storage import PosixDiskStorage  # noqa: E402
-from integrations.lightning import (  # noqa: E402
+from flashckpt import PersistError  # noqa: E402
+from flashckpt.commit import CommitLayout  # noqa: E402
+from flashckpt.integrations.lightning import (  # noqa: E402
     FlashCheckpointIO,
     FlashMemorySnapshot,
     StorageType,
@@ -38,6 +35,8 @@ from integrations.lightning import (  # noqa: E402
     check_strategy,
     find_resume_path,
 )
+from flashckpt.storage import PosixDiskStorage  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 QUIET: dict[str, Any] = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu"}
 
@@ -309,7 +308,7 @@ def test_wrong_setups_fail_clearly(tmp_path) -> None:
     io.teardown()
 
     pl = pytest.importorskip("pytorch_lightning")
-    from integrations.lightning import PLFlashCheckpointIO, PLFlashMemorySnapshot
+    from flashckpt.integrations.lightning import PLFlashCheckpointIO, PLFlashMemorySnapshot
 
     with pytest.raises(Exception, match="PLFlashCheckpointIO"):
         pl.Trainer(plugins=[FlashCheckpointIO()], logger=False, accelerator="cpu")
@@ -426,7 +425,7 @@ def test_direct_save_is_on_storage_when_the_process_exits(tmp_path) -> None:
     path = os.path.join(root, "direct.ckpt")
     code = textwrap.dedent(f"""
         import torch
-        from integrations.lightning import FlashCheckpointIO
+        from flashckpt.integrations.lightning import FlashCheckpointIO
         io = FlashCheckpointIO({root!r})
         io.save_checkpoint({{"state_dict": {{"w": torch.arange(4 << 20, dtype=torch.float32)}}, "global_step": 7}},
                            {path!r})
@@ -490,7 +489,7 @@ def test_urls_are_saved_by_lightnings_torch_io(tmp_path, caplog) -> None:
     io = FlashCheckpointIO(root)
     fs = fsspec.filesystem("memory")
     try:
-        with caplog.at_level("WARNING", logger="integrations.lightning"):
+        with caplog.at_level("WARNING", logger="flashckpt.integrations.lightning"):
             L.Trainer(max_steps=4, devices=1, plugins=[io], **QUIET, callbacks=[
                 ModelCheckpoint(dirpath=url, every_n_train_steps=2, save_top_k=-1, filename="{step}"),
                 ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{step}", monitor="step",
@@ -540,7 +539,7 @@ def test_paths_outside_the_plugins_dir_and_missing_files_as_vanilla(tmp_path, ca
         ModelCheckpoint(dirpath=a, every_n_train_steps=2, save_top_k=-1, filename="{step}"),
         ModelCheckpoint(dirpath=b, every_n_train_steps=2, save_top_k=-1, filename="{step}", monitor="step",
                         mode="max")])
-    with caplog.at_level("WARNING", logger="integrations.lightning"):
+    with caplog.at_level("WARNING", logger="flashckpt.integrations.lightning"):
         trainer.fit(new_model())
     for d in (a, b):
         assert sorted(f for f in os.listdir(d) if f.endswith(".ckpt")) == ["step=2.ckpt", "step=4.ckpt"], d

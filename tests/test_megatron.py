@@ -1,4 +1,4 @@
-"""patches.megatron on megatron-core 0.16.1: a tiny ``GPTModel`` (local layer spec,
+"""flashckpt.patches.megatron on megatron-core 0.16.1: a tiny ``GPTModel`` (local layer spec,
 ``use_cpu_initialization=True``, tensor/pipeline parallel 1) on 1 and 2 gloo ranks, in real rank processes.
 
 - ``sharded_state_dict()`` (plus a per-rank ``ShardedObject`` and common values) saved to storage and to
@@ -114,8 +114,7 @@ def _tracker(root: str) -> str | None:
 def _save_iterations(root: str):
     """Iteration 10 to storage, 20 to memory only (the model changes right after each save returns)."""
     import torch.distributed as dist
-
-    from patches.megatron.dist_ckpt import MegatronCheckpointer, StorageType, iteration_dir, save
+    from flashckpt.patches.megatron.dist_ckpt import MegatronCheckpointer, StorageType, iteration_dir, save
 
     _setup()
     ck = MegatronCheckpointer(root)
@@ -162,9 +161,8 @@ def restart_worker(root: str) -> dict:
     """Fresh processes: load from memory (newest, iteration 20), then vanilla megatron-core loads of the
     persisted iteration 10."""
     import torch.distributed as dist
+    from flashckpt.patches.megatron.dist_ckpt import MegatronCheckpointer, iteration_dir, load
     from megatron.core import dist_checkpointing
-
-    from patches.megatron.dist_ckpt import MegatronCheckpointer, iteration_dir, load
 
     _setup()
     rank = dist.get_rank()
@@ -233,9 +231,8 @@ def vanilla_strategy_worker(root: str, ref: str) -> dict:
     """Vanilla ``dist_checkpointing.save`` with our strategy, against vanilla megatron-core's own save."""
     import pickle
 
+    from flashckpt.patches.megatron.dist_ckpt import MegatronCheckpointer, iteration_dir, load
     from megatron.core import dist_checkpointing
-
-    from patches.megatron.dist_ckpt import MegatronCheckpointer, iteration_dir, load
 
     _setup()
     ck = MegatronCheckpointer(root)
@@ -307,8 +304,8 @@ def test_one_rank_kill9_last_words_then_restart_from_memory(tmp_path):
 
 # ------------------------------------------------------------------------------------------ in process
 def test_bad_input_is_refused_before_anything_is_written(make_engine, ckpt_dir, tmp_path):
-    from flashckpt_core.errors import FlashCheckpointError
-    from patches.megatron.dist_ckpt import FlashCkptSaveStrategy, MegatronCheckpointer, StorageType, save
+    from flashckpt.errors import FlashCheckpointError
+    from flashckpt.patches.megatron.dist_ckpt import FlashCkptSaveStrategy, MegatronCheckpointer, StorageType, save
 
     ck = MegatronCheckpointer(ckpt_dir, engine=make_engine(max_to_keep=0))
     outside = str(tmp_path / "elsewhere" / "iter_0000001")
@@ -335,11 +332,11 @@ def test_megatron_lm_missing_gives_a_clear_error():
 
     if importlib.util.find_spec("megatron.training") is not None:
         pytest.skip("Megatron-LM is importable here")
-    from patches.megatron import load_checkpoint, save_checkpoint
+    from flashckpt.patches.megatron import load_checkpoint, save_checkpoint
 
     with pytest.raises(ImportError, match="Megatron-LM is not on PyPI"):
         save_checkpoint(1, [], None, None)
-    with pytest.raises(ImportError, match="patches.megatron.dist_ckpt"):
+    with pytest.raises(ImportError, match="flashckpt.patches.megatron.dist_ckpt"):
         load_checkpoint([], None, None)
 
 
@@ -348,7 +345,7 @@ def test_torch_save_parts_is_torch_save():
     import zipfile
     from argparse import Namespace
 
-    from flashckpt_core.torchfile import load_parts, parts_size, torch_save_parts
+    from flashckpt.torchfile import load_parts, parts_size, torch_save_parts
 
     w = torch.randn(10, 4)
     state = {"model": {"w": w, "w_t": w.t(), "rows": w[2:4], "b": torch.arange(3).to(torch.bfloat16),
@@ -441,9 +438,8 @@ def test_megatron_lm_legacy_flow_through_a_stand_in(monkeypatch, tmp_path):
     import types
     from argparse import Namespace
 
+    import flashckpt.patches.megatron._lm as lm
     from megatron.core.safe_globals import register_safe_globals
-
-    import patches.megatron._lm as lm
 
     register_safe_globals()  # Megatron-LM does this: its checkpoints hold an argparse.Namespace
     mod = types.ModuleType("megatron.training.checkpointing")
@@ -526,7 +522,7 @@ def lm_worker(lm_path: str, root: str, fmt: str, phase: str) -> dict:
     set_args(args)
     init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size, args.micro_batch_size, world)
     _setup()
-    from patches.megatron import StorageType, finalize, get_checkpointer, load_checkpoint, save_checkpoint
+    from flashckpt.patches.megatron import StorageType, finalize, get_checkpointer, load_checkpoint, save_checkpoint
 
     model = _model(1 if phase == "save" else 9)
     out: dict = {}

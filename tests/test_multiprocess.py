@@ -24,8 +24,8 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _layout(ckpt_dir: str):
-    from flashckpt_core.commit import CommitLayout
-    from flashckpt_core.storage import PosixDiskStorage
+    from flashckpt.commit import CommitLayout
+    from flashckpt.storage import PosixDiskStorage
 
     return CommitLayout(ckpt_dir, PosixDiskStorage())
 
@@ -39,8 +39,7 @@ def commit_barrier_worker(ckpt_dir: str) -> dict:
     """Rank 0 persists step 5 first; the step must not commit until rank 1 has persisted too. Then the
     ranks hold different memory steps and must agree on the newest one they all have."""
     import torch.distributed as dist
-
-    from flashckpt_core import CheckpointEngine, CheckpointTimeoutError, StorageType
+    from flashckpt import CheckpointEngine, CheckpointTimeoutError, StorageType
 
     rank = dist.get_rank()
     layout = _layout(ckpt_dir)
@@ -87,8 +86,7 @@ def four_rank_worker(ckpt_dir: str) -> dict:
     """All four ranks persist step 2; ranks 0-2 also snapshot step 3. They agree on step 2 from memory;
     after a final close, fresh engines load step 2 from storage."""
     import torch.distributed as dist
-
-    from flashckpt_core import CheckpointEngine, StorageType
+    from flashckpt import CheckpointEngine, StorageType
 
     rank = dist.get_rank()
     layout = _layout(ckpt_dir)
@@ -127,9 +125,8 @@ def four_rank_worker(ckpt_dir: str) -> dict:
 def replicated_worker(ckpt_dir: str) -> dict:
     """DDP mode: only rank 0 snapshots and persists; every rank loads rank 0's copy."""
     import torch.distributed as dist
-
-    from flashckpt_core import CheckpointEngine, StorageType
-    from flashckpt_core.shm import segment_paths
+    from flashckpt import CheckpointEngine, StorageType
+    from flashckpt.shm import segment_paths
 
     rank = dist.get_rank()
     layout = _layout(ckpt_dir)

@@ -12,10 +12,9 @@ import textwrap
 
 import pytest
 import torch
+from flashckpt import InvalidStateDictError, StorageType, _native
+from flashckpt._tree import flatten, signature_of
 from helpers import assert_same_tree
-
-from flashckpt_core import InvalidStateDictError, StorageType, _native
-from flashckpt_core._tree import flatten, signature_of
 
 
 @pytest.fixture
@@ -127,7 +126,7 @@ def test_first_use_builds_in_the_background_and_a_failed_build_is_remembered(tmp
     meanwhile; a later get() loads the result. A build that fails (no working compiler here) leaves a
     marker, so later processes use Python at once instead of compiling again."""
     code = """
-        import time, torch, flashckpt_core._native as n
+        import time, torch, flashckpt._native as n
         t = time.monotonic(); m = n.get(); waited = time.monotonic() - t
         assert m is None and waited < 5, (m, waited)
         b = n._builder
@@ -149,7 +148,7 @@ def test_first_use_builds_in_the_background_and_a_failed_build_is_remembered(tmp
     assert r.returncode == 0, r.stderr
     assert "loaded False" in r.stdout and "build failed" in r.stdout, r.stdout
     again = _run("""
-        import flashckpt_core._native as n
+        import flashckpt._native as n
         assert n.get() is None and n._builder is None, "a failed build must not be retried"
         print(n.status())
     """, bad_env, 60)
@@ -169,7 +168,7 @@ def test_flatten_like_matches_the_python_walk(native) -> None:
     gives up (None) wherever the Python one does: any key, plain value, container type or order changed."""
     from collections import OrderedDict
 
-    from flashckpt_core._tree import flatten_like
+    from flashckpt._tree import flatten_like
 
     skeleton = flatten(_walk_tree()).skeleton
 

@@ -4,9 +4,8 @@ and what lands in memory and on storage is exactly the state at save() time."""
 from __future__ import annotations
 
 import torch
+from flashckpt import StorageType
 from helpers import assert_same_tree
-
-from flashckpt_core import StorageType
 
 DISK, MEMORY = StorageType.DISK, StorageType.MEMORY
 

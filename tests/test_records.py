@@ -17,13 +17,12 @@ import textwrap
 import pytest
 import torch
 from _fault_helpers import FaultEnv, close_and_wait, fault_env_fixture, make_state, run_cli  # noqa: F401
+from flashckpt import CheckpointEngine, StorageType
+from flashckpt._lease import Lease
+from flashckpt.commit import META, CommitLayout, records_dir
+from flashckpt.files import FileSet
+from flashckpt.storage import PosixDiskStorage
 from helpers import assert_same_tree, run_ranks, wait_savers_gone
-
-from flashckpt_core import CheckpointEngine, StorageType
-from flashckpt_core._lease import Lease
-from flashckpt_core.commit import META, CommitLayout, records_dir
-from flashckpt_core.files import FileSet
-from flashckpt_core.storage import PosixDiskStorage
 
 DISK, MEMORY = StorageType.DISK, StorageType.MEMORY
 MB = 0.25
@@ -195,9 +194,9 @@ def test_orphans_are_swept_unless_a_live_job_holds_them_and_renamed_dirs_keep_th
 # --------------------------------------------------------------------------------------- fall-backs
 _NAMESPACE_SCRIPT = textwrap.dedent("""
     import json, os, subprocess, sys
-    from flashckpt_core import CheckpointEngine, StorageType
-    from flashckpt_core.commit import records_dir
-    from flashckpt_core.files import FileSet
+    from flashckpt import CheckpointEngine, StorageType
+    from flashckpt.commit import records_dir
+    from flashckpt.files import FileSet
 
     base = sys.argv[1]
     ro_parent, real, tmpfs_parent, fs2 = (os.path.join(base, n) for n in ("ro", "real", "rw", "fs2"))
@@ -265,7 +264,7 @@ def test_a_parent_flashckpt_that_is_a_link_or_not_ours_is_never_used(fault_env: 
     os.makedirs(parent)
     os.symlink(elsewhere, os.path.join(parent, META))
     ckpt = os.path.join(parent, "ckpt")
-    with caplog.at_level(logging.INFO, logger="flashckpt_core._records"):
+    with caplog.at_level(logging.INFO, logger="flashckpt._records"):
         assert records_dir(ckpt) == os.path.join(ckpt, META)
     assert "symbolic link" in caplog.text
     commit_steps(ckpt, [1])

@@ -7,11 +7,10 @@ import os
 
 import pytest
 import torch
+from flashckpt import CheckpointDeletionStrategy, KeepLatestStepStrategy, KeepStepIntervalStrategy, StorageType
+from flashckpt.commit import CommitLayout
+from flashckpt.storage import PosixDiskStorage
 from helpers import assert_same_tree, wait_savers_gone
-
-from flashckpt_core import CheckpointDeletionStrategy, KeepLatestStepStrategy, KeepStepIntervalStrategy, StorageType
-from flashckpt_core.commit import CommitLayout
-from flashckpt_core.storage import PosixDiskStorage
 
 DISK = StorageType.DISK
 MEMORY = StorageType.MEMORY

@@ -19,13 +19,12 @@ import time
 import pytest
 import torch
 from _fault_helpers import kill9, stop
+from flashckpt import CheckpointTimeoutError, PersistError, StorageType
+from flashckpt.commit import CommitLayout
+from flashckpt.ipc import SharedDict, SharedLock
+from flashckpt.shm import lock_path
+from flashckpt.storage import PosixDiskStorage
 from helpers import flock_waiters, saver_pids, wait_for
-
-from flashckpt_core import CheckpointTimeoutError, PersistError, StorageType
-from flashckpt_core.commit import CommitLayout
-from flashckpt_core.ipc import SharedDict, SharedLock
-from flashckpt_core.shm import lock_path
-from flashckpt_core.storage import PosixDiskStorage
 
 DISK, MEMORY = StorageType.DISK, StorageType.MEMORY
 
@@ -130,7 +129,7 @@ def test_the_engine_recovers_from_a_killed_saver(make_engine, runtime_dir, ckpt_
         if seg_lock.locked():
             seg_lock.release()
 
-    with caplog.at_level(logging.WARNING, logger="flashckpt_core.engine"):
+    with caplog.at_level(logging.WARNING, logger="flashckpt.engine"):
         assert eng.save(3, state(3), storage_type=MEMORY)  # no saver needed
         with pytest.raises(PersistError, match=rf"step\(s\) \[2\] were lost.*pid {old}"):
             eng.save(4, state(4), storage_type=DISK)  # attaches a new saver; step 4's persist is scheduled

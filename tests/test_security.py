@@ -29,8 +29,7 @@ from _fault_helpers import (  # noqa: F401
     saver_pids,
     wait_for,
 )
-
-from flashckpt_core import (
+from flashckpt import (
     CheckpointDirError,
     CheckpointEngine,
     ProtocolError,
@@ -38,9 +37,9 @@ from flashckpt_core import (
     SharedMemoryError,
     StorageType,
 )
-from flashckpt_core._protocol import MAX_MESSAGE, Client
-from flashckpt_core.config import job_key
-from flashckpt_core.shm import segment_paths
+from flashckpt._protocol import MAX_MESSAGE, Client
+from flashckpt.config import job_key
+from flashckpt.shm import segment_paths
 
 NOBODY = 65534
 

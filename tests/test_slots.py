@@ -27,10 +27,9 @@ from _fault_helpers import (  # noqa: F401
     tracker_step,
     wait_for,
 )
+from flashckpt import CheckpointEngine, PersistError, StorageType
+from flashckpt.shm import FLAG_PINNED, FLAG_UNRESERVED, PAGE, WRITING, Segment, segment_paths
 from helpers import hold_persist, release_persist
-
-from flashckpt_core import CheckpointEngine, PersistError, StorageType
-from flashckpt_core.shm import FLAG_PINNED, FLAG_UNRESERVED, PAGE, WRITING, Segment, segment_paths
 
 MB = 64
 

@@ -21,10 +21,9 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
+from flashckpt import CheckpointEngine, FlashCheckpointError, StorageType
+from flashckpt._tree import ALIGN, Flat, flatten, flatten_like, plan_snapshot, signature_of, unflatten
 from helpers import assert_bit_identical, assert_same_tree, leftovers, wait_savers_gone
-
-from flashckpt_core import CheckpointEngine, FlashCheckpointError, StorageType
-from flashckpt_core._tree import ALIGN, Flat, flatten, flatten_like, plan_snapshot, signature_of, unflatten
 
 DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -308,7 +307,7 @@ def test_weights_only_engine_refuses_opaque_file_with_a_hint(roundtrip):
 def test_memory_load_decodes_python_objects_under_weights_only(runtime_dir, tmp_path):
     """A snapshot's opaque leaves are pickles written by another process: weights_only engines decode
     only what torch.load(weights_only=True) accepts, exactly as for a load from storage."""
-    from flashckpt_core import CheckpointEngine, InvalidStateDictError, StorageType
+    from flashckpt import CheckpointEngine, InvalidStateDictError, StorageType
 
     ckpt = str(tmp_path / "wo")
     writer = CheckpointEngine(ckpt, max_to_keep=0, weights_only=False)

@@ -32,12 +32,11 @@ from _fault_helpers import (  # noqa: F401
     step_meta_dir,
     wait_for,
 )
-
-from flashckpt_core import CheckpointEngine, FileSet, PersistError, SharedMemoryError, StorageType
-from flashckpt_core._protocol import Client
-from flashckpt_core.commit import CommitLayout, Manifest
-from flashckpt_core.saver import SOCKET_NAME
-from flashckpt_core.storage import PosixDiskStorage
+from flashckpt import CheckpointEngine, FileSet, PersistError, SharedMemoryError, StorageType
+from flashckpt._protocol import Client
+from flashckpt.commit import CommitLayout, Manifest
+from flashckpt.saver import SOCKET_NAME
+from flashckpt.storage import PosixDiskStorage
 
 DISK, MEMORY = StorageType.DISK, StorageType.MEMORY
 

@@ -2,16 +2,16 @@
 
 Megatron-LM users change one import in their training script::
 
-    from patches.megatron import save_checkpoint, load_checkpoint, StorageType
+    from flashckpt.patches.megatron import save_checkpoint, load_checkpoint, StorageType
 
 and may pass ``storage_type=StorageType.MEMORY`` to ``save_checkpoint`` every few iterations (a snapshot
 in host shared memory, a pause of a memory copy); ``StorageType.DISK`` (the default) also persists it in
 the background, in Megatron-LM's own layout (``iter_XXXXXXX/``, ``latest_checkpointed_iteration.txt``
 written once the iteration is committed). ``load_checkpoint`` resumes from memory when memory holds the
-newest iteration. Both wrap Megatron-LM's own functions (see ``patches.megatron._lm``) and need a
+newest iteration. Both wrap Megatron-LM's own functions (see ``flashckpt.patches.megatron._lm``) and need a
 Megatron-LM checkout on the path; ``finalize()`` at the end of training waits for the persists.
 
-With megatron-core alone, ``patches.megatron.dist_ckpt`` provides ``save`` / ``load`` for
+With megatron-core alone, ``flashckpt.patches.megatron.dist_ckpt`` provides ``save`` / ``load`` for
 ``megatron.core.dist_checkpointing`` and ``FlashCkptSaveStrategy`` (a ``sharded_strategy``).
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashckpt_core import StorageType
+from flashckpt import StorageType
 
 __all__ = ["save_checkpoint", "load_checkpoint", "StorageType", "configure", "get_checkpointer", "finalize",
            "MegatronCheckpointer", "FlashCkptSaveStrategy"]
@@ -32,7 +32,7 @@ def __getattr__(name: str) -> Any:
     """The functions import megatron-core (slow) on first use, not when ``StorageType`` is imported."""
     mod = _LAZY.get(name)
     if mod is None:
-        raise AttributeError(f"module 'patches.megatron' has no attribute {name!r}")
+        raise AttributeError(f"module 'flashckpt.patches.megatron' has no attribute {name!r}")
     import importlib
 
     value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)

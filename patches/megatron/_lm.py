@@ -33,12 +33,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from flashckpt_core import FileSet, StorageType
-from flashckpt_core.engine import local_dir
-from flashckpt_core.errors import FlashCheckpointError
-from flashckpt_core.retention import CheckpointDeletionStrategy
-from flashckpt_core.torchfile import load_parts, torch_save_parts
+from flashckpt import FileSet, StorageType
+from flashckpt.engine import local_dir
+from flashckpt.errors import FlashCheckpointError
+from flashckpt.retention import CheckpointDeletionStrategy
+from flashckpt.torchfile import load_parts, torch_save_parts
 
 from .dist_ckpt import TRACKER_NAME, MegatronCheckpointer, iteration_dir
 
@@ -56,7 +55,7 @@ def megatron_lm() -> ModuleType:
 
     Raises:
         ImportError: Megatron-LM is not importable (it is not on PyPI: run from a checkout, or put it on
-            ``PYTHONPATH``); megatron-core alone is served by ``patches.megatron.dist_ckpt``.
+            ``PYTHONPATH``); megatron-core alone is served by ``flashckpt.patches.megatron.dist_ckpt``.
     """
     for name in _MODULES:
         try:
@@ -64,10 +63,10 @@ def megatron_lm() -> ModuleType:
         except ModuleNotFoundError as e:
             if e.name not in (name, name.rsplit(".", 1)[0], "megatron"):
                 raise
-    raise ImportError("patches.megatron.save_checkpoint/load_checkpoint wrap Megatron-LM's checkpointing module "
+    raise ImportError("flashckpt.patches.megatron.save_checkpoint/load_checkpoint wrap Megatron-LM's checkpointing module "
                       f"({' or '.join(_MODULES)}), which is not importable. Megatron-LM is not on PyPI: run from a "
                       "Megatron-LM checkout (or add it to PYTHONPATH). With megatron-core alone, use "
-                      "patches.megatron.dist_ckpt (save/load/FlashCkptSaveStrategy).")
+                      "flashckpt.patches.megatron.dist_ckpt (save/load/FlashCkptSaveStrategy).")
 
 
 def configure(*, max_to_keep: int = 0, deletion_strategy: CheckpointDeletionStrategy | None = None,
@@ -80,7 +79,7 @@ def configure(*, max_to_keep: int = 0, deletion_strategy: CheckpointDeletionStra
         weights_only: ``torch.load(weights_only=...)`` for legacy files served from memory.
     """
     if _CHECKPOINTERS:
-        raise FlashCheckpointError("patches.megatron.configure(): call it before the first save_checkpoint/"
+        raise FlashCheckpointError("flashckpt.patches.megatron.configure(): call it before the first save_checkpoint/"
                                    "load_checkpoint (checkpointers already exist)")
     _OPTIONS.update(max_to_keep=max_to_keep, deletion_strategy=deletion_strategy, weights_only=weights_only)
 

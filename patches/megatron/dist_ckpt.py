@@ -58,6 +58,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from flashckpt import CheckpointEngine, FileSet, StorageType
+from flashckpt.engine import LoadResult
+from flashckpt.errors import FlashCheckpointError
+from flashckpt.integrations._dcp import METADATA_NAME, FileSetStorageReader, open_memory_reader, torch_save_frame
+from flashckpt.retention import CheckpointDeletionStrategy
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import serialization as _ser
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingConfig
@@ -81,12 +86,6 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
-
-from flashckpt_core import CheckpointEngine, FileSet, StorageType
-from flashckpt_core.engine import LoadResult
-from flashckpt_core.errors import FlashCheckpointError
-from flashckpt_core.retention import CheckpointDeletionStrategy
-from integrations._dcp import METADATA_NAME, FileSetStorageReader, open_memory_reader, torch_save_frame
 
 __all__ = ["MegatronCheckpointer", "FlashCkptSaveStrategy", "save", "load", "iteration_dir", "TRACKER_NAME",
            "StorageType"]

@@ -3,7 +3,7 @@
 Loaded by ``tests/conformance/run.py`` with ``-p flashckpt_conformance`` for the "ours" run of a suite
 (``FLASHCKPT_CONFORMANCE_SUITE`` = ``hf`` or ``lightning``); the "vanilla" run does not load it.
 
-- ``hf``: ``transformers.Trainer`` is ``integrations.hf.FlashCkptTrainer`` before any test module is
+- ``hf``: ``transformers.Trainer`` is ``flashckpt.integrations.hf.FlashCkptTrainer`` before any test module is
   imported (``from transformers import Trainer`` in the upstream files then binds ours). transformers
   replaces its module object in ``sys.modules`` when ``Trainer`` is first imported, so the name is set on
   the module object that is current after that import, and the swap is checked in every collected
@@ -31,9 +31,8 @@ _in_test: dict[str, Any] = {"ours": 0, "not_ours": []}
 
 
 def _swap_hf() -> None:
+    from flashckpt.integrations.hf import FlashCkptTrainer
     from transformers import Trainer as _vanilla  # noqa: F401  (imports transformers.trainer: the module swap)
-
-    from integrations.hf import FlashCkptTrainer
 
     mod = sys.modules["transformers"]
     mod.Trainer = FlashCkptTrainer  # type: ignore[attr-defined]
@@ -55,11 +54,10 @@ def _swap_hf() -> None:
 
 
 def _swap_lightning() -> None:
+    from flashckpt.integrations.lightning import FlashCheckpointIO
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
     from lightning.pytorch import Trainer
     from lightning.pytorch.strategies import Strategy
-
-    from integrations.lightning import FlashCheckpointIO
 
     orig_init = Trainer.__init__
 
@@ -100,7 +98,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     if SUITE != "hf":
         return
-    from integrations.hf import FlashCkptTrainer
+    from flashckpt.integrations.hf import FlashCkptTrainer
 
     for item in items:
         mod = getattr(item, "module", None)
