@@ -52,7 +52,7 @@ import xxhash
 from . import errors as E
 
 __all__ = ["Segment", "SlotHeader", "SlotRef", "EMPTY", "WRITING", "COMPLETE", "FLAG_PINNED", "FLAG_PENDING",
-           "FLAG_UNRESERVED", "PAGE", "live_snapshots", "segment_paths", "segment_path", "lock_path",
+           "FLAG_UNRESERVED", "FLAGS_BUSY", "PAGE", "live_snapshots", "segment_paths", "segment_path", "lock_path",
            "writer_lease_path", "advise_huge_pages"]
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ EMPTY, WRITING, COMPLETE = 0, 1, 2
 FLAG_PINNED = 1   # the saver is reading this slot
 FLAG_PENDING = 2  # a persist of this slot was requested and has not finished
 FLAG_UNRESERVED = 4  # the slot's memory (all but its header page) is not reserved: reserve before writing
-_BUSY = FLAG_PINNED | FLAG_PENDING
+FLAGS_BUSY = FLAG_PINNED | FLAG_PENDING  # a persist holds the slot: no snapshot may overwrite it
 
 _MADV_POPULATE_READ = 22
 _MADV_POPULATE_WRITE = 23

@@ -43,9 +43,8 @@ from .ipc import SharedLock
 from .segment import (
     COMPLETE,
     EMPTY,
-    FLAG_PENDING,
-    FLAG_PINNED,
     FLAG_UNRESERVED,
+    FLAGS_BUSY,
     WRITING,
     Segment,
     SlotHeader,
@@ -61,7 +60,6 @@ __all__ = ["SharedMemoryHandler", "SnapshotPlan", "signature_of", "plan_snapshot
 log = logging.getLogger(__name__)
 
 ALIGN = 64
-_BUSY = FLAG_PINNED | FLAG_PENDING
 
 
 def _align(n: int, a: int = ALIGN) -> int:
@@ -441,7 +439,7 @@ class SharedMemoryHandler(SnapshotReader):
                 hs = [seg.header(i) for i in range(seg.nslots)]
                 newest = max((i for i, h in enumerate(hs) if h.state == COMPLETE),
                              key=lambda i: (hs[i].seq, i), default=None)
-                free = [i for i, h in enumerate(hs) if not h.flags & _BUSY and (i != newest or seg.nslots == 1)]
+                free = [i for i, h in enumerate(hs) if not h.flags & FLAGS_BUSY and (i != newest or seg.nslots == 1)]
                 free.sort(key=lambda i: (bool(hs[i].flags & FLAG_UNRESERVED), hs[i].state == COMPLETE, hs[i].seq))
                 for i in free:
                     h = hs[i]
