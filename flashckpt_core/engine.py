@@ -680,7 +680,8 @@ class CheckpointEngine:
 
     # ------------------------------------------------------------------ load
     def memory_steps(self) -> list[int]:
-        """Steps this rank could load from shared memory, newest first."""
+        """Steps this rank could load from shared memory, newest first. (``SnapshotReader(engine)`` lists
+        them with the path each is persisted to, and reads them without the engine.)"""
         return self._reader.memory_steps()
 
     def locate(self, *, memory: bool = True) -> Located:
