@@ -6,7 +6,7 @@ The public names are those in ``__all__``. The building blocks DLRover exports u
 ``TensorMeta``, ``SharedMemoryHandler``, ``SharedLock``, ``SharedQueue`` and ``SharedDict`` exist here
 with other signatures and meanings (a slot layout record, the trainer's side of a shared-memory segment,
 an ``flock``, proxies to the saver's named objects); they are internal, in ``flashckpt._tree``,
-``.shm`` and ``.ipc``, and not exported, so that no code written against DLRover's classes half-works.
+``.snapshot_writer`` and ``.ipc``, and not exported, so that no code written against DLRover's classes half-works.
 """
 
 from __future__ import annotations

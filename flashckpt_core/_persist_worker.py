@@ -54,7 +54,7 @@ from ._tree import TensorMeta, build_tensor, split_opaque, unflatten
 from .commit import CommitLayout
 from .files import FileSet, is_fileset_tree
 from .filewriter import write_parts
-from .shm import COMPLETE, Segment
+from .segment import COMPLETE, Segment
 from .storage import CheckpointStorage, FileRecord, HashingWriter
 from .torchfile import torch_save_parts, zip_crc_slots
 

@@ -16,9 +16,7 @@ saver never unpickles them (it embeds them in persisted files as ``pickle.loads(
 
 from __future__ import annotations
 
-import array
 import base64
-import json
 import pickle
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,19 +24,12 @@ from typing import Any
 
 import torch
 
-from ._copy import SMALL_COPY
 from .errors import InvalidStateDictError
 
-__all__ = ["TensorMeta", "Flat", "SnapshotPlan", "flatten", "flatten_like", "plan_snapshot", "unflatten", "decode_opaque", "ALIGN"]
-
-ALIGN = 64
+__all__ = ["TensorMeta", "Flat", "flatten", "flatten_like", "unflatten", "encode_opaque", "decode_opaque"]
 
 _PLAIN = (str, int, float, bool, type(None))
 _RAW = (str, int, type(None))  # appear in the skeleton as themselves
-
-
-def _align(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -294,104 +285,6 @@ def _check_opaque(x: Any, root: Any) -> None:
         raise InvalidStateDictError(
             f"save(): the value at {_key_str(_path_to(root, x))} of type {type(x).__qualname__} can be neither stored "
             f"natively nor pickled ({e}); replace it with plain types or tensors.") from e
-
-
-@dataclass(frozen=True)
-class SnapshotPlan:
-    """The slot layout of a state dict's tensors, reused while its structure is unchanged.
-
-    Attributes:
-        signature: what must match for the plan to be reused (dtypes, shapes, strides, storage sharing).
-        regions: (offset, nbytes) per distinct storage, offsets relative to the data area, 64-aligned.
-        tensor_region: for each tensor, the index of its storage region.
-        metas: the TensorMeta of each tensor.
-        tensor_bytes: bytes of the data area taken by tensor storages.
-        metas_json: the metas, JSON-encoded once.
-        copies: (tensor index, region offset, nbytes) of the first tensor of every non-empty CPU region;
-            what a snapshot copies.
-        device_copies: the same for regions on an accelerator.
-        native_signature: the native scan's signature of the tensors (b"" without the extension).
-        small_copies_packed: ``copies`` below ``SMALL_COPY`` bytes as packed int64 triples, which the
-            native fast path copies in one call; large_copies: the others, which copy on threads;
-            small_copy_work: what the small copies cost, in bytes of large memmove (each copy counts
-            4 KiB more than its size: scattered small copies run far below memmove speed).
-    """
-
-    signature: tuple[Any, ...]
-    regions: tuple[tuple[int, int], ...]
-    tensor_region: tuple[int, ...]
-    metas: tuple[TensorMeta, ...]
-    tensor_bytes: int
-    metas_json: str
-    copies: tuple[tuple[int, int, int], ...] = ()
-    device_copies: tuple[tuple[int, int, int], ...] = ()
-    native_signature: bytes = b""
-    small_copies_packed: bytes = b""
-    large_copies: tuple[tuple[int, int, int], ...] = ()
-    small_copy_work: int = 0
-
-
-def signature_of(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], list[int]]:
-    """The structure of a tensor list (equal signatures reuse one plan) and each tensor's storage address.
-
-    Hot path: about ten cheap attribute reads per tensor, nothing that formats strings."""
-    seen: dict[tuple[int, int], int] = {}
-    sig: list[Any] = []
-    ptrs: list[int] = []
-    param = torch.nn.Parameter
-    for t in tensors:
-        st = t.untyped_storage()
-        n = st.nbytes()
-        ptr = st.data_ptr()
-        dev = t.get_device() if t.is_cuda else -1
-        if n:
-            group = seen.setdefault((dev, ptr), len(seen))
-        else:
-            group = -1
-        ptrs.append(ptr)
-        sig.append((t.dtype, t.shape, t.stride(), t.storage_offset(), n, group, dev,
-                    t.requires_grad, type(t) is param))
-    return tuple(sig), ptrs
-
-
-def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...], *,
-                  native_signature: bytes = b"") -> SnapshotPlan:
-    """Lay out every distinct storage once, 64-byte aligned, in traversal order."""
-    regions: list[tuple[int, int]] = []
-    group_region: dict[int, int] = {}
-    tensor_region: list[int] = []
-    metas: list[TensorMeta] = []
-    off = 0
-    for t, s in zip(tensors, signature):
-        n, group = s[4], s[5]
-        if group >= 0 and group in group_region:
-            ri = group_region[group]
-        else:
-            ri = len(regions)
-            regions.append((off, n))
-            off = _align(off + n)
-            if group >= 0:
-                group_region[group] = ri
-        tensor_region.append(ri)
-        r_off, r_n = regions[ri]
-        metas.append(TensorMeta(tuple(t.shape), dtype_name(t.dtype), r_off, r_n, tuple(t.stride()),
-                                int(t.storage_offset()), str(t.device), bool(t.requires_grad),
-                                type(t) is torch.nn.Parameter))
-    metas_json = json.dumps([m.to_json() for m in metas], separators=(",", ":"))
-    copies: list[tuple[int, int, int]] = []
-    device_copies: list[tuple[int, int, int]] = []
-    first: set[int] = set()
-    for i, (ri, s) in enumerate(zip(tensor_region, signature)):
-        if ri in first or not regions[ri][1]:
-            continue
-        first.add(ri)
-        (device_copies if s[6] >= 0 else copies).append((i, regions[ri][0], regions[ri][1]))
-    small_list = [c for c in copies if c[2] < SMALL_COPY]
-    small = array.array("q", [v for c in small_list for v in c])
-    large = tuple(c for c in copies if c[2] >= SMALL_COPY)
-    work = sum(c[2] + 4096 for c in small_list)
-    return SnapshotPlan(signature, tuple(regions), tuple(tensor_region), tuple(metas), off, metas_json,
-                        tuple(copies), tuple(device_copies), native_signature, small.tobytes(), large, work)
 
 
 def encode_opaque(opaque: list[Any]) -> tuple[bytes, list[int]]:

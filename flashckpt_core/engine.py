@@ -29,7 +29,8 @@ from .files import FileEntry, FileSet, is_fileset_tree
 from .interval import AutoIntervals, default_failure_rates, storage_type_for
 from .retention import CheckpointDeletionStrategy, KeepLatestStepStrategy, uses_clean_up
 from .saver import ensure_saver
-from .shm import SharedMemoryHandler
+from .snapshot_reader import SnapshotReader
+from .snapshot_writer import SharedMemoryHandler
 from .storage import PosixDiskStorage
 
 __all__ = ["CheckpointEngine", "LoadResult", "Located", "local_dir", "resolve_in"]
@@ -208,8 +209,9 @@ class CheckpointEngine:
                                             allocate=self._allocate if self.snapshots else None,
                                             copier=self._copier, weights_only=weights_only,
                                             writer_info={"rank": r.rank, "checkpoint_dir": self.checkpoint_dir})
-        self._reader = (self._handler if not replicated or r.local_rank == 0 else
-                        SharedMemoryHandler(0, self.job_dir, copier=self._copier, weights_only=weights_only))
+        self._reader: SnapshotReader = (
+            self._handler if not replicated or r.local_rank == 0 else
+            SnapshotReader.for_job_dir(0, self.job_dir, copier=self._copier, weights_only=weights_only))
         self._closed = False
         self._retention_baseline = hello["committed"][-1] if hello["committed"] else -1  # in commit order
         self._cleaned_up = [int(s) for s in hello["committed"]]
@@ -678,7 +680,8 @@ class CheckpointEngine:
 
     # ------------------------------------------------------------------ load
     def memory_steps(self) -> list[int]:
-        """Steps this rank could load from shared memory, newest first."""
+        """Steps this rank could load from shared memory, newest first. (``SnapshotReader(engine)`` lists
+        them with the path each is persisted to, and reads them without the engine.)"""
         return self._reader.memory_steps()
 
     def locate(self, *, memory: bool = True) -> Located:

@@ -47,8 +47,7 @@ from flashckpt import (
     PosixDiskStorage,
     StorageType,
 )
-from flashckpt.config import job_dir
-from flashckpt.shm import SharedMemoryHandler
+from flashckpt.snapshot_reader import SnapshotReader, job_in_memory
 
 # The four Lightning classes are built on first use by the module's __getattr__ (their package is imported then).
 __all__ = ["FlashCheckpointIO", "FlashMemorySnapshot", "PLFlashCheckpointIO", "PLFlashMemorySnapshot",  # noqa: F822
@@ -170,17 +169,11 @@ def find_resume_path(checkpoint_dir: str) -> str | None:
     """
     root = os.path.abspath(checkpoint_dir)
     best: tuple[int, str | None] = (-1, None)
-    jd = job_dir(root)
-    if os.path.isdir(jd):
-        reader = SharedMemoryHandler(0, jd)
-        try:
-            for step in reader.memory_steps():
-                name = reader.snapshot_name(step)
-                if name:
-                    best = (step, name)
-                    break
-        finally:
-            reader.close()
+    with SnapshotReader(root, local_rank=0) as reader:  # sees nothing where the job has no runtime dir here
+        for info in reader.snapshots():
+            if info.name:
+                best = (info.step, info.name)
+                break
     layout = CommitLayout(root, PosixDiskStorage())
     if os.path.isdir(root) and layout.stale_reason() is None:  # records of a deleted dir of this name: not ours
         for step, path in sorted(_single_file_steps(layout).items(), reverse=True):
@@ -251,7 +244,7 @@ class _FlashIOImpl:
 
     def _reset(self) -> None:
         self._engine: CheckpointEngine | None = None
-        self._names: SharedMemoryHandler | None = None  # reads the names of local rank 0's snapshots
+        self._names: SnapshotReader | None = None  # reads the names of local rank 0's snapshots
         self._seq = 0  # the engine step of the next save: one per save, increasing across restarts
         self._pending: dict[int, str] = {}  # engine step -> path of DISK saves not known finished
         self._live: dict[str, list[int]] = {}  # path -> committed engine steps that list it
@@ -483,7 +476,7 @@ class _FlashIOImpl:
             root = self.checkpoint_dir or (self._engine.checkpoint_dir if self._engine else os.path.dirname(target))
             # An engine is made for a load only where a saver of this job may hold snapshots (its runtime
             # dir exists): loading someone else's checkpoint never starts a saver or writes into its dir.
-            if _inside(target, root) and (self._engine is not None or os.path.isdir(job_dir(root))):
+            if _inside(target, root) and (self._engine is not None or job_in_memory(root)):
                 self._ensure_engine(target, "load_checkpoint")
                 seq = self._memory_choice(target)
         own = target
@@ -613,7 +606,7 @@ class _FlashIOImpl:
             self._finalizer = weakref.finalize(self, engine.close)
             self._finalizer.atexit = False
             try:
-                self._names = SharedMemoryHandler(0, engine.job_dir, weights_only=self.weights_only)
+                self._names = SnapshotReader(engine, local_rank=0, weights_only=self.weights_only)
                 self._scan(engine)
             except BaseException:
                 self._close(release=False)  # keeps what memory holds

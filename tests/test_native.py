@@ -13,7 +13,8 @@ import textwrap
 import pytest
 import torch
 from flashckpt import InvalidStateDictError, StorageType, _native
-from flashckpt._tree import flatten, signature_of
+from flashckpt._tree import flatten
+from flashckpt.snapshot_writer import signature_of
 from helpers import assert_same_tree
 
 

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 from flashckpt import CheckpointEngine, FlashCheckpointError, StorageType
-from flashckpt._tree import ALIGN, Flat, flatten, flatten_like, plan_snapshot, signature_of, unflatten
+from flashckpt._tree import Flat, flatten, flatten_like, unflatten
+from flashckpt.snapshot_writer import ALIGN, plan_snapshot, signature_of
 from helpers import assert_bit_identical, assert_same_tree, leftovers, wait_savers_gone
 
 DTYPES = {

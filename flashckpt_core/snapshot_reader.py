@@ -1,0 +1,303 @@
+"""Reading the snapshots a job holds in this node's shared memory.
+
+``SnapshotReader`` is the public way in, for adapters and tools: from a checkpoint dir (the job found as
+the engine finds it) or from an engine, it lists the live snapshots of a local rank (step, the path each is
+to be persisted to, the time of its save) and reads one back as a state dict (a ``FileSet`` for sets),
+decoding Python objects under the same ``weights_only`` rules as a load from storage. It only reads: no
+saver is started, no lease taken, and a slot is accepted only when it is COMPLETE and untouched by the
+read (``read_snapshot``). The snapshot writer (``snapshot_writer.SharedMemoryHandler``) builds on it.
+
+Example::
+
+    from flashckpt.snapshot_reader import SnapshotReader
+
+    with SnapshotReader("/ckpt") as reader:            # local rank 0 of the job of /ckpt on this node
+        for info in reader.snapshots():                # newest save first
+            print(info.step, info.name, info.wall_time)
+        sd = reader.load()                             # the newest one; reader.load(step) for another
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import errors as E
+from ._copy import Copier
+from ._tree import (
+    TensorMeta,
+    build_tensor,
+    contiguous_strides,
+    decode_opaque,
+    dtype_name,
+    split_opaque,
+    tensor_paths,
+    tensors_by_path,
+    unflatten,
+)
+from .config import Knobs, job_dir
+from .files import FILES_KEY, FileSet, is_fileset_tree
+from .segment import COMPLETE, Segment, SlotHeader, advise_huge_pages, live_snapshots, segment_paths
+
+if TYPE_CHECKING:
+    from .engine import CheckpointEngine
+
+__all__ = ["SnapshotReader", "SnapshotInfo", "Snapshot", "read_snapshot", "job_in_memory"]
+
+
+@dataclass
+class Snapshot:
+    """A snapshot copied out of shared memory: its step, state dict (a tree; a ``FileSet``'s encoding for
+    sets), the path it is to be persisted to (``name``) and its bytes of tensor data."""
+
+    step: int
+    state_dict: Any
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """One live snapshot in memory: its step, the path ``save`` was given (where it is persisted; "" when
+    none was named) and the wall time of its save."""
+
+    step: int
+    name: str
+    wall_time: float
+
+
+def job_in_memory(checkpoint_dir: str | os.PathLike[str]) -> bool:
+    """Whether this node has the runtime dir of the job that checkpoints into ``checkpoint_dir`` (found as
+    the engine finds it: the checkpoint dir, ``FLASHCKPT_JOB_ID`` / ``TORCHELASTIC_RUN_ID``): a saver of
+    it runs, or left snapshots a restart may load. Cheap; reads and starts nothing."""
+    return os.path.isdir(_job_dir_of(checkpoint_dir, Knobs.from_env()))
+
+
+def _job_dir_of(checkpoint_dir: str | os.PathLike[str], knobs: Knobs) -> str:
+    from .engine import local_dir  # the engine imports this module
+
+    return job_dir(os.path.abspath(local_dir(checkpoint_dir, "SnapshotReader")), knobs)
+
+
+def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None = None,
+                  weights_only: bool = False, into: Any = None) -> Snapshot | None:
+    """Copies slot ``slot`` out of shared memory; None when it is not a COMPLETE, untorn snapshot.
+
+    With ``into`` (a state-dict tree), a snapshot tensor whose key path, dtype and shape match a
+    contiguous CPU tensor of ``into`` is copied straight into that tensor, which is returned in its
+    place: no new memory, one copy at memcpy speed. Other tensors are copied into new storages."""
+    h = seg.header(slot)
+    if h.state != COMPLETE or (step is not None and h.step != step):
+        return None
+    meta = seg.read_meta(slot, h)
+    metas = [TensorMeta.from_json(v) for v in meta["tensors"]]
+    data = seg.base + seg.data_off(slot)
+    seg.populate(slot, h.tensor_bytes)
+    direct: dict[int, torch.Tensor] = {}
+    tasks = []
+    if into is not None:
+        targets = tensors_by_path(into)
+        paths = tensor_paths(meta["tree"])
+        if paths and all(len(p) >= 3 and p[0] == FILES_KEY and p[2] == "d" for p in paths):
+            paths = [(p[1], *p[3:]) for p in paths]  # a FileSet: ``into`` is {file name: tree}
+        for i, (m, path) in enumerate(zip(metas, paths)):
+            t = targets.get(path)
+            if (t is not None and not t.is_cuda and t.layout == torch.strided and t.is_contiguous()
+                    and tuple(t.shape) == m.shape and dtype_name(t.dtype) == m.dtype
+                    and m.stride == contiguous_strides(m.shape) and m.device == "cpu"):
+                n = t.numel() * t.element_size()
+                start = m.storage_offset * t.element_size()
+                if start + n > m.nbytes:
+                    continue  # not a view inside its region (cannot happen for a valid snapshot)
+                if n:
+                    tasks.append((t.data_ptr(), data + m.offset + start, n))
+                direct[i] = t
+    regions: dict[tuple[int, int], torch.UntypedStorage] = {}
+    for i, m in enumerate(metas):
+        key = (m.offset, m.nbytes)
+        if i in direct or key in regions:
+            continue
+        st = torch.UntypedStorage(m.nbytes)
+        regions[key] = st
+        if m.nbytes:
+            advise_huge_pages(st.data_ptr(), m.nbytes)
+            tasks.append((st.data_ptr(), data + m.offset, m.nbytes))
+    copier.run(tasks)
+    blob_off = seg.data_off(slot) + h.tensor_bytes
+    blob = seg.mm[blob_off: blob_off + h.blob_len]
+    h2 = seg.header(slot)
+    if h2.state != COMPLETE or h2.generation != h.generation:
+        return None  # overwritten while we read: torn
+    # Opaque leaves are decoded by a trainer only (never the saver), and with weights_only only into
+    # the types torch.load(weights_only=True) accepts.
+    opaque = [decode_opaque(b, weights_only=weights_only) for b in split_opaque(blob, meta["opaque"])]
+    tensors = []
+    for i, m in enumerate(metas):
+        if i in direct:
+            tensors.append(direct[i])
+            continue
+        t = build_tensor(regions[(m.offset, m.nbytes)], m)
+        if m.device != "cpu":
+            t = _to_device(t, m.device)
+        tensors.append(t)
+    return Snapshot(h.step, unflatten(meta["tree"], tensors, opaque), meta.get("name", ""), h.tensor_bytes)
+
+
+def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
+    dev = torch.device(device)
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        return t
+    return t.to(dev)
+
+
+class SnapshotReader:
+    """Reads the live snapshots of one local rank of a job from this node's shared memory.
+
+    Args:
+        source: the checkpoint dir (a path or ``file://`` URL; the job is found as the engine finds it, so
+            use the same environment as the run that saved), or a ``CheckpointEngine`` (its job).
+        local_rank: whose snapshots (in replicated mode only local rank 0 holds any).
+        weights_only: decode the Python objects of loaded snapshots only into the types
+            ``torch.load(weights_only=True)`` accepts. Default: the engine's setting, else True.
+
+    A reader of a job that has no runtime dir on this node (``exists()`` False) sees no snapshots. Close it
+    (or use it as a context manager) to unmap the segments. Not thread-safe.
+    """
+
+    def __init__(self, source: str | os.PathLike[str] | CheckpointEngine, local_rank: int = 0, *,
+                 weights_only: bool | None = None) -> None:
+        if isinstance(source, (str, os.PathLike)):
+            knobs = Knobs.from_env()
+            jd = _job_dir_of(source, knobs)
+            default = True
+        else:
+            knobs, jd, default = source.knobs, source.job_dir, source.weights_only
+        self._setup(local_rank, jd, Copier(knobs.copy_threads), own_copier=True,
+                    weights_only=default if weights_only is None else weights_only)
+
+    @classmethod
+    def for_job_dir(cls, local_rank: int, job_dir: str, *, copier: Copier | None = None,
+                    weights_only: bool = False) -> SnapshotReader:
+        """A reader of the job whose runtime dir is ``job_dir`` (the engine's own; adapters pass a
+        checkpoint dir or an engine instead), sharing ``copier`` when given."""
+        self = cls.__new__(cls)
+        self._setup(local_rank, job_dir, copier or Copier(1), own_copier=copier is None, weights_only=weights_only)
+        return self
+
+    def _setup(self, local_rank: int, job_dir: str, copier: Copier, *, own_copier: bool, weights_only: bool) -> None:
+        self.local_rank = local_rank
+        self.job_dir = job_dir
+        self.weights_only = weights_only
+        self._copier = copier
+        self._own_copier = own_copier
+        self._readers: dict[str, Segment] = {}
+
+    def exists(self) -> bool:
+        """Whether the job has a runtime dir on this node (see ``job_in_memory``)."""
+        return os.path.isdir(self.job_dir)
+
+    def _open(self, path: str) -> Segment:
+        """The segment at ``path``: a cached mapping (not prefaulted: a reader touches only the slot it
+        reads)."""
+        seg = self._readers.get(path)
+        if seg is None:
+            seg = self._readers[path] = Segment(path, populate=False)
+        return seg
+
+    def _forget_removed(self, live: list[tuple[int, str]]) -> None:
+        names = {p for _, p in live}
+        for path in [p for p in self._readers if p not in names]:
+            self._readers.pop(path).close()
+
+    def _live(self) -> list[tuple[Segment, int, SlotHeader]]:
+        """``live_snapshots`` of every live segment of this local rank, newest save first."""
+        live = segment_paths(self.job_dir, self.local_rank)
+        self._forget_removed(live)
+        segs = []
+        for _epoch, path in live:
+            try:
+                segs.append(self._open(path))
+            except (OSError, E.FlashCheckpointError):
+                continue
+        return live_snapshots(segs)
+
+    def memory_snapshots(self) -> list[tuple[int, float]]:
+        """(step, wall time of the save) of the live COMPLETE snapshots of this local rank, newest save
+        first (superseded ones left out, see ``live_snapshots``; the steps strictly decrease)."""
+        return [(h.step, h.wall_time) for _seg, _i, h in self._live()]
+
+    def memory_steps(self) -> list[int]:
+        """Steps of the live COMPLETE snapshots held in shared memory for this local rank, newest first."""
+        return [s for s, _t in self.memory_snapshots()]
+
+    def snapshot_name(self, step: int) -> str | None:
+        """Where the COMPLETE snapshot of ``step`` is to be persisted (its ``ckpt_name``); None if absent."""
+        for seg, i, h in self._live():
+            if h.step == step:
+                try:
+                    return str(seg.read_meta(i, h).get("name", ""))
+                except (ValueError, E.FlashCheckpointError):
+                    return None
+        return None
+
+    def load_snapshot(self, step: int | None = None, *, into: Any = None) -> Snapshot | None:
+        """The newest live COMPLETE snapshot (or the one of ``step``), copied out of shared memory (into
+        the matching tensors of ``into`` where given; see ``read_snapshot``)."""
+        for seg, i, h in self._live():
+            if step is not None and h.step != step:
+                continue
+            snap = read_snapshot(seg, i, self._copier, step=h.step, weights_only=self.weights_only, into=into)
+            if snap is not None and snap.step == h.step:
+                return snap
+        return None
+
+    def load_state_dict(self, step: int | None = None) -> Any:
+        """The state dict of the newest snapshot in memory (or of ``step``); ``{}`` when there is none."""
+        snap = self.load_snapshot(step)
+        return {} if snap is None else snap.state_dict
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        """The live snapshots in memory, newest save first (superseded ones left out: the steps strictly
+        decrease), each with the path it is to be persisted to."""
+        out = []
+        for seg, i, h in self._live():
+            try:
+                name = str(seg.read_meta(i, h).get("name", ""))
+            except (ValueError, E.FlashCheckpointError):
+                continue  # overwritten (or torn) since it was listed
+            out.append(SnapshotInfo(h.step, name, h.wall_time))
+        return out
+
+    def load(self, step: int | None = None, *, into: Any = None) -> Any:
+        """The state dict of the newest live snapshot (or of ``step``): a ``FileSet`` for a snapshot of
+        files. ``into`` as for ``CheckpointEngine.load``.
+
+        Raises:
+            FlashCheckpointError: memory holds no such snapshot (any more).
+            InvalidStateDictError: ``weights_only`` and the snapshot holds an object it refuses.
+        """
+        snap = self.load_snapshot(step, into=into)
+        if snap is None:
+            which = "snapshot" if step is None else f"snapshot of step {step}"
+            raise E.FlashCheckpointError(
+                f"SnapshotReader.load(): this node's shared memory holds no (or no longer the) {which} of local "
+                f"rank {self.local_rank} in {self.job_dir}; memory_steps() lists the steps it holds")
+        sd = snap.state_dict
+        return FileSet.decode(sd) if is_fileset_tree(sd) else sd
+
+    def close(self) -> None:
+        """Unmaps the segments (tensors loaded from them are copies and stay valid)."""
+        for seg in self._readers.values():
+            seg.close()
+        self._readers.clear()
+        if self._own_copier:
+            self._copier.close()
+
+    def __enter__(self) -> SnapshotReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
