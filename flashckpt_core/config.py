@@ -9,6 +9,8 @@ import stat
 import tempfile
 from dataclasses import dataclass
 
+from . import errors as E
+
 __all__ = ["StorageType", "Knobs", "RankInfo", "job_key", "runtime_root", "job_dir", "make_private_dir",
            "open_private_dir", "is_default_runtime_dir", "is_job_key_of"]
 
@@ -28,7 +30,7 @@ def _env_float(name: str, default: float) -> float:
     try:
         return float(raw)
     except ValueError as e:
-        raise ValueError(f"environment variable {name}={raw!r} is not a number") from e
+        raise E.InvalidArgumentError(f"environment variable {name}={raw!r} is not a number") from e
 
 
 def _env_int(name: str, default: int) -> int:

@@ -1,4 +1,11 @@
-"""The exception hierarchy of flashckpt: every error it raises derives from FlashCheckpointError."""
+"""The exception hierarchy of flashckpt: every error it raises derives from FlashCheckpointError.
+
+Each class also derives from the builtin exception a Python user would catch for the same fault
+(``ValueError`` for a bad argument, ``FileNotFoundError`` for a missing checkpoint, ``TimeoutError``, ...),
+so ``except ValueError`` keeps working. The only builtins raised as such are the ones Python's own
+protocols require: ``KeyError`` from a mapping's ``__getitem__``, ``NotImplementedError`` from an abstract
+method, ``AttributeError`` from ``__getattr__``.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,11 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointTimeoutError",
     "ProtocolError",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
+    "CheckpointNotFoundError",
+    "TrackerUpdateError",
+    "UnsupportedStrategyError",
 ]
 
 
@@ -21,6 +33,24 @@ class FlashCheckpointError(Exception):
 
 class InvalidStateDictError(FlashCheckpointError, ValueError):
     """A state dict holds something that cannot be snapshotted (raised before anything is written)."""
+
+
+class InvalidArgumentError(FlashCheckpointError, ValueError):
+    """An argument, setting or environment variable has a value flashckpt cannot use (raised before anything
+    is written; the message names the argument and what to pass instead)."""
+
+
+class InvalidArgumentTypeError(FlashCheckpointError, TypeError):
+    """An argument has a type flashckpt cannot use (raised before anything is written)."""
+
+
+class CheckpointNotFoundError(FlashCheckpointError, FileNotFoundError):
+    """A checkpoint, step or file asked for by name does not exist."""
+
+
+class UnsupportedStrategyError(FlashCheckpointError, TypeError):
+    """A framework's distributed strategy or configuration that the adapter does not serve (the message names
+    what to use instead)."""
 
 
 class CheckpointDirError(FlashCheckpointError, OSError):
@@ -37,6 +67,17 @@ class SaverError(FlashCheckpointError, RuntimeError):
 
 class PersistError(FlashCheckpointError, OSError):
     """Persisting or committing a snapshot to storage failed; earlier committed checkpoints are intact."""
+
+
+class TrackerUpdateError(PersistError):
+    """A step was committed (its manifest is durable: it verifies and loads), but what follows the
+    manifest failed: updating ``tracker.json``, writing a framework's tracker files or removing the
+    steps it supersedes. A saver repairs these at its next start (``CommitLayout.repair``)."""
+
+    def __init__(self, step: int, problems: list[str]) -> None:
+        super().__init__(f"step {step} is committed and loadable, but " + "; ".join(problems) +
+                         "; a saver repairs this at its next start (readers go by the manifests, not the tracker)")
+        self.step = step
 
 
 class CheckpointCorruptError(FlashCheckpointError):

@@ -124,7 +124,7 @@ class FileSet(dict[str, FileEntry]):
         """The content of a raw entry as bytes (parts joined)."""
         e = self[name]
         if e.format != "raw":
-            raise TypeError(f"FileSet entry {name!r} is a {e.format} file, not raw bytes")
+            raise E.InvalidArgumentTypeError(f"FileSet entry {name!r} is a {e.format} file, not raw bytes")
         parts = e.data if isinstance(e.data, list) else [e.data]
         return b"".join(p if isinstance(p, bytes) else _tensor_bytes(p) for p in parts)
 
@@ -154,12 +154,12 @@ def is_fileset_tree(tree: Any) -> bool:
 
 def _check_name(name: str, kind: str) -> str:
     if kind not in KINDS:
-        raise ValueError(f"FileSet entry {name!r}: kind must be one of {KINDS}, not {kind!r}")
+        raise E.InvalidArgumentError(f"FileSet entry {name!r}: kind must be one of {KINDS}, not {kind!r}")
     if not isinstance(name, str) or not name or "\\" in name or "\0" in name:
-        raise ValueError(f"FileSet entry name {name!r}: must be a non-empty relative path with '/' separators")
+        raise E.InvalidArgumentError(f"FileSet entry name {name!r}: must be a non-empty relative path with '/' separators")
     norm = posixpath.normpath(name)
     if os.path.isabs(name) or norm.startswith("..") or norm in (".", "") or norm.split("/")[0] == META:
-        raise ValueError(f"FileSet entry name {name!r}: must be a relative path inside the checkpoint "
+        raise E.InvalidArgumentError(f"FileSet entry name {name!r}: must be a relative path inside the checkpoint "
                          f"(no '..', not absolute, not under {META}, the name flashckpt reserves for its records)")
     return norm
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from . import errors as E
 from .config import StorageType
 
 __all__ = ["storage_type_for", "daly_interval", "young_interval", "expected_goodput", "IntervalChoice", "optimal_interval", "AutoIntervals",
@@ -65,15 +66,15 @@ def daly_interval(cost_s: float, mtbf_s: float) -> float:
 
 def _check(cost_s: float, mtbf_s: float) -> None:
     if not (cost_s >= 0 and math.isfinite(cost_s)):
-        raise ValueError(f"checkpoint cost must be a finite number >= 0 seconds, got {cost_s!r}")
+        raise E.InvalidArgumentError(f"checkpoint cost must be a finite number >= 0 seconds, got {cost_s!r}")
     if not mtbf_s > 0:
-        raise ValueError(f"MTBF must be > 0 seconds (math.inf for no failures), got {mtbf_s!r}")
+        raise E.InvalidArgumentError(f"MTBF must be > 0 seconds (math.inf for no failures), got {mtbf_s!r}")
 
 
 def mtbf_from_failures_per_day(failures_per_day: float) -> float:
     """Mean time between failures in seconds for a failure rate per day (0 means none: infinity)."""
     if failures_per_day < 0:
-        raise ValueError(f"failures_per_day must be >= 0, got {failures_per_day}")
+        raise E.InvalidArgumentError(f"failures_per_day must be >= 0, got {failures_per_day}")
     return math.inf if failures_per_day == 0 else 86400.0 / failures_per_day
 
 
@@ -107,7 +108,7 @@ def default_failure_rates(world_size: int) -> FailureRates:
     rest (software bugs, NCCL timeouts, ...) are process failures that memory survives.
     """
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+        raise E.InvalidArgumentError(f"world_size must be >= 1, got {world_size}")
     job_mtbf = GPU_MTBF_S / world_size
     return FailureRates(job_mtbf / (1.0 - LLAMA3_HARDWARE_SHARE), job_mtbf / LLAMA3_HARDWARE_SHARE, world_size,
                         GPU_MTBF_S, LLAMA3_HARDWARE_SHARE)
@@ -116,7 +117,7 @@ def default_failure_rates(world_size: int) -> FailureRates:
 def expected_goodput(*, interval_s: float, cost_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
     """Useful time over elapsed time for one checkpoint level (first-order model, clipped to [0, 1])."""
     if interval_s <= 0:
-        raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        raise E.InvalidArgumentError(f"interval_s must be > 0, got {interval_s}")
     period = interval_s + cost_s
     waste = cost_s / period + (0.0 if math.isinf(mtbf_s) else (period / 2.0 + restart_s) / mtbf_s)
     return min(1.0, max(0.0, 1.0 - waste))
@@ -151,7 +152,7 @@ def optimal_interval(*, step_time_s: float, snapshot_cost_s: float, persist_cost
         The intervals (the storage interval is a multiple of the memory interval) and the expected goodput.
     """
     if step_time_s <= 0:
-        raise ValueError(f"step_time_s must be > 0, got {step_time_s}")
+        raise E.InvalidArgumentError(f"step_time_s must be > 0, got {step_time_s}")
     cap = max_steps * step_time_s
     tau_m = cap if math.isinf(process_mtbf_s) else min(cap, daly_interval(snapshot_cost_s, process_mtbf_s))
     tau_s = cap if math.isinf(node_mtbf_s) else min(cap, daly_interval(snapshot_cost_s, node_mtbf_s))
@@ -186,7 +187,7 @@ class AutoIntervals:
     def __init__(self, *, process_mtbf_s: float, node_mtbf_s: float, restart_from_memory_s: float = 0.0,
                  restart_from_storage_s: float = 0.0, smoothing: float = 0.3) -> None:
         if math.isinf(process_mtbf_s) and math.isinf(node_mtbf_s):
-            raise ValueError("auto_save needs a failure rate: give process_mtbf_s and/or node_mtbf_s in seconds "
+            raise E.InvalidArgumentError("auto_save needs a failure rate: give process_mtbf_s and/or node_mtbf_s in seconds "
                              "(interval.mtbf_from_failures_per_day converts a daily failure count), or leave both "
                              "unset for the default (interval.default_failure_rates)")
         _check(0.0, process_mtbf_s)

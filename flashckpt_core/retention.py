@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import errors as E
+
 __all__ = ["CheckpointDeletionStrategy", "KeepLatestStepStrategy", "KeepStepIntervalStrategy", "uses_clean_up"]
 
 
@@ -42,7 +44,7 @@ class CheckpointDeletionStrategy:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> CheckpointDeletionStrategy:
         if not uses_clean_up(cls) and cls.steps_to_delete is CheckpointDeletionStrategy.steps_to_delete:
-            raise TypeError(f"{cls.__name__}: a CheckpointDeletionStrategy implements clean_up(self, step, "
+            raise E.InvalidArgumentTypeError(f"{cls.__name__}: a CheckpointDeletionStrategy implements clean_up(self, step, "
                             "delete_func) (DLRover's contract) or steps_to_delete(self, committed_steps)")
         return super().__new__(cls)
 
@@ -78,7 +80,7 @@ class KeepLatestStepStrategy(CheckpointDeletionStrategy):
 
     def __init__(self, max_to_keep: int, checkpoint_dir: str = "") -> None:
         if max_to_keep < 1:
-            raise ValueError(f"KeepLatestStepStrategy(max_to_keep={max_to_keep}): keep at least 1")
+            raise E.InvalidArgumentError(f"KeepLatestStepStrategy(max_to_keep={max_to_keep}): keep at least 1")
         self.max_to_keep = max_to_keep
         self.checkpoint_dir = checkpoint_dir
 
@@ -98,7 +100,7 @@ class KeepStepIntervalStrategy(CheckpointDeletionStrategy):
 
     def __init__(self, keep_interval: int, checkpoint_dir: str = "") -> None:
         if keep_interval < 1:
-            raise ValueError(f"KeepStepIntervalStrategy(keep_interval={keep_interval}): must be >= 1")
+            raise E.InvalidArgumentError(f"KeepStepIntervalStrategy(keep_interval={keep_interval}): must be >= 1")
         self.keep_interval = keep_interval
         self.checkpoint_dir = checkpoint_dir
 

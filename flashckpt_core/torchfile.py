@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from . import errors as E
 from .errors import FlashCheckpointError
 from .files import tensor_view
 
@@ -50,7 +51,7 @@ class _Sink:
     def seek(self, off: int, whence: int = 0) -> int:
         new = off if whence == 0 else self.pos + off if whence == 1 else -1
         if new < self.pos:
-            raise OSError("torch_save_parts: torch.save seeked backwards; unsupported")
+            raise E.PersistError("torch_save_parts: torch.save seeked backwards; unsupported")
         if new > self.pos:
             self.events.append(new - self.pos)
         self.pos = new
