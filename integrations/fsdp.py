@@ -3,7 +3,7 @@ through PyTorch Distributed Checkpoint (DCP).
 
 Every rank holds a unique shard, so every rank snapshots its own into the node's shared memory. The save
 runs ``torch.distributed.checkpoint.save`` with a ``StorageWriter`` that stages the rank's items instead of
-writing them (``flashckpt.integrations._dcp``; the save plan is computed once and reused while the state dict's
+writing them (``flashckpt.integrations.dcp``; the save plan is computed once and reused while the state dict's
 structure is unchanged); the saver then persists them in DCP's own layout (``__{rank}_0.distcp`` per rank,
 ``.metadata`` last, as the commit marker), so ``dcp.load`` with a ``FileSystemReader`` loads a persisted
 checkpoint without flashckpt, on any number of ranks.
@@ -78,7 +78,7 @@ class FsdpShardCheckpointer:
 
     def __init__(self, checkpoint_dir: str, *, deletion_strategy: CheckpointDeletionStrategy | None = None,
                  max_to_keep: int = 0, process_group: Any = None) -> None:
-        from ._dcp import CachingSavePlanner, FileSetStorageWriter
+        from .dcp import CachingSavePlanner, FileSetStorageWriter
 
         self.engine = CheckpointEngine(checkpoint_dir, max_to_keep=max_to_keep, deletion_strategy=deletion_strategy,
                                        replicated=False, process_group=process_group)
@@ -163,7 +163,7 @@ class FsdpShardCheckpointer:
         """
         from torch.distributed.checkpoint import FileSystemReader
 
-        from ._dcp import METADATA_NAME, open_memory_reader
+        from .dcp import METADATA_NAME, open_memory_reader
 
         t0 = time.perf_counter()
         if resume_path:
