@@ -40,6 +40,8 @@ from flashckpt.engine import LoadResult
 from flashckpt.errors import CheckpointCorruptError
 from flashckpt.retention import CheckpointDeletionStrategy
 
+from ._kit import Adapter, path_inside
+
 __all__ = ["FsdpShardCheckpointer", "StorageType", "SaveTiming"]
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ class SaveTiming:
         return self.plan_s + self.snapshot_s
 
 
-class FsdpShardCheckpointer:
+class FsdpShardCheckpointer(Adapter):
     """Checkpointer for sharded state dicts (DTensor / ShardedTensor), in DCP's format.
 
     Args:
@@ -261,7 +263,7 @@ class FsdpShardCheckpointer:
 
     def _dir(self, path: str, op: str) -> str:
         d = self.engine.resolve(path)  # os.path.join(checkpoint_dir, str(step)) means that dir, as in DLRover's guide
-        if os.path.relpath(d, self.checkpoint_dir).startswith(".."):
+        if not path_inside(d, self.checkpoint_dir):
             raise ValueError(f"{op}(path={path!r}): {d} is outside the checkpoint dir {self.checkpoint_dir}")
         if d == self.checkpoint_dir:
             raise ValueError(f"{op}(path={path!r}): use a directory inside the checkpoint dir, one per step")
@@ -275,13 +277,7 @@ class FsdpShardCheckpointer:
     def close(self, release: bool = True) -> None:
         """See ``CheckpointEngine.close``; also drops the cached save plan."""
         self._planner.forget()
-        self.engine.close(release)
-
-    def __enter__(self) -> FsdpShardCheckpointer:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        self.close(release=exc_type is None)
+        super().close(release)
 
 
 def _top_level_keys(metadata: Any) -> set[str]:
