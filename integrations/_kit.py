@@ -190,9 +190,10 @@ def exchange_files(held: Mapping[Any, Any] | Callable[[Any], Any], offered: Sequ
     """Every rank gets the files it wants that it does not hold, each from the lowest rank that offers it.
 
     Collective: every rank of ``group`` calls it. A file is a name (any picklable, hashable key) and a
-    value: a tree of dicts, lists and tuples whose tensors and bytes are sent as raw bytes (one broadcast
-    each), the rest pickled. One ``all_gather_object`` tells who offers and who wants what; then each rank
-    that serves something broadcasts it.
+    value: a tree of dicts, lists and tuples whose tensors and bytes travel as raw bytes, the rest pickled.
+    One ``all_gather_object`` tells who offers and who wants what, a second one whether every server could
+    read what it serves; then each rank that serves something broadcasts it (its tree's structure, then
+    one buffer with all its tensors and bytes). Received tensors are CPU tensors (views of that buffer).
 
     Args:
         held: this rank's files (a mapping, or a function from a name to its value, called only for the
