@@ -24,10 +24,12 @@ from flashckpt import CheckpointEngine, StorageType
 from flashckpt.engine import LoadResult
 from flashckpt.retention import CheckpointDeletionStrategy
 
+from ._kit import Adapter
+
 __all__ = ["DdpCheckpointer", "StorageType"]
 
 
-class DdpCheckpointer:
+class DdpCheckpointer(Adapter):
     """Checkpointer for DDP (replicated state).
 
     Args:
@@ -82,12 +84,3 @@ class DdpCheckpointer:
         """Where the last ``load_checkpoint`` came from (step, "memory"/"storage"/"none", seconds)."""
         return self.engine.last_load
 
-    def close(self, release: bool = True) -> None:
-        """See ``CheckpointEngine.close``."""
-        self.engine.close(release)
-
-    def __enter__(self) -> DdpCheckpointer:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        self.close(release=exc_type is None)

@@ -39,9 +39,8 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
-import shutil
-import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +54,9 @@ from flashckpt.commit import META
 from flashckpt.files import FileSet
 from flashckpt.retention import CheckpointDeletionStrategy
 
+from ._kit import Adapter, exchange_files, path_inside, rank, world
+from ._kit_files import Capture, SnapshotDir
+
 __all__ = ["DeepSpeedCheckpointer", "FlashDeepSpeedCheckpointEngine", "StorageType"]
 
 log = logging.getLogger(__name__)
@@ -62,17 +64,17 @@ log = logging.getLogger(__name__)
 LATEST = "latest"  # DeepSpeed's tracker file, in the save dir
 
 
-@dataclass
-class _Capture:
-    """One ``save_checkpoint`` in progress: the files DeepSpeed hands over, and how to commit them."""
+class _Capture(Capture):
+    """One ``save_checkpoint`` in progress: the files DeepSpeed hands over (through the checkpoint engine,
+    so nothing is patched: ``rel`` names them, ``files`` holds them), and how to commit them."""
 
-    tag: str
-    set_dir: str  # absolute <save_dir>/<tag>
-    files: FileSet
-    on_commit: Any  # callable(_Capture), run at DeepSpeed's commit
-    committed: bool = False
-    error: BaseException | None = None
-    pause_s: float = 0.0
+    def __init__(self, tag: str, set_dir: str, files: FileSet, on_commit: Callable[[_Capture], None]) -> None:
+        super().__init__(set_dir, files)
+        self.tag = tag
+        self.on_commit = on_commit  # run at DeepSpeed's commit
+        self.committed = False
+        self.error: BaseException | None = None
+        self.pause_s = 0.0
 
 
 @dataclass
@@ -81,11 +83,6 @@ class _Serve:
 
     set_dir: str
     files: dict[str, Any] = field(default_factory=dict)
-
-
-def _inside(path: str, root: str) -> bool:
-    rel = os.path.relpath(os.path.abspath(path), root)
-    return rel == "." or not (rel == ".." or rel.startswith(".." + os.sep))
 
 
 class FlashDeepSpeedCheckpointEngine(CheckpointEngine):
@@ -114,7 +111,7 @@ class FlashDeepSpeedCheckpointEngine(CheckpointEngine):
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         # The saver creates the tag directory when it persists; a memory snapshot leaves no trace on storage.
-        if self.capture is not None and _inside(path, self.capture.set_dir):
+        if self.capture is not None and path_inside(path, self.capture.root):
             return
         self.inner.makedirs(path, exist_ok=exist_ok)
 
@@ -123,11 +120,11 @@ class FlashDeepSpeedCheckpointEngine(CheckpointEngine):
         if cap is None:
             self.inner.save(state_dict, path)
             return
-        if not _inside(path, cap.set_dir) or os.path.abspath(path) == cap.set_dir:
-            raise FlashCheckpointError(f"DeepSpeed saves {path}, outside the tag directory {cap.set_dir} that "
+        name = cap.rel(path)
+        if name is None:
+            raise FlashCheckpointError(f"DeepSpeed saves {path}, outside the tag directory {cap.root} that "
                                        "flashckpt captures; this DeepSpeed feature is not supported by "
                                        "DeepSpeedCheckpointer (save it with engine.save_checkpoint)")
-        name = os.path.relpath(os.path.abspath(path), cap.set_dir).replace(os.sep, "/")
         cap.files.add_torch(name, state_dict)
 
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -161,7 +158,7 @@ class FlashDeepSpeedCheckpointEngine(CheckpointEngine):
         return bool(self.inner.preserves_storage_sharing())
 
 
-class DeepSpeedCheckpointer:
+class DeepSpeedCheckpointer(Adapter):
     """Flash checkpoints for a ``DeepSpeedEngine`` with DeepSpeed's ``save_checkpoint`` /
     ``load_checkpoint`` arguments, meaning and return values (deepspeed 0.19.8), plus ``storage_type``.
 
@@ -256,7 +253,7 @@ class DeepSpeedCheckpointer:
         if not save_dir:
             raise ValueError(f"save_checkpoint(save_dir={save_dir!r}): save_dir must be a non-empty string")
         root = os.path.abspath(save_dir)
-        if not _inside(root, self.checkpoint_dir):
+        if not path_inside(root, self.checkpoint_dir):
             raise ValueError(f"save_checkpoint(save_dir={save_dir!r}): must lie inside the checkpoint dir "
                              f"{self.checkpoint_dir} given to DeepSpeedCheckpointer")
         step = int(self.engine.global_steps)
@@ -264,13 +261,13 @@ class DeepSpeedCheckpointer:
         set_dir = os.path.join(root, _check_tag(tag))
         self._check_step_and_dir(step, tag, set_dir)
         files = FileSet()
-        if save_latest and _rank() == 0:
+        if save_latest and rank() == 0:
             tracker = os.path.relpath(os.path.join(root, LATEST), self.checkpoint_dir).replace(os.sep, "/")
             files.add_raw(tracker, tag.encode(), kind="tracker")
 
         def snapshot(cap: _Capture) -> None:
             t0 = time.perf_counter()
-            self._core.save(step, cap.files, path=cap.set_dir, storage_type=storage_type)
+            self._core.save(step, cap.files, path=cap.root, storage_type=storage_type)
             cap.pause_s = time.perf_counter() - t0
 
         cap = _Capture(tag, set_dir, files, snapshot)
@@ -407,74 +404,54 @@ class DeepSpeedCheckpointer:
             fs = self._core.load_memory(step)
             files = {n: e.data for n, e in fs.items() if e.kind == "file" and e.format == "torch"}
         except FlashCheckpointError as e:
-            log.warning("load_checkpoint: rank %d cannot read step %s from memory (%s)", _rank(), step, e)
+            log.warning("load_checkpoint: rank %d cannot read step %s from memory (%s)", rank(), step, e)
             ok = 0
-        world = self._world()
-        if world > 1:
+        n_ranks = world(self.process_group)
+        if n_ranks > 1:
             flag = torch.tensor([ok], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group)
             ok = int(flag.item())
         if not ok:
             return None
-        vroot = tempfile.mkdtemp(prefix="flashckpt-ds-")
-        try:
-            set_dir = os.path.join(vroot, tag)
-            if world > 1 and not self._share_model_states(files, tag, world):
-                return None
+        if n_ranks > 1 and not self._share_model_states(files, tag):
+            return None
+        with SnapshotDir(None, tag, prefix="flashckpt-ds-") as view:
+            vroot = view.base
             # DeepSpeed finds its files with glob and os.path.exists before it reads them through the
             # checkpoint engine: empty placeholders answer those, the reads come from memory.
             for name in files:
-                p = os.path.join(set_dir, *name.split("/"))
-                os.makedirs(os.path.dirname(p), exist_ok=True)
-                open(p, "wb").close()
-            self._ds_engine.serve = _Serve(set_dir, files)
+                view.touch(name)
+            self._ds_engine.serve = _Serve(view.dir, files)
             try:
                 load_path, client_state = self.engine.load_checkpoint(vroot, tag, **kw)
             finally:
                 self._ds_engine.serve = None
-        finally:
-            shutil.rmtree(vroot, ignore_errors=True)
-        if isinstance(load_path, str) and _inside(load_path, vroot):
+        if isinstance(load_path, str) and path_inside(load_path, vroot):
             load_path = os.path.join(load_dir, os.path.relpath(load_path, vroot))
         return load_path, client_state
 
-    def _share_model_states(self, files: dict[str, Any], tag: str, world: int) -> bool:
+    def _share_model_states(self, files: dict[str, Any], tag: str) -> bool:
         """DeepSpeed writes the model-states file of ZeRO 0-2 on data-parallel rank 0 only and every rank
         reads it: ranks whose snapshot lacks the file they read get it from a rank that has it. False (on
         every rank) when no rank has it."""
         need = os.path.relpath(self.engine._get_ckpt_name("/", tag), posixpath.join("/", tag)).replace(os.sep, "/")
-        table: list[Any] = [None] * world
-        dist.all_gather_object(table, (sorted(files), need), group=self.process_group)
-        ranks = _group_ranks(self.process_group, world)
-        wanted = sorted({n for held, n in table if n not in held})
-        holders = {n: [i for i, (held, _n) in enumerate(table) if n in held] for n in wanted}
-        missing = [n for n, h in holders.items() if not h]
-        if missing:
-            log.warning("load_checkpoint: no rank's memory snapshot of tag %s holds %s; loading from storage",
-                        tag, missing)
+        try:
+            files.update(exchange_files(files, sorted(files), [] if need in files else [need],
+                                        group=self.process_group, what=f"load_checkpoint(tag={tag!r})"))
+        except FlashCheckpointError as e:
+            log.warning("%s; loading from storage", e)
             return False
-        for name in wanted:
-            buf = [files.get(name)]
-            dist.broadcast_object_list(buf, src=ranks[holders[name][0]], group=self.process_group)
-            if name not in files:
-                files[name] = buf[0]
         return True
 
     def _loaded(self, step: int | None, source: str, t0: float) -> None:
         self.last_load = LoadResult(step, source, time.perf_counter() - t0, 0)
         log.info("event=ds_load step=%s source=%s seconds=%.4f", step, source, self.last_load.seconds)
 
-    def _world(self) -> int:
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_world_size(self.process_group))
-        return 1
-
     # ------------------------------------------------------------------ wait / close
-    def wait(self, timeout: float | None = None) -> None:
-        """Blocks until every scheduled persist is committed; raises the first persist error."""
-        self._core.wait(timeout)
+    def _flash_engine(self) -> FlashEngine:
+        return self._core
 
-    wait_latest_checkpoint = wait
+    wait_latest_checkpoint = Adapter.wait
 
     def close(self, release: bool = True) -> None:
         """Gives the engine its checkpoint engine back and detaches from the saver (persists in flight
@@ -486,12 +463,6 @@ class DeepSpeedCheckpointer:
         if self.engine.checkpoint_engine is self._ds_engine:
             self.engine.checkpoint_engine = self._ds_engine.inner
         self._core.close(release)
-
-    def __enter__(self) -> DeepSpeedCheckpointer:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        self.close(release=exc_type is None)
 
     def _check_open(self, op: str) -> None:
         if self._closed:
@@ -507,15 +478,3 @@ def _check_tag(tag: str) -> str:
         raise ValueError(f"save_checkpoint(tag={tag!r}): a tag names a directory inside save_dir; use a "
                          f"non-empty relative name without '..', other than {META} (flashckpt reserves it)")
     return norm
-
-
-def _rank() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    return int(os.environ.get("RANK", "0"))
-
-
-def _group_ranks(group: Any, world: int) -> list[int]:
-    if group is None:
-        return list(range(world))
-    return [int(r) for r in dist.get_process_group_ranks(group)]

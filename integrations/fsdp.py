@@ -3,7 +3,7 @@ through PyTorch Distributed Checkpoint (DCP).
 
 Every rank holds a unique shard, so every rank snapshots its own into the node's shared memory. The save
 runs ``torch.distributed.checkpoint.save`` with a ``StorageWriter`` that stages the rank's items instead of
-writing them (``flashckpt.integrations._dcp``; the save plan is computed once and reused while the state dict's
+writing them (``flashckpt.integrations.dcp``; the save plan is computed once and reused while the state dict's
 structure is unchanged); the saver then persists them in DCP's own layout (``__{rank}_0.distcp`` per rank,
 ``.metadata`` last, as the commit marker), so ``dcp.load`` with a ``FileSystemReader`` loads a persisted
 checkpoint without flashckpt, on any number of ranks.
@@ -40,6 +40,8 @@ from flashckpt.engine import LoadResult
 from flashckpt.errors import CheckpointCorruptError
 from flashckpt.retention import CheckpointDeletionStrategy
 
+from ._kit import Adapter, path_inside
+
 __all__ = ["FsdpShardCheckpointer", "StorageType", "SaveTiming"]
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ class SaveTiming:
         return self.plan_s + self.snapshot_s
 
 
-class FsdpShardCheckpointer:
+class FsdpShardCheckpointer(Adapter):
     """Checkpointer for sharded state dicts (DTensor / ShardedTensor), in DCP's format.
 
     Args:
@@ -78,7 +80,7 @@ class FsdpShardCheckpointer:
 
     def __init__(self, checkpoint_dir: str, *, deletion_strategy: CheckpointDeletionStrategy | None = None,
                  max_to_keep: int = 0, process_group: Any = None) -> None:
-        from ._dcp import CachingSavePlanner, FileSetStorageWriter
+        from .dcp import CachingSavePlanner, FileSetStorageWriter
 
         self.engine = CheckpointEngine(checkpoint_dir, max_to_keep=max_to_keep, deletion_strategy=deletion_strategy,
                                        replicated=False, process_group=process_group)
@@ -163,7 +165,7 @@ class FsdpShardCheckpointer:
         """
         from torch.distributed.checkpoint import FileSystemReader
 
-        from ._dcp import METADATA_NAME, open_memory_reader
+        from .dcp import METADATA_NAME, open_memory_reader
 
         t0 = time.perf_counter()
         if resume_path:
@@ -261,7 +263,7 @@ class FsdpShardCheckpointer:
 
     def _dir(self, path: str, op: str) -> str:
         d = self.engine.resolve(path)  # os.path.join(checkpoint_dir, str(step)) means that dir, as in DLRover's guide
-        if os.path.relpath(d, self.checkpoint_dir).startswith(".."):
+        if not path_inside(d, self.checkpoint_dir):
             raise ValueError(f"{op}(path={path!r}): {d} is outside the checkpoint dir {self.checkpoint_dir}")
         if d == self.checkpoint_dir:
             raise ValueError(f"{op}(path={path!r}): use a directory inside the checkpoint dir, one per step")
@@ -275,13 +277,7 @@ class FsdpShardCheckpointer:
     def close(self, release: bool = True) -> None:
         """See ``CheckpointEngine.close``; also drops the cached save plan."""
         self._planner.forget()
-        self.engine.close(release)
-
-    def __enter__(self) -> FsdpShardCheckpointer:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        self.close(release=exc_type is None)
+        super().close(release)
 
 
 def _top_level_keys(metadata: Any) -> set[str]:

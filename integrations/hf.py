@@ -35,19 +35,14 @@ Accelerate users get the same through ``AcceleratorCheckpointer(accelerator, che
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import io
 import json
 import logging
 import os
 import re
-import shutil
-import sys
-import tempfile
-import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +51,10 @@ from flashckpt.commit import CommitLayout
 from flashckpt.engine import local_dir
 from flashckpt.retention import CheckpointDeletionStrategy
 from flashckpt.storage import PosixDiskStorage
+
+from ._kit import barrier, step_of
+from ._kit_files import Capture, SnapshotDir, all_ranks_files, scratch, scratch_root
+from .accelerate import AcceleratorCheckpointer
 
 try:
     import transformers
@@ -72,14 +71,13 @@ TESTED_TRANSFORMERS = "5.23.0"
 PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_TREE_MIN_BYTES = 1 << 16  # torch.save'd trees with fewer tensor bytes are captured as their exact bytes
 _OPTIMIZER = "optimizer.pt"
 _SCHEDULER = "scheduler.pt"
 _TRAINER_STATE = "trainer_state.json"
 _WEIGHTS = "model.safetensors"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class FlashCkptConfig:
     """Options of ``FlashCkptTrainer``.
 
@@ -107,130 +105,9 @@ class FlashCkptConfig:
                              "must be an integer >= 0 (0 turns memory-only snapshots off)")
 
 
-# ---------------------------------------------------------------------------------------------- capture
-_PATCH_LOCK = threading.Lock()
-# Modules that bind ``safetensors.torch.save_file`` under their own name (checked at capture time).
-_SAFETENSORS_USERS = ("transformers.modeling_utils", "transformers.trainer", "peft.peft_model",
-                      "peft.utils.save_and_load", "accelerate.utils.other", "accelerate.checkpointing")
-
-
-class _Capture:
-    """Routes the writes aimed into ``root`` into ``fs`` (see the module docstring)."""
-
-    def __init__(self, root: str, fs: FileSet) -> None:
-        self.root = os.path.abspath(root)
-        self.fs = fs
-        self._undo: list[tuple[Any, str, Any]] = []
-
-    def rel(self, f: Any) -> str | None:
-        if not isinstance(f, (str, os.PathLike)):
-            return None
-        p = os.path.abspath(os.fspath(f))
-        if not p.startswith(self.root + os.sep):
-            return None
-        return os.path.relpath(p, self.root).replace(os.sep, "/")
-
-    def __enter__(self) -> _Capture:
-        import safetensors.torch as st
-
-        _PATCH_LOCK.acquire()
-        try:
-            orig_torch_save, orig_st_save = torch.save, st.save_file
-
-            def torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-                rel = self.rel(f)
-                if rel is None:
-                    return orig_torch_save(obj, f, *args, **kwargs)
-                if _tensor_bytes(obj, _TREE_MIN_BYTES) >= _TREE_MIN_BYTES:
-                    self.fs.add_torch(rel, obj)
-                else:
-                    buf = io.BytesIO()
-                    orig_torch_save(obj, buf, *args, **kwargs)
-                    self.fs.add_raw(rel, buf.getvalue())
-                return None
-
-            def save_file(tensors: dict[str, torch.Tensor], filename: Any, metadata: dict[str, str] | None = None) -> None:
-                rel = self.rel(filename)
-                if rel is None:
-                    return orig_st_save(tensors, filename, metadata=metadata)
-                self.fs.add_safetensors(rel, dict(tensors), metadata=metadata)
-                return None
-
-            self._patch(torch, "save", torch_save)
-            self._patch(st, "save_file", save_file)
-            for name in _SAFETENSORS_USERS:
-                mod = sys.modules.get(name)
-                for attr in ("safe_save_file", "save_file"):
-                    if mod is not None and getattr(mod, attr, None) is orig_st_save:
-                        self._patch(mod, attr, save_file)
-        except BaseException:
-            self._restore()
-            raise
-        return self
-
-    def _patch(self, obj: Any, attr: str, value: Any) -> None:
-        self._undo.append((obj, attr, getattr(obj, attr)))
-        setattr(obj, attr, value)
-
-    def _restore(self) -> None:
-        try:
-            for obj, attr, value in reversed(self._undo):
-                setattr(obj, attr, value)
-            self._undo.clear()
-        finally:
-            _PATCH_LOCK.release()
-
-    def __exit__(self, *exc: Any) -> None:
-        self._restore()
-
-    def collect(self) -> None:
-        """Adds every file written into ``root`` (and not captured) to the set, as its bytes."""
-        for dirpath, _dirs, files in os.walk(self.root):
-            for n in sorted(files):
-                path = os.path.join(dirpath, n)
-                rel = os.path.relpath(path, self.root).replace(os.sep, "/")
-                if rel not in self.fs:
-                    with open(path, "rb") as f:
-                        self.fs.add_raw(rel, f.read())
-
-
-def _tensor_bytes(obj: Any, stop: int) -> int:
-    """Bytes of the tensors in ``obj`` (containers walked), counting stops once ``stop`` is reached."""
-    total = 0
-    todo = [obj]
-    while todo and total < stop:
-        x = todo.pop()
-        if isinstance(x, torch.Tensor):
-            total += x.numel() * x.element_size()
-        elif isinstance(x, dict):
-            todo.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            todo.extend(x)
-    return total
-
-
-def _scratch_root(cfg: FlashCkptConfig) -> str:
-    if cfg.scratch_dir:
-        return cfg.scratch_dir
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-@contextlib.contextmanager
-def _scratch(root: str, name: str) -> Iterator[str]:
-    """A private directory ``<tmp>/<name>`` (removed afterwards)."""
-    base = tempfile.mkdtemp(prefix="flashckpt-hf-", dir=root)
-    try:
-        path = os.path.join(base, name)
-        os.makedirs(path)
-        yield path
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-
-
 # ---------------------------------------------------------------------------------------------- lookup
 def _step_of(path: str) -> int | None:
-    m = _CHECKPOINT_RE.match(os.path.basename(os.path.normpath(path)))
-    return int(m.group(1)) if m else None
+    return step_of(path, _CHECKPOINT_RE)
 
 
 def get_last_checkpoint(folder: str, *, verify: bool = False) -> str | None:
@@ -297,113 +174,21 @@ class _TrainerRetention(CheckpointDeletionStrategy):
         return doomed
 
 
-# ---------------------------------------------------------------------------------------------- ranks
-class _TRef:
-    """A tensor's place in a tree sent to other ranks."""
-
-    __slots__ = ("i",)
-
-    def __init__(self, i: int) -> None:
-        self.i = i
-
-
-def _map_tree(x: Any, fn: Callable[[Any], Any]) -> Any:
-    if isinstance(x, (torch.Tensor, _TRef)):
-        return fn(x)
-    if isinstance(x, dict):
-        d = x.copy()
-        for k in d:
-            d[k] = _map_tree(d[k], fn)
-        return d
-    if isinstance(x, list):
-        return [_map_tree(v, fn) for v in x]
-    if isinstance(x, tuple):
-        vals = [_map_tree(v, fn) for v in x]
-        return type(x)(*vals) if hasattr(x, "_fields") else type(x)(vals)
-    return x
-
-
-def _dist_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _broadcast_fileset(fs: FileSet | None, src: int) -> FileSet:
-    """``fs`` of rank ``src`` on every rank (every rank calls it)."""
-    import torch.distributed as dist
-
-    rank, _ = _dist_world()
-    tensors: list[torch.Tensor] = []
-    if rank == src:
-        assert fs is not None  # internal invariant
-
-        def strip(t: torch.Tensor) -> _TRef:
-            tensors.append(t)
-            return _TRef(len(tensors) - 1)
-
-        skel = [(name, e.format, e.kind, _map_tree(e.data, strip)) for name, e in fs.items()]
-        metas = [(tuple(t.shape), t.dtype) for t in tensors]
-        box: list[Any] = [skel, metas]
-    else:
-        box = [None, None]
-    dist.broadcast_object_list(box, src=src)
-    skel, metas = box
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    got: list[torch.Tensor] = []
-    for i, (shape, dtype) in enumerate(metas):
-        if rank == src:
-            t = tensors[i].detach()
-            buf = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else None
-            if buf is not None:
-                dist.broadcast(buf.to(dev), src=src)
-            got.append(t)
-        else:
-            out = torch.empty(shape, dtype=dtype)
-            if out.numel():
-                buf = torch.empty(out.numel() * out.element_size(), dtype=torch.uint8, device=dev)
-                dist.broadcast(buf, src=src)
-                out.reshape(-1).view(torch.uint8).copy_(buf.cpu())
-            got.append(out)
-    result = FileSet()
-    for name, fmt, kind, data in skel:
-        result[name] = FileEntry(fmt, _map_tree(data, lambda r: got[r.i]), kind)
-    return result
-
-
-def _all_ranks_files(mine: FileSet) -> FileSet:
-    """The union of every rank's files of one step (each rank holds its own; all ranks call it)."""
-    rank, world = _dist_world()
-    if world == 1:
-        return mine
-    merged = FileSet()
-    for src in range(world):
-        got = _broadcast_fileset(mine if src == rank else None, src)
-        for name, e in got.items():
-            if name not in merged or src == rank:
-                merged[name] = e
-    return merged
-
-
 # ---------------------------------------------------------------------------------------------- memory view
-@dataclass
-class _MemoryView:
+class _MemoryView(SnapshotDir):
     """A memory snapshot laid out for the Trainer: small files written into ``dir``; the model weights
     and optimizer state (when the Trainer's plain path loads them) kept as tensors."""
 
-    step: int
-    dir: str
-    origin: str
-    weights: dict[str, torch.Tensor] | None = None
-    optimizer: Any = None
-    _base: str = ""
+    def __init__(self, root: str, name: str, step: int, origin: str) -> None:
+        super().__init__(root, name, prefix="flashckpt-hf-resume-")
+        self.step = step
+        self.origin = origin
+        self.weights: dict[str, torch.Tensor] | None = None
+        self.optimizer: Any = None
 
     def close(self) -> None:
         self.weights = self.optimizer = None
-        if self._base:
-            shutil.rmtree(self._base, ignore_errors=True)
+        super().close()
 
 
 def _safetensors_tensors(e: FileEntry) -> dict[str, torch.Tensor]:
@@ -433,28 +218,11 @@ def _safetensors_tensors(e: FileEntry) -> dict[str, torch.Tensor]:
     return st.load(joined)
 
 
-def _write_entry(path: str, e: FileEntry) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    if e.format == "torch":
-        torch.save(e.data, path)
-        return
-    parts = e.data if isinstance(e.data, list) else [e.data]
-    with open(path, "wb") as f:
-        for p in parts:
-            if isinstance(p, torch.Tensor):
-                if p.numel():
-                    f.write(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-            else:
-                f.write(p)
-
-
 def _materialize(files: FileSet, root: str, name: str, origin: str, step: int, *,
                  direct: Callable[[str], bool] = lambda _n: False) -> _MemoryView:
     """Writes the set's files into a private ``<root>/.../<name>``, except those ``direct`` keeps."""
-    base = tempfile.mkdtemp(prefix="flashckpt-hf-resume-", dir=root)
-    view = _MemoryView(step, os.path.join(base, name), origin, _base=base)
+    view = _MemoryView(root, name, step, origin)
     try:
-        os.makedirs(view.dir)
         weights: dict[str, torch.Tensor] = {}
         for n, e in files.items():
             if e.kind == "tracker":
@@ -465,7 +233,7 @@ def _materialize(files: FileSet, root: str, name: str, origin: str, step: int, *
             elif direct(n) and (n == _WEIGHTS or _SHARD_RE.match(n)):
                 weights.update(_safetensors_tensors(e))
             else:
-                _write_entry(os.path.join(view.dir, *n.split("/")), e)
+                view.write(n, e)
         view.weights = weights or None
     except BaseException:
         view.close()
@@ -497,8 +265,9 @@ class FlashCkptTrainer(Trainer):
 
     def __init__(self, *args: Any, flashckpt_config: FlashCkptConfig | None = None, **kwargs: Any) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if getattr(training_args, "output_dir", None):  # a URL is refused before the Trainer makes the dir
-            self._flash_dir(training_args.output_dir)
+        output_dir = getattr(training_args, "output_dir", None)
+        if output_dir:  # a URL is refused before the Trainer makes the dir
+            self._flash_dir(output_dir)
         super().__init__(*args, **kwargs)
         self.flashckpt_config = flashckpt_config or FlashCkptConfig()
         if self.is_fsdp_enabled or getattr(self, "is_fsdp_xla_enabled", False):
@@ -543,7 +312,7 @@ class FlashCkptTrainer(Trainer):
         """Blocks until every checkpoint saved so far is committed (on every rank); raises a persist error."""
         if self._flash is not None:
             self._flash.wait(timeout)
-        _barrier()
+        barrier()
 
     def flashckpt_close(self, release: bool = True) -> None:
         """Detaches from the saver (see ``CheckpointEngine.close``); ``train()`` does it when it returns."""
@@ -637,7 +406,7 @@ class FlashCkptTrainer(Trainer):
         return os.fspath(resume)  # type: ignore[arg-type]
 
     def _flash_memory_view(self, engine: CheckpointEngine, loc: Located) -> _MemoryView:
-        files = _all_ranks_files(engine.load_memory(loc.step))
+        files = all_ranks_files(engine.load_memory(loc.step))
         plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
         from transformers.modeling_utils import PreTrainedModel
 
@@ -649,7 +418,7 @@ class FlashCkptTrainer(Trainer):
             return direct_weights
 
         assert loc.step is not None and loc.path is not None  # memory locations have both
-        return _materialize(files, _scratch_root(self.flashckpt_config), os.path.basename(loc.path), loc.path,
+        return _materialize(files, scratch_root(self.flashckpt_config.scratch_dir), os.path.basename(loc.path), loc.path,
                             loc.step, direct=direct)
 
     # ------------------------------------------------------------------ save
@@ -703,19 +472,19 @@ class FlashCkptTrainer(Trainer):
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         fs = FileSet()
-        with _scratch(_scratch_root(self.flashckpt_config), name) as scratch:
-            cap = _Capture(scratch, fs)
+        with scratch(scratch_root(self.flashckpt_config.scratch_dir), name, prefix="flashckpt-hf-") as tmp:
+            cap = Capture(tmp, fs)
             with cap:
-                self.save_model(scratch, _internal_call=True)
+                self.save_model(tmp, _internal_call=True)
                 if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST):
                     self._flash_update_best(run_dir, step, storage == StorageType.DISK)
                 if not self.args.save_only_model:
-                    self._save_optimizer_and_scheduler(scratch)
-                    self._save_scaler(scratch)
-                    self._save_rng_state(scratch)
+                    self._save_optimizer_and_scheduler(tmp)
+                    self._save_scaler(tmp)
+                    self._save_rng_state(tmp)
                 if self.args.should_save:
                     self._flash_export_callback_states()
-                    self.state.save_to_json(os.path.join(scratch, _TRAINER_STATE))
+                    self.state.save_to_json(os.path.join(tmp, _TRAINER_STATE))
             cap.collect()
             engine.save(step, fs, path=name, storage_type=storage)
         self._flash_last_step = step
@@ -785,135 +554,6 @@ class FlashCkptTrainer(Trainer):
         """Waits until the best checkpoint is committed, then loads it as the Trainer does."""
         self.flashckpt_wait()
         super()._load_best_model()
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-# ---------------------------------------------------------------------------------------------- accelerate
-class AcceleratorCheckpointer:
-    """``Accelerator.save_state`` / ``load_state`` through flashckpt: memory first, persisted in the
-    background in Accelerate's own layout (``model.safetensors``, ``optimizer.bin``, ``scheduler.bin``,
-    ``random_states_<rank>.pkl``, ...), so ``accelerator.load_state(dir)`` reads it without flashckpt.
-
-    Args:
-        accelerator: the ``accelerate.Accelerator`` whose prepared objects are saved.
-        checkpoint_dir: where checkpoints live (flashckpt's bookkeeping goes beside it, to
-            ``<parent>/.flashckpt/<name>/``); with
-            ``ProjectConfiguration(automatic_checkpoint_naming=True)`` it defaults to the project dir, the
-            checkpoints go to ``<project_dir>/checkpoints/checkpoint_<i>`` as Accelerate names them, and
-            ``total_limit`` is the retention.
-        config: ``scratch_dir`` is used; the other fields are the Trainer's.
-
-    Example::
-
-        ckpt = AcceleratorCheckpointer(accelerator, "/ckpt")
-        ckpt.load_state()                       # newest, from memory when it has it; no-op when none
-        for step in range(start, steps):
-            ...
-            ckpt.save_state(f"/ckpt/step_{step}", step=step, storage_type=StorageType.MEMORY)
-        ckpt.close()
-
-    Every process calls every method (as with ``Accelerator.save_state``).
-    """
-
-    def __init__(self, accelerator: Any, checkpoint_dir: str | None = None, *,
-                 config: FlashCkptConfig | None = None) -> None:
-        pc = accelerator.project_configuration
-        self.accelerator = accelerator
-        self.config = config or FlashCkptConfig()
-        self.automatic = bool(pc.automatic_checkpoint_naming)
-        if checkpoint_dir is None:
-            if not self.automatic:
-                raise ValueError("AcceleratorCheckpointer(checkpoint_dir=None): pass the directory checkpoints go "
-                                 "to, or use ProjectConfiguration(automatic_checkpoint_naming=True)")
-            # The project dir, not its checkpoints/ (where Accelerate expects only checkpoint_<i> folders).
-            checkpoint_dir = accelerator.project_dir
-        limit = pc.total_limit if self.automatic and pc.total_limit else 0
-        self.engine = CheckpointEngine(checkpoint_dir, max_to_keep=limit, replicated=False,
-                                       weights_only=accelerator.distributed_type.value != "DEEPSPEED")
-        self.checkpoint_dir = self.engine.checkpoint_dir
-        self.last_load: Located | None = None
-
-    def save_state(self, output_dir: str | None = None, *, step: int | None = None,
-                   storage_type: StorageType = StorageType.DISK, **kwargs: Any) -> str:
-        """Like ``Accelerator.save_state``; returns the checkpoint's directory.
-
-        Args:
-            output_dir: the checkpoint's directory inside ``checkpoint_dir``; with automatic checkpoint
-                naming, leave it None (``checkpoint_<iteration>``).
-            step: the checkpoint's step (increasing); with automatic naming, the iteration.
-            storage_type: MEMORY (a snapshot only) or DISK (also persisted in the background).
-            kwargs: passed to ``Accelerator.save_state`` (``safe_serialization``, ...).
-        """
-        pc = self.accelerator.project_configuration
-        if self.automatic:
-            if output_dir is not None:
-                raise ValueError("save_state(output_dir=...): automatic checkpoint naming picks the directory; "
-                                 "leave output_dir None")
-            step = pc.iteration if step is None else step
-            output_dir = os.path.join(self.accelerator.project_dir, "checkpoints", f"checkpoint_{pc.iteration}")
-        if output_dir is None or step is None:
-            raise ValueError("save_state(): pass output_dir and step=<the training step> (flashckpt orders "
-                             "checkpoints by step)")
-        target = os.path.abspath(output_dir)
-        rel = self.engine.layout.rel(target)
-        fs = FileSet()
-        with _scratch(_scratch_root(self.config), os.path.basename(target)) as scratch:
-            cap = _Capture(scratch, fs)
-            auto = pc.automatic_checkpoint_naming
-            pc.automatic_checkpoint_naming = False  # save_state must write where we say and delete nothing
-            try:
-                with cap:
-                    self.accelerator.save_state(scratch, **kwargs)
-            finally:
-                pc.automatic_checkpoint_naming = auto
-            cap.collect()
-            self.engine.save(step, fs, path=rel, storage_type=storage_type)
-        return target
-
-    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> Located:
-        """Like ``Accelerator.load_state``: the newest checkpoint every process has (from memory when it
-        holds it), or ``input_dir``. Returns where it came from (``source`` "none": nothing to load)."""
-        loc = self.engine.locate()
-        want = os.path.abspath(input_dir) if input_dir is not None else None
-        if loc.source == "memory" and loc.step is not None and loc.path and (want is None or want == loc.path):
-            files = _all_ranks_files(self.engine.load_memory(loc.step))
-            view = _materialize(files, _scratch_root(self.config), os.path.basename(loc.path), loc.path, loc.step)
-            try:
-                self.accelerator.load_state(view.dir, **kwargs)
-            finally:
-                view.close()
-        elif want is not None:
-            self.accelerator.load_state(want, **kwargs)
-            loc = Located(None, "storage", want)
-        elif loc.source == "storage" and loc.path:
-            self.accelerator.load_state(loc.path, **kwargs)
-        if self.automatic and loc.source != "none":
-            m = re.search(r"(\d+)$", os.path.basename(loc.path or ""))
-            if m:
-                self.accelerator.project_configuration.iteration = int(m.group(1)) + 1
-        self.last_load = loc
-        return loc
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Blocks until every checkpoint saved so far is committed; raises a persist error."""
-        self.engine.wait(timeout)
-        _barrier()
-
-    def close(self, release: bool = True) -> None:
-        """See ``CheckpointEngine.close``."""
-        self.engine.close(release)
-
-    def __enter__(self) -> AcceleratorCheckpointer:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        self.close(release=exc_type is None)
 
 
 def _check_version() -> None:

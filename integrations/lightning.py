@@ -49,7 +49,9 @@ from flashckpt import (
 )
 from flashckpt.snapshot_reader import SnapshotReader, job_in_memory
 
-# The four Lightning classes are built on first use by the module's __getattr__ (their package is imported then).
+from ._kit import path_inside
+
+# The four Lightning classes are imported on first use by the module's __getattr__ (their package with them).
 __all__ = ["FlashCheckpointIO", "FlashMemorySnapshot", "PLFlashCheckpointIO", "PLFlashMemorySnapshot",  # noqa: F822
            "StorageType", "UnsupportedStrategyError", "check_strategy", "find_resume_path"]
 
@@ -71,10 +73,6 @@ def _local_path(path: Any, op: str) -> str | None:
     if "://" in p and not p.startswith("file://"):
         return None
     return os.path.abspath(p.removeprefix("file://"))
-
-
-def _inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def _link_target(path: str) -> str:
@@ -223,7 +221,13 @@ class _FlashIOImpl:
 
     _tree = "lightning"
     _torch_io_cls: Any = None
-    _trainer_codes: Any = None  # set per built class by _codes()
+    _trainer_codes: Any = None  # set per class by _codes()
+
+    def __init_subclass__(cls, *, tree: str, torch_io: Any, **kwargs: Any) -> None:
+        """The ``FlashCheckpointIO`` of Lightning package ``tree`` (``class X(_FlashIOImpl, CheckpointIO,
+        tree=..., torch_io=TorchCheckpointIO)``), documented and named as this module's."""
+        super().__init_subclass__(**kwargs)
+        cls._tree, cls._torch_io_cls, cls.__module__, cls.__doc__ = tree, torch_io, __name__, _IO_DOC
 
     def __init__(self, checkpoint_dir: str | None = None, *, weights_only: bool = True,
                  teardown_timeout_s: float | None = 1800.0, load_wait_s: float = 600.0) -> None:
@@ -363,7 +367,7 @@ class _FlashIOImpl:
         """Whether a save to ``target`` falls outside the directory this plugin chose by itself (no
         ``checkpoint_dir`` given: the first save's directory); such saves go to ``TorchCheckpointIO``."""
         engine = self._engine
-        return not (engine is None or self.checkpoint_dir or self._loaded_only or _inside(target, engine.checkpoint_dir))
+        return not (engine is None or self.checkpoint_dir or self._loaded_only or path_inside(target, engine.checkpoint_dir))
 
     def _torch_save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any) -> None:
         """Saves with Lightning's ``TorchCheckpointIO``: URLs, paths outside the directory the plugin
@@ -476,7 +480,7 @@ class _FlashIOImpl:
             root = self.checkpoint_dir or (self._engine.checkpoint_dir if self._engine else os.path.dirname(target))
             # An engine is made for a load only where a saver of this job may hold snapshots (its runtime
             # dir exists): loading someone else's checkpoint never starts a saver or writes into its dir.
-            if _inside(target, root) and (self._engine is not None or job_in_memory(root)):
+            if path_inside(target, root) and (self._engine is not None or job_in_memory(root)):
                 self._ensure_engine(target, "load_checkpoint")
                 seq = self._memory_choice(target)
         own = target
@@ -512,7 +516,7 @@ class _FlashIOImpl:
             log.warning("FlashCheckpointIO.remove_checkpoint(%r): a directory, which this plugin never writes: the "
                         "Trainer's strategy saves without CheckpointIO (DeepSpeed, sharded FSDP), so its checkpoints "
                         "are not flash checkpoints; see flashckpt.integrations.lightning.check_strategy", target)
-        if target is None or self._engine is None or not _inside(target, self._engine.checkpoint_dir):
+        if target is None or self._engine is None or not path_inside(target, self._engine.checkpoint_dir):
             if target is None:
                 self._torch_io_cls().remove_checkpoint(path)
             else:
@@ -590,13 +594,13 @@ class _FlashIOImpl:
     def _ensure_engine(self, target: str, op: str) -> CheckpointEngine:
         engine = self._engine
         if engine is not None and self._loaded_only and op == "save_checkpoint" and not self.checkpoint_dir \
-                and not _inside(target, engine.checkpoint_dir):
+                and not path_inside(target, engine.checkpoint_dir):
             # Made to load a checkpoint of another directory (a resume from it): saves go elsewhere.
             self._close(release=True)
             engine = None
         if engine is None:
             root = self.checkpoint_dir or os.path.dirname(target)
-            if not _inside(target, root):
+            if not path_inside(target, root):
                 raise FlashCheckpointError(self._outside(op, target, root))
             engine = CheckpointEngine(root, max_to_keep=0, replicated=True, weights_only=self.weights_only)
             self._engine = engine
@@ -611,7 +615,7 @@ class _FlashIOImpl:
             except BaseException:
                 self._close(release=False)  # keeps what memory holds
                 raise
-        if not _inside(target, engine.checkpoint_dir):
+        if not path_inside(target, engine.checkpoint_dir):
             raise FlashCheckpointError(self._outside(op, target, engine.checkpoint_dir))
         self._loaded_only = self._loaded_only and op != "save_checkpoint"
         return engine
@@ -765,6 +769,11 @@ class _MemorySnapshotImpl:
 
     _tree = "lightning"
 
+    def __init_subclass__(cls, *, tree: str, **kwargs: Any) -> None:
+        """The ``FlashMemorySnapshot`` of Lightning package ``tree``, documented and named as this module's."""
+        super().__init_subclass__(**kwargs)
+        cls._tree, cls.__module__, cls.__doc__ = tree, __name__, _CB_DOC
+
     def __init__(self, every_n_train_steps: int = 1, *, filename: str = "last-flash.ckpt",
                  dirpath: str | None = None) -> None:
         super().__init__()
@@ -840,25 +849,13 @@ Args:
     dirpath: its directory (default: the plugin's ``checkpoint_dir``, else the first ModelCheckpoint's).
 """
 
-_built: dict[str, dict[str, type]] = {}
+# Each package's classes are defined in a module of their own, imported on first use of their names.
+_CLASS_MODULES = {"lightning": "._lightning_classes", "pytorch_lightning": "._pl_classes"}
 
 
 def _build(tree: str) -> dict[str, type]:
-    if tree in _built:
-        return _built[tree]
-    fabric, trainer_pkg = ("lightning.fabric", "lightning.pytorch") if tree == "lightning" else (
-        "lightning_fabric", "pytorch_lightning")
-    checkpoint_io = importlib.import_module(f"{fabric}.plugins.io.checkpoint_io").CheckpointIO
-    torch_io = importlib.import_module(f"{fabric}.plugins.io.torch_io").TorchCheckpointIO
-    callback = importlib.import_module(f"{trainer_pkg}.callbacks").Callback
-    io_name, cb_name = _NAMES[tree]
-    io_cls = type(io_name, (_FlashIOImpl, checkpoint_io), {
-        "__module__": __name__, "__qualname__": io_name, "__doc__": _IO_DOC, "_tree": tree,
-        "_torch_io_cls": torch_io})
-    cb_cls = type(cb_name, (_MemorySnapshotImpl, callback), {
-        "__module__": __name__, "__qualname__": cb_name, "__doc__": _CB_DOC, "_tree": tree})
-    _built[tree] = {io_name: io_cls, cb_name: cb_cls}
-    return _built[tree]
+    mod = importlib.import_module(_CLASS_MODULES[tree], __package__)
+    return {name: getattr(mod, name) for name in _NAMES[tree]}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,4 @@
-"""FsdpShardCheckpointer and the DCP layer under it (flashckpt.integrations._dcp), with real FSDP2 (``fully_shard``
+"""FsdpShardCheckpointer and the DCP layer under it (flashckpt.integrations.dcp), with real FSDP2 (``fully_shard``
 on a CPU device mesh, gloo) in real rank processes.
 
 - In one process: the torch.save record split (dtype matrix), the writer's layout against
@@ -209,7 +209,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_torch_save_frame_around_the_data_is_a_torch_save_file(dtype):
     from flashckpt.files import tensor_view as _tensor_bytes
-    from flashckpt.integrations._dcp import torch_save_frame
+    from flashckpt.integrations.dcp import torch_save_frame
 
     for shape in [(), (0,), (7,), (3, 5), (2, 0, 4), (64, 33)]:
         t = (torch.rand(shape) > 0.5) if dtype == torch.bool else (torch.randn(shape) * 50).to(dtype)
@@ -236,7 +236,7 @@ def test_writer_layout_matches_file_system_writer_and_memory_reader_loads_it(tmp
     offsets and lengths for every item), vanilla ``dcp.load`` reads it once written out, and the memory
     reader serves it back."""
     import torch.distributed.checkpoint as dcp
-    from flashckpt.integrations._dcp import CachingSavePlanner, FileSetStorageWriter, open_memory_reader
+    from flashckpt.integrations.dcp import CachingSavePlanner, FileSetStorageWriter, open_memory_reader
 
     sd = _mixed_state()
     ours, ref = str(tmp_path / "ours"), str(tmp_path / "ref")
@@ -282,7 +282,7 @@ def test_cached_plan_is_replaced_when_the_structure_or_a_dtype_changes():
     """A new key, and a tensor that keeps its shape but changes dtype (DCP's own plan comparison looks at
     keys, offsets and sizes only), both re-plan: the metadata and the data describe the new state."""
     import torch.distributed.checkpoint as dcp
-    from flashckpt.integrations._dcp import CachingSavePlanner, FileSetStorageWriter, open_memory_reader
+    from flashckpt.integrations.dcp import CachingSavePlanner, FileSetStorageWriter, open_memory_reader
 
     writer, planner = FileSetStorageWriter(), CachingSavePlanner()
     states = [{"w": torch.randn(4, 3), "step": 1}, {"w": torch.randn(4, 3), "step": 2},

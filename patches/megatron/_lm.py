@@ -21,13 +21,12 @@ for the duration of the call and restored after it; one training thread.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import io
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -36,6 +35,7 @@ import torch.distributed as dist
 from flashckpt import FileSet, StorageType
 from flashckpt.engine import local_dir
 from flashckpt.errors import FlashCheckpointError
+from flashckpt.integrations._kit import exchange_files, rank, rel_inside, swapped, world
 from flashckpt.retention import CheckpointDeletionStrategy
 from flashckpt.torchfile import load_parts, torch_save_parts
 
@@ -107,25 +107,6 @@ def finalize(*, release: bool = True, timeout: float | None = None) -> None:
 
 
 # ------------------------------------------------------------------------------------------ swapping
-@contextlib.contextmanager
-def _swapped(swaps: list[tuple[Any, str, Any]]) -> Iterator[None]:
-    """Sets ``obj.name = value`` for each swap; restores (or removes) them on exit."""
-    missing = object()
-    saved = []
-    try:
-        for obj, name, value in swaps:
-            saved.append((obj, name, obj.__dict__.get(name, missing) if hasattr(obj, "__dict__") else missing))
-            setattr(obj, name, value)
-        yield
-    finally:
-        for obj, name, old in reversed(saved):
-            if old is missing:
-                with contextlib.suppress(AttributeError):
-                    delattr(obj, name)
-            else:
-                setattr(obj, name, old)
-
-
 class _Proxy:
     """A module with some attributes replaced."""
 
@@ -142,14 +123,6 @@ def _distrib_optimizer() -> ModuleType | None:
         return importlib.import_module("megatron.core.optimizer.distrib_optimizer")
     except ImportError:
         return None
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 # ------------------------------------------------------------------------------------------ save
@@ -173,10 +146,7 @@ def _save_swaps(mlm: ModuleType, ck: MegatronCheckpointer, col: Any) -> list[tup
     tracker = os.path.join(ck.checkpoint_dir, TRACKER_NAME)
 
     def routed(path: Any) -> str | None:
-        if not isinstance(path, (str, os.PathLike)):
-            return None
-        p = os.path.abspath(os.fspath(path))
-        return os.path.relpath(p, base) if os.path.commonpath([p, base]) == base and p != base else None
+        return rel_inside(path, base)
 
     def torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         rel = routed(f)
@@ -266,7 +236,7 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
     path = os.path.join(ck.checkpoint_dir, "release") if kwargs.get("release") else iteration_dir(ck.checkpoint_dir,
                                                                                                   iteration)
     async_save = getattr(args, "async_save", False)
-    with ck.collecting(iteration, path, storage_type) as col, _swapped(_save_swaps(mlm, ck, col)):
+    with ck.collecting(iteration, path, storage_type) as col, swapped(_save_swaps(mlm, ck, col)):
         args.async_save = False
         try:
             _call(mlm.save_checkpoint, values, kwargs)
@@ -284,42 +254,11 @@ def _read_tracker(load_dir: str) -> int | None:
     return int(text) if text.isdigit() else 0 if text == "release" else None
 
 
-def _exchange_files(held: dict[str, list[Any]], wanted: list[str]) -> dict[str, list[Any]]:
-    """Every rank gets the files it wants, from itself or from the lowest rank that holds them (one
-    ``all_gather_object`` and one broadcast per rank serving something). Collective; errors are raised
-    on every rank."""
-    mine = {n: held[n] for n in wanted if n in held}
-    if _world() == 1:
-        missing = [n for n in wanted if n not in held]
-        if missing:
-            raise FlashCheckpointError(f"load_checkpoint(): {missing} are in no snapshot")
-        return mine
-    table: list[Any] = [None] * _world()
-    dist.all_gather_object(table, (sorted(held), [n for n in wanted if n not in held]))
-    owner: dict[str, int] = {}
-    for r, (names, _) in enumerate(table):
-        for n in names:
-            owner.setdefault(n, r)
-    serve: dict[int, set[str]] = {}
-    for r, (_, want) in enumerate(table):
-        for n in want:
-            if n not in owner:
-                raise FlashCheckpointError(f"load_checkpoint(): rank {r} needs {n}, which no rank holds in memory")
-            serve.setdefault(owner[n], set()).add(n)
-    for r in sorted(serve):
-        payload: list[Any] = [None]
-        if r == _rank():
-            payload[0] = {n: [b"".join(bytes(memoryview(_as_bytes(p))) for p in held[n])] for n in sorted(serve[r])}
-        dist.broadcast_object_list(payload, src=r)
-        mine.update({n: v for n, v in payload[0].items() if n in wanted and n not in mine})
-    return mine
-
-
-def _as_bytes(p: Any) -> Any:
-    if isinstance(p, (bytes, bytearray, memoryview)):
-        return p
-    t = p.detach().cpu().contiguous().reshape(-1)
-    return t.view(torch.uint8).numpy() if t.numel() else b""
+def _fetch_files(held: dict[str, list[Any]], wanted: list[str]) -> dict[str, list[Any]]:
+    """The files ``wanted``, from this rank's snapshot or from a rank that holds them (collective; see
+    ``exchange_files``, whose errors are raised on every rank)."""
+    got = exchange_files(held, sorted(held), [n for n in wanted if n not in held], what="load_checkpoint()")
+    return {n: held[n] for n in wanted if n in held} | got
 
 
 class _MemoryLoad:
@@ -338,8 +277,8 @@ class _MemoryLoad:
         fs = self.ck.engine.load_memory(self.step)
         held = {n: (e.data if isinstance(e.data, list) else [e.data]) for n, e in fs.items()
                 if e.format == "raw" and e.kind == "file"} if isinstance(fs, FileSet) else {}
-        flag: list[Any] = ["metadata.json" in held] if _rank() == 0 else [None]
-        if _world() > 1:
+        flag: list[Any] = ["metadata.json" in held] if rank() == 0 else [None]
+        if world() > 1:
             dist.broadcast_object_list(flag, src=0)
         if flag[0]:  # torch_dist
             self.view = self.ck.memory_view(self.path, _located=(self.step, self.path), _fileset=fs)
@@ -353,7 +292,7 @@ class _MemoryLoad:
             wanted.append(self._rank0_name(held))
         wanted = [n for n in dict.fromkeys(wanted) if n]
         try:
-            self.files = _exchange_files(held, wanted)
+            self.files = _fetch_files(held, wanted)
         except FlashCheckpointError as e:
             log.warning("%s; loading from storage", e)
             return False
@@ -361,8 +300,8 @@ class _MemoryLoad:
 
     def _rank0_name(self, held: dict[str, list[Any]]) -> str:
         names: list[Any] = [sorted(n for n in held if n.startswith("mp_rank_00") and n.endswith("model_optim_rng.pt"))
-                            if _rank() == 0 else None]
-        if _world() > 1:
+                            if rank() == 0 else None]
+        if world() > 1:
             dist.broadcast_object_list(names, src=0)
         return names[0][0] if names[0] else ""
 
@@ -428,8 +367,7 @@ class _MemoryLoad:
 
         def torch_load(f: Any, *args: Any, **kwargs: Any) -> Any:
             if isinstance(f, (str, os.PathLike)):
-                p = os.path.abspath(os.fspath(f))
-                rel = os.path.relpath(p, self.path) if os.path.commonpath([p, self.path]) == self.path else None
+                rel = rel_inside(f, self.path)
                 if rel in self.files:
                     return load_parts(self.files[rel], weights_only=kwargs.get("weights_only", self.ck.weights_only))
             return torch.load(f, *args, **kwargs)
@@ -466,7 +404,7 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
         served = _MemoryLoad(mlm, ck, loc.step, loc.path)
         if served.prepare(args):
             log.info("event=megatron_lm_load step=%d source=memory", loc.step)
-            with _swapped(served.swaps()):
+            with swapped(served.swaps()):
                 return _call(mlm.load_checkpoint, values, kwargs)
     if (loc.source == "storage" and loc.step is not None and tracked is not None and tracked != loc.step
             and tracked in ck.engine.committed_steps() and hasattr(args, "ckpt_step")):

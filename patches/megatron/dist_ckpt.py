@@ -61,7 +61,8 @@ import torch.distributed as dist
 from flashckpt import CheckpointEngine, FileSet, StorageType
 from flashckpt.engine import LoadResult
 from flashckpt.errors import FlashCheckpointError
-from flashckpt.integrations._dcp import METADATA_NAME, FileSetStorageReader, open_memory_reader, torch_save_frame
+from flashckpt.integrations._kit import Adapter, path_inside, rank, step_of, swapped
+from flashckpt.integrations.dcp import METADATA_NAME, FileSetStorageReader, open_memory_reader, torch_save_frame
 from flashckpt.retention import CheckpointDeletionStrategy
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import serialization as _ser
@@ -102,10 +103,6 @@ def iteration_dir(checkpoint_dir: str, iteration: int) -> str:
     return os.path.join(checkpoint_dir, f"iter_{iteration:07d}")
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _config_bytes(backend: str, version: int) -> bytes:
     """``metadata.json`` as megatron-core's ``save_config`` writes it."""
     return json.dumps(dataclasses.asdict(CheckpointingConfig(backend, version))).encode()
@@ -122,7 +119,7 @@ class _Collecting:
     fileset: FileSet
 
 
-class MegatronCheckpointer:
+class MegatronCheckpointer(Adapter):
     """One per checkpoint directory (Megatron-LM's ``--save``): owns the rank's ``CheckpointEngine``.
 
     Every rank constructs one (it starts or joins the node's saver). Steps are iterations; a step
@@ -158,7 +155,7 @@ class MegatronCheckpointer:
         Raises:
             FlashCheckpointError: it does not (nothing was written)."""
         p = self.engine.resolve(path)
-        if p == self.checkpoint_dir or os.path.commonpath([p, self.checkpoint_dir]) != self.checkpoint_dir:
+        if not path_inside(p, self.checkpoint_dir, strict=True):
             raise FlashCheckpointError(f"{what}({str(path)!r}): the checkpoint must be a directory inside the "
                                        f"checkpointer's dir {self.checkpoint_dir} (for example "
                                        f"{iteration_dir(self.checkpoint_dir, 100)})")
@@ -191,7 +188,7 @@ class MegatronCheckpointer:
             yield col
         finally:
             self._active = None
-        if tracker and _rank() == 0:
+        if tracker and rank() == 0:
             col.fileset.add_raw(TRACKER_NAME, str(step).encode(), kind="tracker")
         self.engine.save(step, col.fileset, path=col.path, storage_type=storage_type)
 
@@ -260,21 +257,6 @@ class MegatronCheckpointer:
         log.info("event=megatron_memory_view step=%d files=%d", step, len(names))
         return _MemoryView(path, step, reader, common, config, self.weights_only)
 
-    # ------------------------------------------------------------------ lifecycle
-    def wait(self, timeout: float | None = None) -> None:
-        """Blocks until every scheduled persist is committed; raises the first persist error."""
-        self.engine.wait(timeout)
-
-    def close(self, release: bool = True) -> None:
-        """See ``CheckpointEngine.close``."""
-        self.engine.close(release)
-
-    def __enter__(self) -> MegatronCheckpointer:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        self.close(release=exc_type is None)
-
 
 def _raw(fs: Any, name: str) -> bytes | None:
     return fs.raw_bytes(name) if isinstance(fs, FileSet) and name in fs and fs[name].format == "raw" else None
@@ -282,7 +264,7 @@ def _raw(fs: Any, name: str) -> bytes | None:
 
 def _from_rank0(common: bytes | None, config: bytes | None) -> tuple[bytes, CheckpointingConfig] | None:
     """Rank 0's ``common.pt`` and ``metadata.json`` for every rank (one broadcast), or None."""
-    obj: list[Any] = [(common, config) if _rank() == 0 else None]
+    obj: list[Any] = [(common, config) if rank() == 0 else None]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(obj, src=0)
     common, config = obj[0]
@@ -317,7 +299,7 @@ class _MemoryView:
         self.reader = reader
         self.config = config
         self.common_strategy = _MemoryCommonLoadStrategy(common, weights_only)
-        self._saved: list[tuple[Any, str, Any]] = []
+        self._swaps: Any = None
 
     def _mine(self, checkpoint_dir: Any) -> bool:
         return checkpoint_dir is not None and os.path.abspath(str(checkpoint_dir)) == self.path
@@ -341,16 +323,16 @@ class _MemoryView:
         def reader(checkpoint_dir: Any, cache_metadata: bool = False) -> Any:
             return self.reader if self._mine(checkpoint_dir) else orig_reader(checkpoint_dir, cache_metadata)
 
-        self._saved = [(_ser, "verify_checkpoint_and_load_strategy", orig_verify),
-                       (_mtorch, "_get_filesystem_reader", orig_reader)]
-        _ser.verify_checkpoint_and_load_strategy = verify
-        _mtorch._get_filesystem_reader = reader
+        swaps = swapped([(_ser, "verify_checkpoint_and_load_strategy", verify),
+                         (_mtorch, "_get_filesystem_reader", reader)])
+        swaps.__enter__()
+        self._swaps = swaps
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for mod, name, orig in reversed(self._saved):
-            setattr(mod, name, orig)
-        self._saved = []
+        swaps, self._swaps = self._swaps, None
+        if swaps is not None:
+            swaps.__exit__(None, None, None)
 
 
 # ------------------------------------------------------------------------------------------ staging
@@ -382,7 +364,7 @@ class _DistcpStager:
         return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
 
     def prepare_decentralized_global_plan(self, local_plan: SavePlan) -> SavePlan:
-        return dataclasses.replace(local_plan, storage_data=_StoragePrefix(f"__{_rank()}_"))
+        return dataclasses.replace(local_plan, storage_data=_StoragePrefix(f"__{rank()}_"))
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         try:
@@ -501,10 +483,10 @@ class FlashCkptSaveStrategy(AsyncSaveShardedStrategy):
         if ck._active is not None:
             self.stage(sharded_state_dict, path, ck._active.fileset)
             return
-        step = self.step if self.step is not None else _step_of(path)
+        step = self.step if self.step is not None else _iteration_of(path)
         with ck.collecting(step, path, self.storage_type) as col:
             self.stage(sharded_state_dict, path, col.fileset)
-            if _rank() == 0:
+            if rank() == 0:
                 common = os.path.join(path, COMMON_STATE_FNAME)  # vanilla save wrote it just before calling us
                 if os.path.exists(common):
                     with open(common, "rb") as f:
@@ -544,12 +526,12 @@ class FlashCkptSaveStrategy(AsyncSaveShardedStrategy):
             into.add_raw(METADATA_NAME, meta, kind="commit")
 
 
-def _step_of(path: str) -> int:
-    m = _ITER_DIR.match(os.path.basename(path))
-    if m is None:
+def _iteration_of(path: str) -> int:
+    step = step_of(path, _ITER_DIR)
+    if step is None:
         raise FlashCheckpointError(f"FlashCkptSaveStrategy: cannot tell the iteration of {path!r}; name the directory "
                                    "iter_XXXXXXX (Megatron-LM's layout) or pass step= to the strategy")
-    return int(m.group(1))
+    return step
 
 
 # ------------------------------------------------------------------------------------------ entry points
@@ -584,12 +566,12 @@ def save(sharded_state_dict: Any, checkpoint_dir: str | Path, sharded_strategy: 
             sharded_state_dict[_CONTENT_METADATA_KEY] = content_metadata
         sharded_part, common_state_dict = _ser.save_preprocess(sharded_state_dict, validate_access_integrity,
                                                                preprocess_common_before_consistancy_check)
-        if _rank() == 0:
+        if rank() == 0:
             buf = io.BytesIO()
             torch.save(common_state_dict, buf)
             col.fileset.add_raw(COMMON_STATE_FNAME, buf.getvalue())
         strategy.save(sharded_part, col.path)
-        if _rank() == 0:
+        if rank() == 0:
             col.fileset.add_raw(CONFIG_FNAME, _config_bytes(strategy.backend, strategy.version))
     return AsyncRequest(None, (), []) if async_sharded_save else None
 

@@ -80,6 +80,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ._kit import exchange_files
+
 __all__ = ["FileSetStorageWriter", "FileSetStorageReader", "CachingSavePlanner", "open_memory_reader",
            "torch_save_frame", "data_file_name", "METADATA_NAME"]
 
@@ -425,7 +427,7 @@ class FileSetStorageReader(FileSystemReader):
         routing = plan.storage_data if isinstance(plan.storage_data, _Routing) else _Routing(False, ())
         received: dict[MetadataIndex, Any] = {}
         if routing.exchange:
-            received = self._exchange(routing.serve)
+            received = self._exchange(plan, routing.serve)
         for req in plan.items:
             info = self._info(req.storage_index)
             mine = self.files.get(info.relative_path)
@@ -473,51 +475,22 @@ class FileSetStorageReader(FileSystemReader):
             return None
         return t
 
-    def _exchange(self, serve: tuple[MetadataIndex, ...]) -> dict[MetadataIndex, Any]:
-        """Every rank sends the records others need from it, once, as one uint8 tensor broadcast from it
-        (data-parallel replicas restarting from memory get the whole model from the rank that holds it).
-        Errors on any rank are raised on every rank, after the collective, so no rank is left waiting."""
-        group = self.process_group
-        entry: Any
-        try:
-            entry = []
-            for idx in serve:
-                info = self._info(idx)
-                parts = self.files.get(info.relative_path)
-                if parts is None or info.offset + info.length > parts.size:
-                    raise CheckpointCorruptError(f"{info.relative_path} bytes {info.offset}+{info.length} are not "
-                                                 "held by this rank")
-                entry.append((idx, info.length))
-        except Exception as e:  # reported to every rank below
-            entry = f"{type(e).__name__}: {e}"
-        table: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(table, entry, group=group)
-        errors = {r: t for r, t in enumerate(table) if isinstance(t, str)}
-        if errors:
-            raise FlashCheckpointError(f"FileSetStorageReader: serving items from memory failed on ranks {errors}")
-        me = dist.get_rank(group)
-        device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
-                  else torch.device("cpu"))
-        out: dict[MetadataIndex, Any] = {}
-        for r, entries in enumerate(table):
-            if not entries:
-                continue
-            buf = torch.empty(sum(n for _, n in entries), dtype=torch.uint8)
-            if r == me:
-                view, pos = memoryview(buf.numpy().data), 0
-                for idx, n in entries:
-                    info = self._info(idx)
-                    view[pos:pos + n] = self.files[info.relative_path].read(info.offset, n)
-                    pos += n
-            wire = buf.to(device)
-            dist.broadcast(wire, src=r if group is None else dist.get_global_rank(group, r), group=group)
-            if r == me:
-                continue
-            view, pos = memoryview(wire.cpu().numpy().data), 0
-            for idx, n in entries:
-                out[idx] = view[pos:pos + n]
-                pos += n
-        return out
+    def _exchange(self, plan: LoadPlan, serve: tuple[MetadataIndex, ...]) -> dict[MetadataIndex, Any]:
+        """Every rank gets the records of ``plan`` that other ranks hold, and serves those others read from
+        it (``serve``, as the coordinator planned): data-parallel replicas restarting from memory get the
+        whole model from the rank that holds it. Errors on any rank are raised on every rank."""
+        wanted = list(dict.fromkeys(req.storage_index for req in plan.items
+                                    if self._info(req.storage_index).relative_path not in self.files))
+        return exchange_files(self._record, serve, wanted, group=self.process_group, what="FileSetStorageReader")
+
+    def _record(self, index: MetadataIndex) -> bytes:
+        info = self._info(index)
+        parts = self.files.get(info.relative_path)
+        if parts is None or info.offset + info.length > parts.size:
+            raise CheckpointCorruptError(f"{info.relative_path} bytes {info.offset}+{info.length} are not held by "
+                                         "this rank")
+        return parts.read(info.offset, info.length)
+
 
 def _index_key(idx: MetadataIndex) -> tuple[str, tuple[int, ...]]:
     return idx.fqn, tuple(idx.offset or ())

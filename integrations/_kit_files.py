@@ -1,0 +1,205 @@
+"""The adapter kit, files: capturing a framework's writes into a ``FileSet``, and laying a memory snapshot
+out as files for a framework to read.
+
+- ``Capture``: while entered, ``torch.save`` and ``safetensors.torch.save_file`` calls aimed into ``root``
+  are captured as tensor trees (nothing serialized; the tensors are copied once, into shared memory);
+  ``collect`` adds the other files written there (JSON, pickles) as bytes. Other paths pass through.
+  ``Capture(root, patch=False)`` only names paths (``rel``) for adapters whose framework hands its writes
+  over through an interface of its own (DeepSpeed's checkpoint engine).
+- ``SnapshotDir``: a private temporary directory holding a snapshot's files (written, or empty placeholders
+  for a framework that only looks for them), removed by ``close``.
+- ``scratch_root`` / ``scratch``: where such directories go (``/dev/shm`` when it is writable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from typing import Any, Self
+
+import torch
+from flashckpt.files import FileEntry, FileSet
+
+from ._kit import exchange_files, rel_inside, swapped, world
+
+__all__ = ["Capture", "SnapshotDir", "scratch_root", "scratch", "write_entry", "all_ranks_files"]
+
+_TREE_MIN_BYTES = 1 << 16  # torch.save'd trees with fewer tensor bytes are captured as their exact bytes
+_PATCH_LOCK = threading.Lock()
+# Modules that bind ``safetensors.torch.save_file`` under their own name (checked at capture time).
+_SAFETENSORS_USERS = ("transformers.modeling_utils", "transformers.trainer", "peft.peft_model",
+                      "peft.utils.save_and_load", "accelerate.utils.other", "accelerate.checkpointing")
+
+
+class Capture:
+    """Routes the writes aimed into ``root`` into ``files`` (see the module docstring)."""
+
+    def __init__(self, root: str, files: FileSet | None = None) -> None:
+        self.root = os.path.abspath(root)
+        self.files = FileSet() if files is None else files
+        self._swaps: Any = None
+
+    def rel(self, path: Any) -> str | None:
+        """The name of ``path`` in the set when it lies inside ``root`` (see ``path_inside``), else None."""
+        return rel_inside(path, self.root)
+
+    def __enter__(self) -> Self:
+        import safetensors.torch as st
+
+        _PATCH_LOCK.acquire()
+        try:
+            orig_torch_save, orig_st_save = torch.save, st.save_file
+
+            def torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+                rel = self.rel(f)
+                if rel is None:
+                    return orig_torch_save(obj, f, *args, **kwargs)
+                if _tensor_bytes(obj, _TREE_MIN_BYTES) >= _TREE_MIN_BYTES:
+                    self.files.add_torch(rel, obj)
+                else:
+                    buf = io.BytesIO()
+                    orig_torch_save(obj, buf, *args, **kwargs)
+                    self.files.add_raw(rel, buf.getvalue())
+                return None
+
+            def save_file(tensors: dict[str, torch.Tensor], filename: Any, metadata: dict[str, str] | None = None) -> None:
+                rel = self.rel(filename)
+                if rel is None:
+                    return orig_st_save(tensors, filename, metadata=metadata)
+                self.files.add_safetensors(rel, dict(tensors), metadata=metadata)
+                return None
+
+            swaps: list[tuple[Any, str, Any]] = [(torch, "save", torch_save), (st, "save_file", save_file)]
+            for name in _SAFETENSORS_USERS:
+                mod = sys.modules.get(name)
+                for attr in ("safe_save_file", "save_file"):
+                    if mod is not None and getattr(mod, attr, None) is orig_st_save:
+                        swaps.append((mod, attr, save_file))
+            self._swaps = swapped(swaps)
+            self._swaps.__enter__()
+        except BaseException:
+            _PATCH_LOCK.release()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        swaps, self._swaps = self._swaps, None
+        try:
+            if swaps is not None:
+                swaps.__exit__(None, None, None)
+        finally:
+            _PATCH_LOCK.release()
+
+    def collect(self) -> None:
+        """Adds every file written into ``root`` (and not captured) to the set, as its bytes."""
+        for dirpath, _dirs, names in os.walk(self.root):
+            for n in sorted(names):
+                path = os.path.join(dirpath, n)
+                rel = os.path.relpath(path, self.root).replace(os.sep, "/")
+                if rel not in self.files:
+                    with open(path, "rb") as f:
+                        self.files.add_raw(rel, f.read())
+
+
+def _tensor_bytes(obj: Any, stop: int) -> int:
+    """Bytes of the tensors in ``obj`` (containers walked), counting stops once ``stop`` is reached."""
+    total = 0
+    todo = [obj]
+    while todo and total < stop:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+    return total
+
+
+def scratch_root(scratch_dir: str | None = None) -> str:
+    """``scratch_dir``, else ``/dev/shm`` when it is writable, else the system temp dir."""
+    if scratch_dir:
+        return scratch_dir
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+@contextlib.contextmanager
+def scratch(root: str, name: str, *, prefix: str = "flashckpt-") -> Iterator[str]:
+    """A private empty directory ``<root>/<tmp>/<name>`` (removed afterwards)."""
+    with SnapshotDir(root, name, prefix=prefix) as d:
+        yield d.dir
+
+
+def write_entry(path: str, e: FileEntry) -> None:
+    """Writes one ``FileSet`` entry to ``path`` as the saver would persist it."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if e.format == "torch":
+        torch.save(e.data, path)
+        return
+    parts = e.data if isinstance(e.data, list) else [e.data]
+    with open(path, "wb") as f:
+        for p in parts:
+            if isinstance(p, torch.Tensor):
+                if p.numel():
+                    f.write(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            else:
+                f.write(p)
+
+
+class SnapshotDir:
+    """A snapshot's files in a private directory ``dir`` = ``<base>/<name>``, ``base`` a new temporary
+    directory in ``root`` (None: the system temp dir), for a framework that reads checkpoints from a
+    directory. ``close`` removes ``base``."""
+
+    def __init__(self, root: str | None, name: str, *, prefix: str = "flashckpt-") -> None:
+        self.base = tempfile.mkdtemp(prefix=prefix, dir=root)
+        self.dir = os.path.join(self.base, *name.split("/"))
+        try:
+            os.makedirs(self.dir)
+        except BaseException:
+            self.close()
+            raise
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.dir, *name.split("/"))
+
+    def write(self, name: str, e: FileEntry) -> None:
+        """The file ``name`` with the entry's content."""
+        write_entry(self.path(name), e)
+
+    def touch(self, name: str) -> None:
+        """An empty placeholder ``name``: answers a framework's ``glob`` / ``os.path.exists``, while its
+        reads are served from memory."""
+        p = self.path(name)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        open(p, "wb").close()
+
+    def close(self) -> None:
+        if self.base:
+            shutil.rmtree(self.base, ignore_errors=True)
+            self.base = ""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def all_ranks_files(mine: FileSet, *, group: Any = None) -> FileSet:
+    """The union of every rank's files of one step (each rank holds its own, and keeps it; a file it lacks
+    comes from the lowest rank that has it). Collective: every rank of ``group`` calls it."""
+    if world(group) == 1:
+        return mine
+    got = exchange_files({n: (e.format, e.kind, e.data) for n, e in mine.items()}, sorted(mine), None,
+                         group=group, what="all_ranks_files()")
+    merged = FileSet(mine)
+    for name, (fmt, kind, data) in sorted(got.items()):
+        merged[name] = FileEntry(fmt, data, kind)
+    return merged

@@ -1,0 +1,18 @@
+"""``flashckpt.integrations.lightning``'s classes on ``lightning`` (imported there on first use of their names;
+their bodies are that module's ``_FlashIOImpl`` and ``_MemorySnapshotImpl``; the ``pytorch_lightning`` ones are beside)."""
+
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import Callback
+
+from .lightning import _FlashIOImpl, _MemorySnapshotImpl
+
+__all__ = ["FlashCheckpointIO", "FlashMemorySnapshot"]
+
+
+class FlashCheckpointIO(_FlashIOImpl, CheckpointIO, tree="lightning", torch_io=TorchCheckpointIO):
+    pass
+
+
+class FlashMemorySnapshot(_MemorySnapshotImpl, Callback, tree="lightning"):
+    pass
