@@ -82,7 +82,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     load0 = os.getloadavg()[0]
     torch.cuda.synchronize = lambda *a, **k: None  # vanilla megatron-core's save on a CPU (see the docstring)
-    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     from flashckpt.patches.megatron.dist_ckpt import MegatronCheckpointer, StorageType, iteration_dir, load, save
     from megatron.core import dist_checkpointing, parallel_state
 
@@ -133,8 +133,8 @@ def main() -> None:
         vanilla_loads = []
         for cold in (True, False):
             if cold and rank == 0:
-                for f in os.listdir(path):
-                    drop_file_cache(os.path.join(path, f))
+                for name in os.listdir(path):
+                    drop_file_cache(os.path.join(path, name))
             dist.barrier()
             t0 = time.perf_counter()
             sd = dist_checkpointing.load({"model": fresh.sharded_state_dict()}, path)

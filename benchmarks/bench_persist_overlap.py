@@ -35,7 +35,6 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     GB,
@@ -91,9 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     save(StorageType.DISK)
     eng.wait()
 
-    dcp = None
+    dcp: Any = None
     if not args.no_dcp:
-        import torch.distributed.checkpoint as dcp
+        import torch.distributed.checkpoint
+
+        dcp = torch.distributed.checkpoint
 
     samples: dict[str, list[float]] = {k: [] for k in ("copy limit", "flashckpt idle", "flashckpt first during persist",
                                                         "flashckpt later during persist", "flashckpt DISK save",

@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,8 +78,10 @@ class TinyGPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(t))
+        mask = self.mask
+        assert isinstance(mask, torch.Tensor)  # a registered buffer
         for b in self.blocks:
-            x = b(x, self.mask[:t, :t])
+            x = b(x, mask[:t, :t])
         return self.head(self.ln(x))
 
 
@@ -132,14 +135,15 @@ class OtherCheckpointing:
         import torch.distributed.checkpoint as dcp
 
         self.wait()
-        kw = {"async_stager": self.stager} if self.stager is not None else {}
+        kw: dict[str, Any] = {"async_stager": self.stager} if self.stager is not None else {}
         self.future = dcp.async_save(sd, checkpoint_id=os.path.join(self.dir, f"dcp_step_{step}"),
                                      process_group=self.group, **kw)
 
     def wait(self) -> None:
         fut, self.future = self.future, None
         if fut is not None:
-            (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()  # type: ignore[attr-defined]
+            done: Any = fut.upload_completion if hasattr(fut, "upload_completion") else fut
+            done.result()
 
     def close(self) -> None:
         self.wait()

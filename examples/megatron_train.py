@@ -100,10 +100,11 @@ def main() -> None:
         opt.load_state_dict(state["optimizer"])
         start = state["iteration"] + 1
         if rank == 0:
-            print(f"resumed at iteration {state['iteration']} from {ckpt.last_load.source} in "
+            source = ckpt.last_load.source if ckpt.last_load is not None else "?"
+            print(f"resumed at iteration {state['iteration']} from {source} in "
                   f"{time.perf_counter() - t0:.3f} s (weights {digest(model)})")
 
-    pauses = {StorageType.MEMORY: [], StorageType.DISK: []}
+    pauses: dict[StorageType, list[float]] = {StorageType.MEMORY: [], StorageType.DISK: []}
     for it in range(start, opts.iters + 1):
         tokens, pos, mask, labels = batch(it, rank)
         loss = model(tokens, pos, mask, labels=labels).mean()

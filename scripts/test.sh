@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # The test suite, on CPU. Creates ./.venv and installs the project with its test extras and every
-# framework it integrates with on first use.
+# framework it integrates with on first use; then ruff and mypy (scripts/typecheck.sh), then pytest.
+# Arguments go to pytest (tiers: -m unit | multiproc | framework | conformance | gpu).
 source "$(dirname "$0")/_venv.sh" "dev,all"
 set +e
+bash scripts/typecheck.sh
+checks=$?
 python -m pytest "$@"
 rc=$?
 # pytest's 5 means no test was collected: that is a failure of the suite, not a pass.
+if [ $rc -eq 0 ] && [ $checks -ne 0 ]; then
+  echo "ruff/mypy failed (scripts/typecheck.sh): see above" >&2
+  rc=$checks
+fi
 exit $rc

@@ -186,3 +186,39 @@ def pytest_addoption(parser):
     """``--soak N``: run N seeded iterations of the random kill-point test (tests/test_killpoints.py)."""
     parser.addoption("--soak", type=int, default=0, metavar="N",
                      help="random kill-point iterations to run (default: a few; FLASHCKPT_SOAK=N does the same)")
+
+
+# ------------------------------------------------------------------------------------------ test tiers
+# Every test file belongs to one tier (a marker): `pytest -m unit` runs in under a minute; a file not in the
+# table fails the collection, so that a new file is placed on purpose. A test may carry another tier's marker
+# as well (a multi-rank test in a framework's file is `framework` and `multiproc`); `unit` excludes it.
+TIERS = ("unit", "multiproc", "framework", "conformance", "gpu")
+_TIER_OF_FILE = {
+    # in-process logic, at most a short-lived saver: seconds each
+    **dict.fromkeys(("test_interval.py", "test_tree.py", "test_kit.py", "test_errors.py", "test_snapshot_reader.py",
+                     "test_filewriter.py", "test_files.py", "test_retention.py", "test_messages.py",
+                     "test_storage.py"), "unit"),
+    # savers, persist workers, trainers and launchers in processes of their own, faults and kills
+    **dict.fromkeys(("test_cli.py", "test_commit_guards.py", "test_engine.py", "test_fault_injection.py",
+                     "test_ipc.py", "test_killpoints.py", "test_launcher.py", "test_lifecycle.py",
+                     "test_multiprocess.py", "test_native.py", "test_overlap.py", "test_records.py",
+                     "test_saver_liveness.py", "test_security.py", "test_slots.py", "test_writers.py",
+                     "test_documented_api.py", "test_wheel.py", "test_norename_storage.py"), "multiproc"),
+    # a real framework (transformers, Lightning, DeepSpeed, FSDP, Megatron) under the adapter
+    **dict.fromkeys(("test_hf.py", "test_lightning.py", "test_deepspeed.py", "test_fsdp.py", "test_megatron.py",
+                     "test_dlrover_guide.py"), "framework"),
+    "test_conformance.py": "conformance",
+    "test_gpu.py": "gpu",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = os.path.basename(str(item.path))
+        tier = _TIER_OF_FILE.get(name)
+        if tier is None:
+            raise pytest.UsageError(f"{name} has no test tier: add it to _TIER_OF_FILE in tests/conftest.py "
+                                    f"(one of {', '.join(TIERS)})")
+        others = [t for t in TIERS if t != tier and item.get_closest_marker(t)]
+        if not (tier == "unit" and others):
+            item.add_marker(tier)

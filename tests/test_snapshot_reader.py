@@ -17,6 +17,11 @@ from helpers import assert_same_tree, saver_pids
 DISK, MEMORY = StorageType.DISK, StorageType.MEMORY
 
 
+class Hyper(argparse.Namespace):
+    """An opaque leaf that no other test or framework registers with torch.serialization.add_safe_globals
+    (megatron-core registers argparse.Namespace when imported)."""
+
+
 def model_sd(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {"model": {"w": torch.randn(32, 16, generator=g), "b": torch.randn(16, generator=g).to(torch.bfloat16)},
@@ -63,11 +68,11 @@ def test_a_reader_of_a_checkpoint_dir_lists_and_loads_what_memory_holds(make_eng
 
 def test_a_reader_of_an_engine_follows_its_weights_only(make_engine, ckpt_dir):
     eng = make_engine(max_to_keep=0, weights_only=False)
-    sd = {"w": torch.ones(3), "args": argparse.Namespace(lr=0.1)}
+    sd = {"w": torch.ones(3), "args": Hyper(lr=0.1)}
     eng.save(4, sd, storage_type=MEMORY)
     with SnapshotReader(eng) as reader:  # the engine's job and its weights_only=False
         assert not reader.weights_only and reader.job_dir == eng.job_dir
-        assert reader.load()["args"] == argparse.Namespace(lr=0.1)
+        assert reader.load()["args"] == Hyper(lr=0.1)
     with SnapshotReader(ckpt_dir) as reader:  # from the dir: weights_only=True, as a load from storage
         assert reader.memory_steps() == [4]
         with pytest.raises(InvalidStateDictError, match="weights_only"):
@@ -76,7 +81,7 @@ def test_a_reader_of_an_engine_follows_its_weights_only(make_engine, ckpt_dir):
         with pytest.raises(InvalidStateDictError, match="weights_only"):
             reader.load(4)
     with SnapshotReader(ckpt_dir, weights_only=False) as reader:
-        assert reader.load(4)["args"] == argparse.Namespace(lr=0.1)
+        assert reader.load(4)["args"] == Hyper(lr=0.1)
     eng.close()
 
 
