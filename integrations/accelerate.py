@@ -14,6 +14,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from flashckpt import CheckpointEngine, FileSet, Located, StorageType
+from flashckpt import errors as E
 
 from ._kit import Adapter, barrier
 from ._kit_files import Capture, SnapshotDir, all_ranks_files, scratch, scratch_root
@@ -60,7 +61,7 @@ class AcceleratorCheckpointer(Adapter):
         self.automatic = bool(pc.automatic_checkpoint_naming)
         if checkpoint_dir is None:
             if not self.automatic:
-                raise ValueError("AcceleratorCheckpointer(checkpoint_dir=None): pass the directory checkpoints go "
+                raise E.InvalidArgumentError("AcceleratorCheckpointer(checkpoint_dir=None): pass the directory checkpoints go "
                                  "to, or use ProjectConfiguration(automatic_checkpoint_naming=True)")
             # The project dir, not its checkpoints/ (where Accelerate expects only checkpoint_<i> folders).
             checkpoint_dir = accelerator.project_dir
@@ -84,12 +85,12 @@ class AcceleratorCheckpointer(Adapter):
         pc = self.accelerator.project_configuration
         if self.automatic:
             if output_dir is not None:
-                raise ValueError("save_state(output_dir=...): automatic checkpoint naming picks the directory; "
+                raise E.InvalidArgumentError("save_state(output_dir=...): automatic checkpoint naming picks the directory; "
                                  "leave output_dir None")
             step = pc.iteration if step is None else step
             output_dir = os.path.join(self.accelerator.project_dir, "checkpoints", f"checkpoint_{pc.iteration}")
         if output_dir is None or step is None:
-            raise ValueError("save_state(): pass output_dir and step=<the training step> (flashckpt orders "
+            raise E.InvalidArgumentError("save_state(): pass output_dir and step=<the training step> (flashckpt orders "
                              "checkpoints by step)")
         target = os.path.abspath(output_dir)
         rel = self.engine.layout.rel(target)

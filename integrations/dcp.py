@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from flashckpt import FileSet
+from flashckpt import errors as E
 from flashckpt.errors import CheckpointCorruptError, FlashCheckpointError
 from flashckpt.files import tensor_view
 from flashckpt.torchfile import torch_save_parts
@@ -217,7 +218,7 @@ class FileSetStorageWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not kwargs.get("use_collectives", True):
-            raise ValueError("FileSetStorageWriter: dcp.save(use_collectives=False) writes per-rank metadata, which "
+            raise E.InvalidArgumentError("FileSetStorageWriter: dcp.save(use_collectives=False) writes per-rank metadata, which "
                              "this writer does not support; save with collectives (the default)")
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
@@ -247,7 +248,7 @@ class FileSetStorageWriter(StorageWriter):
             if item.type == WriteItemType.BYTE_IO:
                 data = planner.resolve_data(item)
                 if not isinstance(data, io.BytesIO):
-                    raise TypeError(f"FileSetStorageWriter: {item.index.fqn}: the planner resolved a BYTE_IO item "
+                    raise E.InvalidArgumentTypeError(f"FileSetStorageWriter: {item.index.fqn}: the planner resolved a BYTE_IO item "
                                     f"to a {type(data).__name__}, not io.BytesIO")
                 buf = data.getbuffer()
                 pending += buf
@@ -257,7 +258,7 @@ class FileSetStorageWriter(StorageWriter):
                 continue
             t = planner.resolve_data(item)
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"FileSetStorageWriter: {item.index.fqn}: the planner resolved a tensor item to a "
+                raise E.InvalidArgumentTypeError(f"FileSetStorageWriter: {item.index.fqn}: the planner resolved a tensor item to a "
                                 f"{type(t).__name__}")
             t = t.detach()
             td = item.tensor_data

@@ -50,6 +50,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from flashckpt import CheckpointEngine as FlashEngine
 from flashckpt import FlashCheckpointError, LoadResult, StorageType
+from flashckpt import errors as E
 from flashckpt.commit import META
 from flashckpt.files import FileSet
 from flashckpt.retention import CheckpointDeletionStrategy
@@ -189,16 +190,16 @@ class DeepSpeedCheckpointer(Adapter):
                  process_group: Any = None) -> None:
         inner = getattr(engine, "checkpoint_engine", None)
         if inner is None or not hasattr(engine, "save_checkpoint") or not hasattr(engine, "global_steps"):
-            raise TypeError(f"DeepSpeedCheckpointer(engine={type(engine).__name__}): pass the engine returned by "
+            raise E.InvalidArgumentTypeError(f"DeepSpeedCheckpointer(engine={type(engine).__name__}): pass the engine returned by "
                             "deepspeed.initialize")
         if isinstance(inner, FlashDeepSpeedCheckpointEngine):
-            raise ValueError("DeepSpeedCheckpointer: this engine already has a DeepSpeedCheckpointer; close it first")
+            raise E.InvalidArgumentError("DeepSpeedCheckpointer: this engine already has a DeepSpeedCheckpointer; close it first")
         if not isinstance(inner, TorchCheckpointEngine):
-            raise ValueError(f"DeepSpeedCheckpointer: the engine's checkpoint engine is {type(inner).__name__}; "
+            raise E.InvalidArgumentError(f"DeepSpeedCheckpointer: the engine's checkpoint engine is {type(inner).__name__}; "
                              "flashckpt replaces DeepSpeed's default TorchCheckpointEngine. Remove the "
                              "'checkpoint.writer' / 'datastates' settings from the DeepSpeed config")
         if engine.zero_nvme_offload_optimizer():
-            raise ValueError("DeepSpeedCheckpointer: NVMe optimizer offload keeps optimizer state in swap files that "
+            raise E.InvalidArgumentError("DeepSpeedCheckpointer: NVMe optimizer offload keeps optimizer state in swap files that "
                              "DeepSpeed copies outside its checkpoint engine; use engine.save_checkpoint, or offload "
                              "the optimizer to 'cpu' instead")
         if getattr(inner, "zipfile_serialization", True) is False:
@@ -248,13 +249,13 @@ class DeepSpeedCheckpointer(Adapter):
         """
         self._check_open("save_checkpoint")
         if storage_type not in (StorageType.MEMORY, StorageType.DISK):
-            raise ValueError(f"save_checkpoint(storage_type={storage_type!r}): use StorageType.MEMORY or "
+            raise E.InvalidArgumentError(f"save_checkpoint(storage_type={storage_type!r}): use StorageType.MEMORY or "
                              "StorageType.DISK")
         if not save_dir:
-            raise ValueError(f"save_checkpoint(save_dir={save_dir!r}): save_dir must be a non-empty string")
+            raise E.InvalidArgumentError(f"save_checkpoint(save_dir={save_dir!r}): save_dir must be a non-empty string")
         root = os.path.abspath(save_dir)
         if not path_inside(root, self.checkpoint_dir):
-            raise ValueError(f"save_checkpoint(save_dir={save_dir!r}): must lie inside the checkpoint dir "
+            raise E.InvalidArgumentError(f"save_checkpoint(save_dir={save_dir!r}): must lie inside the checkpoint dir "
                              f"{self.checkpoint_dir} given to DeepSpeedCheckpointer")
         step = int(self.engine.global_steps)
         tag = f"global_step{step}" if tag is None else str(tag)
@@ -296,7 +297,7 @@ class DeepSpeedCheckpointer(Adapter):
         is persisting) is not rewritten, which a crash mid-persist would leave damaged."""
         prev = self._step_dirs.get(step)
         if prev is not None and prev != set_dir:
-            raise ValueError(f"save_checkpoint(tag={tag!r}): global step {step} was already saved as "
+            raise E.InvalidArgumentError(f"save_checkpoint(tag={tag!r}): global step {step} was already saved as "
                              f"{prev}; flashckpt identifies checkpoints by engine.global_steps, so save each step "
                              "under one tag")
         committed = self._core.committed_steps()
@@ -305,7 +306,7 @@ class DeepSpeedCheckpointer(Adapter):
         owners += [s for d, s in self._disk_dirs.items() if d == set_dir and s > newest]  # being persisted
         other = [s for s in owners if s != step]
         if other:
-            raise ValueError(f"save_checkpoint(tag={tag!r}): {set_dir} holds the checkpoint of step {other[-1]}; "
+            raise E.InvalidArgumentError(f"save_checkpoint(tag={tag!r}): {set_dir} holds the checkpoint of step {other[-1]}; "
                              f"writing step {step} over it would damage that checkpoint if the persist were "
                              "interrupted. Use a new tag (the default is global_step<N>), or delete that "
                              "checkpoint first")
@@ -370,7 +371,7 @@ class DeepSpeedCheckpointer(Adapter):
                 if tag is None:
                     want = None
         if want is not None and not os.path.isdir(os.path.join(root, want)):
-            raise FileNotFoundError(f"load_checkpoint(tag={want!r}): {os.path.join(root, want)} does not exist; "
+            raise E.CheckpointNotFoundError(f"load_checkpoint(tag={want!r}): {os.path.join(root, want)} does not exist; "
                                     f"the newest checkpoint is {newest_tag!r} (from {loc.source}). Pass tag=None "
                                     "to load the newest")
         load_path, client_state = self.engine.load_checkpoint(load_dir, want, **kw)
@@ -475,6 +476,6 @@ def _check_tag(tag: str) -> str:
     norm = posixpath.normpath(tag)
     if not tag or "\0" in tag or "\\" in tag or tag.startswith("/") or norm.startswith("..") or norm == "." \
             or norm.split("/")[0] == META:
-        raise ValueError(f"save_checkpoint(tag={tag!r}): a tag names a directory inside save_dir; use a "
+        raise E.InvalidArgumentError(f"save_checkpoint(tag={tag!r}): a tag names a directory inside save_dir; use a "
                          f"non-empty relative name without '..', other than {META} (flashckpt reserves it)")
     return norm

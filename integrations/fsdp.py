@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flashckpt import CheckpointEngine, FileSet, StorageType
+from flashckpt import errors as E
 from flashckpt.engine import LoadResult
 from flashckpt.errors import CheckpointCorruptError
 from flashckpt.retention import CheckpointDeletionStrategy
@@ -123,16 +124,16 @@ class FsdpShardCheckpointer(Adapter):
         import torch.distributed.checkpoint as dcp
 
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"save_checkpoint(step={step!r}): step must be an integer >= 0")
+            raise E.InvalidArgumentError(f"save_checkpoint(step={step!r}): step must be an integer >= 0")
         if storage_type not in (StorageType.MEMORY, StorageType.DISK):
-            raise ValueError(f"save_checkpoint(storage_type={storage_type!r}): use StorageType.MEMORY or "
+            raise E.InvalidArgumentError(f"save_checkpoint(storage_type={storage_type!r}): use StorageType.MEMORY or "
                              "StorageType.DISK")
         if not isinstance(state_dict, dict):
-            raise ValueError(f"save_checkpoint(state_dict=...): a dict is needed (as for dcp.save), not "
+            raise E.InvalidArgumentError(f"save_checkpoint(state_dict=...): a dict is needed (as for dcp.save), not "
                              f"{type(state_dict).__name__}")
         target = self._dir(path or f"step_{step}", "save_checkpoint")
         if os.path.isfile(target):
-            raise ValueError(f"save_checkpoint(path={path!r}): {target} is a file; a DCP checkpoint is a directory")
+            raise E.InvalidArgumentError(f"save_checkpoint(path={path!r}): {target} is a file; a DCP checkpoint is a directory")
         t0 = time.perf_counter()
         self._writer.reset(target)
         dcp.save(state_dict, checkpoint_id=target, storage_writer=self._writer, planner=self._planner,
@@ -264,9 +265,9 @@ class FsdpShardCheckpointer(Adapter):
     def _dir(self, path: str, op: str) -> str:
         d = self.engine.resolve(path)  # os.path.join(checkpoint_dir, str(step)) means that dir, as in DLRover's guide
         if not path_inside(d, self.checkpoint_dir):
-            raise ValueError(f"{op}(path={path!r}): {d} is outside the checkpoint dir {self.checkpoint_dir}")
+            raise E.InvalidArgumentError(f"{op}(path={path!r}): {d} is outside the checkpoint dir {self.checkpoint_dir}")
         if d == self.checkpoint_dir:
-            raise ValueError(f"{op}(path={path!r}): use a directory inside the checkpoint dir, one per step")
+            raise E.InvalidArgumentError(f"{op}(path={path!r}): use a directory inside the checkpoint dir, one per step")
         return d
 
     # ------------------------------------------------------------------ lifecycle

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 from flashckpt import CheckpointEngine, FileEntry, FileSet, Located, StorageType
+from flashckpt import errors as E
 from flashckpt.commit import CommitLayout
 from flashckpt.engine import local_dir
 from flashckpt.retention import CheckpointDeletionStrategy
@@ -101,7 +102,7 @@ class FlashCkptConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.memory_snapshot_steps, int) or self.memory_snapshot_steps < 0:
-            raise ValueError(f"FlashCkptConfig(memory_snapshot_steps={self.memory_snapshot_steps!r}): "
+            raise E.InvalidArgumentError(f"FlashCkptConfig(memory_snapshot_steps={self.memory_snapshot_steps!r}): "
                              "must be an integer >= 0 (0 turns memory-only snapshots off)")
 
 
@@ -271,14 +272,14 @@ class FlashCkptTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.flashckpt_config = flashckpt_config or FlashCkptConfig()
         if self.is_fsdp_enabled or getattr(self, "is_fsdp_xla_enabled", False):
-            raise ValueError(
+            raise E.InvalidArgumentError(
                 "FlashCkptTrainer: FSDP through the Trainer is not supported yet (its sharded checkpoints could "
                 "not be verified here: accelerate's FSDP does not run on CPU). Use the vanilla Trainer for FSDP "
                 "runs, or flashckpt.integrations.fsdp.FsdpShardCheckpointer in a custom loop.")
         from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
         if is_torch_xla_available() or is_sagemaker_mp_enabled():
-            raise ValueError("FlashCkptTrainer: XLA and SageMaker model parallelism write checkpoints their own way; "
+            raise E.InvalidArgumentError("FlashCkptTrainer: XLA and SageMaker model parallelism write checkpoints their own way; "
                              "use the vanilla Trainer there")
         self.flashckpt_last_resume: Located | None = None  # where the last train() resumed from
         self._flash: CheckpointEngine | None = None
@@ -390,7 +391,7 @@ class FlashCkptTrainer(Trainer):
         if want is None:
             path = loc.path if loc.source == "storage" else get_last_checkpoint(run_dir)
             if path is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({run_dir}): nothing committed "
+                raise E.InvalidArgumentError(f"No valid checkpoint found in output directory ({run_dir}): nothing committed "
                                  "by flashckpt, in memory, or written by a vanilla Trainer")
             self.flashckpt_last_resume = loc if loc.source == "storage" else Located(_step_of(path), "storage", path)
             log.info("event=resume step=%s source=storage path=%s", _step_of(path), path)
@@ -399,7 +400,7 @@ class FlashCkptTrainer(Trainer):
         if os.path.dirname(want) == run_dir and step is not None:
             layout = engine.layout
             if step in layout.uncommitted_steps() and step not in layout.committed_steps():
-                raise ValueError(f"resume_from_checkpoint={resume!r}: this checkpoint is not committed (it is "
+                raise E.InvalidArgumentError(f"resume_from_checkpoint={resume!r}: this checkpoint is not committed (it is "
                                  "still being persisted, or a crash interrupted it); pass "
                                  "resume_from_checkpoint=True to resume from the newest committed or in-memory one")
         self.flashckpt_last_resume = Located(step, "storage", want)

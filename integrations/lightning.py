@@ -47,6 +47,8 @@ from flashckpt import (
     PosixDiskStorage,
     StorageType,
 )
+from flashckpt import errors as E
+from flashckpt.errors import UnsupportedStrategyError
 from flashckpt.snapshot_reader import SnapshotReader, job_in_memory
 
 from ._kit import path_inside
@@ -60,10 +62,6 @@ log = logging.getLogger(__name__)
 # The exported name of each class, by Lightning package.
 _NAMES = {"lightning": ("FlashCheckpointIO", "FlashMemorySnapshot"),
           "pytorch_lightning": ("PLFlashCheckpointIO", "PLFlashMemorySnapshot")}
-
-
-class UnsupportedStrategyError(FlashCheckpointError, TypeError):
-    """The Trainer's strategy saves checkpoints without ``CheckpointIO``, or the plugin is set up wrongly."""
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -207,11 +205,11 @@ def check_strategy(strategy: Any) -> None:
     elif "XLAFSDPStrategy" in names:
         why = "XLAFSDPStrategy is not supported by FlashCheckpointIO"
     if why:
-        raise UnsupportedStrategyError(f"{type(strategy).__name__}: {why}.")
+        raise E.UnsupportedStrategyError(f"{type(strategy).__name__}: {why}.")
     io = getattr(strategy, "_checkpoint_io", None)
     if io is not None and not isinstance(io, _FlashIOImpl) and isinstance(getattr(io, "checkpoint_io", None),
                                                                          _FlashIOImpl):
-        raise UnsupportedStrategyError(f"{type(io).__name__} wraps a FlashCheckpointIO: pass the FlashCheckpointIO "
+        raise E.UnsupportedStrategyError(f"{type(io).__name__} wraps a FlashCheckpointIO: pass the FlashCheckpointIO "
                                        "itself in Trainer(plugins=[...]); it is asynchronous already")
 
 
@@ -233,7 +231,7 @@ class _FlashIOImpl:
                  teardown_timeout_s: float | None = 1800.0, load_wait_s: float = 600.0) -> None:
         super().__init__()
         if teardown_timeout_s is not None and teardown_timeout_s <= 0:
-            raise ValueError(f"FlashCheckpointIO(teardown_timeout_s={teardown_timeout_s!r}): must be > 0 or None")
+            raise E.InvalidArgumentError(f"FlashCheckpointIO(teardown_timeout_s={teardown_timeout_s!r}): must be > 0 or None")
         self.checkpoint_dir = os.path.abspath(checkpoint_dir) if checkpoint_dir else None
         self.weights_only = weights_only
         self.teardown_timeout_s = teardown_timeout_s
@@ -383,7 +381,7 @@ class _FlashIOImpl:
         except TypeError as e:
             if storage_options is None:
                 raise
-            raise TypeError(f"FlashCheckpointIO.save_checkpoint(storage_options={storage_options!r}): flashckpt takes "
+            raise E.InvalidArgumentTypeError(f"FlashCheckpointIO.save_checkpoint(storage_options={storage_options!r}): flashckpt takes "
                             "None (persist), StorageType.MEMORY or StorageType.DISK (or 'memory' / 'disk'); other "
                             f"storage_options go to Lightning's TorchCheckpointIO, which refused them: {e}") from e
 
@@ -581,7 +579,7 @@ class _FlashIOImpl:
         """``find_resume_path`` of ``checkpoint_dir`` (default: the plugin's ``checkpoint_dir``)."""
         d = checkpoint_dir or self.checkpoint_dir
         if not d:
-            raise ValueError("FlashCheckpointIO.resume_path(): pass the checkpoint dir, or construct the plugin "
+            raise E.InvalidArgumentError("FlashCheckpointIO.resume_path(): pass the checkpoint dir, or construct the plugin "
                              "with FlashCheckpointIO(checkpoint_dir=...)")
         return find_resume_path(d)
 
@@ -778,10 +776,10 @@ class _MemorySnapshotImpl:
                  dirpath: str | None = None) -> None:
         super().__init__()
         if not isinstance(every_n_train_steps, int) or every_n_train_steps < 1:
-            raise ValueError(f"FlashMemorySnapshot(every_n_train_steps={every_n_train_steps!r}): must be an "
+            raise E.InvalidArgumentError(f"FlashMemorySnapshot(every_n_train_steps={every_n_train_steps!r}): must be an "
                              "integer >= 1")
         if not filename or os.sep in filename or not filename.endswith(".ckpt"):
-            raise ValueError(f"FlashMemorySnapshot(filename={filename!r}): a file name ending in .ckpt, without "
+            raise E.InvalidArgumentError(f"FlashMemorySnapshot(filename={filename!r}): a file name ending in .ckpt, without "
                              "a directory (use dirpath=...)")
         self.every_n_train_steps = every_n_train_steps
         self.filename = filename
@@ -795,7 +793,7 @@ class _MemorySnapshotImpl:
         want = _NAMES[self._tree][0]
         if not isinstance(io, _FlashIOImpl) or io._tree != self._tree:
             got = repr(io) if isinstance(io, _FlashIOImpl) else type(io).__name__
-            raise UnsupportedStrategyError(
+            raise E.UnsupportedStrategyError(
                 f"{type(self).__name__} needs the Trainer to save through {want}: pass "
                 f"Trainer(plugins=[{want}(...)]) (the Trainer's CheckpointIO is {got})")
         check_strategy(trainer.strategy)

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from flashckpt import CheckpointEngine, FileSet, StorageType
+from flashckpt import errors as E
 from flashckpt.engine import LoadResult
 from flashckpt.errors import FlashCheckpointError
 from flashckpt.integrations._kit import Adapter, path_inside, rank, step_of, swapped
@@ -171,9 +172,9 @@ class MegatronCheckpointer(Adapter):
         ``latest_checkpointed_iteration.txt`` is written once the step is committed.
         """
         if not isinstance(step, int) or step < 0:
-            raise ValueError(f"save(step={step!r}): the iteration must be an integer >= 0")
+            raise E.InvalidArgumentError(f"save(step={step!r}): the iteration must be an integer >= 0")
         if storage_type not in (StorageType.MEMORY, StorageType.DISK):
-            raise ValueError(f"save(storage_type={storage_type!r}): use StorageType.MEMORY or StorageType.DISK")
+            raise E.InvalidArgumentError(f"save(storage_type={storage_type!r}): use StorageType.MEMORY or StorageType.DISK")
         path = self.check_path(path)
         outer = self._active
         if outer is not None:
@@ -377,7 +378,7 @@ class _DistcpStager:
         prefix = plan.storage_data.prefix
         bins = self.thread_count // 2 if self.separation_hint is not None else self.thread_count
         if bins < 1:
-            raise ValueError(f"thread_count={self.thread_count}: at least 1 (2 with a separation_hint)")
+            raise E.InvalidArgumentError(f"thread_count={self.thread_count}: at least 1 (2 with a separation_hint)")
         buckets = _split_by_size_and_type(bins, plan.items)
         count = 0
         for group, group_buckets in _split_by_separation_hint(buckets, self.separation_hint).items():
