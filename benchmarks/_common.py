@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from flashckpt._protocol import process_cpu_seconds
+from flashckpt.saver import SAVER_MODULE
 
 __all__ = [
     "REPO_ROOT", "GB", "GPTConfig", "gpt_config_for_bytes", "gpt_param_shapes", "build_gpt_state_dict",
@@ -579,7 +580,7 @@ def saver_pids(job_dirs: list[str]) -> list[int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"flashckpt.saver" in argv and any(j.encode() in argv for j in job_dirs):
+        if SAVER_MODULE.encode() in argv and any(j.encode() in argv for j in job_dirs):
             out.append(int(pid))
     return out
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .storage import CheckpointStorage, FileRecord, PosixDiskStorage
 
 # Public name -> the module defining it, imported on first use (PEP 562): the saver daemon, run as
-# ``python -m flashckpt.saver``, imports only what it needs, and torch only when it persists.
+# ``python -m flashckpt.saver.daemon``, imports only what it needs, and torch only when it persists.
 _WHERE = {
     "CommitLayout": "commit", "Manifest": "commit", "StorageType": "config",
     "CheckpointEngine": "engine", "LoadResult": "engine", "Located": "engine", "FileEntry": "files",

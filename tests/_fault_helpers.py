@@ -36,7 +36,7 @@ REPO = os.path.dirname(TESTS_DIR)
 VENV_BIN = os.path.dirname(sys.executable)
 TRAINER = os.path.join(TESTS_DIR, "_fault_trainer.py")
 DDP_TRAIN = os.path.join(REPO, "examples", "ddp_train.py")
-SAVER_MODULE = "flashckpt.saver"
+
 GRACE_S = 5.0
 
 

@@ -5,7 +5,7 @@ Every test gets its own FLASHCKPT_RUNTIME_DIR (short, under /dev/shm, so Unix so
 test that leaks: an engine left open, a saver daemon of its runtime dir still alive after its engines
 closed, files left in its runtime dir (segments, sockets, locks), threads, child processes or
 environment variables. Savers started by a test run as detached daemons, so they are found by scanning
-/proc for ``flashckpt.saver`` with the test's runtime dir on their command line.
+/proc for the saver daemon (``flashckpt.saver.daemon``) with the test's runtime dir on their command line.
 """
 
 from __future__ import annotations

@@ -1,0 +1,35 @@
+"""The node's saver: owns the shared memory, persists snapshots and commits them.
+
+One saver runs per node and job. It is started by a launcher (``flashckpt-run``) or, under plain
+``torchrun``/``python``, as a detached daemon by the first engine of the node (``ensure_saver``). It
+serves trainers over a Unix socket in the job's 0700 runtime dir, persists on one thread per local
+rank, commits on one thread, and exits once it has no clients and no work: at once when every client
+said a final goodbye, else after a grace period that lets a restarted trainer re-attach. Trainers that
+vanish without a goodbye (a crash) trigger the last-words persist of the newest complete snapshot.
+
+Its parts: ``daemon`` (start, ``main``), ``server`` (``CheckpointSaver``: life and dispatch), ``segments``,
+``persist``, ``lastwords``, ``committer``; ``_base`` holds the state and names they share. This package
+imports its parts on first use: the daemon (``python -m flashckpt.saver.daemon``) defers torch before any.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._base import SOCKET_NAME, lock_job
+    from .daemon import SAVER_MODULE, ensure_saver
+    from .server import CheckpointSaver
+
+__all__ = ["CheckpointSaver", "ensure_saver", "lock_job", "SOCKET_NAME", "SAVER_MODULE"]
+
+_WHERE = {"CheckpointSaver": "server", "ensure_saver": "daemon", "SAVER_MODULE": "daemon", "lock_job": "_base",
+          "SOCKET_NAME": "_base"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)

@@ -1,0 +1,177 @@
+"""What every part of the saver shares: its state (declared once, on ``SaverBase``), the names in the job's
+runtime dir, the job lock, and small helpers."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import select
+import socket
+import stat
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .._lease import Lease, pid_running
+from .._persist_worker import PersistWorker
+from ..commit import CommitLayout
+from ..config import Knobs, make_private_dir
+from ..ipc import SharedLock
+from ..segment import (
+    Segment,
+)
+from ..storage import CheckpointStorage
+
+log = logging.getLogger("flashckpt.saver")
+
+SOCKET_NAME = "saver.sock"
+_SPAWN_LOCK = "spawn.lock"
+_LOG_NAME = "saver.log"
+
+
+@dataclass
+class _Job:
+    step: int
+    rank: int
+    local_rank: int
+    seg_path: str
+    slot: int
+    generation: int
+    path: str
+    commit: dict[str, Any] | None
+
+
+@dataclass
+class _StepState:
+    status: str = "persisting"  # persisting -> committing -> committed | failed
+    error: str | None = None
+    commits_here: bool = False
+    paths: set[str] = field(default_factory=set)  # where this node's ranks persist it (delete_path refuses them)
+
+
+@dataclass
+class _ClientInfo:
+    rank: int = -1
+    local_rank: int = -1
+    pid: int = 0
+    final: bool = False
+    persists: bool = False
+    commit: dict[str, Any] | None = None
+
+
+@dataclass
+class _Stats:
+    persisted_bytes: int = 0
+    persist_seconds: float = 0.0
+    last_persist_s: float = 0.0
+    last: dict[str, Any] = field(default_factory=dict)
+
+
+
+class _Watch:
+    """Whether process ``pid`` (the job's launcher) still runs: a pidfd where Linux has them (immune to
+    pid reuse once opened), else ``kill(pid, 0)``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._fd: int | None = None
+        self._gone = False
+        try:
+            self._fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._gone = True
+        except (AttributeError, OSError):
+            pass
+
+    def gone(self) -> bool:
+        if self._gone:
+            return True
+        if self._fd is not None:
+            self._gone = bool(select.select([self._fd], [], [], 0)[0])  # readable once it exited
+        else:
+            self._gone = not pid_running(self.pid)
+        return self._gone
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+
+def _remove_in(dir_fd: int, name: str) -> None:
+    """Removes ``name`` from the directory ``dir_fd`` without following a symbolic link: a link is
+    removed, never its target; a directory is emptied through its own ``O_NOFOLLOW`` fd."""
+    if not stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+        os.unlink(name, dir_fd=dir_fd)
+        return
+    sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        for n in os.listdir(sub):
+            _remove_in(sub, n)
+    finally:
+        os.close(sub)
+    os.rmdir(name, dir_fd=dir_fd)
+
+
+
+def lock_job(job_dir: str) -> SharedLock:
+    """Takes the job's spawn lock, which serializes starting a saver with a saver's clean-up.
+
+    Retries when the lock file was unlinked (by an exiting saver) while we waited on it."""
+    path = os.path.join(job_dir, _SPAWN_LOCK)
+    while True:
+        make_private_dir(job_dir)
+        lock = SharedLock(path)
+        lock.acquire()
+        try:
+            same = os.lstat(path).st_ino == os.fstat(lock.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return lock
+        lock.release()
+
+
+
+class SaverBase:
+    """The state of a ``CheckpointSaver``, which its parts (server, segments, persist, last words, commit)
+    share; set in ``CheckpointSaver.__init__``."""
+
+    job_dir: str
+    knobs: Knobs
+    storage: CheckpointStorage
+    layout: CommitLayout
+    stats: _Stats
+    _job_lock: Lease | None
+    _alloc_locks: dict[int, threading.Lock]
+    _cv: threading.Condition
+    _clients: dict[int, _ClientInfo]
+    _ever_clients: int
+    _steps: dict[int, _StepState]
+    _errors: list[dict[str, Any]]
+    _committed: list[int]
+    _inflight: int
+    _persist_q: dict[int, queue.Queue[_Job | None]]
+    _commit_q: queue.Queue[tuple[int, dict[str, Any]] | None]
+    _threads: list[threading.Thread]
+    _queues: dict[str, collections.deque[Any]]
+    _dicts: dict[str, dict[str, Any]]
+    _segments: dict[str, Segment]
+    _stop: threading.Event
+    _idle_since: float
+    _session_final: bool
+    _persisters: dict[int, _ClientInfo]
+    _last_words_lock: threading.Lock
+    _signalled: bool
+    _persist_on_exit: bool
+    _agent: _Watch | None
+    _sock: socket.socket | None
+    _persist_seen: float
+    _dir_fd: int | None
+    _worker: PersistWorker
+
+    if TYPE_CHECKING:  # the methods of the other parts, reached through self
+        def __getattr__(self, name: str) -> Any: ...

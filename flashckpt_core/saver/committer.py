@@ -1,0 +1,178 @@
+"""Committing: the commit thread (markers, manifest, tracker, in order), status and waits for clients,
+and deletions (retention, ``delete_checkpoint``), ordered after the commits queued before them."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from .. import errors as E
+from ..commit import TrackerUpdateError
+from ._base import SaverBase, _StepState, log
+
+
+class CommitPart(SaverBase):
+    def _commit_loop(self) -> None:
+        while True:
+            item = self._commit_q.get()
+            if item is None:
+                return
+            step, spec = item
+            if "delete" in spec or "delete_path" in spec:  # retention, ordered after the commits queued before it
+                try:
+                    if "delete" in spec:
+                        self._delete_steps([int(x) for x in spec["delete"]])
+                    else:
+                        self._delete_path(spec["delete_path"])
+                except Exception:
+                    log.exception("retention failed to delete %s", spec.get("delete", spec.get("delete_path")))
+                with self._cv:
+                    self._work_done()
+                continue
+            try:
+                self.layout.commit(step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
+                                   replicated=bool(spec.get("replicated", False)),
+                                   extra=dict(spec.get("extra", {})),
+                                   timeout=self.knobs.commit_timeout_s,
+                                   stopping=lambda: self._stop.is_set() and not self._signalled)
+                self._committed_now(step)
+                log.info("event=commit step=%d ranks=%s", step, spec["ranks"])
+                self._finish(step, None, committed=True)
+            except TrackerUpdateError as e:  # committed: never reported as a failed step
+                log.error("event=commit step=%d ranks=%s: %s", step, spec["ranks"], e)
+                self._committed_now(step)
+                with self._cv:
+                    self._errors.append({"step": step, "error": str(e), "committed": True})
+                self._finish(step, None, committed=True)
+            except Exception as e:
+                log.exception("commit of step %d failed", step)
+                self._finish(step, f"committing step {step} failed: {e}", committed=False)
+
+    def _committed_now(self, step: int) -> None:
+        """Adds ``step`` to the committed steps, less those its commit superseded."""
+        with self._cv:  # in commit order: the step committed last is the newest
+            self._committed = [s for s in self._committed
+                               if s != step and self.storage.exists(self.layout.manifest_path(s))] + [step]
+
+    def _finish(self, step: int, error: str | None, *, committed: bool) -> None:
+        with self._cv:
+            st = self._steps.setdefault(step, _StepState())
+            if error is not None:
+                st.status, st.error = "failed", error
+                self._errors.append({"step": step, "error": error})
+            elif committed:
+                st.status = "committed"
+            elif st.status == "persisting":
+                st.status = "persisted"
+            self._work_done()
+
+    def _status(self, cursor: int) -> dict[str, Any]:
+        with self._cv:
+            return {"committed": list(self._committed), "errors": self._errors[cursor:],
+                    "cursor": len(self._errors), "inflight": self._inflight,
+                    "last_persist_s": self.stats.last_persist_s}
+
+    def _wait(self, timeout: float, cursor: int) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        with self._cv:
+            while self._inflight > 0:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise E.CheckpointTimeoutError(
+                        f"wait(): {self._inflight} persist(s) still running after {timeout:.0f} s")
+                self._cv.wait(timeout=min(left, 1.0) if left is not None else 1.0)
+        return self._status(cursor)
+
+    def _path_deletion(self, path: str) -> list[int]:
+        """The committed steps whose files all lie at or under ``path``, which a deletion strategy's
+        ``delete_func`` may remove (with them).
+
+        Raises:
+            CheckpointDirError: ``path`` may not be deleted: it is outside the checkpoint dir (or reaches
+                out through a symlink), the checkpoint dir itself, flashckpt's commit records, or holds the
+                newest committed step, only part of a committed step, or a step being persisted.
+        """
+        root, meta = self.layout.root, self.layout.meta
+        what = f"delete_func({path!r})"
+        if path == root:
+            raise E.CheckpointDirError(f"{what}: that is the checkpoint dir itself; delete one checkpoint's file or "
+                                       "directory inside it")
+        try:
+            self.layout.rel(path)
+        except E.CheckpointDirError:
+            raise E.CheckpointDirError(f"{what}: {path} is outside the checkpoint dir {root} (or reaches outside it "
+                                       "through a symlink); only checkpoints inside it are deleted") from None
+        if path == meta or path.startswith(meta + os.sep) or meta.startswith(path + os.sep):
+            raise E.CheckpointDirError(f"{what}: {path} holds flashckpt's commit records ({meta}); they are "
+                                       "removed with their steps, never directly")
+        with self._cv:
+            committed = list(self._committed)
+            busy = {s: set(st.paths) for s, st in self._steps.items() if not self._step_done(s)}
+        for s, targets in busy.items():
+            for t in targets:
+                if t == path or t.startswith(path + os.sep) or path.startswith(t + os.sep):
+                    raise E.CheckpointDirError(f"{what}: step {s} is being persisted to {t}; it is not deleted "
+                                               "while in flight (try again after its commit)")
+        covered = []
+
+        def under(f: str) -> bool:
+            return f == path or f.startswith(path + os.sep)
+
+        for s in committed:
+            try:
+                m = self.layout.read_manifest(s)
+            except E.CheckpointCorruptError:
+                continue
+            files = [os.path.join(root, f.path) for f in m.all_files()]
+            inside = [f for f in files if under(f)]
+            if not inside:
+                continue
+            if s == committed[-1]:
+                raise E.CheckpointDirError(f"{what}: {path} holds step {s}, the newest committed checkpoint, which "
+                                           "is never deleted")
+            if len(inside) < len(files):
+                rest = [f for f in files if not under(f)]
+                raise E.CheckpointDirError(f"{what}: {path} holds only part of committed step {s} (its other files: "
+                                           f"{', '.join(rest[:3])}{', ...' if len(rest) > 3 else ''}); delete the "
+                                           "whole checkpoint (or the step: delete_func(step))")
+            covered.append(s)
+        return covered
+
+    def _delete_path(self, path: str) -> None:
+        """Deletes ``path`` for a deletion strategy: the committed steps it holds (their records first),
+        then what is left there. Checked again here: a persist or commit may have come since the request."""
+        try:
+            steps = self._path_deletion(path)
+        except E.CheckpointDirError as e:
+            log.error("not deleting %s: %s", path, e)
+            return
+        if steps:
+            for s in steps:
+                self.layout.delete_step(s)
+            with self._cv:
+                self._committed = [s for s in self._committed if s not in steps]
+        if os.path.isdir(path) and not os.path.islink(path):
+            self.storage.remove_tree(path)
+        else:
+            self.storage.remove(path)
+        log.info("event=retention deleted_path=%s steps=%s", path, steps)
+
+    def _delete_steps(self, steps: list[int]) -> list[int]:
+        with self._cv:
+            committed = list(self._committed)
+        if not committed:
+            return []
+        newest = committed[-1]
+        deleted = []
+        for s in steps:
+            if s == newest or s not in committed:
+                continue  # never the newest committed step, never a step that is not committed
+            self.layout.delete_step(s)
+            deleted.append(s)
+        with self._cv:
+            self._committed = [s for s in self._committed if s not in deleted]
+        if deleted:
+            log.info("event=retention deleted=%s", deleted)
+        return deleted
+

@@ -1,0 +1,243 @@
+"""The saver's shared memory: allocating segments (``posix_fallocate``: a full /dev/shm is an error at
+allocation, never a SIGBUS), making room, the spare slot of two-slot segments, reaping old segments."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+from .. import errors as E
+from .._protocol import Client
+from ..ipc import SharedLock
+from ..segment import (
+    COMPLETE,
+    EMPTY,
+    FLAG_PENDING,
+    FLAG_PINNED,
+    FLAG_UNRESERVED,
+    WRITING,
+    Segment,
+    SlotHeader,
+    _page,
+    lock_path,
+    segment_path,
+    segment_paths,
+)
+from ._base import SOCKET_NAME, SaverBase, log
+
+
+class SegmentsPart(SaverBase):
+    def _alloc(self, local_rank: int, meta_cap: int, data_cap: int, nslots: int) -> str:
+        if not (0 <= local_rank < 1 << 16) or meta_cap <= 0 or data_cap < 0 or nslots not in (1, 2):
+            raise E.ProtocolError(f"alloc: bad arguments {local_rank=} {meta_cap=} {data_cap=} {nslots=}")
+        with self._cv:
+            lock = self._alloc_locks[local_rank]
+        with lock:  # one allocation of a local rank at a time: each gets the next epoch
+            return self._alloc_locked(local_rank, meta_cap, data_cap, nslots)
+
+    def _alloc_locked(self, local_rank: int, meta_cap: int, data_cap: int, nslots: int) -> str:
+        existing = segment_paths(self.job_dir, local_rank)
+        epoch = existing[-1][0] + 1 if existing else 0
+        # Two slots come with a spare: its memory is reserved only while a persist holds a slot and the
+        # other holds the newest snapshot (see shm), so only its header page is needed now.
+        spare = 1 if nslots == 2 else 0
+        need = 4096 + nslots * (4096 + _page(meta_cap) + _page(data_cap)) + spare * 4096
+        free = self._shm_free()
+        if need > free:  # first this job's own spare slots, then other jobs' idle savers
+            self._release_spares_now()
+            free = self._shm_free()
+        if need > free:
+            free = self._make_room(need)
+        if need > free:
+            raise E.SharedMemoryError(
+                f"local rank {local_rank} needs {need} bytes ({need / 2**30:.2f} GiB) of shared memory for "
+                f"{nslots} snapshot slot(s) but only {free} bytes are free in {self.job_dir} (ENOSPC: no space "
+                "left for the snapshot). Enlarge /dev/shm "
+                "(docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory), use FLASHCKPT_SLOTS=1, "
+                "or checkpoint less state per rank.")
+        path = segment_path(self.job_dir, local_rank, epoch)
+        Segment.create(path, local_rank=local_rank, epoch=epoch, nslots=nslots + spare,
+                       meta_cap=meta_cap, data_cap=data_cap, spare=spare)
+        self._segments[path] = Segment(path, populate=False)
+        log.info("allocated %s: %d slot(s), %d bytes", path, nslots, need)
+        self._reap_segments(local_rank)
+        return path
+
+    def _make_room(self, need: int) -> int:
+        """Asks the idle savers of this user's other jobs (no client, no work: kept only for their grace
+        period) to give way, the longest idle first, until ``need`` bytes are free. Each persists what
+        is newer than its last commit, then exits and frees its shared memory. Returns the bytes free."""
+        if self.knobs.shm_limit_bytes and \
+                self.knobs.shm_limit_bytes - sum(seg.size for seg in self._segments.values()) < need:
+            return self._shm_free()  # this job's own limit binds: other jobs' memory would not help
+        root = os.path.dirname(self.job_dir)
+        idle: list[tuple[float, str, Client]] = []
+        try:
+            names = os.listdir(root)
+        except OSError:
+            return self._shm_free()
+        for name in names:
+            d = os.path.join(root, name)
+            try:
+                st = os.lstat(d)
+            except OSError:
+                continue
+            if d == self.job_dir or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            try:
+                c = Client(os.path.join(d, SOCKET_NAME), timeout=10)
+            except OSError:
+                continue
+            try:
+                r = c.call("give_way", dry_run=True)
+            except E.FlashCheckpointError:
+                r = {}
+            if r.get("idle"):
+                idle.append((float(r.get("idle_s", 0.0)), d, c))
+            else:
+                c.close()
+        idle.sort(key=lambda x: -x[0])
+        free = self._shm_free()
+        try:
+            for idle_s, d, c in idle:
+                if free >= need:
+                    break
+                try:
+                    if not c.call("give_way").get("giving_way"):
+                        continue
+                except E.FlashCheckpointError:
+                    continue
+                log.warning("event=give_way job_dir=%s idle_s=%.0f: it persists its newest snapshot and exits "
+                            "to free shared memory for this job", d, idle_s)
+                deadline = time.monotonic() + self.knobs.term_timeout_s
+                while os.path.exists(os.path.join(d, SOCKET_NAME)) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                free = self._shm_free()
+        finally:
+            for _, _, c in idle:
+                c.close()
+        return free
+
+    def _shm_free(self) -> int:
+        st = os.statvfs(self.job_dir)
+        free = st.f_bavail * st.f_frsize
+        if self.knobs.shm_limit_bytes:
+            used = sum(seg.reserved_bytes() for seg in self._segments.values())
+            free = min(free, max(0, self.knobs.shm_limit_bytes - used))
+        return free
+
+    def _reap_segments(self, local_rank: int) -> None:
+        """Unlinks older segments of ``local_rank`` once none of their slots is pinned or pending.
+
+        Their newest snapshot stays readable until the newest segment holds a complete one."""
+        paths = segment_paths(self.job_dir, local_rank)
+        if len(paths) < 2:
+            return
+        newest = self._segment(paths[-1][1])
+        if not newest.complete_steps():
+            return
+        with SharedLock(lock_path(self.job_dir, local_rank)):
+            for _epoch, path in paths[:-1]:
+                seg = self._segment(path)
+                if any(seg.header(i).flags & (FLAG_PINNED | FLAG_PENDING) for i in range(seg.nslots)):
+                    continue
+                os.unlink(path)
+                self._segments.pop(path).close()
+
+    def _prepare_spare(self, seg: Segment) -> None:
+        """Reserves and faults in a segment's spare slot as a persist begins, off the trainer's pause: a
+        snapshot taken while the persist runs may need it, and first-touching fresh shared memory (the
+        kernel zeroes each page) costs ~0.8 s per GB. Best effort: when /dev/shm cannot hold it, the
+        snapshot that needs it waits for this persist instead (see shm)."""
+        spares = [i for i in range(seg.nslots) if seg.header(i).flags & FLAG_UNRESERVED]
+        if not spares:
+            return
+        try:
+            seg.reserve(spares[0], clear_flag=False)  # no lock held: fallocate is idempotent
+        except OSError as e:
+            log.warning("could not reserve the spare snapshot slot of %s (%d bytes): %s; a snapshot taken "
+                        "during this persist will wait for it", seg.path, seg.slot_size, e)
+            return
+        with SharedLock(lock_path(self.job_dir, seg.local_rank)):
+            h = seg.header(spares[0])
+            if h.flags & FLAG_UNRESERVED and not h.flags & FLAG_PINNED:
+                seg.set_flags(spares[0], h.flags & ~FLAG_UNRESERVED)
+
+    def _release_spare(self, seg: Segment, *, blocking: bool = True, force: bool = False) -> None:
+        """Gives back the memory of one slot of a segment with a spare once all its slots are reserved and
+        none is held for a persist: the spare is needed only while a persist runs. It is kept for
+        ``FLASHCKPT_SPARE_HOLD_S`` after the last persist (reserving it again costs a first touch of
+        fresh memory, which the next snapshot during a persist would pay), unless ``force`` (/dev/shm is
+        short). The slot given back is the oldest that is neither being written nor the newest complete
+        one. Without ``blocking`` it does nothing while the segment's lock is taken (a request handler
+        never waits on a trainer)."""
+        if seg.nslots < 3:
+            return
+        if not force and time.monotonic() - self._persist_seen < self.knobs.spare_hold_s:
+            return
+        lock = SharedLock(lock_path(self.job_dir, seg.local_rank))
+        if not lock.acquire(blocking=blocking):
+            return
+        try:
+            hs = [seg.header(i) for i in range(seg.nslots)]
+            if any(h.flags & (FLAG_PINNED | FLAG_PENDING | FLAG_UNRESERVED) for h in hs):
+                return
+            newest = max((i for i, h in enumerate(hs) if h.state == COMPLETE), key=lambda i: (hs[i].seq, i),
+                         default=None)
+            idle = [i for i, h in enumerate(hs) if i != newest and h.state != WRITING]
+            if not idle:
+                return
+            i = min(idle, key=lambda i: (hs[i].state == COMPLETE, hs[i].seq))
+            h = hs[i]
+            seg.write_header(i, SlotHeader(EMPTY, FLAG_UNRESERVED | FLAG_PINNED, -1, h.generation + 1,
+                                           0, 0, 0, 0, 0.0, h.seq))
+        finally:
+            lock.release()
+        seg.release(i)  # outside the lock: FLAG_PINNED keeps writers away meanwhile
+        with SharedLock(lock_path(self.job_dir, seg.local_rank)):
+            seg.set_flags(i, seg.header(i).flags & ~FLAG_PINNED)
+
+    def _spare_keeper(self) -> None:
+        """Gives the spare slots back once no persist has held a slot for the hold period."""
+        while not self._stop.wait(1.0):
+            if time.monotonic() - self._persist_seen < self.knobs.spare_hold_s:
+                continue
+            try:
+                segs = list(self._segments.values())
+            except RuntimeError:  # changed size meanwhile: next round
+                continue
+            for seg in segs:
+                try:
+                    self._release_spare(seg, blocking=False)
+                except (OSError, ValueError, E.FlashCheckpointError) as e:  # ValueError: unmapped meanwhile
+                    log.debug("giving back the spare slot of %s: %s", seg.path, e)
+
+    def _release_spares_now(self) -> None:
+        """/dev/shm is short: every spare slot not held for a persist gives its memory back at once."""
+        for seg in list(self._segments.values()):
+            try:
+                self._release_spare(seg, force=True)
+            except (OSError, ValueError, E.FlashCheckpointError) as e:
+                log.warning("giving back the spare slot of %s: %s", seg.path, e)
+
+    def _reap_quietly(self, local_rank: int) -> None:
+        """Reaps outgrown segments after a snapshot (see ``_reap_segments``), never failing the request.
+
+        ``_alloc`` alone cannot free them: when it runs, the new segment holds no snapshot yet, so the
+        old one must stay; it becomes free only once the trainer completed a snapshot in the new one,
+        which the trainer's next persist or status request tells us."""
+        try:
+            self._reap_segments(local_rank)
+            paths = segment_paths(self.job_dir, local_rank)
+            if paths:
+                self._release_spare(self._segment(paths[-1][1]), blocking=False)
+        except (OSError, E.FlashCheckpointError) as e:
+            log.warning("freeing outgrown segments of local rank %d: %s", local_rank, e)
+
+    def _segment(self, path: str) -> Segment:
+        seg = self._segments.get(path)
+        if seg is None:
+            seg = self._segments[path] = Segment(path, populate=False)
+        return seg
+

@@ -1,0 +1,451 @@
+"""The saver of one job on one node: its life (start, serve, stop, clean up) and the control server, which
+answers each request through a dispatch table."""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Any
+
+from .. import errors as E
+from .._lease import Lease
+from .._persist_worker import PersistWorker
+from .._protocol import peer_uid, recv_msg, send_msg
+from ..commit import CommitLayout
+from ..config import Knobs, is_default_runtime_dir, open_private_dir
+from ..ipc import SharedLock
+from ..segment import (
+    FLAG_PENDING,
+    FLAG_PINNED,
+    Segment,
+    lock_path,
+)
+from ..storage import CheckpointStorage, PosixDiskStorage
+from ._base import (  # noqa: F401
+    _SPAWN_LOCK,
+    SOCKET_NAME,
+    SaverBase,
+    _ClientInfo,
+    _Job,
+    _remove_in,
+    _Stats,
+    _StepState,
+    _Watch,
+    lock_job,
+    log,
+)
+from .committer import CommitPart
+from .lastwords import LastWordsPart
+from .persist import PersistPart
+from .segments import SegmentsPart
+
+__all__ = ["CheckpointSaver"]
+
+
+class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, SaverBase):
+    """The saver of one job on one node.
+
+    Args:
+        job_dir: the job's runtime dir (segments, socket, locks); created 0700.
+        checkpoint_dir: the checkpoint dir it persists into.
+        storage: the storage backend (POSIX by default).
+        knobs: environment knobs (read from the environment when None).
+    """
+
+    def __init__(self, job_dir: str, checkpoint_dir: str, *, storage: CheckpointStorage | None = None,
+                 knobs: Knobs | None = None) -> None:
+        self.job_dir = job_dir
+        self.knobs = knobs or Knobs.from_env()
+        self.storage = storage or PosixDiskStorage()
+        # The runtime dir is named by the job key (config.job_key): markers and manifests carry it.
+        self.layout = CommitLayout(checkpoint_dir, self.storage, job=os.path.basename(os.path.normpath(job_dir)))
+        self._job_lock: Lease | None = None
+        self._alloc_locks: dict[int, threading.Lock] = collections.defaultdict(threading.Lock)
+        self._cv = threading.Condition()
+        self._clients: dict[int, _ClientInfo] = {}
+        self._ever_clients = 0
+        self._steps: dict[int, _StepState] = {}
+        self._errors: list[dict[str, Any]] = []
+        self._committed: list[int] = []
+        self._inflight = 0
+        self._persist_q: dict[int, queue.Queue[_Job | None]] = {}
+        self._commit_q: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._queues: dict[str, collections.deque[Any]] = collections.defaultdict(collections.deque)
+        self._dicts: dict[str, dict[str, Any]] = collections.defaultdict(dict)
+        self._segments: dict[str, Segment] = {}
+        self._stop = threading.Event()
+        self._idle_since = time.monotonic()
+        self._session_final = False
+        self._persisters: dict[int, _ClientInfo] = {}
+        self._last_words_lock = threading.Lock()
+        self._signalled = False
+        self._persist_on_exit = False  # a client's goodbye asked for its snapshots to be persisted
+        self._agent: _Watch | None = None  # the launcher of the job, when it has one
+        self._sock: socket.socket | None = None
+        self._persist_seen = -float("inf")  # monotonic time of the last persist activity (spare slot hold)
+        self._dir_fd: int | None = None  # the job dir, checked: everything in it is reached through this fd
+        self.stats = _Stats()
+        # Writes the files (torch's work) in a process of its own, started on demand: see _persist_worker.
+        self._worker = PersistWorker(self.layout.root, self.layout.job, self.storage, nice=self.knobs.persist_nice,
+                                     idle_s=self.knobs.persist_worker_idle_s)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Creates the runtime dir, adopts segments left by an earlier saver, binds the socket."""
+        self._dir_fd = open_private_dir(self.job_dir)
+        self._adopt_segments()
+        self._hold_job_lock()
+        self._committed = self.layout.committed_steps()
+        cleaned = self.layout.clean_uncommitted()
+        if cleaned:
+            log.warning("removed half-written, uncommitted steps %s left by an earlier run", cleaned)
+        self._repair()
+        try:
+            os.unlink(SOCKET_NAME, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
+        # Bound through the checked dir's fd (/proc/self/fd/N is that very dir), not its path.
+        in_fd = f"/proc/self/fd/{self._dir_fd}"
+        path = os.path.join(in_fd if os.path.isdir(in_fd) else self.job_dir, SOCKET_NAME)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        sock.listen(128)
+        self._sock = sock
+        self._spawn(self._accept_loop, "accept")
+        self._spawn(self._commit_loop, "commit")
+        self._spawn(self._spare_keeper, "spare")
+        log.info("saver %d serving %s for %s", os.getpid(), self.job_dir, self.layout.root)
+
+    def _repair(self) -> None:
+        """Completes what a crash or a failed write left after the last commits: the tracker is derived
+        from the manifests (``CommitLayout.repair``). A storage that refuses is reported, not fatal."""
+        try:
+            for line in self.layout.repair():
+                log.warning("repaired %s: %s", self.layout.meta, line)
+        except OSError as e:
+            log.error("could not repair the commit records in %s: %s; the next saver tries again", self.layout.meta, e)
+        self._committed = self.layout.committed_steps()
+
+    def _hold_job_lock(self) -> None:
+        """Readies the commit records (stale ones removed, bound to the checkpoint dir) and holds this
+        job's lock in them for the saver's life: other jobs' start-up clean-up then leaves this job's
+        uncommitted steps alone (``CommitLayout.claim``, ``CommitLayout.clean_uncommitted``)."""
+        self._job_lock = self.layout.claim()
+
+    def _spawn(self, target: Any, name: str, *args: Any) -> threading.Thread:
+        t = threading.Thread(target=target, args=args, name=f"flashckpt-saver-{name}", daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    def _adopt_segments(self) -> None:
+        """Segments survive a killed saver: keep them, clearing flags of persists that died with it."""
+        assert self._dir_fd is not None
+        for name in os.listdir(self._dir_fd):
+            if not name.endswith(".shm"):
+                continue
+            path = os.path.join(self.job_dir, name)
+            try:
+                seg = Segment(path, populate=False)
+            except (OSError, E.FlashCheckpointError):
+                os.unlink(name, dir_fd=self._dir_fd)
+                continue
+            with SharedLock(lock_path(self.job_dir, seg.local_rank)):
+                for i in range(seg.nslots):
+                    seg.set_flags(i, seg.header(i).flags & ~(FLAG_PINNED | FLAG_PENDING))
+            self._segments[path] = seg
+            log.info("adopted segment %s (steps %s)", path, [s for s, _ in seg.complete_steps()])
+
+    def serve_forever(self) -> None:
+        """Runs until there is no client and no work: at once after final goodbyes, else after grace."""
+        with self._cv:
+            while not self._stop.is_set():
+                if not self._clients and self._inflight == 0:
+                    if self._ever_clients and self._session_final:
+                        if self._persist_on_exit:
+                            self._signalled = True  # last words, then exit
+                        break
+                    if self._agent is not None and self._agent.gone():
+                        log.info("the job's launcher (pid %d) exited: no restart can come; exiting",
+                                 self._agent.pid)
+                        self._signalled = True
+                        break
+                    if self._ever_clients and not self._holds_snapshot():
+                        log.info("no client and no snapshot a restart could use: exiting")
+                        break
+                    # The grace period applies after a crash (or a goodbye keeping the snapshots), while
+                    # a snapshot is held. A saver nobody attached to yet waits at least as long as its
+                    # spawner does, so a short grace cannot make it exit under the first trainer's hello.
+                    grace = self.knobs.grace_s if self._ever_clients else max(self.knobs.grace_s,
+                                                                              self.knobs.spawn_timeout_s)
+                    if time.monotonic() - self._idle_since >= grace:
+                        log.info("no client for %.0f s: exiting", grace)
+                        break
+                self._cv.wait(timeout=0.5)
+            # Decided to exit: say so under the lock hello registers under, so a trainer attaching at
+            # this instant is refused (and retries on the next saver) instead of joining a dying one.
+            self._stop.set()
+        if self._signalled and self.knobs.last_words:
+            try:
+                self.save_shm_to_storage(timeout=self.knobs.term_timeout_s)
+            except Exception:
+                log.exception("last-words persist before exiting failed")
+        if self._agent is not None:
+            self._agent.close()
+        self.shutdown()
+
+    def _holds_snapshot(self) -> bool:
+        """Whether a segment holds a complete snapshot (something a restarted trainer could load)."""
+        for path in list(self._segments):
+            try:
+                if self._segments[path].complete_steps():
+                    return True
+            except (OSError, ValueError, E.FlashCheckpointError):
+                return True  # unreadable: keep it rather than drop it
+        return False
+
+    def request_stop(self, *, last_words: bool = False) -> None:
+        """Asks ``serve_forever`` to return (signal-safe: only sets flags). With ``last_words`` the
+        newest snapshot is persisted and committed first (SIGTERM)."""
+        self._signalled = self._signalled or last_words
+        self._stop.set()
+
+    def shutdown(self, drain_timeout: float = 60.0) -> None:
+        """Finishes running persists (bounded), stops serving, removes the job's segments, locks, socket."""
+        self._stop.set()
+        with self._cv:
+            deadline = time.monotonic() + drain_timeout
+            while self._inflight > 0 and time.monotonic() < deadline:
+                self._cv.wait(timeout=0.2)
+            if self._inflight:
+                log.error("exiting with %d persist(s) unfinished after %.0f s", self._inflight, drain_timeout)
+        self._worker.close()
+        try:
+            spawn_lock: SharedLock | None = lock_job(self.job_dir)
+        except E.SaverError as e:  # the path no longer leads to a dir of ours: clean only through our fd
+            log.error("%s; removing only this saver's own files, through the job dir it checked at start", e)
+            spawn_lock = None
+        try:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            for q in self._persist_q.values():
+                q.put(None)
+            self._commit_q.put(None)
+            for seg in self._segments.values():
+                seg.close()
+            self._segments.clear()
+            # Through the fd of the job dir checked at start (or now): a symbolic link is removed, never
+            # followed, and nothing outside that very dir is touched even if its path was swapped since.
+            dir_fd = self._dir_fd if self._dir_fd is not None else open_private_dir(self.job_dir)
+            self._dir_fd = None
+            try:
+                for name in os.listdir(dir_fd):
+                    if name != _SPAWN_LOCK:
+                        _remove_in(dir_fd, name)
+                os.unlink(_SPAWN_LOCK, dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
+            if spawn_lock is not None:
+                os.rmdir(self.job_dir)  # rmdir never follows a symbolic link, and removes only an empty dir
+            if spawn_lock is not None and is_default_runtime_dir(os.path.dirname(self.job_dir)):
+                try:
+                    os.rmdir(os.path.dirname(self.job_dir))  # our per-user root, when no other job uses it
+                except OSError:
+                    pass
+        except OSError as e:
+            log.warning("cleaning up %s: %s", self.job_dir, e)
+        finally:
+            # The job lock goes first: a saver this spawn lock lets start next must not find it held.
+            if self._job_lock is not None:
+                self._job_lock.release()
+                self._job_lock = None
+            if spawn_lock is not None:
+                spawn_lock.release()
+        log.info("saver %d exited; runtime dir %s removed", os.getpid(), self.job_dir)
+
+    # ------------------------------------------------------------------ server
+    def _accept_loop(self) -> None:
+        cid = 0
+        while not self._stop.is_set():
+            sock = self._sock
+            if sock is None:
+                return
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            try:
+                if peer_uid(conn) != os.getuid():
+                    log.warning("refused a connection from another uid")
+                    conn.close()
+                    continue
+            except OSError:
+                conn.close()
+                continue
+            cid += 1
+            self._spawn(self._serve_conn, f"conn{cid}", conn, cid)
+
+    def _serve_conn(self, conn: socket.socket, cid: int) -> None:
+        info: _ClientInfo | None = None
+        try:
+            while True:
+                try:
+                    msg = recv_msg(conn)
+                except E.ProtocolError as e:
+                    log.warning("rejected a malformed control message: %s", e)
+                    send_msg(conn, {"ok": False, "error": str(e), "kind": "ProtocolError"})
+                    return
+                op = msg.get("op")
+                # Every reply echoes its request's id: a client that gave up on a request (a timeout)
+                # recognizes the late reply and discards it instead of taking it for a later one's.
+                echo = {"id": msg["id"]} if "id" in msg else {}
+                if op == "hello":
+                    try:
+                        info = _ClientInfo(int(msg["rank"]), int(msg["local_rank"]), int(msg.get("pid", 0)),
+                                           persists=bool(msg.get("persists", False)), commit=msg.get("commit"))
+                    except (KeyError, TypeError, ValueError) as e:  # reply, rather than drop the connection
+                        send_msg(conn, {"ok": False, "error": f"bad 'hello' request: {e!r}", "kind": "ProtocolError",
+                                        **echo})
+                        continue
+                    with self._cv:
+                        refused = self._stop.is_set()  # exiting: its runtime dir is about to be removed
+                        if not refused:
+                            if not self._clients:
+                                self._session_final = True  # a new session of clients begins
+                                self._persist_on_exit = False
+                            agent = int(msg.get("agent_pid", 0) or 0)
+                            if agent > 0 and (self._agent is None or self._agent.pid != agent):
+                                if self._agent is not None:
+                                    self._agent.close()
+                                self._agent = _Watch(agent)
+                            self._clients[cid] = info
+                            self._ever_clients += 1
+                            if info.persists:  # who persists what, for last words after a crash
+                                self._persisters[info.local_rank] = info
+                    if refused:
+                        send_msg(conn, {"ok": False, "kind": "SaverError",
+                                        "error": "the saver is shutting down; start or reach the next one", **echo})
+                        return
+                try:
+                    reply = self._handle(op, msg, info)
+                except E.FlashCheckpointError as e:
+                    reply = {"ok": False, "error": str(e), "kind": type(e).__name__}
+                except (KeyError, TypeError, ValueError) as e:
+                    reply = {"ok": False, "error": f"bad {op!r} request: {e!r}", "kind": "ProtocolError"}
+                except OSError as e:
+                    reply = {"ok": False, "error": f"{op}: {e}", "kind": "PersistError"}
+                send_msg(conn, {**reply, **echo})
+                if op == "bye":
+                    return
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            conn.close()
+            with self._cv:
+                gone = self._clients.pop(cid, None)
+                if gone is not None and not gone.final:
+                    self._session_final = False
+                    log.warning("client rank %d (pid %d) disconnected without goodbye", gone.rank, gone.pid)
+                    if self.knobs.last_words and not self._stop.is_set():
+                        self._inflight += 1  # keeps the saver alive until the last words are written
+                        self._spawn(self._last_words_thread, "last-words")
+                if not self._clients:
+                    self._idle_since = time.monotonic()
+                self._cv.notify_all()
+
+    def _handle(self, op: Any, msg: dict[str, Any], info: _ClientInfo | None) -> dict[str, Any]:
+        if op == "hello":
+            return {"ok": True, "pid": os.getpid(), **self._status(0)}
+        if op == "alloc":
+            return {"ok": True, "path": self._alloc(int(msg["local_rank"]), int(msg["meta_cap"]),
+                                                    int(msg["data_cap"]), int(msg.get("nslots", self.knobs.slots)))}
+        if op == "persist":
+            self._enqueue(msg)
+            self._reap_quietly(int(msg["local_rank"]))
+            return {"ok": True, **self._status(int(msg.get("cursor", 0)))}
+        if op == "status":
+            if "local_rank" in msg:
+                self._reap_quietly(int(msg["local_rank"]))
+            return {"ok": True, **self._status(int(msg.get("cursor", 0)))}
+        if op == "wait":
+            return {"ok": True, **self._wait(float(msg.get("timeout_s", 0) or 0), int(msg.get("cursor", 0)))}
+        if op == "last_words":
+            step = self.save_shm_to_storage(timeout=float(msg.get("timeout_s", self.knobs.commit_timeout_s)))
+            return {"ok": True, "step": step, **self._status(int(msg.get("cursor", 0)))}
+        if op == "delete_steps":
+            steps = [int(s) for s in msg["steps"]]
+            if msg.get("background", False):
+                # Unlinking a GB-sized file takes a fraction of a second: never inside a trainer's save().
+                with self._cv:
+                    self._inflight += 1
+                self._commit_q.put((-1, {"delete": steps}))
+                return {"ok": True, "scheduled": steps}
+            return {"ok": True, "deleted": self._delete_steps(steps)}
+        if op == "delete_path":
+            path = os.path.abspath(str(msg["path"]))
+            steps = self._path_deletion(path)  # refusals raise CheckpointDirError, before anything is deleted
+            if not os.path.lexists(path):
+                return {"ok": True, "missing": True}
+            with self._cv:
+                self._inflight += 1
+            self._commit_q.put((-1, {"delete_path": path}))
+            return {"ok": True, "scheduled": steps}
+        if op == "give_way":
+            # Another job of this user is short of shared memory: an idle saver (clients came and went,
+            # none is attached, no work) persists what is newer than its last commit and exits.
+            with self._cv:
+                idle = bool(self._ever_clients) and not self._clients and self._inflight == 0 and \
+                    not self._stop.is_set()
+                if msg.get("dry_run"):
+                    return {"ok": True, "idle": idle, "idle_s": time.monotonic() - self._idle_since}
+                if idle:
+                    self._signalled = True  # last words, then exit
+                    self._stop.set()
+                    self._cv.notify_all()
+            return {"ok": True, "giving_way": idle}
+        if op == "bye":
+            if info is not None:
+                info.final = bool(msg.get("final", True))
+                if msg.get("intent") == "persist":
+                    with self._cv:
+                        self._persist_on_exit = True
+            return {"ok": True}
+        if op == "q_put":
+            with self._cv:
+                self._queues[str(msg["name"])].append(msg["item"])
+                self._cv.notify_all()
+            return {"ok": True}
+        if op == "q_get":
+            name, deadline = str(msg["name"]), time.monotonic() + float(msg.get("timeout_s", 0))
+            with self._cv:
+                while not self._queues[name]:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._stop.is_set():
+                        return {"ok": True, "found": False}
+                    self._cv.wait(timeout=left)
+                return {"ok": True, "found": True, "item": self._queues[name].popleft()}
+        if op == "q_size":
+            with self._cv:
+                return {"ok": True, "size": len(self._queues[str(msg["name"])])}
+        if op == "d_update":
+            items = msg["items"]
+            if not isinstance(items, dict):
+                raise TypeError("items must be an object")
+            with self._cv:
+                self._dicts[str(msg["name"])].update(items)
+            return {"ok": True}
+        if op == "d_get":
+            with self._cv:
+                return {"ok": True, "items": dict(self._dicts[str(msg["name"])])}
+        raise E.ProtocolError(f"unknown operation {op!r}")
+
