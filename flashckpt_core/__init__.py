@@ -15,37 +15,43 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .commit import CommitLayout, Manifest
     from .config import StorageType
-    from .engine import CheckpointEngine, LoadResult, Located
+    from .engine import CheckpointEngine, LoadResult
     from .errors import (
-                         CheckpointCorruptError,
-                         CheckpointDirError,
-                         CheckpointTimeoutError,
-                         FlashCheckpointError,
-                         InvalidStateDictError,
-                         PersistError,
-                         ProtocolError,
-                         SaverError,
-                         SharedMemoryError,
+        CheckpointCorruptError,
+        CheckpointDirError,
+        CheckpointNotFoundError,
+        CheckpointTimeoutError,
+        FlashCheckpointError,
+        InvalidArgumentError,
+        InvalidArgumentTypeError,
+        InvalidStateDictError,
+        PersistError,
+        ProtocolError,
+        SaverError,
+        SharedMemoryError,
+        TrackerUpdateError,
+        UnsupportedStrategyError,
     )
-    from .files import FileEntry, FileSet
+    from .files import FileSet
     from .interval import storage_type_for
     from .retention import CheckpointDeletionStrategy, KeepLatestStepStrategy, KeepStepIntervalStrategy
-    from .saver import CheckpointSaver
-    from .storage import CheckpointStorage, FileRecord, PosixDiskStorage
+    from .snapshot_reader import SnapshotReader
+    from .storage import CheckpointStorage
 
 # Public name -> the module defining it, imported on first use (PEP 562): the saver daemon, run as
 # ``python -m flashckpt.saver.daemon``, imports only what it needs, and torch only when it persists.
+# These are the names a user calls; the building blocks (CommitLayout, Manifest, PosixDiskStorage,
+# CheckpointSaver, ...) stay importable from their modules.
+_ERRORS = ("CheckpointCorruptError", "CheckpointDirError", "CheckpointNotFoundError", "CheckpointTimeoutError",
+           "FlashCheckpointError", "InvalidArgumentError", "InvalidArgumentTypeError", "InvalidStateDictError",
+           "PersistError", "ProtocolError", "SaverError", "SharedMemoryError", "TrackerUpdateError",
+           "UnsupportedStrategyError")
 _WHERE = {
-    "CommitLayout": "commit", "Manifest": "commit", "StorageType": "config",
-    "CheckpointEngine": "engine", "LoadResult": "engine", "Located": "engine", "FileEntry": "files",
-    "FileSet": "files", "storage_type_for": "interval", "CheckpointDeletionStrategy": "retention",
-    "KeepLatestStepStrategy": "retention", "KeepStepIntervalStrategy": "retention", "CheckpointSaver": "saver",
-    "CheckpointStorage": "storage", "FileRecord": "storage", "PosixDiskStorage": "storage",
-    **{name: "errors" for name in ("CheckpointCorruptError", "CheckpointDirError", "CheckpointTimeoutError",
-                                   "FlashCheckpointError", "InvalidStateDictError", "PersistError",
-                                   "ProtocolError", "SaverError", "SharedMemoryError")},
+    "StorageType": "config", "CheckpointEngine": "engine", "LoadResult": "engine", "FileSet": "files",
+    "storage_type_for": "interval", "CheckpointDeletionStrategy": "retention", "KeepLatestStepStrategy": "retention",
+    "KeepStepIntervalStrategy": "retention", "SnapshotReader": "snapshot_reader", "CheckpointStorage": "storage",
+    **{name: "errors" for name in _ERRORS},
 }
 
 
@@ -65,10 +71,10 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointEngine", "LoadResult", "Located", "storage_type_for", "FileSet", "FileEntry", "StorageType",
-    "CheckpointSaver", "CheckpointDeletionStrategy", "KeepLatestStepStrategy",
-    "KeepStepIntervalStrategy", "CheckpointStorage", "PosixDiskStorage", "FileRecord", "CommitLayout",
-    "Manifest", "FlashCheckpointError", "InvalidStateDictError", "CheckpointDirError", "SharedMemoryError",
-    "SaverError", "PersistError", "CheckpointCorruptError", "CheckpointTimeoutError", "ProtocolError",
-    "__version__",
+    "CheckpointEngine", "LoadResult", "StorageType", "storage_type_for", "FileSet", "SnapshotReader",
+    "CheckpointDeletionStrategy", "KeepLatestStepStrategy", "KeepStepIntervalStrategy", "CheckpointStorage",
+    "FlashCheckpointError", "InvalidStateDictError", "InvalidArgumentError", "InvalidArgumentTypeError",
+    "CheckpointDirError", "CheckpointNotFoundError", "SharedMemoryError", "SaverError", "PersistError",
+    "TrackerUpdateError", "CheckpointCorruptError", "CheckpointTimeoutError", "ProtocolError",
+    "UnsupportedStrategyError", "__version__",
 ]

@@ -120,7 +120,8 @@ class PersistWorker:
     Args:
         checkpoint_dir: the checkpoint dir (the worker's ``CommitLayout``).
         job: the job key (markers carry it).
-        storage: the saver's storage; the worker builds one of the same class (no arguments).
+        storage: the saver's storage; the worker builds one of the same class for the checkpoint dir
+            (``from_url``), so a backend registered in code only reaches it too.
         nice: how much lower than the saver the worker runs (Linux nice increment).
         idle_s: the worker exits once no persist was in flight for this long.
     """
@@ -466,14 +467,14 @@ def _serve(writer: _Writer, req: dict[str, Any], out_fd: int, out_lock: threadin
         os._exit(1)  # the saver is gone
 
 
-def _load_storage(spec: str) -> CheckpointStorage:
+def _load_storage(spec: str, checkpoint_dir: str) -> CheckpointStorage:
     module, _, name = spec.partition(":")
     obj: Any = importlib.import_module(module)
     for part in name.split("."):
         obj = getattr(obj, part)
-    storage = obj()
+    storage = obj.from_url(checkpoint_dir) if isinstance(obj, type) and issubclass(obj, CheckpointStorage) else None
     if not isinstance(storage, CheckpointStorage):
-        raise TypeError(f"{spec} is not a CheckpointStorage")
+        raise E.InvalidArgumentTypeError(f"{spec} is not a CheckpointStorage")
     return storage
 
 
@@ -506,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     # Segments are mapped read-only: torch warns that its views of them are not writable (they are not
     # written: the files are only read from them).
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
-    writer = _Writer(CommitLayout(args.checkpoint_dir, _load_storage(args.storage), job=args.job))
+    writer = _Writer(CommitLayout(args.checkpoint_dir, _load_storage(args.storage, args.checkpoint_dir), job=args.job))
     out_lock = threading.Lock()
     with out_lock:
         _write_msg(out_fd, {"ready": True, "pid": os.getpid()})

@@ -17,6 +17,7 @@ import time
 from typing import Any, NoReturn
 
 from . import errors as E
+from .messages import Request
 
 __all__ = ["MAX_MESSAGE", "send_msg", "recv_msg", "Client", "ConnectionLost", "peer_uid"]
 
@@ -36,7 +37,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
         if not chunk:
-            raise ConnectionError("peer closed the connection")
+            raise PeerClosed("peer closed the connection")
         buf += chunk
     return bytes(buf)
 
@@ -81,6 +82,10 @@ _ERRORS: dict[str, type[E.FlashCheckpointError]] = {
 
 class ConnectionLost(E.SaverError):
     """The connection to the saver broke (the saver died or closed it): a new saver can be attached."""
+
+
+class PeerClosed(E.SaverError, ConnectionError):
+    """The other end closed the connection in the middle of a message (``recv_msg``)."""
 
 
 # While a reply is awaited, the saver's process state is checked this often; a saver found stopped
@@ -157,6 +162,14 @@ class Client:
                     stopped_since = None
                 self._fill(op, min(deadline - now, _POLL_S))
         return _result(reply)
+
+    def request(self, req: Request, *, timeout: float | None = None) -> dict[str, Any]:
+        """Sends the typed request ``req`` and returns the reply's fields (see ``call``)."""
+        return self.call(req.OP, timeout=timeout, **_fields(req))
+
+    def submit(self, req: Request) -> int:
+        """Sends the typed request ``req`` without waiting (see ``send``); returns its id."""
+        return self.send(req.OP, **_fields(req))
 
     def send(self, op: str, **args: Any) -> int:
         """Sends a request without waiting for its reply; returns its id for ``poll`` or ``cancel``.
@@ -259,6 +272,12 @@ class Client:
                     self._sock.close()
                 finally:
                     self._sock = None
+
+
+def _fields(req: Request) -> dict[str, Any]:
+    wire = req.to_wire()
+    del wire["op"]
+    return wire
 
 
 def _result(reply: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from . import errors as E
 from ._protocol import Client
 from .commit import CommitLayout
 from .config import Knobs
-from .storage import PosixDiskStorage
+from .storage import local_dir, storage_for
 
 __all__ = ["main"]
 
@@ -58,7 +58,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if why:
         print(why, file=sys.stderr)
         return 2
-    layout = CommitLayout(args.dir, PosixDiskStorage())
+    layout = CommitLayout(args.dir, storage_for(args.dir))
     stale = layout.stale_reason() if os.path.isdir(layout.meta) else None
     if stale:
         print(f"the commit records in {layout.meta} are stale ({stale}); a saver starting on "
@@ -100,7 +100,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if why:
         print(why, file=sys.stderr)
         return 2
-    layout = CommitLayout(args.dir, PosixDiskStorage())
+    layout = CommitLayout(args.dir, storage_for(args.dir))
     steps = layout.committed_steps()
     if args.step is not None:
         if args.step not in steps:
@@ -147,7 +147,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if not os.path.isdir(os.path.dirname(path)):
             print(f"{os.path.dirname(path)} does not exist", file=sys.stderr)
             return 2
-        for line in CommitLayout(path, PosixDiskStorage()).tidy(dry_run=args.dry_run):
+        for line in CommitLayout(path, storage_for(path)).tidy(dry_run=args.dry_run):
             print(f"{'would remove' if args.dry_run else 'removed'} {line}")
             removed += 1
     removed += _gc_runtime(args.dry_run)
@@ -221,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     n.add_argument("--build", action="store_true", help="compile it now (needs a C++ compiler and ninja)")
     n.set_defaults(fn=cmd_native)
     args = p.parse_args(argv)
+    if getattr(args, "dir", None) is not None:  # a plain path or a URL, as the engine takes it
+        try:
+            storage_for(args.dir)
+            args.dir = local_dir(args.dir, f"flashckpt {args.cmd}")
+        except E.FlashCheckpointError as e:
+            print(f"flashckpt {args.cmd}: {e}", file=sys.stderr)
+            return 2
     return int(args.fn(args))
 
 

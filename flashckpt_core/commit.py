@@ -47,6 +47,7 @@ from . import _records
 from . import errors as E
 from ._lease import Lease, held
 from ._records import META, records_dir
+from .errors import TrackerUpdateError
 from .storage import CheckpointStorage, FileRecord
 
 __all__ = ["META", "records_dir", "Manifest", "CommitLayout", "TrackerUpdateError"]
@@ -56,17 +57,6 @@ log = logging.getLogger(__name__)
 MANIFEST_FORMAT = "flashckpt-manifest/1"
 _KINDS = ("file", "commit", "tracker")
 _FORMATS = ("torch", "raw")
-
-
-class TrackerUpdateError(E.PersistError):
-    """A step was committed (its manifest is durable: it verifies and loads), but what follows the
-    manifest failed: updating ``tracker.json``, writing a framework's tracker files or removing the
-    steps it supersedes. A saver repairs these at its next start (``CommitLayout.repair``)."""
-
-    def __init__(self, step: int, problems: list[str]) -> None:
-        super().__init__(f"step {step} is committed and loadable, but " + "; ".join(problems) +
-                         "; a saver repairs this at its next start (readers go by the manifests, not the tracker)")
-        self.step = step
 
 
 def _need(cond: bool, what: str) -> None:

@@ -7,10 +7,8 @@ import errno
 import logging
 import math
 import os
-import re
 import sys
 import time
-import urllib.parse
 import uuid
 import weakref
 from collections.abc import Callable
@@ -21,6 +19,7 @@ from typing import Any
 import torch
 
 from . import errors as E
+from . import messages as M
 from ._copy import Copier
 from ._protocol import Client, ConnectionLost, process_cpu_seconds
 from .commit import CommitLayout
@@ -31,7 +30,7 @@ from .retention import CheckpointDeletionStrategy, KeepLatestStepStrategy, uses_
 from .saver import ensure_saver
 from .snapshot_reader import SnapshotReader
 from .snapshot_writer import SharedMemoryHandler
-from .storage import PosixDiskStorage
+from .storage import local_dir, storage_for
 
 __all__ = ["CheckpointEngine", "LoadResult", "Located", "local_dir", "resolve_in"]
 
@@ -57,37 +56,6 @@ class Located:
     step: int | None
     source: str
     path: str | None
-
-
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def local_dir(checkpoint_dir: str | os.PathLike[str], what: str = "CheckpointEngine") -> str:
-    """The local path ``checkpoint_dir`` names, as given (relative paths stay relative): a ``file://``
-    URL becomes its absolute path; any other URL (``s3://``, ``gs://``, ``hdfs://``, ...) is refused.
-
-    Raises:
-        CheckpointDirError: an unsupported URL, a ``file://`` URL naming a host, or an empty path.
-    """
-    d = os.fspath(checkpoint_dir)
-    if not isinstance(d, str):
-        raise TypeError(f"{what}(checkpoint_dir={d!r}): a path (str or os.PathLike) is needed")
-    m = _URL.match(d)
-    if m is not None:
-        scheme = m.group(1).lower()
-        if scheme != "file":
-            raise E.CheckpointDirError(
-                f"{what}({d!r}): {scheme}:// storage is not supported yet; flashckpt writes to a local or mounted "
-                "file system only (object stores such as S3 are planned). Pass a local directory, or mount the "
-                "bucket (for example with mountpoint-s3 or s3fs) and pass the mount's path")
-        url = urllib.parse.urlparse(d)
-        if url.netloc not in ("", "localhost") or not url.path:
-            raise E.CheckpointDirError(f"{what}({d!r}): a file:// URL names an absolute local path, as in "
-                                       "file:///data/ckpt (three slashes); a host or a relative path is not allowed")
-        return urllib.parse.unquote(url.path)
-    if not d:
-        raise E.CheckpointDirError(f"{what}(checkpoint_dir=''): give a directory")
-    return d
 
 
 def resolve_in(root: str, given: str, path: str | os.PathLike[str], what: str = "path") -> str:
@@ -168,7 +136,7 @@ class CheckpointEngine:
         for name, v in (("max_to_keep", max_to_keep), ("save_mem_interval", save_mem_interval),
                         ("save_storage_interval", save_storage_interval)):
             if not isinstance(v, int) or v < 0:
-                raise ValueError(f"CheckpointEngine({name}={v!r}): must be an integer >= 0")
+                raise E.InvalidArgumentError(f"CheckpointEngine({name}={v!r}): must be an integer >= 0")
         self.ranks = RankInfo.current()
         self._auto = self._auto_intervals(process_mtbf_s, node_mtbf_s) if auto_save else None
         self._given_dir = local_dir(checkpoint_dir)
@@ -202,7 +170,7 @@ class CheckpointEngine:
         self._client: Client | None = None
         hello = self._attach()
         # After the saver's start: it readied the commit records (CommitLayout.claim).
-        self.layout = CommitLayout(self.checkpoint_dir, PosixDiskStorage())
+        self.layout = CommitLayout(self.checkpoint_dir, storage_for(self.checkpoint_dir))
         # The rank that writes this local rank's snapshots takes its writer lease at its first save and
         # holds it until close: a second writer (another engine, another job with this job key) is refused.
         self._handler = SharedMemoryHandler(r.local_rank, self.job_dir,
@@ -248,9 +216,10 @@ class CheckpointEngine:
         while True:
             client = ensure_saver(self.job_dir, self.checkpoint_dir, self.knobs)
             try:
-                hello = client.call("hello", rank=r.rank, local_rank=r.local_rank, world_size=r.world_size,
-                                    local_world_size=r.local_world_size, pid=os.getpid(), persists=self.persists,
-                                    commit=self._commit_spec(), agent_pid=_agent_pid())
+                hello = client.request(M.Hello(rank=r.rank, local_rank=r.local_rank, world_size=r.world_size,
+                                               local_world_size=r.local_world_size, pid=os.getpid(),
+                                               persists=self.persists, commit=self._commit_spec(),
+                                               agent_pid=_agent_pid()))
                 break
             except E.SaverError:
                 client.close()
@@ -341,7 +310,7 @@ class CheckpointEngine:
         """
         self._check_open("save")
         if not isinstance(step, int) or step < 0:
-            raise ValueError(f"save(step={step!r}): step must be an integer >= 0")
+            raise E.InvalidArgumentError(f"save(step={step!r}): step must be an integer >= 0")
         auto_kind = None
         if storage_type is None and self._auto is not None:
             auto_kind = self._auto.decide(step, time.monotonic())
@@ -350,14 +319,14 @@ class CheckpointEngine:
             storage_type = StorageType.DISK if auto_kind == "storage" else StorageType.MEMORY
         if storage_type is None:
             if not (self.save_mem_interval or self.save_storage_interval):
-                raise ValueError(f"save(step={step}, storage_type=None): no interval is set, so nothing would "
+                raise E.InvalidArgumentError(f"save(step={step}, storage_type=None): no interval is set, so nothing would "
                                  "be saved; pass storage_type=StorageType.MEMORY or DISK, or construct the "
                                  "engine with save_mem_interval / save_storage_interval")
             storage_type = self._interval_type(step)
             if storage_type is None:
                 return False
         if storage_type not in (StorageType.MEMORY, StorageType.DISK):
-            raise ValueError(f"save(storage_type={storage_type!r}): use StorageType.MEMORY or StorageType.DISK")
+            raise E.InvalidArgumentError(f"save(storage_type={storage_type!r}): use StorageType.MEMORY or StorageType.DISK")
         names: list[str] | None = None
         if isinstance(state_dict, FileSet):
             names = [n for n, e in state_dict.items() if e.kind != "tracker"]
@@ -414,11 +383,11 @@ class CheckpointEngine:
             self._handler.mark_pending(ref)
             try:
                 # A new saver (after ours died) cleared every slot's flags when it adopted the segments.
-                reply = self._client_call("persist", on_reattach=lambda: self._handler.mark_pending(ref),
-                                          step=step, rank=self.ranks.rank,
-                                          local_rank=self.ranks.local_rank, seg_path=ref.path, slot=ref.slot,
-                                          generation=ref.generation, path=target, commit=self._commit_spec(),
-                                          cursor=self._cursor)
+                reply = self._client_call(
+                    M.Persist(step=step, rank=self.ranks.rank, local_rank=self.ranks.local_rank, seg_path=ref.path,
+                              slot=ref.slot, generation=ref.generation, path=target, commit=self._commit_spec(),
+                              cursor=self._cursor),
+                    on_reattach=lambda: self._handler.mark_pending(ref))
             except BaseException as e:
                 self._handler.clear_pending(ref)
                 if isinstance(e, E.CheckpointTimeoutError):  # unanswered: the saver may still persist it
@@ -449,7 +418,7 @@ class CheckpointEngine:
                 self._status_req = None
                 self._after_reply(reply)
             if seg != self._status_seg or time.monotonic() - self._status_at >= _STATUS_EVERY_S:
-                self._status_req = client.send("status", cursor=self._cursor, local_rank=self.ranks.local_rank)
+                self._status_req = client.submit(M.Status(cursor=self._cursor, local_rank=self.ranks.local_rank))
                 self._status_seg = seg
                 self._status_at = time.monotonic()
         except ConnectionLost as e:
@@ -479,25 +448,26 @@ class CheckpointEngine:
         return storage_type_for(step, self.save_mem_interval, self.save_storage_interval)
 
     def _allocate(self, local_rank: int, meta_cap: int, data_cap: int) -> str:
-        return str(self._client_call("alloc", local_rank=local_rank, meta_cap=meta_cap, data_cap=data_cap,
-                                     nslots=self.knobs.slots)["path"])
+        return str(self._client_call(M.Alloc(local_rank=local_rank, meta_cap=meta_cap, data_cap=data_cap,
+                                             nslots=self.knobs.slots))["path"])
 
-    def _client_call(self, op: str, *, on_reattach: Callable[[], None] | None = None, **kw: Any) -> dict[str, Any]:
+    def _client_call(self, req: M.Request, *, on_reattach: Callable[[], None] | None = None,
+                     timeout: float | None = None) -> dict[str, Any]:
         """One round trip to the saver; a saver that died is replaced (``_reattach``) and the request
         sent to the new one, after ``on_reattach``."""
         if self._closed:
-            raise E.FlashCheckpointError(_closed_message(op))
+            raise E.FlashCheckpointError(_closed_message(req.OP))
         client = self._client
         if client is not None and self._status_req is not None:  # its reply is in what this one says
             client.cancel(self._status_req)
         self._status_req = None
         for attempt in range(2):
             if client is None or client.lost:
-                client = self._reattach(op, None)
+                client = self._reattach(req.OP, None)
                 if on_reattach is not None:
                     on_reattach()
             try:
-                return client.call(op, **kw)
+                return client.request(req, timeout=timeout)
             except ConnectionLost:
                 if attempt:
                     raise
@@ -505,12 +475,13 @@ class CheckpointEngine:
         raise AssertionError("unreachable")
 
     def _after_reply(self, reply: dict[str, Any]) -> None:
-        self._cursor = int(reply.get("cursor", self._cursor))
+        st = M.StatusReply.from_wire(reply)
+        if st.cursor is not None:
+            self._cursor = st.cursor
         if self._auto is not None:
-            self._auto.observe_persist(float(reply.get("last_persist_s", 0.0)))
-        committed = reply.get("committed", [])
-        errs = reply.get("errors") or []
-        if int(reply.get("inflight", 1)) == 0:
+            self._auto.observe_persist(st.last_persist_s)
+        committed, errs = st.committed, st.errors
+        if st.inflight == 0:
             self._requested.clear()
         else:
             done = {int(e["step"]) for e in errs}
@@ -545,7 +516,7 @@ class CheckpointEngine:
         doomed = [s for s in self.deletion_strategy.steps_to_delete(committed) if s != committed[-1]]
         self._applied_retention = key
         if doomed:
-            self._client_call("delete_steps", steps=doomed, background=True)
+            self._client_call(M.DeleteSteps(steps=doomed, background=True))
 
     def _clean_up(self, committed: list[int]) -> None:
         """DLRover's contract: ``clean_up(step, delete_func)`` once per commit seen since the last call,
@@ -588,15 +559,25 @@ class CheckpointEngine:
         """
         self._check_open("delete_checkpoint")
         if isinstance(path, bool):
-            raise TypeError(f"delete_checkpoint({path!r}): pass a path or a step number")
+            raise E.InvalidArgumentTypeError(f"delete_checkpoint({path!r}): pass a path or a step number")
         if isinstance(path, int):
-            self._client_call("delete_steps", steps=[path], background=True)
+            self._client_call(M.DeleteSteps(steps=[path], background=True))
             return
         target = self.resolve(path)
-        reply = self._client_call("delete_path", path=target)
+        reply = self._client_call(M.DeletePath(path=target))
         if reply.get("missing"):
-            raise FileNotFoundError(errno.ENOENT, f"delete_checkpoint({os.fspath(path)!r}): no such file or directory",
+            raise E.CheckpointNotFoundError(errno.ENOENT, f"delete_checkpoint({os.fspath(path)!r}): no such file or directory",
                                     target)
+
+    def delete_steps(self, steps: list[int], *, newest: bool = False) -> list[int]:
+        """Deletes committed ``steps`` now, through the node's saver (records first, then files that no
+        other committed step lists), and returns those it deleted; steps that are not committed (being
+        persisted, or unknown) are left alone. For adapters of frameworks that delete their own
+        checkpoints: ``newest=True`` lets the newest committed step go too (the tracker then names the
+        newest step left), as when a Trainer keeps only its best checkpoint."""
+        self._check_open("delete_steps")
+        reply = self._client_call(M.DeleteSteps(steps=[int(s) for s in steps], newest=newest))
+        return [int(s) for s in reply.get("deleted", [])]
 
     def saver_cpu_seconds(self) -> float | None:
         """CPU time (user + system, all threads) the node's saver daemon and its persist workers have used
@@ -616,7 +597,7 @@ class CheckpointEngine:
         self.wait_snapshot()
         for _ in range(2):  # a second round covers the retention the first commit triggered
             applied = self._applied_retention
-            reply = self._client_call("wait", timeout_s=timeout or 0, cursor=self._cursor,
+            reply = self._client_call(M.Wait(timeout_s=timeout or 0, cursor=self._cursor),
                                       timeout=None if timeout is None else timeout + self.knobs.rpc_timeout_s)
             self._after_reply(reply)
             if self._applied_retention == applied:
@@ -651,7 +632,7 @@ class CheckpointEngine:
                     self._bg.shutdown(wait=True)
             if self._client is not None:
                 try:
-                    self._client.call("bye", final=intent != "keep", intent=intent)
+                    self._client.request(M.Bye(final=intent != "keep", intent=intent))
                 except E.FlashCheckpointError as e:
                     log.warning("close(): %s", e)
                 self._client.close()
@@ -888,7 +869,7 @@ class CheckpointEngine:
                 f"committed steps, as saved ({self._committed_listing()}), or no resume_path for the newest; "
                 "for another directory, construct a checkpointer on it")
         if not os.path.exists(path):
-            raise FileNotFoundError(errno.ENOENT, f"load(resume_path={resume_path!r}): no such file or directory "
+            raise E.CheckpointNotFoundError(errno.ENOENT, f"load(resume_path={resume_path!r}): no such file or directory "
                                     f"({path}); {self._committed_listing()}", resume_path)
         return path
 
@@ -938,7 +919,12 @@ class CheckpointEngine:
 
     def _torch_load(self, path: str) -> Any:
         try:
-            return torch.load(path, map_location="cpu", weights_only=self.weights_only)
+            storage = self.layout.storage  # through the backend; a local file is opened directly
+            local = storage.local_path(path)
+            if local is not None:
+                return torch.load(local, map_location="cpu", weights_only=self.weights_only)
+            with storage.open_read(path) as f:
+                return torch.load(f, map_location="cpu", weights_only=self.weights_only)
         except Exception as e:
             if self.weights_only and "weights_only" in str(e):
                 raise E.FlashCheckpointError(

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from . import errors as E
+from . import messages as M
 from ._protocol import Client
 
 __all__ = ["SharedLock", "SharedQueue", "SharedDict"]
@@ -78,18 +79,18 @@ class SharedQueue:
         self._client = client
 
     def put(self, item: Any) -> None:
-        self._client.call("q_put", name=self.name, item=item)
+        self._client.request(M.QueuePut(name=self.name, item=item))
 
     def get(self, timeout: float | None = None) -> Any:
         """Removes and returns the oldest item; raises CheckpointTimeoutError after ``timeout`` s."""
         wait = self._client.timeout if timeout is None else timeout
-        reply = self._client.call("q_get", name=self.name, timeout_s=wait, timeout=wait + 10)
+        reply = self._client.request(M.QueueGet(name=self.name, timeout_s=wait), timeout=wait + 10)
         if not reply.get("found"):
             raise E.CheckpointTimeoutError(f"SharedQueue({self.name!r}).get(): empty after {wait} s")
         return reply["item"]
 
     def qsize(self) -> int:
-        return int(self._client.call("q_size", name=self.name)["size"])
+        return int(self._client.request(M.QueueSize(name=self.name))["size"])
 
     def empty(self) -> bool:
         return self.qsize() == 0
@@ -103,16 +104,16 @@ class SharedDict:
         self._client = client
 
     def set(self, key: str, value: Any) -> None:
-        self._client.call("d_update", name=self.name, items={key: value})
+        self._client.request(M.DictUpdate(name=self.name, items={key: value}))
 
     def update(self, items: dict[str, Any]) -> None:
-        self._client.call("d_update", name=self.name, items=items)
+        self._client.request(M.DictUpdate(name=self.name, items=items))
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.to_dict().get(key, default)
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self._client.call("d_get", name=self.name)["items"])
+        return dict(self._client.request(M.DictGet(name=self.name))["items"])
 
     def __getitem__(self, key: str) -> Any:
         d = self.to_dict()

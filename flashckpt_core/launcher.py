@@ -29,6 +29,7 @@ import uuid
 from typing import Any
 
 from . import errors as E
+from . import messages as M
 from ._protocol import Client
 from .config import Knobs, is_job_key_of
 
@@ -68,7 +69,7 @@ def last_words_for_job(job_id: str, timeout: float) -> dict[str, Any]:
             out[d] = f"error: {e}"
             continue
         try:
-            out[d] = client.call("last_words", timeout_s=left, timeout=left + 5).get("step")
+            out[d] = client.request(M.LastWords(timeout_s=left), timeout=left + 5).get("step")
         except E.FlashCheckpointError as e:
             out[d] = f"error: {e}"
         finally:

@@ -1,9 +1,18 @@
-"""Where persisted files go: a small ABC and the POSIX backend (temp name, fsync, rename, dir fsync)."""
+"""Where persisted files go: the storage ABC, the POSIX backend (temp name, fsync, rename, dir fsync), and
+the one resolver that picks a backend by URL (``storage_for``).
+
+A checkpoint dir is a plain path or a URL. ``file://`` URLs and plain paths are served by
+``PosixDiskStorage``; other schemes by the backend registered for them: in code (``register_storage``) or
+by an installed distribution through the entry-point group ``flashckpt.storage`` (name: the scheme;
+object: a ``CheckpointStorage`` subclass, built with ``from_url(url)``). See docs/storage.md.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import urllib.parse
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,9 +20,13 @@ from typing import Any, BinaryIO
 
 import xxhash
 
+from . import errors as E
 from ._protocol import fsync_dir
 
-__all__ = ["FileRecord", "CheckpointStorage", "PosixDiskStorage", "file_checksum", "HashingWriter"]
+__all__ = ["FileRecord", "CheckpointStorage", "PosixDiskStorage", "file_checksum", "HashingWriter", "storage_for",
+           "register_storage", "url_scheme", "local_dir", "ENTRY_POINT_GROUP"]
+
+ENTRY_POINT_GROUP = "flashckpt.storage"
 
 _CHUNK = 8 << 20
 
@@ -123,9 +136,28 @@ class CheckpointStorage(ABC):
         """A local file system path for ``path`` when the backend has one (for torch.load), else None."""
         return None
 
+    #: whether ``move`` is an atomic rename (POSIX file systems); object stores have none
+    supports_rename: bool = False
+
+    @classmethod
+    def from_url(cls, url: str) -> CheckpointStorage:
+        """The backend for checkpoint dirs under ``url`` (the resolver calls it); by default ``cls()``."""
+        return cls()
+
+    def open_read(self, path: str) -> BinaryIO:
+        """A readable binary stream of ``path`` (for ``torch.load``); the default reads it whole."""
+        import io
+
+        return io.BytesIO(self.read_bytes(path))
+
 
 class PosixDiskStorage(CheckpointStorage):
-    """Local or network file systems with POSIX rename semantics."""
+    """Local or network file systems with POSIX rename semantics (``file://`` URLs and plain paths)."""
+
+    supports_rename = True
+
+    def open_read(self, path: str) -> BinaryIO:
+        return open(path, "rb")
 
     def _makedirs(self, d: str) -> None:
         if os.path.isdir(d):
@@ -204,3 +236,96 @@ class PosixDiskStorage(CheckpointStorage):
         fsync_dir(d)
         if os.path.dirname(src) != d:
             fsync_dir(os.path.dirname(src))
+
+
+# ---------------------------------------------------------------------------------------- the resolver
+_REGISTRY: dict[str, type[CheckpointStorage]] = {"file": PosixDiskStorage}
+
+
+def register_storage(scheme: str, backend: type[CheckpointStorage]) -> None:
+    """Serves ``<scheme>://`` checkpoint dirs with ``backend`` in this process (installed distributions
+    register through the entry-point group ``flashckpt.storage`` instead, which every process sees)."""
+    if not (isinstance(backend, type) and issubclass(backend, CheckpointStorage)):
+        raise E.InvalidArgumentTypeError(f"register_storage({scheme!r}, {backend!r}): a CheckpointStorage subclass "
+                                         "is needed")
+    _REGISTRY[scheme.lower()] = backend
+
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def url_scheme(url: str | os.PathLike[str]) -> str:
+    """The scheme of a checkpoint dir: ``file`` for plain paths and ``file://`` URLs."""
+    m = _URL.match(os.fspath(url))
+    return m.group(1).lower() if m else "file"
+
+
+
+
+def local_dir(checkpoint_dir: str | os.PathLike[str], what: str = "CheckpointEngine") -> str:
+    """The local path ``checkpoint_dir`` names, as given (relative paths stay relative): a ``file://``
+    URL becomes its absolute path; any other URL (``s3://``, ``gs://``, ``hdfs://``, ...) is refused.
+
+    Raises:
+        CheckpointDirError: an unsupported URL, a ``file://`` URL naming a host, or an empty path.
+    """
+    d = os.fspath(checkpoint_dir)
+    if not isinstance(d, str):
+        raise E.InvalidArgumentTypeError(f"{what}(checkpoint_dir={d!r}): a path (str or os.PathLike) is needed")
+    m = _URL.match(d)
+    if m is not None:
+        scheme = m.group(1).lower()
+        if scheme != "file":  # served by no backend yet: the S3 issue adds s3:// to the engine
+            raise E.CheckpointDirError(
+                f"{what}({d!r}): {scheme}:// storage is not supported yet; flashckpt writes to a local or mounted "
+                "file system only (object stores such as S3 are planned). Pass a local directory, or mount the "
+                "bucket (for example with mountpoint-s3 or s3fs) and pass the mount's path")
+        url = urllib.parse.urlparse(d)
+        if url.netloc not in ("", "localhost") or not url.path:
+            raise E.CheckpointDirError(f"{what}({d!r}): a file:// URL names an absolute local path, as in "
+                                       "file:///data/ckpt (three slashes); a host or a relative path is not allowed")
+        return urllib.parse.unquote(url.path)
+    if not d:
+        raise E.CheckpointDirError(f"{what}(checkpoint_dir=''): give a directory")
+    return d
+
+
+
+
+def storage_for(url: str | os.PathLike[str]) -> CheckpointStorage:
+    """The storage backend serving checkpoint dir ``url`` (a plain path or a URL).
+
+    Raises:
+        InvalidArgumentError: no backend serves the URL's scheme; the message lists those installed.
+    """
+    scheme = url_scheme(url)
+    backend = _REGISTRY.get(scheme) or _from_entry_points(scheme)
+    if backend is None:
+        known = sorted(set(_REGISTRY) | _entry_point_names())
+        raise E.InvalidArgumentError(
+            f"no storage backend serves {os.fspath(url)!r} ({scheme}:// URLs); installed: "
+            f"{', '.join(s + '://' for s in known)}. A backend registers for its scheme in the entry-point group "
+            f"{ENTRY_POINT_GROUP!r} (or with flashckpt.storage.register_storage); see docs/storage.md")
+    return backend.from_url(os.fspath(url))
+
+
+def _entry_points() -> list[Any]:
+    from importlib.metadata import entry_points
+
+    return list(entry_points(group=ENTRY_POINT_GROUP))
+
+
+def _entry_point_names() -> set[str]:
+    return {ep.name.lower() for ep in _entry_points()}
+
+
+def _from_entry_points(scheme: str) -> type[CheckpointStorage] | None:
+    for ep in _entry_points():
+        if ep.name.lower() == scheme:
+            backend = ep.load()
+            if not (isinstance(backend, type) and issubclass(backend, CheckpointStorage)):
+                raise E.InvalidArgumentTypeError(f"the entry point {ep.name} = {ep.value} in group "
+                                                 f"{ENTRY_POINT_GROUP!r} is not a CheckpointStorage subclass")
+            _REGISTRY[scheme] = backend
+            return backend
+    return None

@@ -13,8 +13,9 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
-from flashckpt import CheckpointEngine, FileSet, Located, StorageType
+from flashckpt import CheckpointEngine, FileSet, StorageType
 from flashckpt import errors as E
+from flashckpt.engine import Located
 
 from ._kit import Adapter, barrier
 from ._kit_files import Capture, SnapshotDir, all_ranks_files, scratch, scratch_root

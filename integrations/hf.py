@@ -46,12 +46,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from flashckpt import CheckpointEngine, FileEntry, FileSet, Located, StorageType
+from flashckpt import CheckpointEngine, FileSet, StorageType
 from flashckpt import errors as E
 from flashckpt.commit import CommitLayout
-from flashckpt.engine import local_dir
+from flashckpt.engine import Located, local_dir
+from flashckpt.files import FileEntry
 from flashckpt.retention import CheckpointDeletionStrategy
-from flashckpt.storage import PosixDiskStorage
+from flashckpt.storage import storage_for
 
 from ._kit import barrier, step_of
 from ._kit_files import Capture, SnapshotDir, all_ranks_files, scratch, scratch_root
@@ -119,7 +120,7 @@ def get_last_checkpoint(folder: str, *, verify: bool = False) -> str | None:
     back to older ones. In a folder flashckpt never wrote to (a vanilla Trainer's), the newest
     ``checkpoint-N`` holding a ``trainer_state.json`` (the file the Trainer writes last).
     """
-    layout = CommitLayout(folder, PosixDiskStorage())
+    layout = CommitLayout(folder, storage_for(folder))
     # Records that describe an earlier directory of this name (deleted since) are not this folder's.
     records = os.path.isdir(layout.meta) and layout.stale_reason() is None
     committed = layout.committed_steps() if records else []
@@ -451,13 +452,8 @@ class FlashCkptTrainer(Trainer):
     def _flash_delete_all_but(engine: CheckpointEngine, keep: int | None) -> None:
         """Deletes every committed step but ``keep`` (the newest included: the Trainer deletes it too
         when it is not the best), then points the tracker at what is left. Nothing may be in flight."""
-        layout = engine.layout
-        doomed = [s for s in layout.committed_steps() if s != keep]
-        for s in doomed:
-            layout.delete_step(s)
+        doomed = engine.delete_steps([s for s in engine.committed_steps() if s != keep], newest=True)
         if doomed:
-            left = layout.committed_steps()
-            layout.write_tracker(left[-1] if left else None)
             log.info("event=retention deleted=%s (save_total_limit=1 at the end of training: only the best is kept)",
                      doomed)
 

@@ -39,17 +39,12 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from flashckpt import (
-    CheckpointEngine,
-    CommitLayout,
-    FlashCheckpointError,
-    PersistError,
-    PosixDiskStorage,
-    StorageType,
-)
+from flashckpt import CheckpointEngine, FlashCheckpointError, PersistError, StorageType
 from flashckpt import errors as E
+from flashckpt.commit import CommitLayout
 from flashckpt.errors import UnsupportedStrategyError
 from flashckpt.snapshot_reader import SnapshotReader, job_in_memory
+from flashckpt.storage import local_dir, storage_for, url_scheme
 
 from ._kit import path_inside
 
@@ -68,9 +63,9 @@ _NAMES = {"lightning": ("FlashCheckpointIO", "FlashMemorySnapshot"),
 def _local_path(path: Any, op: str) -> str | None:
     """The absolute local path of ``path``; None for a URL (``s3://...``), which flashckpt does not write."""
     p = os.fspath(path)
-    if "://" in p and not p.startswith("file://"):
+    if url_scheme(p) != "file":
         return None
-    return os.path.abspath(p.removeprefix("file://"))
+    return os.path.abspath(local_dir(p, op))
 
 
 def _link_target(path: str) -> str:
@@ -170,7 +165,7 @@ def find_resume_path(checkpoint_dir: str) -> str | None:
             if info.name:
                 best = (info.step, info.name)
                 break
-    layout = CommitLayout(root, PosixDiskStorage())
+    layout = CommitLayout(root, storage_for(root))
     if os.path.isdir(root) and layout.stale_reason() is None:  # records of a deleted dir of this name: not ours
         for step, path in sorted(_single_file_steps(layout).items(), reverse=True):
             if step <= best[0]:
@@ -681,8 +676,8 @@ class _FlashIOImpl:
         if self._engine is None:
             return
         try:
-            self._engine.layout.delete_step(step)
-        except OSError as e:  # bookkeeping only: never fail a save over it
+            self._engine.delete_steps([step], newest=True)  # through the saver, like every deletion
+        except (OSError, E.FlashCheckpointError) as e:  # bookkeeping only: never fail a save over it
             log.warning("FlashCheckpointIO: could not delete the records of step %d in %s: %s", step,
                         self._engine.layout.meta, e)
 

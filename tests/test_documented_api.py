@@ -417,3 +417,16 @@ def test_use_after_close_says_the_checkpointer_is_closed(runtime_dir, ckpt_dir):
         assert "this checkpointer is closed" in msg and "create a new checkpointer" in msg
         assert "CheckpointEngine" not in msg
     wait_for(lambda: not saver_pids(runtime_dir), 30, "the saver to exit")
+
+
+def test_the_package_exports_what_users_call_and_keeps_building_blocks_in_their_modules():
+    import importlib
+
+    from flashckpt import errors
+
+    assert set(errors.__all__) <= set(flashckpt.__all__)  # every error a user may catch
+    for name, module in {"CommitLayout": "commit", "Manifest": "commit", "PosixDiskStorage": "storage",
+                         "FileRecord": "storage", "CheckpointSaver": "saver", "Located": "engine",
+                         "FileEntry": "files"}.items():
+        assert name not in flashckpt.__all__
+        assert getattr(importlib.import_module(f"flashckpt.{module}"), name) is not None

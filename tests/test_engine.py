@@ -416,9 +416,9 @@ def test_memory_snapshots_skip_the_round_trip_to_the_saver(make_engine, monkeypa
     calls = []
     real, real_send = engine._client_call, engine._client.send
 
-    def counting(op, **kw):
-        calls.append(op)
-        return real(op, **kw)
+    def counting(req, **kw):  # the engine's calls carry typed requests (flashckpt.messages)
+        calls.append(req.OP)
+        return real(req, **kw)
 
     def counting_send(op, **kw):
         calls.append(op)

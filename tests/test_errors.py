@@ -189,3 +189,47 @@ def test_error_hierarchy():
     for cls in (InvalidStateDictError, CheckpointDirError, SharedMemoryError, PersistError):
         assert issubclass(cls, FlashCheckpointError)
     assert issubclass(InvalidStateDictError, ValueError) and issubclass(PersistError, OSError)
+
+
+# ------------------------------------------------------------------------------------------ one hierarchy
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PROTOCOL_BUILTINS = {"KeyError", "NotImplementedError", "AttributeError", "StopIteration", "ImportError", "AssertionError"}
+
+
+def _raised_builtins(root: str) -> list[str]:
+    """``raise <builtin exception>(...)`` statements in the library's source under ``root``."""
+    import ast
+    import builtins
+
+    found = []
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            with open(path) as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.Raise) or node.exc is None:
+                    continue
+                exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                if isinstance(exc, ast.Name) and isinstance(getattr(builtins, exc.id, None), type) \
+                        and issubclass(getattr(builtins, exc.id), BaseException) and exc.id not in _PROTOCOL_BUILTINS:
+                    found.append(f"{os.path.relpath(path, _REPO)}:{node.lineno}: raise {exc.id}")
+    return found
+
+
+def test_the_library_raises_only_its_own_hierarchy():
+    """Every error flashckpt raises derives from FlashCheckpointError (and from the builtin a user would
+    catch); builtins are raised only where a Python protocol requires them (a mapping's KeyError, ...)."""
+    found = [hit for folder in ("flashckpt_core", "integrations", "patches") for hit in _raised_builtins(os.path.join(_REPO, folder))]
+    assert not found, "raise FlashCheckpointError subclasses (flashckpt.errors) instead of:\n" + "\n".join(found)
+
+
+def test_every_public_error_is_a_flashcheckpointerror_and_a_builtin():
+    import flashckpt.errors as errors
+
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.FlashCheckpointError), name
+    assert issubclass(errors.InvalidArgumentError, ValueError) and issubclass(errors.CheckpointNotFoundError, FileNotFoundError)

@@ -104,6 +104,24 @@ def test_newest_committed_step_is_never_deleted(make_engine, ckpt_dir):
     eng.close()
 
 
+def test_delete_steps_lets_a_framework_delete_its_newest_checkpoint_through_the_saver(make_engine, ckpt_dir):
+    """What the HF Trainer (save_total_limit=1 keeps only the best) and Lightning (removing a checkpoint)
+    need: the newest committed step goes only when asked for by name, and the tracker follows."""
+    eng = make_engine(max_to_keep=0)
+    for step in (1, 2, 3):
+        eng.save(step, sd(step), storage_type=DISK)
+    eng.wait(60)
+    assert eng.delete_steps([3]) == []  # the newest is kept unless newest=True
+    assert eng.delete_steps([3, 2, 99], newest=True) == [3, 2]  # 99: not committed, left alone
+    assert layout(ckpt_dir).committed_steps() == [1] == eng.committed_steps()
+    assert layout(ckpt_dir).tracker_step() == 1 and step_dirs(ckpt_dir) == ["step_1"]
+    assert_same_tree(sd(1), eng.load(resume_path="step_1/rank_00000.pt"))
+    eng.save(4, sd(4), storage_type=DISK)  # the saver's own record of what is committed followed
+    eng.wait(60)
+    assert layout(ckpt_dir).committed_steps() == [1, 4] and layout(ckpt_dir).tracker_step() == 4
+    eng.close()
+
+
 def test_retention_state_comes_from_storage_across_a_restart(make_engine, ckpt_dir, runtime_dir):
     first = make_engine(max_to_keep=3)
     for step in (1, 2, 3):

@@ -14,6 +14,7 @@ cost minutes of CI for no other check.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -79,8 +80,14 @@ print("SAVER", savers[0][0], spec.origin)
 def test_the_wheel_installs_one_top_level_package_that_works_on_its_own(tmp_path, runtime_dir):
     pytest.importorskip("build")
     dist = tmp_path / "dist"
-    out = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), REPO],
-                         capture_output=True, text=True, timeout=600)
+    egg_info = os.path.join(REPO, "flashckpt.egg-info")  # setuptools writes it into the source tree
+    had_egg_info = os.path.exists(egg_info)
+    try:
+        out = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), REPO],
+                             capture_output=True, text=True, timeout=600)
+    finally:
+        if not had_egg_info:  # else it would shadow the editable install's metadata (entry points) here
+            shutil.rmtree(egg_info, ignore_errors=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (wheel,) = dist.glob("flashckpt-*.whl")
     with zipfile.ZipFile(wheel) as z:

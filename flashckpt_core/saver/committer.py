@@ -158,20 +158,25 @@ class CommitPart(SaverBase):
             self.storage.remove(path)
         log.info("event=retention deleted_path=%s steps=%s", path, steps)
 
-    def _delete_steps(self, steps: list[int]) -> list[int]:
+    def _delete_steps(self, steps: list[int], *, newest: bool = False) -> list[int]:
+        """Deletes the committed ``steps`` (never a step that is not committed); the newest committed step
+        only with ``newest`` (a framework that deletes its own checkpoints), and the tracker then names the
+        newest step left. Steps being persisted are not committed, so never touched."""
         with self._cv:
             committed = list(self._committed)
         if not committed:
             return []
-        newest = committed[-1]
         deleted = []
         for s in steps:
-            if s == newest or s not in committed:
-                continue  # never the newest committed step, never a step that is not committed
+            if (s == committed[-1] and not newest) or s not in committed:
+                continue
             self.layout.delete_step(s)
             deleted.append(s)
         with self._cv:
             self._committed = [s for s in self._committed if s not in deleted]
+            left = list(self._committed)
+        if committed[-1] in deleted:
+            self.layout.write_tracker(left[-1] if left else None)
         if deleted:
             log.info("event=retention deleted=%s", deleted)
         return deleted

@@ -4,9 +4,9 @@ that every persisting local rank holds."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from .. import errors as E
+from .. import messages as M
 from ..ipc import SharedLock
 from ..segment import (
     Segment,
@@ -73,11 +73,11 @@ class LastWordsPart(SaverBase):
             if step not in known:
                 log.warning("event=last_words step=%d ranks=%s", step, sorted(i.rank for i in persisters.values()))
                 for job in jobs:
-                    if not job["path"]:
+                    if not job.path:
                         log.error("step %d of local rank %d has no persist path; not persisted", step,
-                                  job["local_rank"])
+                                  job.local_rank)
                         return None
-                held_jobs: list[dict[str, Any]] = []
+                held_jobs: list[M.Persist] = []
                 for job in jobs:
                     if not self._hold_slot(job):
                         for j in held_jobs:
@@ -95,17 +95,17 @@ class LastWordsPart(SaverBase):
         self._wait_step(step, timeout)
         return step
 
-    def _hold_slot(self, job: dict[str, Any]) -> bool:
+    def _hold_slot(self, job: M.Persist) -> bool:
         """Flags a last-words persist's slot PENDING (as a trainer does for its persists), so that no
         snapshot overwrites it before the persist pins it; False when it was overwritten already."""
-        seg = self._segment(job["seg_path"])
+        seg = self._segment(job.seg_path)
         with SharedLock(lock_path(self.job_dir, seg.local_rank)):
-            return seg.hold_pending(job["slot"], job["generation"], job["step"])
+            return seg.hold_pending(job.slot, job.generation, job.step)
 
-    def _unhold_slot(self, job: dict[str, Any]) -> None:
-        seg = self._segment(job["seg_path"])
+    def _unhold_slot(self, job: M.Persist) -> None:
+        seg = self._segment(job.seg_path)
         with SharedLock(lock_path(self.job_dir, seg.local_rank)):
-            seg.release_pending(job["slot"], job["generation"])
+            seg.release_pending(job.slot, job.generation)
 
     def _saved_at(self, step: int) -> dict[str, float]:
         """Rank -> the wall time of the snapshot committed ``step`` was persisted from ({} when unknown)."""
@@ -117,7 +117,7 @@ class LastWordsPart(SaverBase):
             return {}
 
     def _last_words_jobs(self, step: int, persisters: dict[int, _ClientInfo],
-                         held: dict[int, dict[int, tuple[Segment, int]]]) -> list[dict[str, Any]] | None:
+                         held: dict[int, dict[int, tuple[Segment, int]]]) -> list[M.Persist] | None:
         """The persist requests of ``step`` for every persisting local rank; None when a slot's
         metadata is unreadable (then an older step is tried)."""
         jobs = []
@@ -128,8 +128,8 @@ class LastWordsPart(SaverBase):
                 name = str(seg.read_meta(slot, h).get("name", ""))
             except (E.FlashCheckpointError, ValueError):
                 return None
-            jobs.append({"step": step, "rank": info.rank, "local_rank": lr, "seg_path": seg.path, "slot": slot,
-                         "generation": h.generation, "path": name, "commit": info.commit})
+            jobs.append(M.Persist(step=step, rank=info.rank, local_rank=lr, seg_path=seg.path, slot=slot,
+                                  generation=h.generation, path=name, commit=info.commit))
         return jobs
 
     def _wait_step(self, step: int, timeout: float | None) -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import queue
 import time
-from typing import Any
 
 from .. import errors as E
 from ..ipc import SharedLock
+from ..messages import Persist
 from ..segment import (
     COMPLETE,
     FLAG_PENDING,
@@ -20,10 +20,9 @@ from ._base import SaverBase, _Job, _StepState, log
 
 
 class PersistPart(SaverBase):
-    def _enqueue(self, msg: dict[str, Any]) -> None:
-        job = _Job(int(msg["step"]), int(msg["rank"]), int(msg["local_rank"]), str(msg["seg_path"]),
-                   int(msg["slot"]), int(msg["generation"]), os.path.abspath(str(msg["path"])),
-                   msg.get("commit"))
+    def _enqueue(self, req: Persist) -> None:
+        job = _Job(req.step, req.rank, req.local_rank, req.seg_path, req.slot, req.generation,
+                   os.path.abspath(req.path), req.commit)
         if os.path.dirname(job.seg_path) != self.job_dir:
             raise E.ProtocolError(f"persist: segment {job.seg_path} is not in this job's runtime dir")
         # Refuses paths outside the checkpoint dir, in its commit records, or in another committed step's

@@ -8,6 +8,7 @@ import stat
 import time
 
 from .. import errors as E
+from .. import messages as M
 from .._protocol import Client
 from ..ipc import SharedLock
 from ..segment import (
@@ -90,7 +91,7 @@ class SegmentsPart(SaverBase):
             except OSError:
                 continue
             try:
-                r = c.call("give_way", dry_run=True)
+                r = c.request(M.GiveWay(dry_run=True))
             except E.FlashCheckpointError:
                 r = {}
             if r.get("idle"):
@@ -104,7 +105,7 @@ class SegmentsPart(SaverBase):
                 if free >= need:
                     break
                 try:
-                    if not c.call("give_way").get("giving_way"):
+                    if not c.request(M.GiveWay()).get("giving_way"):
                         continue
                 except E.FlashCheckpointError:
                     continue

@@ -9,22 +9,25 @@ import queue
 import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from .. import errors as E
+from .. import messages as M
 from .._lease import Lease
 from .._persist_worker import PersistWorker
 from .._protocol import peer_uid, recv_msg, send_msg
 from ..commit import CommitLayout
 from ..config import Knobs, is_default_runtime_dir, open_private_dir
 from ..ipc import SharedLock
+from ..messages import parse_request
 from ..segment import (
     FLAG_PENDING,
     FLAG_PINNED,
     Segment,
     lock_path,
 )
-from ..storage import CheckpointStorage, PosixDiskStorage
+from ..storage import CheckpointStorage, storage_for
 from ._base import (  # noqa: F401
     _SPAWN_LOCK,
     SOCKET_NAME,
@@ -60,7 +63,7 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
                  knobs: Knobs | None = None) -> None:
         self.job_dir = job_dir
         self.knobs = knobs or Knobs.from_env()
-        self.storage = storage or PosixDiskStorage()
+        self.storage = storage or storage_for(checkpoint_dir)
         # The runtime dir is named by the job key (config.job_key): markers and manifests carry it.
         self.layout = CommitLayout(checkpoint_dir, self.storage, job=os.path.basename(os.path.normpath(job_dir)))
         self._job_lock: Lease | None = None
@@ -305,47 +308,30 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
                     log.warning("rejected a malformed control message: %s", e)
                     send_msg(conn, {"ok": False, "error": str(e), "kind": "ProtocolError"})
                     return
-                op = msg.get("op")
                 # Every reply echoes its request's id: a client that gave up on a request (a timeout)
                 # recognizes the late reply and discards it instead of taking it for a later one's.
                 echo = {"id": msg["id"]} if "id" in msg else {}
-                if op == "hello":
-                    try:
-                        info = _ClientInfo(int(msg["rank"]), int(msg["local_rank"]), int(msg.get("pid", 0)),
-                                           persists=bool(msg.get("persists", False)), commit=msg.get("commit"))
-                    except (KeyError, TypeError, ValueError) as e:  # reply, rather than drop the connection
-                        send_msg(conn, {"ok": False, "error": f"bad 'hello' request: {e!r}", "kind": "ProtocolError",
-                                        **echo})
-                        continue
-                    with self._cv:
-                        refused = self._stop.is_set()  # exiting: its runtime dir is about to be removed
-                        if not refused:
-                            if not self._clients:
-                                self._session_final = True  # a new session of clients begins
-                                self._persist_on_exit = False
-                            agent = int(msg.get("agent_pid", 0) or 0)
-                            if agent > 0 and (self._agent is None or self._agent.pid != agent):
-                                if self._agent is not None:
-                                    self._agent.close()
-                                self._agent = _Watch(agent)
-                            self._clients[cid] = info
-                            self._ever_clients += 1
-                            if info.persists:  # who persists what, for last words after a crash
-                                self._persisters[info.local_rank] = info
-                    if refused:
+                try:
+                    req = parse_request(msg)
+                except E.ProtocolError as e:  # reply, rather than drop the connection
+                    send_msg(conn, {"ok": False, "error": str(e), "kind": "ProtocolError", **echo})
+                    continue
+                if isinstance(req, M.Hello):
+                    info = _ClientInfo(req.rank, req.local_rank, req.pid, persists=req.persists, commit=req.commit)
+                    if not self._attach(cid, info, req.agent_pid):
                         send_msg(conn, {"ok": False, "kind": "SaverError",
                                         "error": "the saver is shutting down; start or reach the next one", **echo})
                         return
                 try:
-                    reply = self._handle(op, msg, info)
+                    reply = self._DISPATCH[type(req)](self, req, info)
                 except E.FlashCheckpointError as e:
                     reply = {"ok": False, "error": str(e), "kind": type(e).__name__}
                 except (KeyError, TypeError, ValueError) as e:
-                    reply = {"ok": False, "error": f"bad {op!r} request: {e!r}", "kind": "ProtocolError"}
+                    reply = {"ok": False, "error": f"bad {req.OP!r} request: {e!r}", "kind": "ProtocolError"}
                 except OSError as e:
-                    reply = {"ok": False, "error": f"{op}: {e}", "kind": "PersistError"}
+                    reply = {"ok": False, "error": f"{req.OP}: {e}", "kind": "PersistError"}
                 send_msg(conn, {**reply, **echo})
-                if op == "bye":
+                if isinstance(req, M.Bye):
                     return
         except (ConnectionError, OSError):
             pass
@@ -363,89 +349,125 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
                     self._idle_since = time.monotonic()
                 self._cv.notify_all()
 
-    def _handle(self, op: Any, msg: dict[str, Any], info: _ClientInfo | None) -> dict[str, Any]:
-        if op == "hello":
-            return {"ok": True, "pid": os.getpid(), **self._status(0)}
-        if op == "alloc":
-            return {"ok": True, "path": self._alloc(int(msg["local_rank"]), int(msg["meta_cap"]),
-                                                    int(msg["data_cap"]), int(msg.get("nslots", self.knobs.slots)))}
-        if op == "persist":
-            self._enqueue(msg)
-            self._reap_quietly(int(msg["local_rank"]))
-            return {"ok": True, **self._status(int(msg.get("cursor", 0)))}
-        if op == "status":
-            if "local_rank" in msg:
-                self._reap_quietly(int(msg["local_rank"]))
-            return {"ok": True, **self._status(int(msg.get("cursor", 0)))}
-        if op == "wait":
-            return {"ok": True, **self._wait(float(msg.get("timeout_s", 0) or 0), int(msg.get("cursor", 0)))}
-        if op == "last_words":
-            step = self.save_shm_to_storage(timeout=float(msg.get("timeout_s", self.knobs.commit_timeout_s)))
-            return {"ok": True, "step": step, **self._status(int(msg.get("cursor", 0)))}
-        if op == "delete_steps":
-            steps = [int(s) for s in msg["steps"]]
-            if msg.get("background", False):
-                # Unlinking a GB-sized file takes a fraction of a second: never inside a trainer's save().
-                with self._cv:
-                    self._inflight += 1
-                self._commit_q.put((-1, {"delete": steps}))
-                return {"ok": True, "scheduled": steps}
-            return {"ok": True, "deleted": self._delete_steps(steps)}
-        if op == "delete_path":
-            path = os.path.abspath(str(msg["path"]))
-            steps = self._path_deletion(path)  # refusals raise CheckpointDirError, before anything is deleted
-            if not os.path.lexists(path):
-                return {"ok": True, "missing": True}
+    def _attach(self, cid: int, info: _ClientInfo, agent: int) -> bool:
+        """Registers a client that said hello; False when the saver is exiting (its runtime dir is about to
+        be removed)."""
+        with self._cv:
+            if self._stop.is_set():
+                return False
+            if not self._clients:
+                self._session_final = True  # a new session of clients begins
+                self._persist_on_exit = False
+            if agent > 0 and (self._agent is None or self._agent.pid != agent):
+                if self._agent is not None:
+                    self._agent.close()
+                self._agent = _Watch(agent)
+            self._clients[cid] = info
+            self._ever_clients += 1
+            if info.persists:  # who persists what, for last words after a crash
+                self._persisters[info.local_rank] = info
+        return True
+
+    # ------------------------------------------------------------------ requests (the dispatch table below)
+    def _on_hello(self, req: M.Hello, info: _ClientInfo | None) -> dict[str, Any]:
+        return {"ok": True, "pid": os.getpid(), **self._status(0)}
+
+    def _on_alloc(self, req: M.Alloc, info: _ClientInfo | None) -> dict[str, Any]:
+        nslots = req.nslots if req.nslots is not None else self.knobs.slots
+        return {"ok": True, "path": self._alloc(req.local_rank, req.meta_cap, req.data_cap, nslots)}
+
+    def _on_persist(self, req: M.Persist, info: _ClientInfo | None) -> dict[str, Any]:
+        self._enqueue(req)
+        self._reap_quietly(req.local_rank)
+        return {"ok": True, **self._status(req.cursor)}
+
+    def _on_status(self, req: M.Status, info: _ClientInfo | None) -> dict[str, Any]:
+        if req.local_rank is not None:
+            self._reap_quietly(req.local_rank)
+        return {"ok": True, **self._status(req.cursor)}
+
+    def _on_wait(self, req: M.Wait, info: _ClientInfo | None) -> dict[str, Any]:
+        return {"ok": True, **self._wait(req.timeout_s, req.cursor)}
+
+    def _on_last_words(self, req: M.LastWords, info: _ClientInfo | None) -> dict[str, Any]:
+        step = self.save_shm_to_storage(timeout=req.timeout_s if req.timeout_s is not None else
+                                        self.knobs.commit_timeout_s)
+        return {"ok": True, "step": step, **self._status(req.cursor)}
+
+    def _on_delete_steps(self, req: M.DeleteSteps, info: _ClientInfo | None) -> dict[str, Any]:
+        if req.background:
+            # Unlinking a GB-sized file takes a fraction of a second: never inside a trainer's save().
             with self._cv:
                 self._inflight += 1
-            self._commit_q.put((-1, {"delete_path": path}))
-            return {"ok": True, "scheduled": steps}
-        if op == "give_way":
-            # Another job of this user is short of shared memory: an idle saver (clients came and went,
-            # none is attached, no work) persists what is newer than its last commit and exits.
-            with self._cv:
-                idle = bool(self._ever_clients) and not self._clients and self._inflight == 0 and \
-                    not self._stop.is_set()
-                if msg.get("dry_run"):
-                    return {"ok": True, "idle": idle, "idle_s": time.monotonic() - self._idle_since}
-                if idle:
-                    self._signalled = True  # last words, then exit
-                    self._stop.set()
-                    self._cv.notify_all()
-            return {"ok": True, "giving_way": idle}
-        if op == "bye":
-            if info is not None:
-                info.final = bool(msg.get("final", True))
-                if msg.get("intent") == "persist":
-                    with self._cv:
-                        self._persist_on_exit = True
-            return {"ok": True}
-        if op == "q_put":
-            with self._cv:
-                self._queues[str(msg["name"])].append(msg["item"])
+            self._commit_q.put((-1, {"delete": list(req.steps)}))
+            return {"ok": True, "scheduled": list(req.steps)}
+        return {"ok": True, "deleted": self._delete_steps(list(req.steps), newest=req.newest)}
+
+    def _on_delete_path(self, req: M.DeletePath, info: _ClientInfo | None) -> dict[str, Any]:
+        path = os.path.abspath(req.path)
+        steps = self._path_deletion(path)  # refusals raise CheckpointDirError, before anything is deleted
+        if not os.path.lexists(path):
+            return {"ok": True, "missing": True}
+        with self._cv:
+            self._inflight += 1
+        self._commit_q.put((-1, {"delete_path": path}))
+        return {"ok": True, "scheduled": steps}
+
+    def _on_give_way(self, req: M.GiveWay, info: _ClientInfo | None) -> dict[str, Any]:
+        # Another job of this user is short of shared memory: an idle saver (clients came and went, none is
+        # attached, no work) persists what is newer than its last commit and exits.
+        with self._cv:
+            idle = bool(self._ever_clients) and not self._clients and self._inflight == 0 and not self._stop.is_set()
+            if req.dry_run:
+                return {"ok": True, "idle": idle, "idle_s": time.monotonic() - self._idle_since}
+            if idle:
+                self._signalled = True  # last words, then exit
+                self._stop.set()
                 self._cv.notify_all()
-            return {"ok": True}
-        if op == "q_get":
-            name, deadline = str(msg["name"]), time.monotonic() + float(msg.get("timeout_s", 0))
-            with self._cv:
-                while not self._queues[name]:
-                    left = deadline - time.monotonic()
-                    if left <= 0 or self._stop.is_set():
-                        return {"ok": True, "found": False}
-                    self._cv.wait(timeout=left)
-                return {"ok": True, "found": True, "item": self._queues[name].popleft()}
-        if op == "q_size":
-            with self._cv:
-                return {"ok": True, "size": len(self._queues[str(msg["name"])])}
-        if op == "d_update":
-            items = msg["items"]
-            if not isinstance(items, dict):
-                raise TypeError("items must be an object")
-            with self._cv:
-                self._dicts[str(msg["name"])].update(items)
-            return {"ok": True}
-        if op == "d_get":
-            with self._cv:
-                return {"ok": True, "items": dict(self._dicts[str(msg["name"])])}
-        raise E.ProtocolError(f"unknown operation {op!r}")
+        return {"ok": True, "giving_way": idle}
+
+    def _on_bye(self, req: M.Bye, info: _ClientInfo | None) -> dict[str, Any]:
+        if info is not None:
+            info.final = req.final
+            if req.intent == "persist":
+                with self._cv:
+                    self._persist_on_exit = True
+        return {"ok": True}
+
+    def _on_q_put(self, req: M.QueuePut, info: _ClientInfo | None) -> dict[str, Any]:
+        with self._cv:
+            self._queues[req.name].append(req.item)
+            self._cv.notify_all()
+        return {"ok": True}
+
+    def _on_q_get(self, req: M.QueueGet, info: _ClientInfo | None) -> dict[str, Any]:
+        deadline = time.monotonic() + req.timeout_s
+        with self._cv:
+            while not self._queues[req.name]:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    return {"ok": True, "found": False}
+                self._cv.wait(timeout=left)
+            return {"ok": True, "found": True, "item": self._queues[req.name].popleft()}
+
+    def _on_q_size(self, req: M.QueueSize, info: _ClientInfo | None) -> dict[str, Any]:
+        with self._cv:
+            return {"ok": True, "size": len(self._queues[req.name])}
+
+    def _on_d_update(self, req: M.DictUpdate, info: _ClientInfo | None) -> dict[str, Any]:
+        with self._cv:
+            self._dicts[req.name].update(req.items)
+        return {"ok": True}
+
+    def _on_d_get(self, req: M.DictGet, info: _ClientInfo | None) -> dict[str, Any]:
+        with self._cv:
+            return {"ok": True, "items": dict(self._dicts[req.name])}
+
+    # One handler per request type (messages.REQUESTS lists them all; test_messages checks none is missing).
+    _DISPATCH: ClassVar[dict[type[M.Request], Callable[..., dict[str, Any]]]] = {
+        M.Hello: _on_hello, M.Alloc: _on_alloc, M.Persist: _on_persist, M.Status: _on_status, M.Wait: _on_wait,
+        M.LastWords: _on_last_words, M.DeleteSteps: _on_delete_steps, M.DeletePath: _on_delete_path,
+        M.GiveWay: _on_give_way, M.Bye: _on_bye, M.QueuePut: _on_q_put, M.QueueGet: _on_q_get,
+        M.QueueSize: _on_q_size, M.DictUpdate: _on_d_update, M.DictGet: _on_d_get,
+    }
 
