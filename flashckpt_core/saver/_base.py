@@ -19,6 +19,7 @@ from .._persist_worker import PersistWorker
 from ..commit import CommitLayout
 from ..config import Knobs, make_private_dir
 from ..ipc import SharedLock
+from ..messages import Persist
 from ..segment import (
     Segment,
 )
@@ -29,18 +30,6 @@ log = logging.getLogger("flashckpt.saver")
 SOCKET_NAME = "saver.sock"
 _SPAWN_LOCK = "spawn.lock"
 _LOG_NAME = "saver.log"
-
-
-@dataclass
-class _Job:
-    step: int
-    rank: int
-    local_rank: int
-    seg_path: str
-    slot: int
-    generation: int
-    path: str
-    commit: dict[str, Any] | None
 
 
 @dataclass
@@ -154,7 +143,7 @@ class SaverBase:
     _errors: list[dict[str, Any]]
     _committed: list[int]
     _inflight: int
-    _persist_q: dict[int, queue.Queue[_Job | None]]
+    _persist_q: dict[int, queue.Queue[Persist | None]]  # persist jobs per local rank
     _commit_q: queue.Queue[tuple[int, dict[str, Any]] | None]
     _threads: list[threading.Thread]
     _queues: dict[str, collections.deque[Any]]

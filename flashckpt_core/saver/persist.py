@@ -3,6 +3,7 @@ worker process, which writes the files."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import time
@@ -16,13 +17,12 @@ from ..segment import (
     FLAG_PINNED,
     lock_path,
 )
-from ._base import SaverBase, _Job, _StepState, log
+from ._base import SaverBase, _StepState, log
 
 
 class PersistPart(SaverBase):
     def _enqueue(self, req: Persist) -> None:
-        job = _Job(req.step, req.rank, req.local_rank, req.seg_path, req.slot, req.generation,
-                   os.path.abspath(req.path), req.commit)
+        job = dataclasses.replace(req, path=os.path.abspath(req.path))  # the request is the job
         if os.path.dirname(job.seg_path) != self.job_dir:
             raise E.ProtocolError(f"persist: segment {job.seg_path} is not in this job's runtime dir")
         # Refuses paths outside the checkpoint dir, in its commit records, or in another committed step's
@@ -40,7 +40,7 @@ class PersistPart(SaverBase):
                 self._spawn(self._persist_loop, f"persist{job.local_rank}", q)
         q.put(job)
 
-    def _persist_loop(self, q: queue.Queue[_Job | None]) -> None:
+    def _persist_loop(self, q: queue.Queue[Persist | None]) -> None:
         # The files are written by the persist worker, whose threads run knobs.persist_nice lower.
         while True:
             job = q.get()
@@ -62,7 +62,7 @@ class PersistPart(SaverBase):
                 self._finish(job.step, f"persisting step {job.step} of rank {job.rank} to {job.path} failed: "
                              f"{type(e).__name__}: {e}", committed=False)
 
-    def _persist(self, job: _Job) -> None:
+    def _persist(self, job: Persist) -> None:
         t0 = time.perf_counter()
         seg = self._segment(job.seg_path)
         lock = SharedLock(lock_path(self.job_dir, seg.local_rank))

@@ -33,7 +33,6 @@ from ._base import (  # noqa: F401
     SOCKET_NAME,
     SaverBase,
     _ClientInfo,
-    _Job,
     _remove_in,
     _Stats,
     _StepState,
@@ -75,7 +74,7 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
         self._errors: list[dict[str, Any]] = []
         self._committed: list[int] = []
         self._inflight = 0
-        self._persist_q: dict[int, queue.Queue[_Job | None]] = {}
+        self._persist_q: dict[int, queue.Queue[M.Persist | None]] = {}
         self._commit_q: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._queues: dict[str, collections.deque[Any]] = collections.defaultdict(collections.deque)
