@@ -162,5 +162,12 @@ class SaverBase:
     _dir_fd: int | None
     _worker: PersistWorker
 
-    if TYPE_CHECKING:  # the methods of the other parts, reached through self
-        def __getattr__(self, name: str) -> Any: ...
+    if TYPE_CHECKING:  # the methods one part calls on another, declared for the type checker
+        def _spawn(self, target: Any, name: str, *args: Any) -> threading.Thread: ...  # server
+        def _segment(self, path: str) -> Segment: ...  # segments
+        def _prepare_spare(self, seg: Segment) -> None: ...  # segments
+        def _release_spare(self, seg: Segment, *, blocking: bool = True, force: bool = False) -> None: ...
+        def _enqueue(self, req: Persist) -> None: ...  # persist
+        def _work_done(self) -> None: ...  # lastwords
+        def _step_done(self, step: int) -> bool: ...  # lastwords
+        def _finish(self, step: int, error: str | None, *, committed: bool) -> None: ...  # committer
