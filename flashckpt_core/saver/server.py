@@ -400,6 +400,15 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
                 self._inflight += 1
             self._commit_q.put((-1, {"delete": list(req.steps)}))
             return {"ok": True, "scheduled": list(req.steps)}
+        # A step whose manifest is on storage but whose commit is still finishing here (a reader of the
+        # manifests, such as an adapter, may ask at that moment) is deleted once its commit is done.
+        deadline = time.monotonic() + self.knobs.commit_timeout_s
+        with self._cv:
+            while any(s not in self._committed and not self._step_done(s) for s in req.steps):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(timeout=min(left, 0.2))
         return {"ok": True, "deleted": self._delete_steps(list(req.steps), newest=req.newest)}
 
     def _on_delete_path(self, req: M.DeletePath, info: _ClientInfo | None) -> dict[str, Any]:
