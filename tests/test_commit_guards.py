@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from typing import Any
 
 import pytest
 from _fault_helpers import (  # noqa: F401
@@ -21,7 +23,7 @@ from _fault_helpers import (  # noqa: F401
 )
 from flashckpt import CheckpointDirError, CheckpointEngine, FileSet, PersistError, StorageType
 from flashckpt.commit import CommitLayout
-from flashckpt.storage import PosixDiskStorage
+from flashckpt.storage import FileRecord, PosixDiskStorage
 
 MB = 0.05
 
@@ -166,6 +168,91 @@ def test_save_refuses_paths_over_other_steps_committed_files(fault_env: FaultEnv
 
 
 # ------------------------------------------------------------------------------ defect 9: the tracker
+class _GatedTracker(PosixDiskStorage):
+    """The POSIX backend, with writes of ``tracker.json`` held at a gate (a storage that stalls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.held = threading.Event()
+        self.tracker_writes: list[int | None] = []
+
+    def write_bytes(self, path: str, data: bytes):  # type: ignore[no-untyped-def]
+        if os.path.basename(path) == "tracker.json":
+            import traceback, sys
+            print("TRACKER WRITE", data, self.gate.is_set(), threading.current_thread().name, file=sys.stderr)
+            self.held.set()
+            assert self.gate.wait(60)
+            self.tracker_writes.append(json.loads(data)["step"])
+        return super().write_bytes(path, data)
+
+
+def _done(layout: CommitLayout, step: int) -> None:
+    """Rank 0's file of ``step`` and its done marker, as a persist leaves them."""
+    path = os.path.join(layout.root, f"s{step}.bin")
+    rec = layout.storage.write_bytes(path, bytes([step]) * 64)
+    layout.write_done(step, 0, [FileRecord(path, rec.size, rec.xxh3, fmt="raw")])
+
+
+def _commit_later(saver: Any, job: Any) -> None:
+    """Queues a commit as the saver's persist thread does once a rank's files are written."""
+    from flashckpt.saver._base import _StepState
+
+    with saver._cv:
+        saver._inflight += 1
+        saver._steps.setdefault(job.step, _StepState()).commits_here = True
+    saver._commit_q.put(job)
+
+
+def test_a_deletion_waits_for_the_commit_in_flight_and_the_tracker_names_the_newest(tmp_path) -> None:
+    """A framework deletes its previous checkpoint while the next one commits (Lightning's top-k, the HF
+    Trainer's rotation: ``delete_steps(newest=True)``). The saver runs every change to the commit records on
+    its commit thread, in order: the deletion waits for the commit in flight, the two never write the
+    tracker at once (CI once failed on the two writers' shared temporary name), and the tracker ends up
+    naming the newest committed step. The real saver, in this process, over a storage whose tracker
+    writes stall at a gate."""
+    from flashckpt.messages import DeleteSteps
+    from flashckpt.saver._base import _CommitJob
+    from flashckpt.saver.server import CheckpointSaver
+
+    storage = _GatedTracker()
+    saver = CheckpointSaver(str(tmp_path / "job"), str(tmp_path / "ckpt"), storage=storage)
+    saver.start()
+    try:
+        layout = saver.layout
+        spec = {"ranks": [0], "world_size": 1}
+        _done(layout, 1)
+        _commit_later(saver, _CommitJob(1, spec))
+        wait_for(lambda: saver._committed == [1], 30, "step 1 to commit")
+        storage.gate.clear()
+        storage.held.clear()
+        _done(layout, 2)
+        _commit_later(saver, _CommitJob(2, spec))
+        assert storage.held.wait(30)  # step 2's manifest is written; its tracker write stalls
+        deleted: list[Any] = []
+
+        def delete() -> None:
+            try:
+                deleted.append(saver._on_delete_steps(DeleteSteps(steps=[1], newest=True), None)["deleted"])
+            except BaseException as e:
+                deleted.append(e)
+
+        t = threading.Thread(target=delete)
+        t.start()
+        wait_for(lambda: not t.is_alive() or saver._commit_q.qsize() > 0, 30, "the deletion to run or queue")
+        assert t.is_alive(), f"the deletion ran beside the commit in flight: {deleted}"
+        storage.gate.set()
+        t.join(60)
+        assert deleted == [[1]]
+        assert storage.tracker_writes == [1, 2]  # step 1's deletion never pointed the tracker elsewhere
+        assert layout.committed_steps() == [2] and layout.tracker_step() == 2 and saver._committed == [2]
+    finally:
+        storage.gate.set()
+        saver.request_stop()
+        saver.shutdown(drain_timeout=30)
+
+
 def test_failed_tracker_write_is_reported_exactly_and_repaired_at_start(fault_env: FaultEnv) -> None:
     ckpt = os.path.join(fault_env.tmp, "ckpt")
     layout = _layout(ckpt)

@@ -11,6 +11,7 @@ import select
 import socket
 import stat
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,35 @@ class _StepState:
     error: str | None = None
     commits_here: bool = False
     paths: set[str] = field(default_factory=set)  # where this node's ranks persist it (delete_path refuses them)
+
+
+@dataclass(frozen=True)
+class _CommitJob:
+    """Commit ``step`` once every rank's done marker is there (``spec``: a ``Persist`` request's ``commit``)."""
+
+    step: int
+    spec: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _DeleteJob:
+    """Delete committed ``steps`` (the newest committed step too with ``newest``); ``done``, when set,
+    receives the steps deleted (a client waits on it)."""
+
+    steps: tuple[int, ...]
+    newest: bool = False
+    done: Future[list[int]] | None = None
+
+
+@dataclass(frozen=True)
+class _DeletePathJob:
+    """Delete a checkpoint's file or directory (a deletion strategy's ``delete_func``)."""
+
+    path: str
+
+
+#: What the commit thread does, in queue order: every change to the commit records happens on it.
+CommitWork = _CommitJob | _DeleteJob | _DeletePathJob
 
 
 @dataclass
@@ -144,7 +174,7 @@ class SaverBase:
     _committed: list[int]
     _inflight: int
     _persist_q: dict[int, queue.Queue[Persist | None]]  # persist jobs per local rank
-    _commit_q: queue.Queue[tuple[int, dict[str, Any]] | None]
+    _commit_q: queue.Queue[CommitWork | None]  # the commit thread's work, in order
     _threads: list[threading.Thread]
     _queues: dict[str, collections.deque[Any]]
     _dicts: dict[str, dict[str, Any]]

@@ -9,7 +9,7 @@ from typing import Any
 
 from .. import errors as E
 from ..commit import TrackerUpdateError
-from ._base import SaverBase, _StepState, log
+from ._base import SaverBase, _CommitJob, _DeleteJob, _StepState, log
 
 
 class CommitPart(SaverBase):
@@ -18,36 +18,47 @@ class CommitPart(SaverBase):
             item = self._commit_q.get()
             if item is None:
                 return
-            step, spec = item
-            if "delete" in spec or "delete_path" in spec:  # retention, ordered after the commits queued before it
-                try:
-                    if "delete" in spec:
-                        self._delete_steps([int(x) for x in spec["delete"]])
-                    else:
-                        self._delete_path(spec["delete_path"])
-                except Exception:
-                    log.exception("retention failed to delete %s", spec.get("delete", spec.get("delete_path")))
-                with self._cv:
-                    self._work_done()
+            if isinstance(item, _CommitJob):
+                self._commit(item.step, item.spec)
                 continue
+            # A deletion: ordered after the commits queued before it.
+            deleted: list[int] = []
+            error: BaseException | None = None
             try:
-                self.layout.commit(step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
-                                   replicated=bool(spec.get("replicated", False)),
-                                   extra=dict(spec.get("extra", {})),
-                                   timeout=self.knobs.commit_timeout_s,
-                                   stopping=lambda: self._stop.is_set() and not self._signalled)
-                self._committed_now(step)
-                log.info("event=commit step=%d ranks=%s", step, spec["ranks"])
-                self._finish(step, None, committed=True)
-            except TrackerUpdateError as e:  # committed: never reported as a failed step
-                log.error("event=commit step=%d ranks=%s: %s", step, spec["ranks"], e)
-                self._committed_now(step)
-                with self._cv:
-                    self._errors.append({"step": step, "error": str(e), "committed": True})
-                self._finish(step, None, committed=True)
+                if isinstance(item, _DeleteJob):
+                    deleted = self._delete_steps(list(item.steps), newest=item.newest)
+                else:
+                    self._delete_path(item.path)
             except Exception as e:
-                log.exception("commit of step %d failed", step)
-                self._finish(step, f"committing step {step} failed: {e}", committed=False)
+                error = e
+                log.exception("deleting %s failed", item)
+            with self._cv:
+                self._work_done()
+            if isinstance(item, _DeleteJob) and item.done is not None:
+                if error is None:
+                    item.done.set_result(deleted)
+                else:
+                    item.done.set_exception(error)
+
+    def _commit(self, step: int, spec: dict[str, Any]) -> None:
+        try:
+            self.layout.commit(step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
+                               replicated=bool(spec.get("replicated", False)),
+                               extra=dict(spec.get("extra", {})),
+                               timeout=self.knobs.commit_timeout_s,
+                               stopping=lambda: self._stop.is_set() and not self._signalled)
+            self._committed_now(step)
+            log.info("event=commit step=%d ranks=%s", step, spec["ranks"])
+            self._finish(step, None, committed=True)
+        except TrackerUpdateError as e:  # committed: never reported as a failed step
+            log.error("event=commit step=%d ranks=%s: %s", step, spec["ranks"], e)
+            self._committed_now(step)
+            with self._cv:
+                self._errors.append({"step": step, "error": str(e), "committed": True})
+            self._finish(step, None, committed=True)
+        except Exception as e:
+            log.exception("commit of step %d failed", step)
+            self._finish(step, f"committing step {step} failed: {e}", committed=False)
 
     def _committed_now(self, step: int) -> None:
         """Adds ``step`` to the committed steps, less those its commit superseded."""

@@ -17,7 +17,7 @@ from ..segment import (
     FLAG_PINNED,
     lock_path,
 )
-from ._base import SaverBase, _StepState, log
+from ._base import SaverBase, _CommitJob, _StepState, log
 
 
 class PersistPart(SaverBase):
@@ -49,7 +49,7 @@ class PersistPart(SaverBase):
             try:
                 self._persist(job)
                 if job.commit is not None:
-                    self._commit_q.put((job.step, job.commit))
+                    self._commit_q.put(_CommitJob(job.step, job.commit))
                 else:
                     self._finish(job.step, None, committed=False)
             except Exception as e:  # reported to the trainer; the saver keeps serving

@@ -10,6 +10,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, ClassVar
 
 from .. import errors as E
@@ -31,8 +33,11 @@ from ..storage import CheckpointStorage, storage_for
 from ._base import (  # noqa: F401
     _SPAWN_LOCK,
     SOCKET_NAME,
+    CommitWork,
     SaverBase,
     _ClientInfo,
+    _DeleteJob,
+    _DeletePathJob,
     _remove_in,
     _Stats,
     _StepState,
@@ -75,7 +80,7 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
         self._committed: list[int] = []
         self._inflight = 0
         self._persist_q: dict[int, queue.Queue[M.Persist | None]] = {}
-        self._commit_q: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue()
+        self._commit_q: queue.Queue[CommitWork | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._queues: dict[str, collections.deque[Any]] = collections.defaultdict(collections.deque)
         self._dicts: dict[str, dict[str, Any]] = collections.defaultdict(dict)
@@ -238,6 +243,10 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
             spawn_lock = None
         try:
             if self._sock is not None:
+                try:  # wakes the accept loop (a close alone leaves a blocked accept() waiting)
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
                 self._sock.close()
                 self._sock = None
             for q in self._persist_q.values():
@@ -398,7 +407,7 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
             # Unlinking a GB-sized file takes a fraction of a second: never inside a trainer's save().
             with self._cv:
                 self._inflight += 1
-            self._commit_q.put((-1, {"delete": list(req.steps)}))
+            self._commit_q.put(_DeleteJob(tuple(req.steps)))
             return {"ok": True, "scheduled": list(req.steps)}
         # A step whose manifest is on storage but whose commit is still finishing here (a reader of the
         # manifests, such as an adapter, may ask at that moment) is deleted once its commit is done.
@@ -409,7 +418,18 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
                 if left <= 0:
                     break
                 self._cv.wait(timeout=min(left, 0.2))
-        return {"ok": True, "deleted": self._delete_steps(list(req.steps), newest=req.newest)}
+            self._inflight += 1
+        # On the commit thread, like every change to the commit records: a commit running now (another
+        # step's) and this deletion never write the tracker at the same time, and the tracker ends up
+        # naming the newest step that is left.
+        done: Future[list[int]] = Future()
+        self._commit_q.put(_DeleteJob(tuple(req.steps), newest=req.newest, done=done))
+        try:
+            deleted = done.result(timeout=max(1.0, deadline - time.monotonic()) + self.knobs.commit_timeout_s)
+        except FutureTimeout:
+            raise E.CheckpointTimeoutError(f"delete_steps({list(req.steps)}): the commits queued before it did not "
+                                           f"finish within {self.knobs.commit_timeout_s:.0f} s") from None
+        return {"ok": True, "deleted": deleted}
 
     def _on_delete_path(self, req: M.DeletePath, info: _ClientInfo | None) -> dict[str, Any]:
         path = os.path.abspath(req.path)
@@ -418,7 +438,7 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
             return {"ok": True, "missing": True}
         with self._cv:
             self._inflight += 1
-        self._commit_q.put((-1, {"delete_path": path}))
+        self._commit_q.put(_DeletePathJob(path))
         return {"ok": True, "scheduled": steps}
 
     def _on_give_way(self, req: M.GiveWay, info: _ClientInfo | None) -> dict[str, Any]:
