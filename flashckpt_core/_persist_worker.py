@@ -33,7 +33,6 @@ import argparse
 import dataclasses
 import errno
 import functools
-import importlib
 import json
 import logging
 import os
@@ -50,12 +49,12 @@ from typing import Any
 import torch
 
 from . import errors as E
+from . import locations
 from ._tree import TensorMeta, build_tensor, split_opaque, unflatten
 from .commit import CommitLayout
 from .files import FileSet, is_fileset_tree
-from .filewriter import write_parts
 from .segment import COMPLETE, Segment
-from .storage import CheckpointStorage, FileRecord, HashingWriter
+from .storage import CheckpointStorage, FileRecord, HashingWriter, storage_from_spec, storage_spec
 from .torchfile import torch_save_parts, zip_crc_slots
 
 __all__ = ["PersistWorker", "WORKER_MODULE"]
@@ -127,9 +126,8 @@ class PersistWorker:
     """
 
     def __init__(self, checkpoint_dir: str, job: str, storage: CheckpointStorage, *, nice: int, idle_s: float) -> None:
-        cls = type(storage)
         self._argv = [sys.executable, "-m", WORKER_MODULE, "--checkpoint-dir", checkpoint_dir, "--job", job,
-                      "--storage", f"{cls.__module__}:{cls.__qualname__}", "--nice", str(nice)]
+                      "--storage", storage_spec(storage), "--nice", str(nice)]
         self.idle_s = idle_s
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -338,7 +336,7 @@ class _Writer:
                 self.layout.check_target(job.step, job.path)
                 self.layout.write_intent(job.step, job.rank, [job.path])
                 staged = self._staging(job, job.path, 0)
-                rec = self.storage.write_file(staged or job.path, functools.partial(_torch_save, tree))
+                rec = _torch_save(self.storage, staged or job.path, tree)
                 recs = [FileRecord(job.path, rec.size, rec.xxh3, staged=staged)]
             del tree  # drop the views of the segment before it is unmapped
             return recs, is_set
@@ -351,7 +349,7 @@ class _Writer:
         only written once the step is committed)."""
         targets = {}
         for i, (name, e) in enumerate(sorted(fs.items())):
-            final = self.layout.abs(name) if e.kind == "tracker" else os.path.join(job.path, name)
+            final = self.layout.abs(name) if e.kind == "tracker" else locations.join(job.path, *name.split("/"))
             self.layout.rel(final)  # inside the checkpoint dir
             staged = self.layout.staged_path(job.step, job.rank, i) if e.kind != "file" else ""
             targets[name] = (final, staged or self._staging(job, final, i))
@@ -361,8 +359,8 @@ class _Writer:
         recs = []
         for name, e in sorted(fs.items()):
             final, staged = targets[name]
-            writer = _torch_save if e.format == "torch" else _raw_save
-            rec = self.storage.write_file(staged or final, functools.partial(writer, e.data))
+            rec = (_torch_save(self.storage, staged or final, e.data) if e.format == "torch"
+                   else self.storage.write_parts(staged or final, e.data))
             recs.append(FileRecord(final, rec.size, rec.xxh3, e.format, name, e.kind, staged))
         return recs
 
@@ -371,7 +369,7 @@ class _Writer:
         other file, written in place): the committed step's file stays intact until this step is
         committed. A file no committed step lists (a leftover of a failed persist) is simply replaced,
         and whatever blocks its path fails this persist, as it would fail a plain write."""
-        if not self.storage.exists(final) or os.path.abspath(final) not in self.layout._committed_paths():
+        if not self.storage.exists(final) or self.storage.normpath(final) not in self.layout._committed_paths():
             return ""
         return self.layout.staged_path(job.step, job.rank, index)
 
@@ -397,17 +395,13 @@ def _zero_copy_tree(seg: Segment, slot: int, h: Any) -> Any:
     return unflatten(meta["tree"], tensors, opaque)
 
 
-def _raw_save(parts: list[Any], path: str) -> tuple[int, str]:
-    return write_parts(path, parts)
-
-
-def _torch_save(tree: Any, path: str) -> tuple[int, str]:
-    """Writes ``torch.save(tree)``'s file to ``path``; returns (size, xxh3).
+def _torch_save(storage: CheckpointStorage, path: str, tree: Any) -> FileRecord:
+    """Writes ``torch.save(tree)``'s file to ``path`` through ``storage``; returns its record.
 
     The file is split into its ``torch.save`` bytes and the storages' data (``torch_save_parts``) and
-    streamed to disk with direct I/O (``write_parts``), the zip CRC-32s filled in on the way when torch's
-    CRC option is on (its default). A torch whose archive layout the split does not recognize gets a
-    plain ``torch.save`` instead (``_torch_save_plain``)."""
+    streamed by the backend (``write_parts``: direct I/O on disk, a multipart upload to an object store),
+    the zip CRC-32s filled in on the way when torch's CRC option is on (its default). A torch whose
+    archive layout the split does not recognize gets a plain ``torch.save`` instead (``_torch_save_plain``)."""
     try:
         parts = torch_save_parts(tree)
         slots = zip_crc_slots(parts) if torch.serialization.get_crc32_options() else None
@@ -416,8 +410,8 @@ def _torch_save(tree: Any, path: str) -> tuple[int, str]:
         if not _warned_plain:
             _warned_plain = True
             log.warning("%s; persisting with torch.save instead", e)
-        return _torch_save_plain(tree, path)
-    return write_parts(path, parts, crc_slots=slots)
+        return storage.write_file(path, functools.partial(_torch_save_plain, tree))
+    return storage.write_parts(path, parts, crc_slots=slots)
 
 
 _warned_plain = False
@@ -467,22 +461,11 @@ def _serve(writer: _Writer, req: dict[str, Any], out_fd: int, out_lock: threadin
         os._exit(1)  # the saver is gone
 
 
-def _load_storage(spec: str, checkpoint_dir: str) -> CheckpointStorage:
-    module, _, name = spec.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    storage = obj.from_url(checkpoint_dir) if isinstance(obj, type) and issubclass(obj, CheckpointStorage) else None
-    if not isinstance(storage, CheckpointStorage):
-        raise E.InvalidArgumentTypeError(f"{spec} is not a CheckpointStorage")
-    return storage
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}", description="flashckpt persist worker")
     p.add_argument("--checkpoint-dir", required=True)
     p.add_argument("--job", default="")
-    p.add_argument("--storage", default="flashckpt.storage:PosixDiskStorage")
+    p.add_argument("--storage", default="")
     p.add_argument("--nice", type=int, default=0)
     args = p.parse_args(argv)
     # The protocol's pipes get fds of their own; fd 0 and 1 become /dev/null and stderr, so nothing a
@@ -507,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     # Segments are mapped read-only: torch warns that its views of them are not writable (they are not
     # written: the files are only read from them).
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
-    writer = _Writer(CommitLayout(args.checkpoint_dir, _load_storage(args.storage, args.checkpoint_dir), job=args.job))
+    writer = _Writer(CommitLayout(args.checkpoint_dir, storage_from_spec(args.storage, args.checkpoint_dir), job=args.job))
     out_lock = threading.Lock()
     with out_lock:
         _write_msg(out_fd, {"ready": True, "pid": os.getpid()})

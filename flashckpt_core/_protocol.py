@@ -14,10 +14,10 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from . import errors as E
-from .messages import Request
+from .messages import RP, Request
 
 __all__ = ["MAX_MESSAGE", "send_msg", "recv_msg", "Client", "ConnectionLost", "peer_uid"]
 
@@ -131,7 +131,9 @@ class Client:
                                "user or an administrator) or set FLASHCKPT_RUNTIME_DIR to a directory of your own.")
 
     def call(self, op: str, *, timeout: float | None = None, **args: Any) -> dict[str, Any]:
-        """Sends one request and returns the reply's fields; raises the saver's error as ours.
+        """Sends one request in its raw wire form (``op`` and fields) and returns the reply's fields; raises
+        the saver's error as ours. The library sends typed requests (``request``); this is for tools and
+        for tests of the protocol itself (malformed requests).
 
         Raises:
             CheckpointTimeoutError: no reply within ``timeout`` (default: the client's), or the saver
@@ -163,12 +165,13 @@ class Client:
                 self._fill(op, min(deadline - now, _POLL_S))
         return _result(reply)
 
-    def request(self, req: Request, *, timeout: float | None = None) -> dict[str, Any]:
-        """Sends the typed request ``req`` and returns the reply's fields (see ``call``)."""
-        return self.call(req.OP, timeout=timeout, **_fields(req))
+    def request(self, req: Request[RP], *, timeout: float | None = None) -> RP:
+        """Sends the typed request ``req`` and returns its typed reply (``req.REPLY``; see ``call``)."""
+        return cast(RP, type(req).REPLY.from_wire(self.call(req.OP, timeout=timeout, **_fields(req))))
 
-    def submit(self, req: Request) -> int:
-        """Sends the typed request ``req`` without waiting (see ``send``); returns its id."""
+    def submit(self, req: Request[Any]) -> int:
+        """Sends the typed request ``req`` without waiting (see ``send``); returns its id for ``poll``,
+        whose reply fields ``req.REPLY.from_wire`` reads."""
         return self.send(req.OP, **_fields(req))
 
     def send(self, op: str, **args: Any) -> int:
@@ -274,7 +277,7 @@ class Client:
                     self._sock = None
 
 
-def _fields(req: Request) -> dict[str, Any]:
+def _fields(req: Request[Any]) -> dict[str, Any]:
     wire = req.to_wire()
     del wire["op"]
     return wire

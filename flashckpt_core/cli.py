@@ -20,7 +20,8 @@ from . import errors as E
 from ._protocol import Client
 from .commit import CommitLayout
 from .config import Knobs
-from .storage import local_dir, storage_for
+from .locations import checkpoint_location
+from .storage import CheckpointStorage, storage_for
 
 __all__ = ["main"]
 
@@ -44,22 +45,40 @@ def _age(t: float) -> str:
     return f"{s / 86400:.1f}d"
 
 
-def _not_a_dir(path: str) -> str | None:
+def _not_a_dir(storage: CheckpointStorage, path: str) -> str | None:
     """Why ``path`` cannot be a checkpoint dir (missing, a file), or None."""
-    if os.path.isdir(path):
+    if storage.isdir(path):
         return None
-    if not os.path.lexists(path):
+    local = storage.local_path(path)
+    if local is None:
+        return f"{path} holds nothing"
+    if not os.path.lexists(local):
         return f"{path} does not exist"
-    return f"{path} is a file, not a checkpoint dir" if os.path.isfile(path) else f"{path} is not a directory"
+    return f"{path} is a file, not a checkpoint dir" if os.path.isfile(local) else f"{path} is not a directory"
+
+
+def _layout(args: argparse.Namespace) -> CommitLayout | None:
+    """The commit layout of ``args.dir``; None (the reason printed) when it is not a checkpoint dir."""
+    storage = storage_for(args.dir)
+    why = _not_a_dir(storage, storage.normpath(args.dir))
+    if why:
+        print(why, file=sys.stderr)
+        return None
+    return CommitLayout(args.dir, storage)
+
+
+def _mtime(layout: CommitLayout, d: str) -> float | None:
+    local = layout.storage.local_path(d)
+    if local is None or not os.path.isdir(local):
+        return None
+    return max((os.path.getmtime(os.path.join(local, n)) for n in os.listdir(local)), default=time.time())
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    why = _not_a_dir(os.path.abspath(args.dir))
-    if why:
-        print(why, file=sys.stderr)
+    layout = _layout(args)
+    if layout is None:
         return 2
-    layout = CommitLayout(args.dir, storage_for(args.dir))
-    stale = layout.stale_reason() if os.path.isdir(layout.meta) else None
+    stale = layout.stale_reason() if layout.storage.isdir(layout.meta) else None
     if stale:
         print(f"the commit records in {layout.meta} are stale ({stale}); a saver starting on "
               f"{layout.root}, or `flashckpt gc {layout.root}`, removes them", file=sys.stderr)
@@ -78,15 +97,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
             rows.append((step, "committed" + (" (latest)" if step == latest else ""),
                          _size(sum(f.size for f in files)), _age(m.time), ", ".join(f.path for f in files)))
         else:
-            d = layout.step_dir(step)
-            mtime = max((os.path.getmtime(os.path.join(d, n)) for n in os.listdir(d)), default=time.time()) \
-                if os.path.isdir(d) else time.time()
-            rows.append((step, "not committed", "-", _age(mtime), "in progress, or left by a crash"))
+            mtime = _mtime(layout, layout.step_dir(step))
+            rows.append((step, "not committed", "-", "-" if mtime is None else _age(mtime),
+                         "in progress, or left by a crash"))
     if args.json:
         print(json.dumps([dict(zip(("step", "state", "size", "age", "files"), r)) for r in rows], indent=1))
         return 0
     if not rows:
-        print(f"no flashckpt checkpoints in {os.path.abspath(args.dir)}")
+        print(f"no flashckpt checkpoints in {layout.root}")
         return 0
     head = ("STEP", "STATE", "SIZE", "AGE", "FILES")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(4)]
@@ -96,19 +114,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    why = _not_a_dir(os.path.abspath(args.dir))
-    if why:
-        print(why, file=sys.stderr)
+    layout = _layout(args)
+    if layout is None:
         return 2
-    layout = CommitLayout(args.dir, storage_for(args.dir))
     steps = layout.committed_steps()
     if args.step is not None:
         if args.step not in steps:
-            print(f"step {args.step} is not committed in {os.path.abspath(args.dir)} (committed: {steps})")
+            print(f"step {args.step} is not committed in {layout.root} (committed: {steps})")
             return 2
         steps = [args.step]
     if not steps:
-        print(f"no committed checkpoints in {os.path.abspath(args.dir)}")
+        print(f"no committed checkpoints in {layout.root}")
         return 2
     bad = 0
     for step in steps:
@@ -140,14 +156,17 @@ def _alive(job_dir: str) -> bool:
 def cmd_gc(args: argparse.Namespace) -> int:
     removed = 0
     if args.dir is not None:
-        path = os.path.abspath(args.dir)
-        if os.path.lexists(path) and not os.path.isdir(path):
-            print(_not_a_dir(path), file=sys.stderr)
-            return 2
-        if not os.path.isdir(os.path.dirname(path)):
-            print(f"{os.path.dirname(path)} does not exist", file=sys.stderr)
-            return 2
-        for line in CommitLayout(path, storage_for(path)).tidy(dry_run=args.dry_run):
+        storage = storage_for(args.dir)
+        path = storage.normpath(args.dir)
+        local = storage.local_path(path)
+        if local is not None:
+            if os.path.lexists(local) and not os.path.isdir(local):
+                print(_not_a_dir(storage, path), file=sys.stderr)
+                return 2
+            if not os.path.isdir(os.path.dirname(local)):
+                print(f"{os.path.dirname(local)} does not exist", file=sys.stderr)
+                return 2
+        for line in CommitLayout(path, storage).tidy(dry_run=args.dry_run):
             print(f"{'would remove' if args.dry_run else 'removed'} {line}")
             removed += 1
     removed += _gc_runtime(args.dry_run)
@@ -223,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if getattr(args, "dir", None) is not None:  # a plain path or a URL, as the engine takes it
         try:
-            storage_for(args.dir)
-            args.dir = local_dir(args.dir, f"flashckpt {args.cmd}")
+            args.dir = checkpoint_location(args.dir, f"flashckpt {args.cmd}")
         except E.FlashCheckpointError as e:
             print(f"flashckpt {args.cmd}: {e}", file=sys.stderr)
             return 2

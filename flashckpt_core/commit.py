@@ -37,330 +37,123 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any
 
-from . import _records
 from . import errors as E
-from ._lease import Lease, held
-from ._records import META, records_dir
+from . import locations
+from ._records import META
 from .errors import TrackerUpdateError
+from .manifest import Manifest, check_rel, need, record_from_json
+from .records import Held
 from .storage import CheckpointStorage, FileRecord
 
-__all__ = ["META", "records_dir", "Manifest", "CommitLayout", "TrackerUpdateError"]
+__all__ = ["META", "Manifest", "CommitLayout", "TrackerUpdateError", "record_from_json"]
 
 log = logging.getLogger(__name__)
-
-MANIFEST_FORMAT = "flashckpt-manifest/1"
-_KINDS = ("file", "commit", "tracker")
-_FORMATS = ("torch", "raw")
-
-
-def _need(cond: bool, what: str) -> None:
-    if not cond:
-        raise E.CheckpointCorruptError(what)
-
-
-def _check_rel(rel: Any, what: str) -> str:
-    """``rel`` as a path relative to the checkpoint dir: a non-empty string, not absolute, no ``..``."""
-    _need(isinstance(rel, str) and bool(rel) and "\0" not in rel, f"{what}: {rel!r} is not a relative path")
-    parts = rel.split(os.sep)
-    _need(not os.path.isabs(rel) and ".." not in parts,
-          f"{what}: {rel!r} is not confined to the checkpoint dir (absolute, or with '..')")
-    return rel
-
-
-def record_from_json(d: Any, what: str) -> FileRecord:
-    """A ``FileRecord`` from its JSON object, every field's type checked (``CheckpointCorruptError``)."""
-    _need(isinstance(d, dict), f"{what}: a file record must be an object, not {type(d).__name__}")
-    unknown = set(d) - {"path", "size", "xxh3", "fmt", "name", "kind", "staged"}
-    _need(not unknown, f"{what}: unknown fields {sorted(unknown)} in a file record")
-    _need(isinstance(d.get("size"), int) and not isinstance(d.get("size"), bool) and d["size"] >= 0,
-          f"{what}: size {d.get('size')!r} is not a byte count")
-    _need(isinstance(d.get("xxh3"), str), f"{what}: checksum {d.get('xxh3')!r} is not a string")
-    _need(d.get("fmt", "torch") in _FORMATS, f"{what}: format {d.get('fmt')!r} is not one of {_FORMATS}")
-    _need(d.get("kind", "file") in _KINDS, f"{what}: kind {d.get('kind')!r} is not one of {_KINDS}")
-    _need(isinstance(d.get("name", ""), str), f"{what}: name {d.get('name')!r} is not a string")
-    staged = d.get("staged", "")
-    if staged != "":
-        _check_rel(staged, what)
-    return FileRecord(_check_rel(d.get("path"), what), d["size"], d["xxh3"], d.get("fmt", "torch"),
-                      d.get("name", ""), d.get("kind", "file"), staged)
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """A committed step.
-
-    Attributes:
-        step: the step.
-        world_size: ranks in the job that saved it.
-        files: rank -> that rank's files (path relative to the checkpoint dir, size, xxh3).
-        replicated: every rank's state is rank 0's (DDP): all ranks load rank 0's files.
-        time: commit time (seconds since the epoch).
-        extra: adapter-specific JSON (framework tracker files written at commit, ...); ``saved_at`` is the
-            wall time of the newest of the ranks' snapshots it was persisted from, ``saved_at_ranks`` that
-            of each rank's (compared only with snapshots of the same rank: one node's clock).
-        seq: commit sequence number: higher is committed later (0 in manifests older than it).
-        job: the job key of the job that wrote and committed it ("" in manifests older than the field).
-    """
-
-    step: int
-    world_size: int
-    files: dict[int, list[FileRecord]]
-    replicated: bool
-    time: float
-    extra: dict[str, Any]
-    job: str = ""
-    seq: int = 0
-
-    def files_for(self, rank: int) -> list[FileRecord]:
-        if self.replicated or rank not in self.files:
-            return self.files.get(0, [])
-        return self.files[rank]
-
-    def all_files(self) -> list[FileRecord]:
-        return [f for r in sorted(self.files) for f in self.files[r]]
-
-    def to_json(self) -> bytes:
-        d = {"format": MANIFEST_FORMAT, "step": self.step, "world_size": self.world_size,
-             "replicated": self.replicated, "time": self.time, "seq": self.seq, "extra": self.extra, "job": self.job,
-             "files": {str(r): [asdict(f) for f in fs] for r, fs in self.files.items()}}
-        return json.dumps(d, indent=1).encode()
-
-    @staticmethod
-    def from_json(raw: bytes) -> Manifest:
-        """Parses and checks a manifest: every field's type, every file record (paths relative and
-        confined). Raises ``CheckpointCorruptError`` (or ``ValueError`` for invalid JSON)."""
-        d = json.loads(raw)
-        _need(isinstance(d, dict), f"a manifest must be a JSON object, not {type(d).__name__}")
-        if d.get("format") != MANIFEST_FORMAT:
-            raise E.CheckpointCorruptError(f"unknown manifest format {d.get('format')!r}")
-        for k, types in (("step", int), ("world_size", int), ("replicated", bool), ("time", (int, float))):
-            v = d.get(k)
-            _need(isinstance(v, types) and (k == "replicated" or not isinstance(v, bool)),
-                  f"field {k!r} is {v!r}, not a {getattr(types, '__name__', 'number')}")
-        _need(d["step"] >= 0 and d["world_size"] >= 1, f"step {d['step']} / world_size {d['world_size']} out of range")
-        fs = d.get("files")
-        _need(isinstance(fs, dict), f"field 'files' must map ranks to lists of files, not {type(fs).__name__}")
-        files: dict[int, list[FileRecord]] = {}
-        for r, recs in fs.items():
-            _need(r.isdigit(), f"files: rank {r!r} is not a rank")
-            _need(isinstance(recs, list), f"files of rank {r} must be a list, not {type(recs).__name__}")
-            files[int(r)] = [record_from_json(f, f"files of rank {r}") for f in recs]
-        extra = d.get("extra", {})
-        _need(isinstance(extra, dict), f"field 'extra' must be an object, not {type(extra).__name__}")
-        bases = extra.get("bases", {})
-        _need(isinstance(bases, dict) and all(isinstance(k, str) and k.isdigit() for k in bases),
-              "extra.bases must map ranks to directories")
-        for b in bases.values():
-            _check_rel(b, "extra.bases")
-        trackers = extra.get("trackers", [])
-        _need(isinstance(trackers, list), "extra.trackers must be a list")
-        for t in trackers:
-            record_from_json(t, "extra.trackers")
-        sup = extra.get("supersedes", [])
-        _need(isinstance(sup, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in sup),
-              "extra.supersedes must be a list of steps")
-        job, seq = d.get("job", ""), d.get("seq", 0)
-        _need(isinstance(job, str), "field 'job' must be a string")
-        _need(isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0, "field 'seq' must be an integer >= 0")
-        _need(isinstance(extra.get("saved_at", 0.0), (int, float)), "extra.saved_at must be a number")
-        ranks_at = extra.get("saved_at_ranks", {})
-        _need(isinstance(ranks_at, dict) and all(isinstance(v, (int, float)) for v in ranks_at.values()),
-              "extra.saved_at_ranks must map ranks to times")
-        return Manifest(d["step"], d["world_size"], files, d["replicated"], float(d["time"]), extra, job, seq)
-
 
 class CommitLayout:
     """Reads and writes the commit records of one checkpoint dir through a storage backend.
 
     ``job`` is the job key of the job writing through it (a saver's); its markers and manifests carry it.
+    Where the records live and how a job holds them is the backend's (``records.RecordsHome``).
     """
 
     def __init__(self, checkpoint_dir: str, storage: CheckpointStorage, *, job: str = "") -> None:
-        self.root = os.path.abspath(checkpoint_dir)
         self.storage = storage
-        self.meta = records_dir(self.root)  # the records dir (see ``_records``)
+        self.root = storage.normpath(checkpoint_dir)
+        self.home = storage.records_home(self.root)
         self.job = job
 
     # the records dir -----------------------------------------------------
     @property
+    def meta(self) -> str:
+        """The records dir (see ``records``); may change at ``claim``."""
+        return self.home.meta
+
+    @property
     def beside(self) -> bool:
         """Whether the records live beside the checkpoint dir (else inside it, in ``.flashckpt``)."""
-        return self.meta != os.path.join(self.root, META)
+        return self.home.beside
 
-    def claim(self) -> Lease | None:
-        """Makes the records ready for a saver starting on this checkpoint dir (created when missing),
-        and takes this job's lock in them, held (shared) for the saver's life (``job_lock_path``).
-
-        Beside the checkpoint dir, under the parent's lock: stale records (``stale_reason``) that no
-        live job holds a lock in are moved aside and removed; the records are bound to the checkpoint
-        dir (``dir.json``); creating them sweeps the parent's orphans. The records dir is chosen again
-        here, so it may change (``meta``): read it after the claim.
-
-        Returns:
-            The job lock, or None when it could not be taken in 10 s (logged: other jobs may then clean
-            up this job's uncommitted steps).
+    def claim(self) -> Held | None:
+        """Makes the records ready for a saver starting on this checkpoint dir and takes this job's hold
+        on them, kept for the saver's life (``RecordsHome.claim``: stale records removed, a lock or lease).
 
         Raises:
-            CheckpointDirError: ``<parent>/.flashckpt`` cannot be used (a symbolic link, another
-                user's), or the checkpoint dir cannot be created.
+            CheckpointDirError: the records cannot be used (the message says why).
         """
-        try:
-            os.makedirs(self.root, exist_ok=True)
-        except OSError as e:
-            raise E.CheckpointDirError(f"cannot create the checkpoint dir {self.root}: {e}") from e
-        self.meta = records_dir(self.root)
-        if self.beside:
-            top, name = os.path.split(self.meta)
-            with _records.locked_parent(top) as top_fd:
-                self.meta = records_dir(self.root)  # again, under the lock
-                if self.beside and self._renew(top_fd, name):
-                    return self._take_job_lock()  # before the parent lock goes: the records are in use
-        return self._take_job_lock()
-
-    def _renew(self, top_fd: int, name: str) -> bool:
-        """Removes stale records, binds (or creates) them; False when, the stale ones gone, the rule
-        now keeps the records inside (``meta`` changed)."""
-        if os.path.isdir(self.meta):
-            why = self.stale_reason()
-            if why:
-                live = _records.live_jobs_at(top_fd, name)
-                if live:
-                    log.warning("the commit records in %s look stale (%s), but jobs %s hold their locks there; "
-                                "left alone", self.meta, why, live)
-                else:
-                    to = _records.follow_or_discard(top_fd, os.path.dirname(self.root), name)
-                    log.warning("the commit records in %s were stale (%s): %s; starting afresh", self.meta, why,
-                                f"moved to {os.path.join(os.path.dirname(self.meta), to)}, the records of the "
-                                "directory they describe, renamed since" if to else "removed")
-                    self.meta = records_dir(self.root)
-                    if not self.beside:
-                        return False
-        if _records.bind(top_fd, name, self.root):
-            for line in self._swept(top_fd):
-                log.info("%s", line)
-        return True
-
-    def _swept(self, top_fd: int, *, dry_run: bool = False) -> list[str]:
-        parent = os.path.dirname(self.root)
-        top = os.path.join(parent, META)
-        return [f"{os.path.join(top, n)}: the commit records of {os.path.join(parent, n)}, which no longer exists" +
-                (f"; moved to {os.path.join(top, to)} (that directory was renamed to {to})" if to else "")
-                for n, to in _records.sweep(top_fd, parent, dry_run=dry_run)]
-
-    def _take_job_lock(self) -> Lease | None:
-        path = self.job_lock_path(self.job)
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            lock = Lease(path, shared=True)
-            if lock.try_acquire(timeout=10.0):
-                return lock
-            log.warning("could not take the job lock %s; other jobs may clean up this job's steps", path)
-        except OSError as e:
-            log.warning("could not take the job lock %s (%s); other jobs may clean up this job's steps", path, e)
-        return None
+        return self.home.claim(self.job, self)
 
     def stale_reason(self) -> str | None:
-        """Why the records beside the checkpoint dir describe an earlier directory of its name (it was
-        deleted and made again, or all its checkpoint files are gone), or None. Reads only."""
-        if not self.beside:
-            return None
-        try:
-            ino = os.stat(self.root).st_ino
-        except OSError:
-            return f"the checkpoint dir {self.root} does not exist"
-        bound = _records.read_binding(self.meta)
-        if bound is not None and bound != ino:
-            return (f"they were written for an earlier directory {self.root} (inode {bound}; now {ino}), "
-                    "which was deleted")
-        manifests = self._committed_manifests()
-        paths = [f.path for m in manifests.values() for f in m.all_files()]
-        if paths and not any(os.path.lexists(os.path.join(self.root, p)) for p in paths):
-            return f"no file of their committed steps {sorted(manifests)} exists in {self.root}"
-        return None
+        """Why the records describe another directory of this name or files that are gone, or None."""
+        return self.home.stale_reason(self)
+
+    def records_in_use(self) -> bool:
+        """Whether the records exist and describe this checkpoint dir (not stale)."""
+        return self.storage.isdir(self.meta) and self.stale_reason() is None
 
     def tidy(self, *, dry_run: bool = False) -> list[str]:
-        """``flashckpt gc DIR``: removes this checkpoint dir's stale records (``stale_reason``) and the
-        orphans beside it (records of sibling dirs that no longer exist), when no live job holds a
-        lock in them. Returns what was removed (or would be), one line each."""
-        parent = os.path.dirname(self.root)
-        top = os.path.join(parent, META)
-        if not _records.usable_top(top):
-            return []
-        with _records.locked_parent(top, lock=not dry_run) as top_fd:
-            name = os.path.basename(self.root)
-            why = self.stale_reason() if os.path.isdir(self.meta) and self.beside and os.path.isdir(self.root) \
-                else None
-            done = []
-            if why and not _records.live_jobs_at(top_fd, name):
-                to = _records.follow_or_discard(top_fd, parent, name, dry_run=dry_run)
-                done.append(f"{self.meta}: stale, {why}" + (f"; moved to {os.path.join(top, to)}" if to else ""))
-            return done + self._swept(top_fd, dry_run=dry_run)
-
-    # paths ---------------------------------------------------------------
-    def step_dir(self, step: int) -> str:
-        return os.path.join(self.meta, "steps", f"{step:012d}")
-
-    def _marker(self, step: int, kind: str, rank: int) -> str:
-        return os.path.join(self.step_dir(step), f"{kind}_rank_{rank}.json")
-
-    def manifest_path(self, step: int) -> str:
-        return os.path.join(self.step_dir(step), "manifest.json")
-
-    def job_lock_path(self, job: str) -> str:
-        """The lock every live saver of job ``job`` holds (shared) on this checkpoint dir."""
-        return os.path.join(self.meta, "jobs", f"{job}.lock")
+        """``flashckpt gc DIR``: removes stale records and orphans no live job holds, and what the backend's
+        interrupted writes left. Returns what was removed (or would be), one line each."""
+        return self.home.tidy(self, dry_run=dry_run)
 
     def job_alive(self, job: str) -> bool:
-        """Whether a saver of job ``job`` is alive (holds its job lock); "" (unknown) is never alive."""
-        if not job or os.sep in job or job.startswith("."):
-            return False
-        try:
-            return held(self.job_lock_path(job))
-        except OSError:
-            return False
+        """Whether a saver of job ``job`` holds the records now; "" (unknown) is never alive."""
+        return self.home.job_alive(job)
 
     def live_jobs(self) -> list[str]:
         """Jobs other than this one whose savers are alive on this checkpoint dir."""
-        names = self.storage.listdir(os.path.join(self.meta, "jobs"))
-        return [n[:-5] for n in names if n.endswith(".lock") and n[:-5] != self.job and self.job_alive(n[:-5])]
+        return self.home.live_jobs(exclude=self.job)
+
+    # paths ---------------------------------------------------------------
+    def step_dir(self, step: int) -> str:
+        return locations.join(self.meta, "steps", f"{step:012d}")
+
+    def _marker(self, step: int, kind: str, rank: int) -> str:
+        return locations.join(self.step_dir(step), f"{kind}_rank_{rank}.json")
+
+    def manifest_path(self, step: int) -> str:
+        return locations.join(self.step_dir(step), "manifest.json")
 
     @property
     def tracker_path(self) -> str:
-        return os.path.join(self.meta, "tracker.json")
+        return locations.join(self.meta, "tracker.json")
 
     def rel(self, path: str) -> str:
-        rel = os.path.relpath(os.path.abspath(path), self.root)
-        if rel.startswith("..") or not self._confined(os.path.join(self.root, rel)):
+        """``path``'s name relative to the checkpoint dir.
+
+        Raises:
+            CheckpointDirError: ``path`` lies outside it (or reaches outside through a symbolic link)."""
+        p = self.storage.normpath(path)
+        rel = locations.relpath(p, self.root)
+        if rel is None or (rel != "." and not self._confined(p)):
             raise E.CheckpointDirError(f"{path} is outside the checkpoint dir {self.root} (or reaches outside "
                                        "through a symlink); persist paths must lie inside it so retention and "
                                        "verification can find them")
         return rel
 
     def abs(self, rel: str) -> str:
-        """The absolute path of ``rel`` (taken from a manifest, marker or intent), confined to the
-        checkpoint dir: no absolute path, no ``..``, no symlinked directory leading outside.
+        """The location of ``rel`` (taken from a manifest, marker or intent), confined to the checkpoint
+        dir: no absolute path, no ``..``, no symlinked directory leading outside.
 
         Raises:
             CheckpointCorruptError: ``rel`` is not confined (the record naming it is damaged or crafted).
         """
-        path = os.path.join(self.root, _check_rel(rel, "a recorded path"))
+        path = locations.join(self.root, check_rel(rel, "a recorded path"))
         if not self._confined(path):
             raise E.CheckpointCorruptError(f"a recorded path: {rel!r} leads outside the checkpoint dir "
                                            f"{self.root} through a symlink")
         return path
 
     def _confined(self, path: str, within: str | None = None) -> bool:
-        """Whether ``path``'s directory, symlinks resolved, lies inside the checkpoint dir (or ``within``;
-        the last component may itself be a symlink: removing or replacing it does not touch its target)."""
-        root = os.path.realpath(within or self.root)
-        d = os.path.realpath(os.path.dirname(path))
-        return d == root or d.startswith(root + os.sep)
+        """Whether ``path`` lies inside the checkpoint dir (or ``within``) as stored (``storage.confined``)."""
+        return self.storage.confined(path, within or self.root)
+
+    def _inside(self, path: str, base: str) -> bool:
+        return path == base or locations.inside(path, base, strict=True)
 
     def check_target(self, step: int, path: str, *, files: list[str] | None = None) -> None:
         """Refuses a persist target that would change another step's committed files, before anything
@@ -377,12 +170,13 @@ class CommitLayout:
         Raises:
             CheckpointDirError: the target is refused (the message says what to do).
         """
-        targets = [os.path.abspath(path)] + [os.path.abspath(f) for f in (files or [])]
+        norm = self.storage.normpath
+        targets = [norm(path)] + [norm(f) for f in (files or [])]
         # The records, wherever they are, and the name of the inside layout even when they are beside:
         # a checkpoint dir holding ``.flashckpt`` would be read as one an older flashckpt wrote.
-        for records in dict.fromkeys((self.meta, os.path.join(self.root, META))):
+        for records in dict.fromkeys((self.meta, locations.join(self.root, META))):
             for t in targets:
-                if t == records or t.startswith(records + os.sep):
+                if self._inside(t, records):
                     raise E.CheckpointDirError(
                         f"save(step={step}): {t} lies in {records}, " +
                         ("flashckpt's commit records (manifests, tracker.json)" if records == self.meta else
@@ -392,17 +186,17 @@ class CommitLayout:
             if s == step:
                 continue
             for b in m.extra.get("bases", {}).values():
-                base = os.path.join(self.root, b)
+                base = locations.join(self.root, b)
                 for t in targets:
-                    if t == base or t.startswith(base + os.sep):
+                    if self._inside(t, base):
                         raise E.CheckpointDirError(
                             f"save(step={step}): {t} is inside {base}, the directory of committed step {s}; a "
                             "committed step's files are never rewritten: save each step to its own path "
                             f"(or delete step {s} first)")
             for f in m.all_files():
-                p = os.path.join(self.root, f.path)
+                p = locations.join(self.root, f.path)
                 for t in targets[0 if files is None else 1:]:
-                    if p.startswith(t + os.sep):
+                    if locations.inside(p, t, strict=True):
                         raise E.CheckpointDirError(
                             f"save(step={step}): {t} would be a file where committed step {s} keeps {p}; save "
                             "each step to its own path")
@@ -411,7 +205,7 @@ class CommitLayout:
         """Step -> manifest of every committed step whose manifest is sound, in commit order (each
         manifest read once; ``committed_steps`` also lists the damaged ones)."""
         out = []
-        base = os.path.join(self.meta, "steps")
+        base = locations.join(self.meta, "steps")
         for name in self.storage.listdir(base):
             if name.isdigit():
                 try:
@@ -442,12 +236,12 @@ class CommitLayout:
 
     def staged_path(self, step: int, rank: int, index: int) -> str:
         """Where a rank's commit-time or tracker file waits for the commit."""
-        return os.path.join(self.step_dir(step), "staged", f"rank_{rank}", f"{index:05d}")
+        return locations.join(self.step_dir(step), "staged", f"rank_{rank}", f"{index:05d}")
 
     def _staged_rel(self, path: str) -> str:
         """How markers and manifests name a staged file: relative to the records dir (``steps/...``)."""
-        rel = os.path.relpath(os.path.abspath(path), self.meta)
-        if rel.startswith("..") or not self._confined(path, self.meta):
+        rel = locations.relpath(self.storage.normpath(path), self.meta)
+        if rel is None or rel == "." or not self._confined(path, self.meta):
             raise E.CheckpointDirError(f"{path} is not a staged file in the commit records {self.meta}")
         return rel
 
@@ -458,10 +252,10 @@ class CommitLayout:
         Raises:
             CheckpointCorruptError: ``rel`` is not confined (the record naming it is damaged or crafted).
         """
-        _check_rel(rel, "a staged path")
-        if rel.split(os.sep)[0] == META:
+        check_rel(rel, "a staged path")
+        if rel.split("/")[0] == META:
             return self.abs(rel)
-        path = os.path.join(self.meta, rel)
+        path = locations.join(self.meta, rel)
         if not self._confined(path, self.meta):
             raise E.CheckpointCorruptError(f"a staged path: {rel!r} leads outside the commit records {self.meta} "
                                            "through a symlink")
@@ -488,17 +282,17 @@ class CommitLayout:
         except ValueError as e:
             raise E.CheckpointCorruptError(f"{path}: not valid JSON ({e})") from e
         try:
-            _need(isinstance(d, dict), f"a marker must be a JSON object, not {type(d).__name__}")
+            need(isinstance(d, dict), f"a marker must be a JSON object, not {type(d).__name__}")
             if kind == "done":
-                _need(isinstance(d.get("files"), list), "'files' must be a list")
+                need(isinstance(d.get("files"), list), "'files' must be a list")
                 d["files"] = [record_from_json(f, "files") for f in d["files"]]
                 base = d.get("base", "")
                 if base != "":
-                    _check_rel(base, "base")
+                    check_rel(base, "base")
             elif kind == "intent":
-                _need(isinstance(d.get("paths"), list), "'paths' must be a list")
+                need(isinstance(d.get("paths"), list), "'paths' must be a list")
             elif kind == "failed":
-                _need(isinstance(d.get("error", ""), str), "'error' must be a string")
+                need(isinstance(d.get("error", ""), str), "'error' must be a string")
         except E.CheckpointCorruptError as e:
             raise E.CheckpointCorruptError(f"{path} is damaged: {e}") from None
         return d
@@ -670,7 +464,7 @@ class CommitLayout:
         """(commit seq, step) of every step with a manifest, oldest commit first. A manifest that cannot
         be read sorts by its step among those without a seq."""
         out = []
-        base = os.path.join(self.meta, "steps")
+        base = locations.join(self.meta, "steps")
         for name in self.storage.listdir(base):
             if name.isdigit() and self.storage.exists(self.manifest_path(int(name))):
                 try:
@@ -681,7 +475,7 @@ class CommitLayout:
         return sorted(out)
 
     def uncommitted_steps(self) -> list[int]:
-        base = os.path.join(self.meta, "steps")
+        base = locations.join(self.meta, "steps")
         return sorted(int(n) for n in self.storage.listdir(base)
                       if n.isdigit() and not self.storage.exists(self.manifest_path(int(n))))
 
@@ -773,16 +567,16 @@ class CommitLayout:
         return {s: {f.path for f in m.all_files()} for s, m in self._committed_manifests().items()}
 
     def _committed_paths(self) -> set[str]:
-        return {os.path.join(self.root, p) for paths in self._committed_files().values() for p in paths}
+        return {locations.join(self.root, p) for paths in self._committed_files().values() for p in paths}
 
     def _intent_paths(self, step: int) -> list[str]:
         out = []
         for name in self.storage.listdir(self.step_dir(step)):
             if name.startswith("intent_rank_"):
-                path = os.path.join(self.step_dir(step), name)
+                path = locations.join(self.step_dir(step), name)
                 try:
                     body = json.loads(self.storage.read_bytes(path))
-                    _need(isinstance(body, dict) and isinstance(body.get("paths"), list), "no list of 'paths'")
+                    need(isinstance(body, dict) and isinstance(body.get("paths"), list), "no list of 'paths'")
                 except (OSError, ValueError, E.CheckpointCorruptError) as e:
                     log.error("%s: skipped, unreadable or damaged (%s)", path, e)
                     continue
@@ -801,7 +595,7 @@ class CommitLayout:
         if intent is None or (self.job and intent.get("job", self.job) != self.job):
             return
         self._remove_files(self._confined_paths(intent["paths"], self._marker(step, "intent", rank)))
-        self.storage.remove_tree(os.path.join(self.step_dir(step), "staged", f"rank_{rank}"))
+        self.storage.remove_tree(locations.join(self.step_dir(step), "staged", f"rank_{rank}"))
         self.storage.remove(self._marker(step, "done", rank))
 
     def _remove_files(self, paths: list[str]) -> None:
@@ -812,14 +606,8 @@ class CommitLayout:
                 continue
             self.storage.remove(p)
             self.storage.remove(f"{p}.flashckpt-tmp")
-            dirs.add(os.path.dirname(p))
-        for d in sorted(dirs, key=len, reverse=True):  # prune directories left empty, up to the root
-            while d.startswith(self.root + os.sep) and d != self.root:
-                try:
-                    os.rmdir(d)
-                except OSError:
-                    break
-                d = os.path.dirname(d)
+            dirs.add(locations.parent(p))
+        self.storage.prune_empty_dirs(sorted(dirs), self.root)  # directories left empty, up to the root
 
     def _writer_jobs(self, step: int) -> set[str]:
         """The jobs whose markers lie in ``step``'s dir ("" for a marker that names none)."""
@@ -827,7 +615,7 @@ class CommitLayout:
         for name in self.storage.listdir(self.step_dir(step)):
             if name.endswith(".json") and "_rank_" in name:
                 try:
-                    body = json.loads(self.storage.read_bytes(os.path.join(self.step_dir(step), name)))
+                    body = json.loads(self.storage.read_bytes(locations.join(self.step_dir(step), name)))
                     jobs.add(str(body.get("job", "")) if isinstance(body, dict) else "")
                 except (FileNotFoundError, ValueError):
                     jobs.add("")

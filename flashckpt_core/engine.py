@@ -9,7 +9,6 @@ import math
 import os
 import sys
 import time
-import uuid
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from . import errors as E
+from . import locations
 from . import messages as M
 from ._copy import Copier
 from ._protocol import Client, ConnectionLost, process_cpu_seconds
@@ -26,11 +26,13 @@ from .commit import CommitLayout
 from .config import Knobs, RankInfo, StorageType, job_dir
 from .files import FileEntry, FileSet, is_fileset_tree
 from .interval import AutoIntervals, default_failure_rates, storage_type_for
+from .locations import checkpoint_location, local_dir
+from .messages import RP
 from .retention import CheckpointDeletionStrategy, KeepLatestStepStrategy, uses_clean_up
 from .saver import ensure_saver
 from .snapshot_reader import SnapshotReader
 from .snapshot_writer import SharedMemoryHandler
-from .storage import local_dir, storage_for
+from .storage import storage_for, storage_spec
 
 __all__ = ["CheckpointEngine", "LoadResult", "Located", "local_dir", "resolve_in"]
 
@@ -69,8 +71,17 @@ def resolve_in(root: str, given: str, path: str | os.PathLike[str], what: str = 
     dir. So with ``checkpoint_dir="work/s01"`` (or its absolute path, from the directory holding
     ``work``), ``"work/s01/ckpt-10.pt"`` and ``"ckpt-10.pt"`` both mean ``<cwd>/work/s01/ckpt-10.pt``;
     to mean a subdirectory of the checkpoint dir that repeats its relative name
-    (``work/s01/work/s01/...``), pass an absolute path.
+    (``work/s01/work/s01/...``), pass an absolute path. For a checkpoint dir in an object store
+    (``s3://...``), a URL is itself and a relative path lies inside the checkpoint dir.
     """
+    if locations.is_url(root):  # an object store: a URL is itself, a relative path is inside the root
+        p = os.fspath(path)
+        if locations.is_url(p):
+            return locations.normpath(p)
+        if not isinstance(p, str) or not p or os.path.isabs(p):
+            raise E.InvalidArgumentError(f"{what}={path!r}: the checkpoint dir is {root}; give a URL inside it or a "
+                                         "path relative to it")
+        return locations.normpath(locations.join(root, p))
     p = local_dir(path, what)
     if os.path.isabs(p):
         return os.path.abspath(p)
@@ -96,9 +107,9 @@ class CheckpointEngine:
     """Checkpoints one rank's state dict: into node shared memory at once, to storage in the background.
 
     Args:
-        checkpoint_dir: where persisted checkpoints go: a local (or mounted) directory, or a ``file://``
-            URL; created if missing, must be writable. Other URLs (``s3://``, ...) are refused: object
-            stores are not supported yet.
+        checkpoint_dir: where persisted checkpoints go: a local (or mounted) directory or a ``file://``
+            URL (created if missing, must be writable), or the URL of a storage backend
+            (``storage.storage_for``; see docs/storage.md).
         max_to_keep: committed checkpoints to keep when no ``deletion_strategy`` is given (0 keeps all).
         save_mem_interval: with ``save(storage_type=None)``, snapshot to memory every this many steps.
         save_storage_interval: with ``save(storage_type=None)``, persist every this many steps.
@@ -120,7 +131,7 @@ class CheckpointEngine:
         overlap: ``save`` returns before its copy is done (see ``save`` and ``wait_snapshot``).
 
     Raises:
-        CheckpointDirError: ``checkpoint_dir`` is a URL other than ``file://``, a file, or cannot be
+        CheckpointDirError: ``checkpoint_dir`` is a URL no backend serves, a file, or cannot be
             created or written.
         SaverError: the node's saver could not be started or reached.
 
@@ -139,9 +150,10 @@ class CheckpointEngine:
                 raise E.InvalidArgumentError(f"CheckpointEngine({name}={v!r}): must be an integer >= 0")
         self.ranks = RankInfo.current()
         self._auto = self._auto_intervals(process_mtbf_s, node_mtbf_s) if auto_save else None
-        self._given_dir = local_dir(checkpoint_dir)
-        self.checkpoint_dir = os.path.abspath(self._given_dir)
-        _check_writable(self.checkpoint_dir, self._given_dir)
+        self._given_dir = checkpoint_location(checkpoint_dir)
+        self.storage = storage_for(self._given_dir)
+        self.checkpoint_dir = self.storage.normpath(self._given_dir)
+        self.storage.prepare_dir(self.checkpoint_dir, self._given_dir)
         self.save_mem_interval = save_mem_interval
         self.save_storage_interval = save_storage_interval
         self.replicated = replicated
@@ -170,7 +182,7 @@ class CheckpointEngine:
         self._client: Client | None = None
         hello = self._attach()
         # After the saver's start: it readied the commit records (CommitLayout.claim).
-        self.layout = CommitLayout(self.checkpoint_dir, storage_for(self.checkpoint_dir))
+        self.layout = CommitLayout(self.checkpoint_dir, self.storage)
         # The rank that writes this local rank's snapshots takes its writer lease at its first save and
         # holds it until close: a second writer (another engine, another job with this job key) is refused.
         self._handler = SharedMemoryHandler(r.local_rank, self.job_dir,
@@ -181,8 +193,8 @@ class CheckpointEngine:
             self._handler if not replicated or r.local_rank == 0 else
             SnapshotReader.for_job_dir(0, self.job_dir, copier=self._copier, weights_only=weights_only))
         self._closed = False
-        self._retention_baseline = hello["committed"][-1] if hello["committed"] else -1  # in commit order
-        self._cleaned_up = [int(s) for s in hello["committed"]]
+        self._retention_baseline = hello.committed[-1] if hello.committed else -1  # in commit order
+        self._cleaned_up = list(hello.committed)
         _open_engines.add(self)
 
     def _auto_intervals(self, process_mtbf_s: float | None, node_mtbf_s: float | None) -> AutoIntervals:
@@ -202,7 +214,7 @@ class CheckpointEngine:
         checkpoint dir)."""
         return resolve_in(self.checkpoint_dir, self._given_dir, path)
 
-    def _attach(self) -> dict[str, Any]:
+    def _attach(self) -> M.HelloReply:
         """Connects to the job's saver on this node (starting one when none runs) and says hello.
 
         Returns:
@@ -214,7 +226,7 @@ class CheckpointEngine:
         # a live saver accepts us, or the new one ensure_saver starts once the old one has cleaned up.
         deadline = time.monotonic() + self.knobs.spawn_timeout_s
         while True:
-            client = ensure_saver(self.job_dir, self.checkpoint_dir, self.knobs)
+            client = ensure_saver(self.job_dir, self.checkpoint_dir, self.knobs, storage=storage_spec(self.storage))
             try:
                 hello = client.request(M.Hello(rank=r.rank, local_rank=r.local_rank, world_size=r.world_size,
                                                local_world_size=r.local_world_size, pid=os.getpid(),
@@ -227,8 +239,8 @@ class CheckpointEngine:
                     raise
                 time.sleep(0.01)
         self._client = client
-        self._cursor = int(hello["cursor"])  # errors before we attached belong to an earlier run
-        self._saver_pid = int(hello.get("pid", 0))
+        self._cursor = hello.cursor or 0  # errors before we attached belong to an earlier run
+        self._saver_pid = hello.pid
         return hello
 
     def _reattach(self, op: str, cause: BaseException | None) -> Client:
@@ -243,7 +255,7 @@ class CheckpointEngine:
             self._client = None
         self._status_req = None
         hello = self._attach()
-        committed = set(hello["committed"])
+        committed = set(hello.committed)
         lost = sorted(s for s in self._requested if s not in committed)
         self._requested.clear()
         log.warning("%s(): lost the saver (pid %d: %s); attached to a new saver (pid %d), which adopted the "
@@ -269,7 +281,7 @@ class CheckpointEngine:
 
     def default_path(self, step: int) -> str:
         name = "checkpoint.pt" if self.replicated else f"rank_{self.ranks.rank:05d}.pt"
-        return os.path.join(self.checkpoint_dir, f"step_{step}", name)
+        return locations.join(self.checkpoint_dir, f"step_{step}", name)
 
     def save(self, step: int, state_dict: Any, path: str | None = None,
              storage_type: StorageType | None = None, *, overlap: bool | None = None) -> bool:
@@ -331,7 +343,7 @@ class CheckpointEngine:
         if isinstance(state_dict, FileSet):
             names = [n for n, e in state_dict.items() if e.kind != "tracker"]
             state_dict = state_dict.encode()
-            default = os.path.join(self.checkpoint_dir, f"step_{step}")
+            default = locations.join(self.checkpoint_dir, f"step_{step}")
         else:
             default = self.default_path(step)
         target = self.resolve(path) if path else default
@@ -339,7 +351,7 @@ class CheckpointEngine:
             # Before anything is written: refuses paths outside the checkpoint dir, in its commit records,
             # or over another committed step's files.
             self.layout.check_target(step, target, files=None if names is None else
-                                     [os.path.join(target, n) for n in names])
+                                     [locations.join(target, n) for n in names])
         elif storage_type == StorageType.DISK:
             self.layout.rel(target)  # refuses paths outside the checkpoint dir before anything is written
         self.wait_snapshot()
@@ -416,7 +428,7 @@ class CheckpointEngine:
                 if reply is None:
                     return
                 self._status_req = None
-                self._after_reply(reply)
+                self._after_reply(M.StatusReply.from_wire(reply))
             if seg != self._status_seg or time.monotonic() - self._status_at >= _STATUS_EVERY_S:
                 self._status_req = client.submit(M.Status(cursor=self._cursor, local_rank=self.ranks.local_rank))
                 self._status_seg = seg
@@ -448,11 +460,11 @@ class CheckpointEngine:
         return storage_type_for(step, self.save_mem_interval, self.save_storage_interval)
 
     def _allocate(self, local_rank: int, meta_cap: int, data_cap: int) -> str:
-        return str(self._client_call(M.Alloc(local_rank=local_rank, meta_cap=meta_cap, data_cap=data_cap,
-                                             nslots=self.knobs.slots))["path"])
+        return self._client_call(M.Alloc(local_rank=local_rank, meta_cap=meta_cap, data_cap=data_cap,
+                                         nslots=self.knobs.slots)).path
 
-    def _client_call(self, req: M.Request, *, on_reattach: Callable[[], None] | None = None,
-                     timeout: float | None = None) -> dict[str, Any]:
+    def _client_call(self, req: M.Request[RP], *, on_reattach: Callable[[], None] | None = None,
+                     timeout: float | None = None) -> RP:
         """One round trip to the saver; a saver that died is replaced (``_reattach``) and the request
         sent to the new one, after ``on_reattach``."""
         if self._closed:
@@ -474,8 +486,7 @@ class CheckpointEngine:
                 client = None
         raise AssertionError("unreachable")
 
-    def _after_reply(self, reply: dict[str, Any]) -> None:
-        st = M.StatusReply.from_wire(reply)
+    def _after_reply(self, st: M.StatusReply) -> None:
         if st.cursor is not None:
             self._cursor = st.cursor
         if self._auto is not None:
@@ -565,7 +576,7 @@ class CheckpointEngine:
             return
         target = self.resolve(path)
         reply = self._client_call(M.DeletePath(path=target))
-        if reply.get("missing"):
+        if reply.missing:
             raise E.CheckpointNotFoundError(errno.ENOENT, f"delete_checkpoint({os.fspath(path)!r}): no such file or directory",
                                     target)
 
@@ -577,7 +588,7 @@ class CheckpointEngine:
         newest step left), as when a Trainer keeps only its best checkpoint."""
         self._check_open("delete_steps")
         reply = self._client_call(M.DeleteSteps(steps=[int(s) for s in steps], newest=newest))
-        return [int(s) for s in reply.get("deleted", [])]
+        return reply.deleted
 
     def saver_cpu_seconds(self) -> float | None:
         """CPU time (user + system, all threads) the node's saver daemon and its persist workers have used
@@ -861,14 +872,13 @@ class CheckpointEngine:
         """The file (or ``FileSet`` directory) ``load(resume_path)`` reads; a clear error when it is
         outside the checkpoint dir or missing."""
         path = self.resolve(resume_path)
-        rel = os.path.relpath(path, self.checkpoint_dir)
-        if rel == ".." or rel.startswith(".." + os.sep):
+        if not locations.inside(path, self.checkpoint_dir):
             raise E.CheckpointDirError(
                 f"load(resume_path={resume_path!r}): {path} is outside the checkpoint dir {self.checkpoint_dir}. "
                 "load() reads this checkpoint dir only: pass the file (or FileSet directory) of one of its "
                 f"committed steps, as saved ({self._committed_listing()}), or no resume_path for the newest; "
                 "for another directory, construct a checkpointer on it")
-        if not os.path.exists(path):
+        if not (self.storage.exists(path) or self.storage.isdir(path)):
             raise E.CheckpointNotFoundError(errno.ENOENT, f"load(resume_path={resume_path!r}): no such file or directory "
                                     f"({path}); {self._committed_listing()}", resume_path)
         return path
@@ -980,25 +990,3 @@ def _close_at_exit() -> None:
 def _closed_message(op: str) -> str:
     return (f"{op}(): this checkpointer is closed (close() was called, or its `with` block ended); create a new "
             "checkpointer to save or load again")
-
-
-def _check_writable(d: str, given: str | None = None) -> None:
-    """Creates the checkpoint dir ``d`` when missing and checks that it is a writable directory."""
-    shown = given if given is not None else d
-    f = d
-    while f and not os.path.isdir(f):  # the nearest existing ancestor that is not a directory
-        if os.path.lexists(f):
-            what = "is a file" if f == d else f"lies under {f}, which is a file"
-            raise E.CheckpointDirError(f"CheckpointEngine({shown!r}): the checkpoint dir {d} {what}, not a directory; "
-                                       "pass a directory (it is created when missing)")
-        parent = os.path.dirname(f)
-        f = "" if parent == f else parent
-    try:
-        os.makedirs(d, exist_ok=True)
-        probe = os.path.join(d, f".flashckpt-probe-{uuid.uuid4().hex}")
-        with open(probe, "wb") as fh:
-            fh.write(b"ok")
-        os.unlink(probe)
-    except OSError as e:
-        raise E.CheckpointDirError(f"CheckpointEngine({shown!r}): the checkpoint dir {d} is not writable ({e}); "
-                                   "choose a writable directory or fix its permissions") from e

@@ -85,12 +85,12 @@ class SharedQueue:
         """Removes and returns the oldest item; raises CheckpointTimeoutError after ``timeout`` s."""
         wait = self._client.timeout if timeout is None else timeout
         reply = self._client.request(M.QueueGet(name=self.name, timeout_s=wait), timeout=wait + 10)
-        if not reply.get("found"):
+        if not reply.found:
             raise E.CheckpointTimeoutError(f"SharedQueue({self.name!r}).get(): empty after {wait} s")
-        return reply["item"]
+        return reply.item
 
     def qsize(self) -> int:
-        return int(self._client.request(M.QueueSize(name=self.name))["size"])
+        return self._client.request(M.QueueSize(name=self.name)).size
 
     def empty(self) -> bool:
         return self.qsize() == 0
@@ -113,7 +113,7 @@ class SharedDict:
         return self.to_dict().get(key, default)
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self._client.request(M.DictGet(name=self.name))["items"])
+        return dict(self._client.request(M.DictGet(name=self.name)).items)
 
     def __getitem__(self, key: str) -> Any:
         d = self.to_dict()

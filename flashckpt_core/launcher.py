@@ -69,7 +69,7 @@ def last_words_for_job(job_id: str, timeout: float) -> dict[str, Any]:
             out[d] = f"error: {e}"
             continue
         try:
-            out[d] = client.request(M.LastWords(timeout_s=left), timeout=left + 5).get("step")
+            out[d] = client.request(M.LastWords(timeout_s=left), timeout=left + 5).step
         except E.FlashCheckpointError as e:
             out[d] = f"error: {e}"
         finally:

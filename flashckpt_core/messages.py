@@ -4,9 +4,10 @@ Each request is a frozen dataclass named after what it asks; its ``OP`` is the o
 On the wire a request is a JSON object: ``{"op": OP, <its fields>, "id": <request id>}`` (``_protocol``
 frames it). ``parse_request`` turns a received object back into its dataclass, checking and converting
 every field by its annotation; an unknown operation or a field of the wrong type is a ``ProtocolError``
-that names it. Replies are JSON objects with ``ok`` and, on failure, ``error`` and ``kind`` (the
-``flashckpt.errors`` class the client raises); ``StatusReply`` reads the fields that status-carrying
-replies (hello, persist, status, wait, last words) share.
+that names it. Each request names the type of its reply (``REPLY``, a frozen dataclass too), which the
+saver sends as ``{"ok": true, <its fields>, "id": ...}`` and ``Client.request`` returns, converted the same
+way; a failure travels as ``{"ok": false, "error", "kind"}`` (the ``flashckpt.errors`` class the client
+raises).
 """
 
 from __future__ import annotations
@@ -14,41 +15,137 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from . import errors as E
 
 __all__ = [
     "Request", "Hello", "Alloc", "Persist", "Status", "Wait", "LastWords", "DeleteSteps", "DeletePath", "GiveWay",
-    "Bye", "QueuePut", "QueueGet", "QueueSize", "DictUpdate", "DictGet", "REQUESTS", "parse_request", "StatusReply",
+    "Bye", "QueuePut", "QueueGet", "QueueSize", "DictUpdate", "DictGet", "REQUESTS", "parse_request",
+    "Reply", "Ok", "StatusReply", "HelloReply", "LastWordsReply", "AllocReply", "DeleteStepsReply", "DeletePathReply",
+    "GiveWayReply", "QueueGetReply", "QueueSizeReply", "DictGetReply",
 ]
 
-R = TypeVar("R", bound="Request")
+R = TypeVar("R", bound="Request[Any]")
+RP = TypeVar("RP", bound="Reply")
+M_ = TypeVar("M_", bound="_Wire")
 
 
-@dataclass(frozen=True)
-class Request:
-    """A request to the saver; subclasses set ``OP`` and declare the fields."""
+class _Wire:
+    """A message's wire form: a JSON object of its dataclass fields, converted back by their annotations."""
 
     OP: ClassVar[str] = ""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"op": self.OP, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
 
     @classmethod
-    def from_wire(cls: type[R], msg: dict[str, Any]) -> R:
+    def _from_fields(cls: type[M_], msg: dict[str, Any], what: str) -> M_:
         hints = typing.get_type_hints(cls)
         kw: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
             if f.name not in msg:
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    raise E.ProtocolError(f"bad {cls.OP!r} request: the field {f.name!r} is missing")
+                    raise E.ProtocolError(f"bad {what}: the field {f.name!r} is missing")
                 continue
             try:
                 kw[f.name] = _convert(hints[f.name], msg[f.name])
             except _Bad as e:
-                raise E.ProtocolError(f"bad {cls.OP!r} request: field {f.name!r}={msg[f.name]!r}: {e}") from None
+                raise E.ProtocolError(f"bad {what}: field {f.name!r}={msg[f.name]!r}: {e}") from None
         return cls(**kw)
+
+
+@dataclass(frozen=True)
+class Reply(_Wire):
+    """A successful reply (``{"ok": true, <its fields>}`` on the wire); each request names its type
+    (``REPLY``). A failure is not a reply: it travels as ``{"ok": false, "error", "kind"}`` and the client
+    raises it (``_protocol``)."""
+
+    @classmethod
+    def from_wire(cls: type[RP], msg: dict[str, Any]) -> RP:
+        return cls._from_fields(msg, f"{cls.__name__}")
+
+
+@dataclass(frozen=True)
+class Ok(Reply):
+    """A reply that carries nothing but its success."""
+
+
+@dataclass(frozen=True)
+class StatusReply(Reply):
+    """The saver's news, carried by the replies to hello, persist, status, wait and last words."""
+
+    cursor: int | None = None  # None: the reply carries none (keep the one you have)
+    committed: list[int] = field(default_factory=list)  # in commit order
+    errors: list[dict[str, Any]] = field(default_factory=list)  # persist/commit failures since the cursor
+    inflight: int | None = None  # persists, commits and deletions in flight; None: not told
+    last_persist_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class HelloReply(StatusReply):
+    pid: int = 0  # the saver's
+
+
+@dataclass(frozen=True)
+class LastWordsReply(StatusReply):
+    step: int | None = None  # the step persisted, if any
+
+
+@dataclass(frozen=True)
+class AllocReply(Reply):
+    path: str  # the new segment
+
+
+@dataclass(frozen=True)
+class DeleteStepsReply(Reply):
+    deleted: list[int] = field(default_factory=list)  # done (a synchronous request)
+    scheduled: list[int] = field(default_factory=list)  # queued after the commits before it (background)
+
+
+@dataclass(frozen=True)
+class DeletePathReply(Reply):
+    missing: bool = False  # nothing is there
+    scheduled: list[int] = field(default_factory=list)  # the committed steps it holds, deleted with it
+
+
+@dataclass(frozen=True)
+class GiveWayReply(Reply):
+    idle: bool = False
+    idle_s: float = 0.0
+    giving_way: bool = False
+
+
+@dataclass(frozen=True)
+class QueueGetReply(Reply):
+    found: bool = False
+    item: Any = None
+
+
+@dataclass(frozen=True)
+class QueueSizeReply(Reply):
+    size: int = 0
+
+
+@dataclass(frozen=True)
+class DictGetReply(Reply):
+    items: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Request(_Wire, Generic[RP]):
+    """A request to the saver; subclasses set ``OP`` and ``REPLY`` (the type of its reply) and declare the
+    fields."""
+
+    OP: ClassVar[str] = ""
+    REPLY: ClassVar[type[Reply]] = Ok
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": self.OP, **super().to_wire()}
+
+    @classmethod
+    def from_wire(cls: type[R], msg: dict[str, Any]) -> R:
+        return cls._from_fields(msg, f"{cls.OP!r} request")
 
 
 class _Bad(E.ProtocolError):
@@ -92,10 +189,11 @@ def _convert(hint: Any, value: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class Hello(Request):
+class Hello(Request[HelloReply]):
     """First request of a connection: who the client is; the reply carries the saver's pid and status."""
 
     OP: ClassVar[str] = "hello"
+    REPLY: ClassVar[type[Reply]] = HelloReply
     rank: int
     local_rank: int
     world_size: int = 1
@@ -107,10 +205,11 @@ class Hello(Request):
 
 
 @dataclass(frozen=True)
-class Alloc(Request):
+class Alloc(Request[AllocReply]):
     """A segment for ``local_rank`` with slots of these capacities; the reply's ``path`` names it."""
 
     OP: ClassVar[str] = "alloc"
+    REPLY: ClassVar[type[Reply]] = AllocReply
     local_rank: int
     meta_cap: int
     data_cap: int
@@ -118,10 +217,11 @@ class Alloc(Request):
 
 
 @dataclass(frozen=True)
-class Persist(Request):
+class Persist(Request[StatusReply]):
     """Persist the snapshot in ``slot`` of ``seg_path`` (of ``generation``) as ``step`` to ``path``."""
 
     OP: ClassVar[str] = "persist"
+    REPLY: ClassVar[type[Reply]] = StatusReply
     step: int
     rank: int
     local_rank: int
@@ -134,98 +234,110 @@ class Persist(Request):
 
 
 @dataclass(frozen=True)
-class Status(Request):
+class Status(Request[StatusReply]):
     """The saver's news since ``cursor``; with ``local_rank``, old segments of that rank are reaped."""
 
     OP: ClassVar[str] = "status"
+    REPLY: ClassVar[type[Reply]] = StatusReply
     local_rank: int | None = None
     cursor: int = 0
 
 
 @dataclass(frozen=True)
-class Wait(Request):
+class Wait(Request[StatusReply]):
     """Wait up to ``timeout_s`` for every persist, commit and deletion in flight."""
 
     OP: ClassVar[str] = "wait"
+    REPLY: ClassVar[type[Reply]] = StatusReply
     timeout_s: float = 0.0
     cursor: int = 0
 
 
 @dataclass(frozen=True)
-class LastWords(Request):
+class LastWords(Request[LastWordsReply]):
     """Persist and commit the newest snapshot every persisting local rank holds (the launcher's request)."""
 
     OP: ClassVar[str] = "last_words"
+    REPLY: ClassVar[type[Reply]] = LastWordsReply
     timeout_s: float | None = None
     cursor: int = 0
 
 
 @dataclass(frozen=True)
-class DeleteSteps(Request):
+class DeleteSteps(Request[DeleteStepsReply]):
     """Delete committed steps (retention); ``background``: after the commits queued before it; ``newest``:
     the newest committed step too (a framework deleting its own checkpoints; not with ``background``)."""
 
     OP: ClassVar[str] = "delete_steps"
+    REPLY: ClassVar[type[Reply]] = DeleteStepsReply
     steps: list[int] = field(default_factory=list)
     background: bool = False
     newest: bool = False
 
 
 @dataclass(frozen=True)
-class DeletePath(Request):
+class DeletePath(Request[DeletePathReply]):
     """Delete a checkpoint's file or directory inside the checkpoint dir (``engine.delete_checkpoint``)."""
 
     OP: ClassVar[str] = "delete_path"
+    REPLY: ClassVar[type[Reply]] = DeletePathReply
     path: str
 
 
 @dataclass(frozen=True)
-class GiveWay(Request):
+class GiveWay(Request[GiveWayReply]):
     """Another job is short of shared memory: an idle saver persists what is newer and exits."""
 
     OP: ClassVar[str] = "give_way"
+    REPLY: ClassVar[type[Reply]] = GiveWayReply
     dry_run: bool = False
 
 
 @dataclass(frozen=True)
-class Bye(Request):
+class Bye(Request[Ok]):
     """The client's goodbye: ``final`` (no restart expected), ``intent`` "persist" asks for last words."""
 
     OP: ClassVar[str] = "bye"
+    REPLY: ClassVar[type[Reply]] = Ok
     final: bool = True
     intent: str | None = None
 
 
 @dataclass(frozen=True)
-class QueuePut(Request):
+class QueuePut(Request[Ok]):
     OP: ClassVar[str] = "q_put"
+    REPLY: ClassVar[type[Reply]] = Ok
     name: str
     item: Any = None
 
 
 @dataclass(frozen=True)
-class QueueGet(Request):
+class QueueGet(Request[QueueGetReply]):
     OP: ClassVar[str] = "q_get"
+    REPLY: ClassVar[type[Reply]] = QueueGetReply
     name: str
     timeout_s: float = 0.0
 
 
 @dataclass(frozen=True)
-class QueueSize(Request):
+class QueueSize(Request[QueueSizeReply]):
     OP: ClassVar[str] = "q_size"
+    REPLY: ClassVar[type[Reply]] = QueueSizeReply
     name: str
 
 
 @dataclass(frozen=True)
-class DictUpdate(Request):
+class DictUpdate(Request[Ok]):
     OP: ClassVar[str] = "d_update"
+    REPLY: ClassVar[type[Reply]] = Ok
     name: str
     items: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
-class DictGet(Request):
+class DictGet(Request[DictGetReply]):
     OP: ClassVar[str] = "d_get"
+    REPLY: ClassVar[type[Reply]] = DictGetReply
     name: str
 
 
@@ -245,24 +357,3 @@ def parse_request(msg: dict[str, Any]) -> Request:
     if cls is None:
         raise E.ProtocolError(f"unknown operation {op!r} (known: {', '.join(sorted(REQUESTS))})")
     return cls.from_wire(msg)
-
-
-@dataclass(frozen=True)
-class StatusReply:
-    """The status fields of a reply to hello, persist, status, wait or last words."""
-
-    cursor: int | None  # None: the reply carries none (keep the one you have)
-    committed: list[int]
-    errors: list[dict[str, Any]]  # persist/commit failures since the request's cursor
-    inflight: int | None  # persists, commits and deletions in flight; None: not told
-    last_persist_s: float = 0.0
-    pid: int = 0
-    step: int | None = None  # last words: the step persisted, if any
-
-    @classmethod
-    def from_wire(cls, reply: dict[str, Any]) -> StatusReply:
-        cursor, inflight = reply.get("cursor"), reply.get("inflight")
-        return cls(cursor=None if cursor is None else int(cursor), committed=[int(s) for s in reply.get("committed", [])],
-                   errors=list(reply.get("errors") or []), inflight=None if inflight is None else int(inflight),
-                   last_persist_s=float(reply.get("last_persist_s", 0.0)),
-                   pid=int(reply.get("pid", 0)), step=None if reply.get("step") is None else int(reply["step"]))

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import errors as E
+from . import locations
 from ._copy import Copier
 from ._tree import (
     TensorMeta,
@@ -77,9 +78,7 @@ def job_in_memory(checkpoint_dir: str | os.PathLike[str]) -> bool:
 
 
 def _job_dir_of(checkpoint_dir: str | os.PathLike[str], knobs: Knobs) -> str:
-    from .engine import local_dir  # the engine imports this module
-
-    return job_dir(os.path.abspath(local_dir(checkpoint_dir, "SnapshotReader")), knobs)
+    return job_dir(locations.normpath(locations.checkpoint_location(checkpoint_dir, "SnapshotReader")), knobs)
 
 
 def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None = None,

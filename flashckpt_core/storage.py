@@ -1,8 +1,8 @@
-"""Where persisted files go: the storage ABC, the POSIX backend (temp name, fsync, rename, dir fsync), and
-the one resolver that picks a backend by URL (``storage_for``).
+"""Where persisted files go: the storage ABC (``CheckpointStorage``) and the one resolver that picks a
+backend by URL (``storage_for``).
 
 A checkpoint dir is a plain path or a URL. ``file://`` URLs and plain paths are served by
-``PosixDiskStorage``; other schemes by the backend registered for them: in code (``register_storage``) or
+``PosixDiskStorage`` (``storage_posix``); other schemes by the backend registered for them: in code (``register_storage``) or
 by an installed distribution through the entry-point group ``flashckpt.storage`` (name: the scheme;
 object: a ``CheckpointStorage`` subclass, built with ``from_url(url)``). See docs/storage.md.
 """
@@ -10,21 +10,23 @@ object: a ``CheckpointStorage`` subclass, built with ``from_url(url)``). See doc
 from __future__ import annotations
 
 import os
-import re
-import shutil
-import urllib.parse
+import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import xxhash
 
 from . import errors as E
-from ._protocol import fsync_dir
+from . import locations
+from .locations import local_dir, url_scheme
 
-__all__ = ["FileRecord", "CheckpointStorage", "PosixDiskStorage", "file_checksum", "HashingWriter", "storage_for",
-           "register_storage", "url_scheme", "local_dir", "ENTRY_POINT_GROUP"]
+if TYPE_CHECKING:
+    from .records import RecordsHome
+
+__all__ = ["FileRecord", "CheckpointStorage", "file_checksum", "HashingWriter", "storage_for",
+           "register_storage", "storage_spec", "storage_from_spec", "url_scheme", "local_dir", "ENTRY_POINT_GROUP"]
 
 ENTRY_POINT_GROUP = "flashckpt.storage"
 
@@ -85,56 +87,25 @@ class HashingWriter:
 
 
 class CheckpointStorage(ABC):
-    """The storage a saver persists to. Paths are absolute.
+    """Where a checkpoint dir's files and commit records are stored: one backend per URL scheme.
 
-    Call order for one persisted file: the saver calls ``write_file(path, fill)``; the backend calls
-    ``fill(tmp)`` to produce the complete content in a local temporary file (``fill`` may return the
-    ``(size, xxh3 hex)`` it computed while writing, which spares a re-read) and then makes it durable
-    and visible under ``path`` atomically; a reader never sees a partial file under ``path``. Only the
-    saver process writes; trainers only read (``read_bytes``, ``local_path``). Implementations must be
-    safe to call from several threads at once for different paths.
+    Locations are absolute, in the checkpoint dir's form (``locations``): local paths for the POSIX
+    backend, ``scheme://...`` URLs for the others. Only the saver and its persist worker write and remove
+    (``write_parts``, ``write_bytes``, ``move``, ``remove*``); trainers, the CLI and adapters read.
+
+    Call order for one persisted file: the persist worker calls ``write_parts(path, parts)``, which streams
+    the parts (bytes and tensors viewing the snapshot in shared memory) to the store and makes the file
+    visible under ``path`` at once and whole when it returns (POSIX: a temp file, fsync, rename; object
+    stores: the completed upload); a failure leaves nothing under ``path``. The commit protocol then writes
+    small records with ``write_bytes`` (the same guarantee), reads them with ``read_bytes``/``listdir``/
+    ``exists``, and at most ``move``s a staged file into place; deletions come last (``remove``,
+    ``remove_tree``, then ``prune_empty_dirs``). Readers see a file whole or not at all.
+
+    The defaults below are an object store's: no directories (``isdir``: any object below the prefix),
+    no rename (``move`` copies, then removes), lexical confinement, records inside the checkpoint dir with
+    leases kept alive by a heartbeat (``records.InsideRecords``). ``PosixDiskStorage`` overrides them.
+    Implementations must be safe to call from several threads at once for different locations.
     """
-
-    @abstractmethod
-    def write_file(self, path: str, fill: Callable[[str], tuple[int, str] | None]) -> FileRecord:
-        """Atomically creates ``path`` with the content ``fill`` writes to a temp file; returns its record."""
-
-    @abstractmethod
-    def write_bytes(self, path: str, data: bytes) -> FileRecord:
-        """Atomically creates or replaces ``path`` with ``data``."""
-
-    @abstractmethod
-    def read_bytes(self, path: str) -> bytes:
-        """The whole content of ``path``; FileNotFoundError when it does not exist."""
-
-    @abstractmethod
-    def exists(self, path: str) -> bool: ...
-
-    @abstractmethod
-    def listdir(self, path: str) -> list[str]:
-        """Names in the directory ``path``; [] when it does not exist."""
-
-    @abstractmethod
-    def remove(self, path: str) -> None:
-        """Removes a file; a missing file is not an error."""
-
-    @abstractmethod
-    def remove_tree(self, path: str) -> None:
-        """Removes a directory and everything below it; missing is not an error."""
-
-    @abstractmethod
-    def checksum(self, path: str) -> tuple[int, str]:
-        """(size, xxh3-64 hex) of the stored file."""
-
-    def move(self, src: str, dst: str) -> None:
-        """Atomically replaces ``dst`` with the complete file ``src`` (which then no longer exists).
-        Backends without a rename override this; the default copies, then removes ``src``."""
-        self.write_bytes(dst, self.read_bytes(src))
-        self.remove(src)
-
-    def local_path(self, path: str) -> str | None:
-        """A local file system path for ``path`` when the backend has one (for torch.load), else None."""
-        return None
 
     #: whether ``move`` is an atomic rename (POSIX file systems); object stores have none
     supports_rename: bool = False
@@ -144,102 +115,143 @@ class CheckpointStorage(ABC):
         """The backend for checkpoint dirs under ``url`` (the resolver calls it); by default ``cls()``."""
         return cls()
 
+    # -- locations -----------------------------------------------------------------------------------
+    def normpath(self, location: str) -> str:
+        """The canonical form of ``location`` (``locations.normpath``)."""
+        return locations.normpath(location)
+
+    def confined(self, location: str, root: str) -> bool:
+        """Whether ``location`` lies inside ``root`` as stored (POSIX also resolves symbolic links)."""
+        return locations.inside(location, root)
+
+    # -- writing (the saver and its persist worker) -------------------------------------------------
+    @abstractmethod
+    def write_bytes(self, path: str, data: bytes) -> FileRecord:
+        """Atomically creates or replaces ``path`` with ``data``."""
+
+    def write_parts(self, path: str, parts: Sequence[Any], *,
+                    crc_slots: dict[int, list[tuple[int, int]]] | None = None) -> FileRecord:
+        """Atomically creates ``path`` with the concatenation of ``parts`` (``bytes``/``bytearray``/
+        ``memoryview`` or CPU tensors; see ``filewriter.write_parts`` for ``crc_slots``, whose CRC-32s are
+        filled in while the parts stream, so a backend must send ``parts[j]`` only after every earlier
+        part). Returns the file's record (size, xxh3-64 of its bytes). The default writes a local temporary
+        file through ``write_file``; object stores stream instead."""
+        from .filewriter import write_parts  # torch: never imported by the saver daemon itself
+
+        return self.write_file(path, lambda tmp: write_parts(tmp, parts, crc_slots=crc_slots))
+
+    def write_file(self, path: str, fill: Callable[[str], tuple[int, str] | None]) -> FileRecord:
+        """Atomically creates ``path`` with what ``fill(tmp)`` writes into the local file ``tmp`` (``fill``
+        may return the (size, xxh3 hex) it computed on the way). The default fills a local temporary
+        file and uploads it with ``write_bytes`` (a backend that can stream overrides it)."""
+        import tempfile
+
+        fd, tmp = tempfile.mkstemp(prefix="flashckpt-")
+        os.close(fd)
+        try:
+            fill(tmp)
+            with open(tmp, "rb") as f:
+                return self.write_bytes(path, f.read())
+        finally:
+            os.unlink(tmp)
+
+    def move(self, src: str, dst: str) -> None:
+        """Atomically replaces ``dst`` with the complete file ``src`` (which then no longer exists).
+        Backends without a rename copy, then remove ``src`` (a reader sees ``dst`` whole either way)."""
+        self.write_bytes(dst, self.read_bytes(src))
+        self.remove(src)
+
+    # -- reading -------------------------------------------------------------------------------------
+    @abstractmethod
+    def read_bytes(self, path: str) -> bytes:
+        """The whole content of ``path``; FileNotFoundError when it does not exist."""
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        """Fills ``out`` with ``len(out)`` bytes of ``path`` from ``offset`` (object stores: ranged
+        reads, several at once). The default reads through ``open_read``."""
+        with self.open_read(path) as f:
+            f.seek(offset)
+            got = 0
+            while got < len(out):
+                n = f.readinto(out[got:])  # type: ignore[attr-defined]
+                if not n:
+                    raise E.CheckpointCorruptError(f"{path}: {len(out) - got} bytes short at offset {offset + got}")
+                got += n
+
+    @abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    def isdir(self, path: str) -> bool:
+        """Whether ``path`` holds anything below it (object stores have no empty directories)."""
+        return bool(self.listdir(path))
+
+    @abstractmethod
+    def listdir(self, path: str) -> list[str]:
+        """Names directly below ``path`` (files and prefixes); [] when there is none."""
+
+    @abstractmethod
+    def checksum(self, path: str) -> tuple[int, str]:
+        """(size, xxh3-64 hex) of the stored file; FileNotFoundError when it does not exist."""
+
+    def size(self, path: str) -> int:
+        """The size of the stored file in bytes; FileNotFoundError when it does not exist."""
+        return len(self.read_bytes(path))
+
+    def local_path(self, path: str) -> str | None:
+        """A local file system path for ``path`` when the backend has one (for torch.load), else None."""
+        return None
+
     def open_read(self, path: str) -> BinaryIO:
-        """A readable binary stream of ``path`` (for ``torch.load``); the default reads it whole."""
+        """A readable, seekable binary stream of ``path`` (for ``torch.load``); the default reads it whole."""
         import io
 
         return io.BytesIO(self.read_bytes(path))
 
-
-class PosixDiskStorage(CheckpointStorage):
-    """Local or network file systems with POSIX rename semantics (``file://`` URLs and plain paths)."""
-
-    supports_rename = True
-
-    def open_read(self, path: str) -> BinaryIO:
-        return open(path, "rb")
-
-    def _makedirs(self, d: str) -> None:
-        if os.path.isdir(d):
-            return
-        missing = []
-        p = d
-        while p and not os.path.isdir(p):
-            missing.append(p)
-            p = os.path.dirname(p)
-        os.makedirs(d, exist_ok=True)
-        for m in reversed(missing):  # make the new directory entries durable too
-            fsync_dir(os.path.dirname(m))
-
-    def write_file(self, path: str, fill: Callable[[str], tuple[int, str] | None]) -> FileRecord:
-        d = os.path.dirname(path)
-        self._makedirs(d)
-        tmp = f"{path}.flashckpt-tmp"
-        try:
-            known = fill(tmp)
-            size, digest = known if known is not None else file_checksum(tmp)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        fsync_dir(d)
-        return FileRecord(path, size, digest)
-
-    def write_bytes(self, path: str, data: bytes) -> FileRecord:
-        def fill(tmp: str) -> tuple[int, str]:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            return len(data), xxhash.xxh3_64_hexdigest(data)
-
-        return self.write_file(path, fill)
-
-    def read_bytes(self, path: str) -> bytes:
-        with open(path, "rb") as f:
-            return f.read()
-
-    def exists(self, path: str) -> bool:
-        return os.path.exists(path)
-
-    def listdir(self, path: str) -> list[str]:
-        try:
-            return os.listdir(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-
+    # -- removing (the saver) ------------------------------------------------------------------------
+    @abstractmethod
     def remove(self, path: str) -> None:
-        try:
-            os.unlink(path)
-        except (FileNotFoundError, NotADirectoryError):  # a parent that is a file: the path cannot exist
-            pass
+        """Removes a file; a missing file is not an error."""
 
+    @abstractmethod
     def remove_tree(self, path: str) -> None:
-        shutil.rmtree(path, ignore_errors=True)
+        """Removes everything at and below ``path``; missing is not an error."""
 
-    def checksum(self, path: str) -> tuple[int, str]:
-        return file_checksum(path)
+    def prune_empty_dirs(self, dirs: Sequence[str], root: str) -> None:
+        """Removes the directories in ``dirs`` and their parents up to (not including) ``root`` that the
+        removals left empty. Object stores have no directories: nothing to do."""
+        return None
 
-    def local_path(self, path: str) -> str | None:
-        return path
+    # -- the checkpoint dir and its records -----------------------------------------------------------
+    def prepare_dir(self, root: str, shown: str) -> None:
+        """Creates the checkpoint dir ``root`` when the store needs that and checks that this process may
+        write there, before a saver starts (``shown``: the dir as the user gave it, for messages).
 
-    def move(self, src: str, dst: str) -> None:
-        d = os.path.dirname(dst)
-        self._makedirs(d)
-        os.replace(src, dst)
-        fsync_dir(d)
-        if os.path.dirname(src) != d:
-            fsync_dir(os.path.dirname(src))
+        Raises:
+            CheckpointDirError: ``root`` cannot be used (the message says why and what to do).
+        """
+        probe = locations.join(root, f".flashckpt-probe-{uuid.uuid4().hex}")
+        try:
+            self.write_bytes(probe, b"ok")
+            self.remove(probe)
+        except OSError as e:
+            raise E.CheckpointDirError(f"CheckpointEngine({shown!r}): cannot write to {root} ({e}); check the "
+                                       "credentials and permissions for it") from e
+
+    def records_home(self, root: str) -> RecordsHome:
+        """Where the commit records of checkpoint dir ``root`` live and how jobs hold them
+        (``records.RecordsHome``); by default inside it, with heartbeat leases."""
+        from .records import InsideRecords
+
+        return InsideRecords(self, root)
+
+    def tidy(self, root: str, *, dry_run: bool = False) -> list[str]:
+        """``flashckpt gc``: removes what an interrupted write of this backend left under ``root`` (object
+        stores: unfinished multipart uploads); returns what was removed (or would be), a line each."""
+        return []
 
 
 # ---------------------------------------------------------------------------------------- the resolver
-_REGISTRY: dict[str, type[CheckpointStorage]] = {"file": PosixDiskStorage}
+_REGISTRY: dict[str, type[CheckpointStorage]] = {}
 
 
 def register_storage(scheme: str, backend: type[CheckpointStorage]) -> None:
@@ -251,44 +263,6 @@ def register_storage(scheme: str, backend: type[CheckpointStorage]) -> None:
     _REGISTRY[scheme.lower()] = backend
 
 
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def url_scheme(url: str | os.PathLike[str]) -> str:
-    """The scheme of a checkpoint dir: ``file`` for plain paths and ``file://`` URLs."""
-    m = _URL.match(os.fspath(url))
-    return m.group(1).lower() if m else "file"
-
-
-
-
-def local_dir(checkpoint_dir: str | os.PathLike[str], what: str = "CheckpointEngine") -> str:
-    """The local path ``checkpoint_dir`` names, as given (relative paths stay relative): a ``file://``
-    URL becomes its absolute path; any other URL (``s3://``, ``gs://``, ``hdfs://``, ...) is refused.
-
-    Raises:
-        CheckpointDirError: an unsupported URL, a ``file://`` URL naming a host, or an empty path.
-    """
-    d = os.fspath(checkpoint_dir)
-    if not isinstance(d, str):
-        raise E.InvalidArgumentTypeError(f"{what}(checkpoint_dir={d!r}): a path (str or os.PathLike) is needed")
-    m = _URL.match(d)
-    if m is not None:
-        scheme = m.group(1).lower()
-        if scheme != "file":  # served by no backend yet: the S3 issue adds s3:// to the engine
-            raise E.CheckpointDirError(
-                f"{what}({d!r}): {scheme}:// storage is not supported yet; flashckpt writes to a local or mounted "
-                "file system only (object stores such as S3 are planned). Pass a local directory, or mount the "
-                "bucket (for example with mountpoint-s3 or s3fs) and pass the mount's path")
-        url = urllib.parse.urlparse(d)
-        if url.netloc not in ("", "localhost") or not url.path:
-            raise E.CheckpointDirError(f"{what}({d!r}): a file:// URL names an absolute local path, as in "
-                                       "file:///data/ckpt (three slashes); a host or a relative path is not allowed")
-        return urllib.parse.unquote(url.path)
-    if not d:
-        raise E.CheckpointDirError(f"{what}(checkpoint_dir=''): give a directory")
-    return d
-
 
 
 
@@ -299,14 +273,44 @@ def storage_for(url: str | os.PathLike[str]) -> CheckpointStorage:
         InvalidArgumentError: no backend serves the URL's scheme; the message lists those installed.
     """
     scheme = url_scheme(url)
+    if scheme == "file":
+        from .storage_posix import PosixDiskStorage
+
+        return PosixDiskStorage.from_url(os.fspath(url))
     backend = _REGISTRY.get(scheme) or _from_entry_points(scheme)
     if backend is None:
-        known = sorted(set(_REGISTRY) | _entry_point_names())
+        known = sorted(set(_REGISTRY) | _entry_point_names() | {"file"})
         raise E.InvalidArgumentError(
             f"no storage backend serves {os.fspath(url)!r} ({scheme}:// URLs); installed: "
             f"{', '.join(s + '://' for s in known)}. A backend registers for its scheme in the entry-point group "
             f"{ENTRY_POINT_GROUP!r} (or with flashckpt.storage.register_storage); see docs/storage.md")
     return backend.from_url(os.fspath(url))
+
+
+def storage_spec(storage: CheckpointStorage) -> str:
+    """``module:qualname`` of ``storage``'s class: how the saver tells its daemon and persist worker which
+    backend to build (``storage_from_spec``), so that a backend registered in code only reaches them too."""
+    cls = type(storage)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def storage_from_spec(spec: str, url: str) -> CheckpointStorage:
+    """The backend ``storage_spec`` names, built for ``url``; ``storage_for(url)`` when ``spec`` is empty.
+
+    Raises:
+        InvalidArgumentTypeError: ``spec`` names no ``CheckpointStorage`` subclass.
+    """
+    if not spec:
+        return storage_for(url)
+    import importlib
+
+    module, _, name = spec.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, CheckpointStorage)):
+        raise E.InvalidArgumentTypeError(f"{spec} is not a CheckpointStorage subclass")
+    return obj.from_url(url)
 
 
 def _entry_points() -> list[Any]:
@@ -329,3 +333,11 @@ def _from_entry_points(scheme: str) -> type[CheckpointStorage] | None:
             _REGISTRY[scheme] = backend
             return backend
     return None
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PosixDiskStorage":  # its own module (which imports this one); importable from here too
+        from .storage_posix import PosixDiskStorage
+
+        return PosixDiskStorage
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -122,7 +122,7 @@ def get_last_checkpoint(folder: str, *, verify: bool = False) -> str | None:
     """
     layout = CommitLayout(folder, storage_for(folder))
     # Records that describe an earlier directory of this name (deleted since) are not this folder's.
-    records = os.path.isdir(layout.meta) and layout.stale_reason() is None
+    records = layout.records_in_use()
     committed = layout.committed_steps() if records else []
     if committed or (records and layout.uncommitted_steps()):
         for step in reversed(committed):

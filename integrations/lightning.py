@@ -166,7 +166,7 @@ def find_resume_path(checkpoint_dir: str) -> str | None:
                 best = (info.step, info.name)
                 break
     layout = CommitLayout(root, storage_for(root))
-    if os.path.isdir(root) and layout.stale_reason() is None:  # records of a deleted dir of this name: not ours
+    if layout.records_in_use():  # records of a deleted dir of this name are not ours
         for step, path in sorted(_single_file_steps(layout).items(), reverse=True):
             if step <= best[0]:
                 break

@@ -180,8 +180,6 @@ class _GatedTracker(PosixDiskStorage):
 
     def write_bytes(self, path: str, data: bytes):  # type: ignore[no-untyped-def]
         if os.path.basename(path) == "tracker.json":
-            import traceback, sys
-            print("TRACKER WRITE", data, self.gate.is_set(), threading.current_thread().name, file=sys.stderr)
             self.held.set()
             assert self.gate.wait(60)
             self.tracker_writes.append(json.loads(data)["step"])
@@ -234,7 +232,7 @@ def test_a_deletion_waits_for_the_commit_in_flight_and_the_tracker_names_the_new
 
         def delete() -> None:
             try:
-                deleted.append(saver._on_delete_steps(DeleteSteps(steps=[1], newest=True), None)["deleted"])
+                deleted.append(saver._on_delete_steps(DeleteSteps(steps=[1], newest=True), None).deleted)
             except BaseException as e:
                 deleted.append(e)
 

@@ -19,7 +19,8 @@ import torch
 from _fault_helpers import FaultEnv, close_and_wait, fault_env_fixture, make_state, run_cli  # noqa: F401
 from flashckpt import CheckpointEngine, StorageType
 from flashckpt._lease import Lease
-from flashckpt.commit import META, CommitLayout, records_dir
+from flashckpt._records import records_dir
+from flashckpt.commit import META, CommitLayout
 from flashckpt.files import FileSet
 from flashckpt.storage import PosixDiskStorage
 from helpers import assert_same_tree, run_ranks, wait_savers_gone
@@ -160,7 +161,7 @@ def test_orphans_are_swept_unless_a_live_job_holds_them_and_renamed_dirs_keep_th
     for d in dirs.values():
         commit_steps(d, [1])
     top = os.path.join(parent, META)
-    held = Lease(layout(dirs["held"]).job_lock_path("another-job"), shared=True)  # a live saver's lock
+    held = Lease(layout(dirs["held"]).home.job_lock_path("another-job"), shared=True)  # a live saver's lock
     assert held.try_acquire()
     try:
         for n in ("gone", "held"):
@@ -195,7 +196,7 @@ def test_orphans_are_swept_unless_a_live_job_holds_them_and_renamed_dirs_keep_th
 _NAMESPACE_SCRIPT = textwrap.dedent("""
     import json, os, subprocess, sys
     from flashckpt import CheckpointEngine, StorageType
-    from flashckpt.commit import records_dir
+    from flashckpt._records import records_dir
     from flashckpt.files import FileSet
 
     base = sys.argv[1]

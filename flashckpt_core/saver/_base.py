@@ -15,12 +15,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._lease import Lease, pid_running
+from .._lease import pid_running
 from .._persist_worker import PersistWorker
 from ..commit import CommitLayout
 from ..config import Knobs, make_private_dir
 from ..ipc import SharedLock
 from ..messages import Persist
+from ..records import Held
 from ..segment import (
     Segment,
 )
@@ -164,7 +165,7 @@ class SaverBase:
     storage: CheckpointStorage
     layout: CommitLayout
     stats: _Stats
-    _job_lock: Lease | None
+    _job_lock: Held | None
     _alloc_locks: dict[int, threading.Lock]
     _cv: threading.Condition
     _clients: dict[int, _ClientInfo]

@@ -3,11 +3,11 @@ and deletions (retention, ``delete_checkpoint``), ordered after the commits queu
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 from .. import errors as E
+from .. import locations
 from ..commit import TrackerUpdateError
 from ._base import SaverBase, _CommitJob, _DeleteJob, _StepState, log
 
@@ -114,7 +114,7 @@ class CommitPart(SaverBase):
         except E.CheckpointDirError:
             raise E.CheckpointDirError(f"{what}: {path} is outside the checkpoint dir {root} (or reaches outside it "
                                        "through a symlink); only checkpoints inside it are deleted") from None
-        if path == meta or path.startswith(meta + os.sep) or meta.startswith(path + os.sep):
+        if locations.inside(path, meta) or locations.inside(meta, path):
             raise E.CheckpointDirError(f"{what}: {path} holds flashckpt's commit records ({meta}); they are "
                                        "removed with their steps, never directly")
         with self._cv:
@@ -122,20 +122,20 @@ class CommitPart(SaverBase):
             busy = {s: set(st.paths) for s, st in self._steps.items() if not self._step_done(s)}
         for s, targets in busy.items():
             for t in targets:
-                if t == path or t.startswith(path + os.sep) or path.startswith(t + os.sep):
+                if locations.inside(t, path) or locations.inside(path, t):
                     raise E.CheckpointDirError(f"{what}: step {s} is being persisted to {t}; it is not deleted "
                                                "while in flight (try again after its commit)")
         covered = []
 
         def under(f: str) -> bool:
-            return f == path or f.startswith(path + os.sep)
+            return locations.inside(f, path)
 
         for s in committed:
             try:
                 m = self.layout.read_manifest(s)
             except E.CheckpointCorruptError:
                 continue
-            files = [os.path.join(root, f.path) for f in m.all_files()]
+            files = [locations.join(root, f.path) for f in m.all_files()]
             inside = [f for f in files if under(f)]
             if not inside:
                 continue
@@ -163,7 +163,7 @@ class CommitPart(SaverBase):
                 self.layout.delete_step(s)
             with self._cv:
                 self._committed = [s for s in self._committed if s not in steps]
-        if os.path.isdir(path) and not os.path.islink(path):
+        if self.storage.isdir(path):
             self.storage.remove_tree(path)
         else:
             self.storage.remove(path)

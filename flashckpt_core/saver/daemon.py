@@ -22,9 +22,11 @@ import time
 from typing import Any
 
 from .. import errors as E
+from .. import locations
 from .._lease import pid_running
 from .._protocol import Client
 from ..config import Knobs, make_private_dir, open_private_dir
+from ..storage import storage_from_spec
 from ._base import _LOG_NAME, SOCKET_NAME, lock_job, log
 from .server import CheckpointSaver
 
@@ -33,7 +35,7 @@ __all__ = ["ensure_saver", "main", "SAVER_MODULE"]
 SAVER_MODULE = __spec__.name  # the daemon runs as ``python -m`` this module (flashckpt.saver.daemon)
 
 
-def ensure_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs) -> Client:
+def ensure_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs, *, storage: str = "") -> Client:
     """Connects to the job's saver on this node, starting a detached daemon first when none runs.
 
     The runtime dirs are checked first (``open_private_dir``: ours, private, no symbolic link), and the
@@ -59,12 +61,12 @@ def ensure_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs) -> Client:
             return Client(path, timeout=knobs.rpc_timeout_s)
         except (FileNotFoundError, ConnectionRefusedError):
             pass
-        return _spawn_saver(job_dir, checkpoint_dir, knobs)
+        return _spawn_saver(job_dir, checkpoint_dir, knobs, storage)
     finally:
         spawn_lock.release()
 
 
-def _spawn_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs) -> Client:
+def _spawn_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs, storage: str) -> Client:
     """Starts the daemon (the job's spawn lock is held) and connects to it."""
     path = os.path.join(job_dir, SOCKET_NAME)
     log_path = os.path.join(job_dir, _LOG_NAME)
@@ -85,7 +87,7 @@ def _spawn_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs) -> Client:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", SAVER_MODULE, "--daemonize", "--job-dir", job_dir,
-                 "--checkpoint-dir", os.path.abspath(checkpoint_dir), "--ready-fd", str(wfd)],
+                 "--checkpoint-dir", locations.normpath(checkpoint_dir), "--storage", storage, "--ready-fd", str(wfd)],
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, close_fds=True, pass_fds=(wfd,),
                 start_new_session=True, env=env, cwd="/")
         finally:
@@ -176,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m {SAVER_MODULE}", description="flashckpt node saver")
     p.add_argument("--job-dir", required=True)
     p.add_argument("--checkpoint-dir", required=True)
+    p.add_argument("--storage", default="", help="the backend's class as module:qualname (default: by the URL)")
     p.add_argument("--daemonize", action="store_true", help="fork into the background and return at once")
     p.add_argument("--ready-fd", type=int, default=None,
                    help="a pipe to report on: a JSON line with the daemon's pid, then one saying it serves "
@@ -190,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(0)
     logging.basicConfig(level=os.environ.get("FLASHCKPT_SAVER_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
-    saver = CheckpointSaver(args.job_dir, args.checkpoint_dir)
+    saver = CheckpointSaver(args.job_dir, args.checkpoint_dir,
+                            storage=storage_from_spec(args.storage, args.checkpoint_dir))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: saver.request_stop(last_words=True))
     try:

@@ -22,8 +22,8 @@ from ._base import SaverBase, _CommitJob, _StepState, log
 
 class PersistPart(SaverBase):
     def _enqueue(self, req: Persist) -> None:
-        job = dataclasses.replace(req, path=os.path.abspath(req.path))  # the request is the job
-        if os.path.dirname(job.seg_path) != self.job_dir:
+        job = dataclasses.replace(req, path=self.storage.normpath(req.path))  # the request is the job
+        if os.path.dirname(job.seg_path) != self.job_dir:  # the runtime dir is local
             raise E.ProtocolError(f"persist: segment {job.seg_path} is not in this job's runtime dir")
         # Refuses paths outside the checkpoint dir, in its commit records, or in another committed step's
         # directory (the engine checks this too, before its snapshot; this holds for any client).

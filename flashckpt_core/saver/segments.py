@@ -93,9 +93,9 @@ class SegmentsPart(SaverBase):
             try:
                 r = c.request(M.GiveWay(dry_run=True))
             except E.FlashCheckpointError:
-                r = {}
-            if r.get("idle"):
-                idle.append((float(r.get("idle_s", 0.0)), d, c))
+                r = M.GiveWayReply()
+            if r.idle:
+                idle.append((r.idle_s, d, c))
             else:
                 c.close()
         idle.sort(key=lambda x: -x[0])
@@ -105,7 +105,7 @@ class SegmentsPart(SaverBase):
                 if free >= need:
                     break
                 try:
-                    if not c.request(M.GiveWay()).get("giving_way"):
+                    if not c.request(M.GiveWay()).giving_way:
                         continue
                 except E.FlashCheckpointError:
                     continue

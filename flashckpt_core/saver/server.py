@@ -16,13 +16,13 @@ from typing import Any, ClassVar
 
 from .. import errors as E
 from .. import messages as M
-from .._lease import Lease
 from .._persist_worker import PersistWorker
 from .._protocol import peer_uid, recv_msg, send_msg
 from ..commit import CommitLayout
 from ..config import Knobs, is_default_runtime_dir, open_private_dir
 from ..ipc import SharedLock
 from ..messages import parse_request
+from ..records import Held
 from ..segment import (
     FLAG_PENDING,
     FLAG_PINNED,
@@ -70,7 +70,7 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
         self.storage = storage or storage_for(checkpoint_dir)
         # The runtime dir is named by the job key (config.job_key): markers and manifests carry it.
         self.layout = CommitLayout(checkpoint_dir, self.storage, job=os.path.basename(os.path.normpath(job_dir)))
-        self._job_lock: Lease | None = None
+        self._job_lock: Held | None = None
         self._alloc_locks: dict[int, threading.Lock] = collections.defaultdict(threading.Lock)
         self._cv = threading.Condition()
         self._clients: dict[int, _ClientInfo] = {}
@@ -331,7 +331,7 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
                                         "error": "the saver is shutting down; start or reach the next one", **echo})
                         return
                 try:
-                    reply = self._DISPATCH[type(req)](self, req, info)
+                    reply: dict[str, Any] = {"ok": True, **self._DISPATCH[type(req)](self, req, info).to_wire()}
                 except E.FlashCheckpointError as e:
                     reply = {"ok": False, "error": str(e), "kind": type(e).__name__}
                 except (KeyError, TypeError, ValueError) as e:
@@ -377,38 +377,38 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
         return True
 
     # ------------------------------------------------------------------ requests (the dispatch table below)
-    def _on_hello(self, req: M.Hello, info: _ClientInfo | None) -> dict[str, Any]:
-        return {"ok": True, "pid": os.getpid(), **self._status(0)}
+    def _on_hello(self, req: M.Hello, info: _ClientInfo | None) -> M.Reply:
+        return M.HelloReply(pid=os.getpid(), **self._status(0))
 
-    def _on_alloc(self, req: M.Alloc, info: _ClientInfo | None) -> dict[str, Any]:
+    def _on_alloc(self, req: M.Alloc, info: _ClientInfo | None) -> M.Reply:
         nslots = req.nslots if req.nslots is not None else self.knobs.slots
-        return {"ok": True, "path": self._alloc(req.local_rank, req.meta_cap, req.data_cap, nslots)}
+        return M.AllocReply(path=self._alloc(req.local_rank, req.meta_cap, req.data_cap, nslots))
 
-    def _on_persist(self, req: M.Persist, info: _ClientInfo | None) -> dict[str, Any]:
+    def _on_persist(self, req: M.Persist, info: _ClientInfo | None) -> M.Reply:
         self._enqueue(req)
         self._reap_quietly(req.local_rank)
-        return {"ok": True, **self._status(req.cursor)}
+        return M.StatusReply(**self._status(req.cursor))
 
-    def _on_status(self, req: M.Status, info: _ClientInfo | None) -> dict[str, Any]:
+    def _on_status(self, req: M.Status, info: _ClientInfo | None) -> M.Reply:
         if req.local_rank is not None:
             self._reap_quietly(req.local_rank)
-        return {"ok": True, **self._status(req.cursor)}
+        return M.StatusReply(**self._status(req.cursor))
 
-    def _on_wait(self, req: M.Wait, info: _ClientInfo | None) -> dict[str, Any]:
-        return {"ok": True, **self._wait(req.timeout_s, req.cursor)}
+    def _on_wait(self, req: M.Wait, info: _ClientInfo | None) -> M.Reply:
+        return M.StatusReply(**self._wait(req.timeout_s, req.cursor))
 
-    def _on_last_words(self, req: M.LastWords, info: _ClientInfo | None) -> dict[str, Any]:
+    def _on_last_words(self, req: M.LastWords, info: _ClientInfo | None) -> M.Reply:
         step = self.save_shm_to_storage(timeout=req.timeout_s if req.timeout_s is not None else
                                         self.knobs.commit_timeout_s)
-        return {"ok": True, "step": step, **self._status(req.cursor)}
+        return M.LastWordsReply(step=step, **self._status(req.cursor))
 
-    def _on_delete_steps(self, req: M.DeleteSteps, info: _ClientInfo | None) -> dict[str, Any]:
+    def _on_delete_steps(self, req: M.DeleteSteps, info: _ClientInfo | None) -> M.Reply:
         if req.background:
             # Unlinking a GB-sized file takes a fraction of a second: never inside a trainer's save().
             with self._cv:
                 self._inflight += 1
             self._commit_q.put(_DeleteJob(tuple(req.steps)))
-            return {"ok": True, "scheduled": list(req.steps)}
+            return M.DeleteStepsReply(scheduled=list(req.steps))
         # A step whose manifest is on storage but whose commit is still finishing here (a reader of the
         # manifests, such as an adapter, may ask at that moment) is deleted once its commit is done.
         deadline = time.monotonic() + self.knobs.commit_timeout_s
@@ -429,70 +429,70 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
         except FutureTimeout:
             raise E.CheckpointTimeoutError(f"delete_steps({list(req.steps)}): the commits queued before it did not "
                                            f"finish within {self.knobs.commit_timeout_s:.0f} s") from None
-        return {"ok": True, "deleted": deleted}
+        return M.DeleteStepsReply(deleted=deleted)
 
-    def _on_delete_path(self, req: M.DeletePath, info: _ClientInfo | None) -> dict[str, Any]:
-        path = os.path.abspath(req.path)
+    def _on_delete_path(self, req: M.DeletePath, info: _ClientInfo | None) -> M.Reply:
+        path = self.storage.normpath(req.path)
         steps = self._path_deletion(path)  # refusals raise CheckpointDirError, before anything is deleted
-        if not os.path.lexists(path):
-            return {"ok": True, "missing": True}
+        if not (self.storage.exists(path) or self.storage.isdir(path)):
+            return M.DeletePathReply(missing=True)
         with self._cv:
             self._inflight += 1
         self._commit_q.put(_DeletePathJob(path))
-        return {"ok": True, "scheduled": steps}
+        return M.DeletePathReply(scheduled=steps)
 
-    def _on_give_way(self, req: M.GiveWay, info: _ClientInfo | None) -> dict[str, Any]:
+    def _on_give_way(self, req: M.GiveWay, info: _ClientInfo | None) -> M.Reply:
         # Another job of this user is short of shared memory: an idle saver (clients came and went, none is
         # attached, no work) persists what is newer than its last commit and exits.
         with self._cv:
             idle = bool(self._ever_clients) and not self._clients and self._inflight == 0 and not self._stop.is_set()
             if req.dry_run:
-                return {"ok": True, "idle": idle, "idle_s": time.monotonic() - self._idle_since}
+                return M.GiveWayReply(idle=idle, idle_s=time.monotonic() - self._idle_since)
             if idle:
                 self._signalled = True  # last words, then exit
                 self._stop.set()
                 self._cv.notify_all()
-        return {"ok": True, "giving_way": idle}
+        return M.GiveWayReply(giving_way=idle)
 
-    def _on_bye(self, req: M.Bye, info: _ClientInfo | None) -> dict[str, Any]:
+    def _on_bye(self, req: M.Bye, info: _ClientInfo | None) -> M.Reply:
         if info is not None:
             info.final = req.final
             if req.intent == "persist":
                 with self._cv:
                     self._persist_on_exit = True
-        return {"ok": True}
+        return M.Ok()
 
-    def _on_q_put(self, req: M.QueuePut, info: _ClientInfo | None) -> dict[str, Any]:
+    def _on_q_put(self, req: M.QueuePut, info: _ClientInfo | None) -> M.Reply:
         with self._cv:
             self._queues[req.name].append(req.item)
             self._cv.notify_all()
-        return {"ok": True}
+        return M.Ok()
 
-    def _on_q_get(self, req: M.QueueGet, info: _ClientInfo | None) -> dict[str, Any]:
+    def _on_q_get(self, req: M.QueueGet, info: _ClientInfo | None) -> M.Reply:
         deadline = time.monotonic() + req.timeout_s
         with self._cv:
             while not self._queues[req.name]:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._stop.is_set():
-                    return {"ok": True, "found": False}
+                    return M.QueueGetReply(found=False)
                 self._cv.wait(timeout=left)
-            return {"ok": True, "found": True, "item": self._queues[req.name].popleft()}
+            return M.QueueGetReply(found=True, item=self._queues[req.name].popleft())
 
-    def _on_q_size(self, req: M.QueueSize, info: _ClientInfo | None) -> dict[str, Any]:
+    def _on_q_size(self, req: M.QueueSize, info: _ClientInfo | None) -> M.Reply:
         with self._cv:
-            return {"ok": True, "size": len(self._queues[req.name])}
+            return M.QueueSizeReply(size=len(self._queues[req.name]))
 
-    def _on_d_update(self, req: M.DictUpdate, info: _ClientInfo | None) -> dict[str, Any]:
+    def _on_d_update(self, req: M.DictUpdate, info: _ClientInfo | None) -> M.Reply:
         with self._cv:
             self._dicts[req.name].update(req.items)
-        return {"ok": True}
+        return M.Ok()
 
-    def _on_d_get(self, req: M.DictGet, info: _ClientInfo | None) -> dict[str, Any]:
+    def _on_d_get(self, req: M.DictGet, info: _ClientInfo | None) -> M.Reply:
         with self._cv:
-            return {"ok": True, "items": dict(self._dicts[req.name])}
+            return M.DictGetReply(items=dict(self._dicts[req.name]))
 
     # One handler per request type (messages.REQUESTS lists them all; test_messages checks none is missing).
-    _DISPATCH: ClassVar[dict[type[M.Request], Callable[..., dict[str, Any]]]] = {
+    _DISPATCH: ClassVar[dict[type[M.Request[Any]], Callable[..., M.Reply]]] = {
         M.Hello: _on_hello, M.Alloc: _on_alloc, M.Persist: _on_persist, M.Status: _on_status, M.Wait: _on_wait,
         M.LastWords: _on_last_words, M.DeleteSteps: _on_delete_steps, M.DeletePath: _on_delete_path,
         M.GiveWay: _on_give_way, M.Bye: _on_bye, M.QueuePut: _on_q_put, M.QueueGet: _on_q_get,
