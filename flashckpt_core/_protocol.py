@@ -50,6 +50,42 @@ def recv_msg(sock: socket.socket) -> dict[str, Any]:
     return _decode(_recv_exact(sock, n))
 
 
+# Over pipes (the saver and its persist worker): the same frames, on file descriptors.
+def write_frame(fd: int, msg: dict[str, Any]) -> None:
+    data = json.dumps(msg, separators=(",", ":")).encode()
+    view = memoryview(_LEN.pack(len(data)) + data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _read_exact_fd(fd: int, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame(fd: int) -> dict[str, Any] | None:
+    """One message; None at the end of the pipe (the other end closed it or exited)."""
+    head = _read_exact_fd(fd, _LEN.size)
+    if head is None:
+        return None
+    (n,) = _LEN.unpack(head)
+    if n > MAX_MESSAGE:
+        raise E.ProtocolError(f"message of {n} bytes exceeds {MAX_MESSAGE}")
+    raw = _read_exact_fd(fd, n)
+    if raw is None:
+        return None
+    msg = json.loads(raw)
+    if not isinstance(msg, dict):
+        raise E.ProtocolError("a framed message is not a JSON object")
+    return msg
+
+
 def _decode(raw: bytes) -> dict[str, Any]:
     try:
         msg = json.loads(raw)

@@ -15,21 +15,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from . import errors as E
 from . import locations
 from . import messages as M
 from ._copy import Copier
-from ._protocol import Client, ConnectionLost, process_cpu_seconds
+from ._protocol import process_cpu_seconds
+from .agreement import agree, newer_in_memory, verified_step
 from .commit import CommitLayout
 from .config import Knobs, RankInfo, StorageType, job_dir
-from .files import FileEntry, FileSet, is_fileset_tree
+from .files import FileSet, is_fileset_tree
 from .interval import AutoIntervals, default_failure_rates, storage_type_for
-from .locations import checkpoint_location, local_dir
+from .loader import StorageLoader
+from .locations import checkpoint_location, local_dir, resolve_in
 from .messages import RP
 from .retention import CheckpointDeletionStrategy, KeepLatestStepStrategy, uses_clean_up
-from .saver import ensure_saver
+from .saver_link import SaverLink, agent_pid, restart_expected
 from .snapshot_reader import SnapshotReader
 from .snapshot_writer import SharedMemoryHandler
 from .storage import storage_for, storage_spec
@@ -59,49 +59,6 @@ class Located:
     source: str
     path: str | None
 
-
-def resolve_in(root: str, given: str, path: str | os.PathLike[str], what: str = "path") -> str:
-    """The absolute path that a ``path`` argument names, for a checkpoint dir ``root`` (absolute) given
-    by the user as ``given``.
-
-    An absolute path (or ``file://`` URL) is itself. A relative path that begins with the checkpoint dir
-    as it was given (relative), such as ``os.path.join(checkpoint_dir, "checkpoint-10.pt")``, or with the
-    checkpoint dir as seen from the current directory, is that path: relative to where the checkpoint
-    dir was given, or to the current directory. Any other relative path is relative to the checkpoint
-    dir. So with ``checkpoint_dir="work/s01"`` (or its absolute path, from the directory holding
-    ``work``), ``"work/s01/ckpt-10.pt"`` and ``"ckpt-10.pt"`` both mean ``<cwd>/work/s01/ckpt-10.pt``;
-    to mean a subdirectory of the checkpoint dir that repeats its relative name
-    (``work/s01/work/s01/...``), pass an absolute path. For a checkpoint dir in an object store
-    (``s3://...``), a URL is itself and a relative path lies inside the checkpoint dir.
-    """
-    if locations.is_url(root):  # an object store: a URL is itself, a relative path is inside the root
-        p = os.fspath(path)
-        if locations.is_url(p):
-            return locations.normpath(p)
-        if not isinstance(p, str) or not p or os.path.isabs(p):
-            raise E.InvalidArgumentError(f"{what}={path!r}: the checkpoint dir is {root}; give a URL inside it or a "
-                                         "path relative to it")
-        return locations.normpath(locations.join(root, p))
-    p = local_dir(path, what)
-    if os.path.isabs(p):
-        return os.path.abspath(p)
-    n = os.path.normpath(p)
-    prefixes = [os.path.normpath(given)] if given and not os.path.isabs(given) else []
-    try:
-        here = os.path.relpath(root, os.getcwd())
-        if not (here == ".." or here.startswith(".." + os.sep)):
-            prefixes.append(here)
-    except OSError:  # the current directory was removed
-        pass
-    for g in prefixes:
-        if g != "." and (n == g or n.startswith(g + os.sep)):
-            return os.path.abspath(os.path.join(root, os.path.relpath(n, g)))
-    return os.path.abspath(os.path.join(root, p))
-
-
-# Memory snapshots ask the saver for news (failed persists, commits) at most this often, without waiting
-# for the answer (it is collected by a later snapshot); wait() and every persist ask at once.
-_STATUS_EVERY_S = 0.5
 
 class CheckpointEngine:
     """Checkpoints one rank's state dict: into node shared memory at once, to storage in the background.
@@ -168,19 +125,17 @@ class CheckpointEngine:
         self.knobs = Knobs.from_env()
         self.job_dir = job_dir(self.checkpoint_dir, self.knobs)
         self.last_load: LoadResult | None = None
-        self._cursor = 0
-        self._status_at = 0.0  # monotonic time of the last round trip to the saver
-        self._status_seg: str | None = None  # the segment the saver last heard of from this engine
-        self._status_req: int | None = None  # id of the status request sent and not answered yet
-        self._requested: set[int] = set()  # steps whose persist was asked for and not known to be done
-        self._lost_persists: str | None = None  # persists lost with a dead saver: raised once
         self._applied_retention: tuple[int, ...] = ()
         self._retention_baseline = -1  # the step committed last before this engine started
         self._cleaned_up: list[int] = []  # commit order last seen by a clean_up strategy
         self._copier = Copier(self.knobs.copy_threads)
         r = self.ranks
-        self._client: Client | None = None
-        hello = self._attach()
+        self._link = SaverLink(self.job_dir, self.checkpoint_dir, self.knobs, storage=storage_spec(self.storage),
+                               hello=lambda: M.Hello(rank=r.rank, local_rank=r.local_rank, world_size=r.world_size,
+                                                     local_world_size=r.local_world_size, pid=os.getpid(),
+                                                     persists=self.persists, commit=self._commit_spec(),
+                                                     agent_pid=agent_pid()))
+        hello = self._link.attach()
         # After the saver's start: it readied the commit records (CommitLayout.claim).
         self.layout = CommitLayout(self.checkpoint_dir, self.storage)
         # The rank that writes this local rank's snapshots takes its writer lease at its first save and
@@ -192,6 +147,7 @@ class CheckpointEngine:
         self._reader: SnapshotReader = (
             self._handler if not replicated or r.local_rank == 0 else
             SnapshotReader.for_job_dir(0, self.job_dir, copier=self._copier, weights_only=weights_only))
+        self._loader = StorageLoader(self.layout, r.rank, weights_only=weights_only, resolve=self.resolve)
         self._closed = False
         self._retention_baseline = hello.committed[-1] if hello.committed else -1  # in commit order
         self._cleaned_up = list(hello.committed)
@@ -213,60 +169,6 @@ class CheckpointEngine:
         given, or as seen from the current directory, is that path; any other relative path is inside the
         checkpoint dir)."""
         return resolve_in(self.checkpoint_dir, self._given_dir, path)
-
-    def _attach(self) -> M.HelloReply:
-        """Connects to the job's saver on this node (starting one when none runs) and says hello.
-
-        Returns:
-            The saver's hello reply (its pid, committed steps and error cursor).
-        """
-        r = self.ranks
-        # The job's saver may be exiting at this very moment (an engine of this job just said its final
-        # goodbye): it then refuses the hello or drops the connection (SaverError). Retry, bounded, until
-        # a live saver accepts us, or the new one ensure_saver starts once the old one has cleaned up.
-        deadline = time.monotonic() + self.knobs.spawn_timeout_s
-        while True:
-            client = ensure_saver(self.job_dir, self.checkpoint_dir, self.knobs, storage=storage_spec(self.storage))
-            try:
-                hello = client.request(M.Hello(rank=r.rank, local_rank=r.local_rank, world_size=r.world_size,
-                                               local_world_size=r.local_world_size, pid=os.getpid(),
-                                               persists=self.persists, commit=self._commit_spec(),
-                                               agent_pid=_agent_pid()))
-                break
-            except E.SaverError:
-                client.close()
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.01)
-        self._client = client
-        self._cursor = hello.cursor or 0  # errors before we attached belong to an earlier run
-        self._saver_pid = hello.pid
-        return hello
-
-    def _reattach(self, op: str, cause: BaseException | None) -> Client:
-        """Attaches to a new saver after the connection to ours broke (the saver died, e.g. SIGKILL).
-
-        The new saver adopts the job's shared-memory segments (the same runtime dir), so every snapshot
-        in memory stays, and this rank says hello again. Persists that were in flight in the dead saver
-        are lost: the next reply raises one PersistError saying so."""
-        old_pid = self._saver_pid
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-        self._status_req = None
-        hello = self._attach()
-        committed = set(hello.committed)
-        lost = sorted(s for s in self._requested if s not in committed)
-        self._requested.clear()
-        log.warning("%s(): lost the saver (pid %d: %s); attached to a new saver (pid %d), which adopted the "
-                    "snapshots in shared memory%s", op, old_pid, cause or "connection closed", self._saver_pid,
-                    f"; the persists of steps {lost} were lost" if lost else "")
-        if lost:
-            self._lost_persists = (f"the persist(s) of step(s) {lost} were lost: the saver (pid {old_pid}) died "
-                                   "before committing them. The snapshots in memory are intact; save with "
-                                   "StorageType.DISK again to persist")
-        assert self._client is not None  # set by _attach
-        return self._client
 
     # ------------------------------------------------------------------ save
     @property
@@ -398,44 +300,25 @@ class CheckpointEngine:
                 reply = self._client_call(
                     M.Persist(step=step, rank=self.ranks.rank, local_rank=self.ranks.local_rank, seg_path=ref.path,
                               slot=ref.slot, generation=ref.generation, path=target, commit=self._commit_spec(),
-                              cursor=self._cursor),
+                              cursor=self._link.cursor),
                     on_reattach=lambda: self._handler.mark_pending(ref))
             except BaseException as e:
                 self._handler.clear_pending(ref)
                 if isinstance(e, E.CheckpointTimeoutError):  # unanswered: the saver may still persist it
-                    self._requested.add(step)
+                    self._link.requested.add(step)
                 raise
-            self._requested.add(step)
-            self._status_at = time.monotonic()
+            self._link.requested.add(step)
+            self._link.status_at = time.monotonic()
         if reply is None:
             self._news(ref.path if ref is not None else None)
         else:
             self._after_reply(reply)
 
     def _news(self, seg: str | None) -> None:
-        """Collects the saver's news after a memory snapshot, which needs no round trip (the saver reads
-        slot headers itself) and never waits for the saver: takes the reply to the status request sent
-        earlier if it has arrived, then sends the next one when due (at most every _STATUS_EVERY_S, and
-        at once when this snapshot went to a new segment, so that the saver frees the one it outgrew:
-        local_rank says whose). A saver that does not answer (stopped) delays news, never a snapshot;
-        a lost connection is re-attached by the next call that needs the saver (a persist, wait)."""
-        client = self._client
-        if client is None or client.lost:
-            return
-        try:
-            if self._status_req is not None:
-                reply = client.poll(self._status_req)
-                if reply is None:
-                    return
-                self._status_req = None
-                self._after_reply(M.StatusReply.from_wire(reply))
-            if seg != self._status_seg or time.monotonic() - self._status_at >= _STATUS_EVERY_S:
-                self._status_req = client.submit(M.Status(cursor=self._cursor, local_rank=self.ranks.local_rank))
-                self._status_seg = seg
-                self._status_at = time.monotonic()
-        except ConnectionLost as e:
-            self._status_req = None
-            log.warning("save(): %s Memory snapshots go on; the next persist or wait attaches a new saver.", e)
+        """The saver's news after a memory snapshot, never waiting for it (``SaverLink.news``)."""
+        st = self._link.news(seg, self.ranks.local_rank)
+        if st is not None:
+            self._after_reply(st)
 
     def _commit_spec(self) -> dict[str, Any] | None:
         """What global rank 0's saver needs to commit a step; None on other ranks."""
@@ -465,45 +348,22 @@ class CheckpointEngine:
 
     def _client_call(self, req: M.Request[RP], *, on_reattach: Callable[[], None] | None = None,
                      timeout: float | None = None) -> RP:
-        """One round trip to the saver; a saver that died is replaced (``_reattach``) and the request
-        sent to the new one, after ``on_reattach``."""
+        """One round trip to the saver (``SaverLink.call``: a saver that died is replaced)."""
         if self._closed:
             raise E.FlashCheckpointError(_closed_message(req.OP))
-        client = self._client
-        if client is not None and self._status_req is not None:  # its reply is in what this one says
-            client.cancel(self._status_req)
-        self._status_req = None
-        for attempt in range(2):
-            if client is None or client.lost:
-                client = self._reattach(req.OP, None)
-                if on_reattach is not None:
-                    on_reattach()
-            try:
-                return client.request(req, timeout=timeout)
-            except ConnectionLost:
-                if attempt:
-                    raise
-                client = None
-        raise AssertionError("unreachable")
+        return self._link.call(req, on_reattach=on_reattach, timeout=timeout)
 
     def _after_reply(self, st: M.StatusReply) -> None:
-        if st.cursor is not None:
-            self._cursor = st.cursor
+        self._link.absorb(st)
         if self._auto is not None:
             self._auto.observe_persist(st.last_persist_s)
-        committed, errs = st.committed, st.errors
-        if st.inflight == 0:
-            self._requested.clear()
-        else:
-            done = {int(e["step"]) for e in errs}
-            self._requested = {s for s in self._requested if s not in committed and s not in done}
-        self._retain(committed)
-        failed = [e["error"] for e in errs if not e.get("committed")]
-        notes = [e["error"] for e in errs if e.get("committed")]  # committed steps whose tracker update failed
+        self._retain(st.committed)
+        failed = [e["error"] for e in st.errors if not e.get("committed")]
+        notes = [e["error"] for e in st.errors if e.get("committed")]  # committed steps whose tracker update failed
         msgs = [f"{len(failed)} persist(s) failed: " + "; ".join(failed)] if failed else []
-        if self._lost_persists:
-            msgs.append(self._lost_persists)
-            self._lost_persists = None
+        lost = self._link.take_lost()
+        if lost:
+            msgs.append(lost)
         if msgs:
             raise E.PersistError(f"{'. '.join(msgs + notes)}. Earlier committed checkpoints are intact; memory "
                                  "snapshots continue.")
@@ -594,7 +454,8 @@ class CheckpointEngine:
         """CPU time (user + system, all threads) the node's saver daemon and its persist workers have used
         since it started: what persisting costs the host's cores, for monitoring. None where ``/proc``
         cannot tell (not Linux, or the saver is gone)."""
-        return process_cpu_seconds(self._saver_pid, children=True) if self._saver_pid > 0 else None
+        pid = self._link.saver_pid
+        return process_cpu_seconds(pid, children=True) if pid > 0 else None
 
     # ------------------------------------------------------------------ wait / close
     def wait(self, timeout: float | None = None) -> None:
@@ -608,7 +469,7 @@ class CheckpointEngine:
         self.wait_snapshot()
         for _ in range(2):  # a second round covers the retention the first commit triggered
             applied = self._applied_retention
-            reply = self._client_call(M.Wait(timeout_s=timeout or 0, cursor=self._cursor),
+            reply = self._client_call(M.Wait(timeout_s=timeout or 0, cursor=self._link.cursor),
                                       timeout=None if timeout is None else timeout + self.knobs.rpc_timeout_s)
             self._after_reply(reply)
             if self._applied_retention == applied:
@@ -641,14 +502,8 @@ class CheckpointEngine:
             finally:
                 if self._bg is not None:
                     self._bg.shutdown(wait=True)
-            if self._client is not None:
-                try:
-                    self._client.request(M.Bye(final=intent != "keep", intent=intent))
-                except E.FlashCheckpointError as e:
-                    log.warning("close(): %s", e)
-                self._client.close()
+            self._link.bye(intent)
         finally:
-            self._client = None
             if self._reader is not self._handler:
                 self._reader.close()
             self._handler.close()
@@ -686,13 +541,13 @@ class CheckpointEngine:
         self._check_open("locate")
         self.wait_snapshot()
         committed = self.layout.committed_steps()
-        mem = self._newer_in_memory(committed)[:2] if memory else []
-        step, source = self._agree(mem, committed)
+        mem = newer_in_memory(self._reader.memory_snapshots(), self.layout, self.ranks, committed)[:2] if memory else []
+        step, source = agree(mem, committed, self.process_group)
         if source == "memory" and step is not None:
             return Located(step, "memory", self._reader.snapshot_name(step) or None)
         if source == "storage":
-            step = self._verified_step(committed, step)
-            return Located(step, "storage", self._storage_path(step))
+            step = verified_step(self.layout, self.ranks.rank, committed, step, self.process_group)
+            return Located(step, "storage", self._loader.path_of(step))
         return Located(None, "none", None)
 
     def load(self, resume_path: str = "", *, into: Any = None) -> Any:
@@ -720,14 +575,14 @@ class CheckpointEngine:
         self.wait_snapshot()
         t0 = time.perf_counter()
         if resume_path:
-            sd = self._load_file(self._resume_target(resume_path))
+            sd = self._loader.load_file(self._loader.resume_target(resume_path))
             self._loaded(None, "storage", t0, 0)
             return sd
         loc = self.locate()
         if loc.source == "memory":
             return self.load_memory(loc.step, into=into, _t0=t0)
         if loc.source == "storage" and loc.step is not None:
-            sd = self._load_step(loc.step)
+            sd = self._loader.load_step(loc.step)
             self._loaded(loc.step, "storage", t0, 0)
             return sd
         self._loaded(None, "none", t0, 0)
@@ -755,222 +610,14 @@ class CheckpointEngine:
 
     def step_path(self, step: int) -> str | None:
         """Rank 0's file (or ``FileSet`` directory) of committed ``step``; None when it has none."""
-        return self._storage_path(step, rank=0)
-
-    def _storage_path(self, step: int, rank: int | None = None) -> str | None:
-        r = self.ranks.rank if rank is None else rank
-        base = self.layout.base(step, r)
-        if base is not None:
-            return base
-        files = self.layout.read_manifest(step).files_for(r)
-        return self.layout.abs(files[0].path) if len(files) == 1 else None
+        return self._loader.path_of(step, rank=0)
 
     def _loaded(self, step: int | None, source: str, t0: float, nbytes: int) -> None:
         self.last_load = LoadResult(step, source, time.perf_counter() - t0, nbytes)
         log.info("event=load step=%s source=%s bytes=%d seconds=%.4f", step, source, nbytes, self.last_load.seconds)
 
-    def _newer_in_memory(self, committed: list[int]) -> list[int]:
-        """This rank's live memory snapshots (newest save first) that are not older than the most recently
-        committed step: saved at or after the snapshot this rank's files of it were persisted from (where
-        that time is not known, as in older manifests: a step not lower than it)."""
-        snaps = self._reader.memory_snapshots()
-        if not committed:
-            return [s for s, _t in snaps]
-        try:
-            m = self.layout.read_manifest(committed[-1])
-        except E.CheckpointCorruptError:
-            m = None
-        # The time of the snapshot this rank's files came from (replicated: rank 0's, which this node's
-        # reader holds only on rank 0's node): the same process's clock as the snapshots compared.
-        saved_at = 0.0
-        if m is not None and (not m.replicated or self.ranks.node_rank == 0):
-            saved_at = float(m.extra.get("saved_at_ranks", {}).get("0" if m.replicated else str(self.ranks.rank), 0.0))
-        if saved_at:
-            return [s for s, t in snaps if t >= saved_at]
-        return [s for s, _t in snaps if s >= committed[-1]]
-
-    def _agree(self, mem: list[int], committed: list[int]) -> tuple[int | None, str]:
-        """All ranks pick the newest step that every rank has; memory wins when it holds that step.
-
-        ``mem`` holds only snapshots not older than the most recently committed step (``committed[-1]``,
-        commit order), so any step every rank holds in memory is the newest."""
-        newest_committed = committed[-1] if committed else -1
-        world = self._world()
-        if world is None:
-            best_mem = mem[0] if mem else -1
-        else:
-            import torch.distributed as dist
-
-            mine = torch.full((3,), -1, dtype=torch.int64)
-            for i, s in enumerate(mem[:2]):
-                mine[i] = s
-            mine[2] = newest_committed
-            dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.process_group) == "nccl" else None
-            out = [torch.empty(3, dtype=torch.int64, device=dev) for _ in range(world)]
-            dist.all_gather(out, mine.to(dev) if dev else mine, group=self.process_group)
-            rows = [o.cpu().tolist() for o in out]
-            common = set(rows[0][:2])
-            for r in rows[1:]:
-                common &= set(r[:2])
-            common.discard(-1)
-            best_mem = max(common, default=-1)
-            newest_committed = min(r[2] for r in rows)
-        if best_mem >= 0:
-            return best_mem, "memory"
-        if newest_committed >= 0:
-            return newest_committed, "storage"
-        return None, "none"
-
-    def _world(self) -> int | None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            n = dist.get_world_size(self.process_group)
-            return n if n > 1 else None
-        return None
-
-    def _verified_step(self, committed: list[int], newest: int | None) -> int:
-        """The most recently committed step (not after ``newest`` in commit order) whose files verify on
-        every rank."""
-        import torch.distributed as dist
-
-        upto = committed.index(newest) + 1 if newest in committed else len(committed)
-        for step in reversed(committed[:upto]):
-            problems = self.layout.verify(step, rank=self.ranks.rank)
-            ok = torch.tensor([0 if problems else 1], dtype=torch.int64)
-            if self._world() is not None:
-                if dist.get_backend(self.process_group) == "nccl":
-                    ok = ok.cuda()
-                dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.process_group)
-            if int(ok.item()) == 1:
-                return step
-            log.warning("load(): step %d is damaged (%s); falling back to the previous committed step",
-                        step, "; ".join(problems) or "on another rank")
-        raise E.CheckpointCorruptError(f"load(): every committed step in {self.checkpoint_dir} is damaged; "
-                                       "run `flashckpt verify` for details")
-
-    def _load_step(self, step: int) -> Any:
-        files = self.layout.read_manifest(step).files_for(self.ranks.rank)
-        if any(f.name for f in files):
-            return self._load_fileset(files)
-        if len(files) != 1:
-            raise E.CheckpointCorruptError(f"load(): step {step} lists {len(files)} files for rank "
-                                           f"{self.ranks.rank}; expected one")
-        return self._torch_load(self.layout.abs(files[0].path))
-
-    def _load_fileset(self, files: list[Any]) -> FileSet:
-        fs = FileSet()
-        for f in files:
-            path = self.layout.abs(f.path)
-            if f.fmt == "torch":
-                fs[f.name] = FileEntry("torch", self._torch_load(path), f.kind)
-            else:
-                fs[f.name] = FileEntry("raw", [self.layout.storage.read_bytes(path)], f.kind)
-        return fs
-
-    def _resume_target(self, resume_path: str) -> str:
-        """The file (or ``FileSet`` directory) ``load(resume_path)`` reads; a clear error when it is
-        outside the checkpoint dir or missing."""
-        path = self.resolve(resume_path)
-        if not locations.inside(path, self.checkpoint_dir):
-            raise E.CheckpointDirError(
-                f"load(resume_path={resume_path!r}): {path} is outside the checkpoint dir {self.checkpoint_dir}. "
-                "load() reads this checkpoint dir only: pass the file (or FileSet directory) of one of its "
-                f"committed steps, as saved ({self._committed_listing()}), or no resume_path for the newest; "
-                "for another directory, construct a checkpointer on it")
-        if not (self.storage.exists(path) or self.storage.isdir(path)):
-            raise E.CheckpointNotFoundError(errno.ENOENT, f"load(resume_path={resume_path!r}): no such file or directory "
-                                    f"({path}); {self._committed_listing()}", resume_path)
-        return path
-
-    def _committed_listing(self, limit: int = 10) -> str:
-        """The committed steps and this rank's paths, for error messages."""
-        steps = self.layout.committed_steps()
-        if not steps:
-            return f"{self.checkpoint_dir} holds no committed step"
-        parts = []
-        for s in steps[-limit:]:
-            try:
-                parts.append(f"step {s}: {self._storage_path(s)}")
-            except E.FlashCheckpointError:
-                parts.append(f"step {s}: <damaged manifest>")
-        more = f" (and {len(steps) - limit} older)" if len(steps) > limit else ""
-        return f"committed steps in {self.checkpoint_dir}{more}: " + "; ".join(parts)
-
-    def _load_file(self, path: str) -> Any:
-        rel = self.layout.rel(path)
-        for step in reversed(self.layout.committed_steps()):
-            try:
-                m = self.layout.read_manifest(step)
-            except E.CheckpointCorruptError as e:
-                log.warning("load(%s): skipping step %d: %s", path, step, e)
-                continue
-            if rel in m.extra.get("bases", {}).values():
-                for r, b in m.extra["bases"].items():
-                    if b == rel:
-                        listed = m.files[int(r)]
-                        bad = [p for f in listed for p in self._mismatch(f, step)]
-                        if bad:
-                            raise E.CheckpointCorruptError("load(): " + "; ".join(bad))
-                        return self._load_fileset(listed)
-            for f in m.all_files():
-                if f.path == rel:
-                    bad = self._mismatch(f, step)
-                    if bad:
-                        raise E.CheckpointCorruptError("load(): " + bad[0])
-                    return self._torch_load(path)
-        return self._torch_load(path)
-
-    def _mismatch(self, f: Any, step: int) -> list[str]:
-        path = self.layout.abs(f.path)
-        if self.layout.storage.checksum(path) != (f.size, f.xxh3):
-            return [f"{path} does not match the manifest of step {step}"]
-        return []
-
-    def _torch_load(self, path: str) -> Any:
-        try:
-            storage = self.layout.storage  # through the backend; a local file is opened directly
-            local = storage.local_path(path)
-            if local is not None:
-                return torch.load(local, map_location="cpu", weights_only=self.weights_only)
-            with storage.open_read(path) as f:
-                return torch.load(f, map_location="cpu", weights_only=self.weights_only)
-        except Exception as e:
-            if self.weights_only and "weights_only" in str(e):
-                raise E.FlashCheckpointError(
-                    f"load(): {path} holds Python objects that torch.load(weights_only=True) refuses. If the "
-                    "checkpoint is trusted, construct the engine with weights_only=False.") from e
-            raise
-
 
 _open_engines: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
-
-
-def _agent_pid() -> int:
-    """The pid of the ``flashckpt-run`` launcher this process runs under (FLASHCKPT_AGENT_PID), else 0."""
-    try:
-        return max(0, int(os.environ.get("FLASHCKPT_AGENT_PID", "0") or 0))
-    except ValueError:
-        return 0
-
-
-def restart_expected() -> bool:
-    """Whether this process's failure is followed by a restart that can use its memory snapshots: a
-    ``flashckpt-run`` launcher (FLASHCKPT_AGENT_PID) is alive, or torchrun's elastic agent has restarts
-    left (TORCHELASTIC_RESTART_COUNT < TORCHELASTIC_MAX_RESTARTS)."""
-    pid = _agent_pid()
-    if pid:
-        try:
-            os.kill(pid, 0)
-            return True
-        except PermissionError:
-            return True
-        except ProcessLookupError:
-            pass
-    try:
-        return int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
-    except (KeyError, ValueError):
-        return False
 
 
 @atexit.register

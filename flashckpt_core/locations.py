@@ -19,7 +19,7 @@ import urllib.parse
 from . import errors as E
 
 __all__ = ["URL", "is_url", "split_url", "url_scheme", "normpath", "relpath", "inside", "join", "parent", "basename",
-           "local_dir", "checkpoint_location"]
+           "local_dir", "checkpoint_location", "resolve_in"]
 
 URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -154,3 +154,42 @@ def checkpoint_location(checkpoint_dir: str | os.PathLike[str], what: str = "Che
             raise E.CheckpointDirError(f"{what}({d!r}): the URL names no bucket or container")
         return normpath(d)
     return local_dir(d, what)
+
+
+def resolve_in(root: str, given: str, path: str | os.PathLike[str], what: str = "path") -> str:
+    """The absolute path that a ``path`` argument names, for a checkpoint dir ``root`` (absolute) given
+    by the user as ``given``.
+
+    An absolute path (or ``file://`` URL) is itself. A relative path that begins with the checkpoint dir
+    as it was given (relative), such as ``os.path.join(checkpoint_dir, "checkpoint-10.pt")``, or with the
+    checkpoint dir as seen from the current directory, is that path: relative to where the checkpoint
+    dir was given, or to the current directory. Any other relative path is relative to the checkpoint
+    dir. So with ``checkpoint_dir="work/s01"`` (or its absolute path, from the directory holding
+    ``work``), ``"work/s01/ckpt-10.pt"`` and ``"ckpt-10.pt"`` both mean ``<cwd>/work/s01/ckpt-10.pt``;
+    to mean a subdirectory of the checkpoint dir that repeats its relative name
+    (``work/s01/work/s01/...``), pass an absolute path. For a checkpoint dir in an object store
+    (``s3://...``), a URL is itself and a relative path lies inside the checkpoint dir.
+    """
+    if is_url(root):  # an object store: a URL is itself, a relative path is inside the root
+        p = os.fspath(path)
+        if is_url(p):
+            return normpath(p)
+        if not isinstance(p, str) or not p or os.path.isabs(p):
+            raise E.InvalidArgumentError(f"{what}={path!r}: the checkpoint dir is {root}; give a URL inside it or a "
+                                         "path relative to it")
+        return normpath(join(root, p))
+    p = local_dir(path, what)
+    if os.path.isabs(p):
+        return os.path.abspath(p)
+    n = os.path.normpath(p)
+    prefixes = [os.path.normpath(given)] if given and not os.path.isabs(given) else []
+    try:
+        here = os.path.relpath(root, os.getcwd())
+        if not (here == ".." or here.startswith(".." + os.sep)):
+            prefixes.append(here)
+    except OSError:  # the current directory was removed
+        pass
+    for g in prefixes:
+        if g != "." and (n == g or n.startswith(g + os.sep)):
+            return os.path.abspath(os.path.join(root, os.path.relpath(n, g)))
+    return os.path.abspath(os.path.join(root, p))

@@ -1,6 +1,7 @@
 """The control protocol between trainers (engine, CLI, launcher, ``ipc``) and the node's saver, typed.
 
-Each request is a frozen dataclass named after what it asks; its ``OP`` is the operation name on the wire.
+Each request is a frozen dataclass named after what it asks; its ``OP`` is the operation name on the wire
+(the class name in snake case unless the class statement says ``op=``).
 On the wire a request is a JSON object: ``{"op": OP, <its fields>, "id": <request id>}`` (``_protocol``
 frames it). ``parse_request`` turns a received object back into its dataclass, checking and converting
 every field by its annotation; an unknown operation or a field of the wrong type is a ``ProtocolError``
@@ -13,6 +14,7 @@ raises).
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
@@ -140,6 +142,15 @@ class Request(_Wire, Generic[RP]):
     OP: ClassVar[str] = ""
     REPLY: ClassVar[type[Reply]] = Ok
 
+    def __init_subclass__(cls, op: str = "", **kw: Any) -> None:
+        """``OP`` is the class name in snake case unless ``op`` says otherwise; ``REPLY`` is the type
+        argument of ``Request[...]`` in the class statement."""
+        super().__init_subclass__(**kw)
+        cls.OP = op or re.sub(r"(?<!^)([A-Z])", r"_\1", cls.__name__).lower()
+        for base in getattr(cls, "__orig_bases__", ()):
+            if typing.get_origin(base) is Request:
+                (cls.REPLY,) = typing.get_args(base)
+
     def to_wire(self) -> dict[str, Any]:
         return {"op": self.OP, **super().to_wire()}
 
@@ -192,8 +203,6 @@ def _convert(hint: Any, value: Any) -> Any:
 class Hello(Request[HelloReply]):
     """First request of a connection: who the client is; the reply carries the saver's pid and status."""
 
-    OP: ClassVar[str] = "hello"
-    REPLY: ClassVar[type[Reply]] = HelloReply
     rank: int
     local_rank: int
     world_size: int = 1
@@ -208,8 +217,6 @@ class Hello(Request[HelloReply]):
 class Alloc(Request[AllocReply]):
     """A segment for ``local_rank`` with slots of these capacities; the reply's ``path`` names it."""
 
-    OP: ClassVar[str] = "alloc"
-    REPLY: ClassVar[type[Reply]] = AllocReply
     local_rank: int
     meta_cap: int
     data_cap: int
@@ -220,8 +227,6 @@ class Alloc(Request[AllocReply]):
 class Persist(Request[StatusReply]):
     """Persist the snapshot in ``slot`` of ``seg_path`` (of ``generation``) as ``step`` to ``path``."""
 
-    OP: ClassVar[str] = "persist"
-    REPLY: ClassVar[type[Reply]] = StatusReply
     step: int
     rank: int
     local_rank: int
@@ -237,8 +242,6 @@ class Persist(Request[StatusReply]):
 class Status(Request[StatusReply]):
     """The saver's news since ``cursor``; with ``local_rank``, old segments of that rank are reaped."""
 
-    OP: ClassVar[str] = "status"
-    REPLY: ClassVar[type[Reply]] = StatusReply
     local_rank: int | None = None
     cursor: int = 0
 
@@ -247,8 +250,6 @@ class Status(Request[StatusReply]):
 class Wait(Request[StatusReply]):
     """Wait up to ``timeout_s`` for every persist, commit and deletion in flight."""
 
-    OP: ClassVar[str] = "wait"
-    REPLY: ClassVar[type[Reply]] = StatusReply
     timeout_s: float = 0.0
     cursor: int = 0
 
@@ -257,8 +258,6 @@ class Wait(Request[StatusReply]):
 class LastWords(Request[LastWordsReply]):
     """Persist and commit the newest snapshot every persisting local rank holds (the launcher's request)."""
 
-    OP: ClassVar[str] = "last_words"
-    REPLY: ClassVar[type[Reply]] = LastWordsReply
     timeout_s: float | None = None
     cursor: int = 0
 
@@ -268,8 +267,6 @@ class DeleteSteps(Request[DeleteStepsReply]):
     """Delete committed steps (retention); ``background``: after the commits queued before it; ``newest``:
     the newest committed step too (a framework deleting its own checkpoints; not with ``background``)."""
 
-    OP: ClassVar[str] = "delete_steps"
-    REPLY: ClassVar[type[Reply]] = DeleteStepsReply
     steps: list[int] = field(default_factory=list)
     background: bool = False
     newest: bool = False
@@ -279,8 +276,6 @@ class DeleteSteps(Request[DeleteStepsReply]):
 class DeletePath(Request[DeletePathReply]):
     """Delete a checkpoint's file or directory inside the checkpoint dir (``engine.delete_checkpoint``)."""
 
-    OP: ClassVar[str] = "delete_path"
-    REPLY: ClassVar[type[Reply]] = DeletePathReply
     path: str
 
 
@@ -288,8 +283,6 @@ class DeletePath(Request[DeletePathReply]):
 class GiveWay(Request[GiveWayReply]):
     """Another job is short of shared memory: an idle saver persists what is newer and exits."""
 
-    OP: ClassVar[str] = "give_way"
-    REPLY: ClassVar[type[Reply]] = GiveWayReply
     dry_run: bool = False
 
 
@@ -297,47 +290,35 @@ class GiveWay(Request[GiveWayReply]):
 class Bye(Request[Ok]):
     """The client's goodbye: ``final`` (no restart expected), ``intent`` "persist" asks for last words."""
 
-    OP: ClassVar[str] = "bye"
-    REPLY: ClassVar[type[Reply]] = Ok
     final: bool = True
     intent: str | None = None
 
 
 @dataclass(frozen=True)
-class QueuePut(Request[Ok]):
-    OP: ClassVar[str] = "q_put"
-    REPLY: ClassVar[type[Reply]] = Ok
+class QueuePut(Request[Ok], op="q_put"):
     name: str
     item: Any = None
 
 
 @dataclass(frozen=True)
-class QueueGet(Request[QueueGetReply]):
-    OP: ClassVar[str] = "q_get"
-    REPLY: ClassVar[type[Reply]] = QueueGetReply
+class QueueGet(Request[QueueGetReply], op="q_get"):
     name: str
     timeout_s: float = 0.0
 
 
 @dataclass(frozen=True)
-class QueueSize(Request[QueueSizeReply]):
-    OP: ClassVar[str] = "q_size"
-    REPLY: ClassVar[type[Reply]] = QueueSizeReply
+class QueueSize(Request[QueueSizeReply], op="q_size"):
     name: str
 
 
 @dataclass(frozen=True)
-class DictUpdate(Request[Ok]):
-    OP: ClassVar[str] = "d_update"
-    REPLY: ClassVar[type[Reply]] = Ok
+class DictUpdate(Request[Ok], op="d_update"):
     name: str
     items: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
-class DictGet(Request[DictGetReply]):
-    OP: ClassVar[str] = "d_get"
-    REPLY: ClassVar[type[Reply]] = DictGetReply
+class DictGet(Request[DictGetReply], op="d_get"):
     name: str
 
 

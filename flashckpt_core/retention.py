@@ -79,14 +79,11 @@ class KeepLatestStepStrategy(CheckpointDeletionStrategy):
     """
 
     def __init__(self, max_to_keep: int, checkpoint_dir: str = "") -> None:
-        if max_to_keep < 1:
-            raise E.InvalidArgumentError(f"KeepLatestStepStrategy(max_to_keep={max_to_keep}): keep at least 1")
-        self.max_to_keep = max_to_keep
+        self.max_to_keep = _at_least_one("KeepLatestStepStrategy(max_to_keep=...)", max_to_keep)
         self.checkpoint_dir = checkpoint_dir
 
     def steps_to_delete(self, committed_steps: Sequence[int]) -> list[int]:
-        steps = list(committed_steps)
-        return steps[: max(0, len(steps) - self.max_to_keep)]
+        return list(committed_steps)[: max(0, len(committed_steps) - self.max_to_keep)]
 
 
 class KeepStepIntervalStrategy(CheckpointDeletionStrategy):
@@ -99,11 +96,15 @@ class KeepStepIntervalStrategy(CheckpointDeletionStrategy):
     """
 
     def __init__(self, keep_interval: int, checkpoint_dir: str = "") -> None:
-        if keep_interval < 1:
-            raise E.InvalidArgumentError(f"KeepStepIntervalStrategy(keep_interval={keep_interval}): must be >= 1")
-        self.keep_interval = keep_interval
+        self.keep_interval = _at_least_one("KeepStepIntervalStrategy(keep_interval=...)", keep_interval)
         self.checkpoint_dir = checkpoint_dir
 
     def steps_to_delete(self, committed_steps: Sequence[int]) -> list[int]:
-        steps = list(committed_steps)
-        return [s for s in steps[:-1] if s % self.keep_interval != 0]
+        return [s for s in list(committed_steps)[:-1] if s % self.keep_interval != 0]
+
+
+def _at_least_one(call: str, value: Any) -> int:
+    """``value`` when it is an integer >= 1, else an ``InvalidArgumentError`` naming ``call``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise E.InvalidArgumentError(f"{call.replace('...', repr(value))}: must be an integer >= 1")
+    return value

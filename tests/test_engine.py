@@ -414,7 +414,7 @@ def test_memory_snapshots_skip_the_round_trip_to_the_saver(make_engine, monkeypa
 
     engine = make_engine()
     calls = []
-    real, real_send = engine._client_call, engine._client.send
+    real, real_send = engine._client_call, engine._link.client.send
 
     def counting(req, **kw):  # the engine's calls carry typed requests (flashckpt.messages)
         calls.append(req.OP)
@@ -425,7 +425,7 @@ def test_memory_snapshots_skip_the_round_trip_to_the_saver(make_engine, monkeypa
         return real_send(op, **kw)
 
     monkeypatch.setattr(engine, "_client_call", counting)
-    monkeypatch.setattr(engine._client, "send", counting_send)
+    monkeypatch.setattr(engine._link.client, "send", counting_send)
     sd = {"w": torch.randn(1000)}
     for step in range(1, 11):
         engine.save(step, sd, storage_type=StorageType.MEMORY)

@@ -160,7 +160,7 @@ def test_two_engines_with_different_dirs_are_isolated(make_engine, tmp_path, run
     a = make_engine(str(tmp_path / "a"))
     b = make_engine(str(tmp_path / "b"))
     assert a.job_dir != b.job_dir
-    assert a._client.path != b._client.path  # their control sockets
+    assert a._link.client.path != b._link.client.path  # their control sockets
     a.save(1, {"x": torch.ones(4)}, storage_type=MEMORY)
     b.save(1, {"x": torch.full((4,), 2.0)}, storage_type=MEMORY)
     assert torch.equal(a.load()["x"], torch.ones(4)) and torch.equal(b.load()["x"], torch.full((4,), 2.0))

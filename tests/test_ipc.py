@@ -98,7 +98,7 @@ def test_shared_queue_and_dict_across_two_clients(make_engine):
     eng = make_engine()
     other = Client(os.path.join(eng.job_dir, SOCKET_NAME), timeout=30)  # a second process's view
     try:
-        qa, qb = SharedQueue("work", eng._client), SharedQueue("work", other)
+        qa, qb = SharedQueue("work", eng._link.client), SharedQueue("work", other)
         assert qb.empty()
         for item in (1, "two", {"three": [3]}, None):
             qa.put(item)
@@ -109,7 +109,7 @@ def test_shared_queue_and_dict_across_two_clients(make_engine):
             qb.get(timeout=0.1)
         assert SharedQueue("other", other).empty()  # queues are separate by name
 
-        da, db = SharedDict("cfg", eng._client), SharedDict("cfg", other)
+        da, db = SharedDict("cfg", eng._link.client), SharedDict("cfg", other)
         da["lr"] = 0.5
         da.update({"steps": [1, 2], "name": "x"})
         assert db.to_dict() == {"lr": 0.5, "steps": [1, 2], "name": "x"}

@@ -294,7 +294,7 @@ def test_saver_never_loads_torch_its_persist_worker_does_and_exits_when_idle(mak
     FLASHCKPT_PERSIST_WORKER_IDLE_S, and the next persist starts a new one."""
     monkeypatch.setenv("FLASHCKPT_PERSIST_WORKER_IDLE_S", "1")
     eng = make_engine()
-    pid = eng._saver_pid  # the saver's pid as its hello reported it
+    pid = eng._link.saver_pid  # the saver's pid as its hello reported it
     eng.save(1, {"w": torch.arange(1 << 16, dtype=torch.float32)}, storage_type=StorageType.MEMORY)
     rss = _vm_rss_mb(pid)
     assert rss < 60 and not _maps_torch(pid), f"idle saver: {rss:.0f} MB, torch loaded: {_maps_torch(pid)}"
@@ -322,7 +322,7 @@ def test_a_killed_persist_worker_fails_its_persist_clearly_and_the_next_one_work
     saying the worker was killed, its files are removed, and the next persist starts a new worker."""
     monkeypatch.setenv("FLASHCKPT_PERSIST_WORKER_IDLE_S", "60")
     eng = make_engine()
-    pid = eng._saver_pid
+    pid = eng._link.saver_pid
     sd = {"w": torch.arange(1 << 16, dtype=torch.float32)}
     eng.save(1, sd, storage_type=StorageType.DISK)
     eng.wait(60)

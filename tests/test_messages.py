@@ -61,7 +61,7 @@ def test_numbers_are_converted_to_the_annotated_type():
 def test_the_saver_answers_an_unknown_operation_with_a_protocol_error(make_engine):
     eng = make_engine()
     eng.save(1, {"w": 1}, storage_type=StorageType.MEMORY)
-    client = eng._client  # the engine's connection to its real saver; no public accessor
+    client = eng._link.client  # the engine's connection to its real saver; no public accessor
     with pytest.raises(ProtocolError, match="unknown operation 'frobnicate'.*known: alloc"):
         client.call("frobnicate", x=1)
     reply = client.request(M.Status(cursor=0))
@@ -78,7 +78,7 @@ def test_every_request_is_answered_with_its_typed_reply(make_engine, ckpt_dir):
     eng = make_engine()
     eng.save(1, {"w": 1}, storage_type=StorageType.DISK)
     eng.wait(60)
-    client = eng._client  # the engine's connection to its real saver; no public accessor
+    client = eng._link.client  # the engine's connection to its real saver; no public accessor
     asked = [M.Hello(rank=0, local_rank=0, pid=os.getpid()), M.Status(cursor=0), M.Wait(timeout_s=5),
              M.LastWords(timeout_s=5), M.DeleteSteps(steps=[99]), M.DeleteSteps(steps=[98], background=True),
              M.DeletePath(path=os.path.join(ckpt_dir, "nothing-here")), M.GiveWay(dry_run=True),
@@ -87,7 +87,7 @@ def test_every_request_is_answered_with_its_typed_reply(make_engine, ckpt_dir):
     replies = {type(r).__name__: client.request(r) for r in asked}
     for req in asked:
         assert type(replies[type(req).__name__]) is type(req).REPLY, req
-    assert replies["Hello"].pid == eng._saver_pid and replies["Status"].committed == [1]
+    assert replies["Hello"].pid == eng._link.saver_pid and replies["Status"].committed == [1]
     assert replies["LastWords"].step is None and replies["DeleteSteps"].scheduled == [98]
     assert replies["DeletePath"].missing and replies["QueueGet"].item == [1] and replies["QueueSize"].size == 1
     assert replies["DictGet"].items == {"k": 2} and replies["GiveWay"].idle is False

@@ -97,8 +97,8 @@ def test_newest_committed_step_is_never_deleted(make_engine, ckpt_dir):
         eng.wait(60)
         assert layout(ckpt_dir).committed_steps() == [step]
     # The saver enforces it too, whoever asks.
-    assert eng._client.call("delete_steps", steps=[3])["deleted"] == []
-    assert eng._client.call("delete_steps", steps=[99])["deleted"] == []  # not a committed step
+    assert eng._link.client.call("delete_steps", steps=[3])["deleted"] == []
+    assert eng._link.client.call("delete_steps", steps=[99])["deleted"] == []  # not a committed step
     assert layout(ckpt_dir).committed_steps() == [3] and layout(ckpt_dir).tracker_step() == 3
     assert_same_tree(sd(3), eng.load(resume_path="step_3/rank_00000.pt"))
     eng.close()

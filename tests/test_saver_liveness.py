@@ -62,7 +62,7 @@ def test_a_late_reply_is_never_taken_for_a_later_calls(make_engine, runtime_dir,
             seg_lock.release()
     eng.wait(60)
     assert eng.committed_steps() == [2]
-    d = SharedDict("d", eng._client)
+    d = SharedDict("d", eng._link.client)
     d["k"] = 1
     assert d.to_dict() == {"k": 1}  # every later call reads its own reply
     eng.close()

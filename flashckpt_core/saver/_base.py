@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._lease import pid_running
-from .._persist_worker import PersistWorker
 from ..commit import CommitLayout
 from ..config import Knobs, make_private_dir
 from ..ipc import SharedLock
@@ -26,6 +25,7 @@ from ..segment import (
     Segment,
 )
 from ..storage import CheckpointStorage
+from .worker import PersistWorker
 
 log = logging.getLogger("flashckpt.saver")
 

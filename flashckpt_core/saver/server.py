@@ -16,7 +16,6 @@ from typing import Any, ClassVar
 
 from .. import errors as E
 from .. import messages as M
-from .._persist_worker import PersistWorker
 from .._protocol import peer_uid, recv_msg, send_msg
 from ..commit import CommitLayout
 from ..config import Knobs, is_default_runtime_dir, open_private_dir
@@ -49,6 +48,7 @@ from .committer import CommitPart
 from .lastwords import LastWordsPart
 from .persist import PersistPart
 from .segments import SegmentsPart
+from .worker import PersistWorker
 
 __all__ = ["CheckpointSaver"]
 

@@ -1,0 +1,199 @@
+"""A trainer's link to its node's saver: attach (starting the saver when none runs), typed round trips that
+survive the saver's death (a new saver adopts the snapshots; the link re-attaches and says which persists
+were lost), and news after memory snapshots without ever waiting for the saver."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from . import errors as E
+from . import messages as M
+from ._protocol import Client, ConnectionLost
+from .config import Knobs
+from .messages import RP
+from .saver import ensure_saver
+
+__all__ = ["SaverLink", "agent_pid", "restart_expected"]
+
+log = logging.getLogger(__name__)
+
+# Memory snapshots ask the saver for news (failed persists, commits) at most this often, without waiting
+# for the answer (it is collected by a later snapshot); wait() and every persist ask at once.
+_STATUS_EVERY_S = 0.5
+
+
+class SaverLink:
+    """One engine's connection to the saver of its job on this node.
+
+    Args:
+        job_dir: the job's runtime dir (the saver's socket is there).
+        checkpoint_dir: the checkpoint dir, for a saver this link starts.
+        knobs: timeouts.
+        storage: the backend's ``storage_spec``, for a saver this link starts.
+        hello: the ``Hello`` this rank says on every attach.
+
+    Not thread-safe: the engine's thread only.
+    """
+
+    def __init__(self, job_dir: str, checkpoint_dir: str, knobs: Knobs, *, storage: str,
+                 hello: Callable[[], M.Hello]) -> None:
+        self.job_dir, self.checkpoint_dir, self.knobs, self._storage, self._hello = (
+            job_dir, checkpoint_dir, knobs, storage, hello)
+        self.client: Client | None = None
+        self.saver_pid = 0
+        self.cursor = 0  # errors the saver reported up to here are known
+        self.requested: set[int] = set()  # steps whose persist was asked for and not known to be done
+        self.lost_persists: str | None = None  # persists lost with a dead saver: reported once
+        self._status_req: int | None = None  # id of the status request sent and not answered yet
+        self._status_seg: str | None = None  # the segment the saver last heard of from this engine
+        self.status_at = 0.0  # monotonic time of the last round trip
+
+    def attach(self) -> M.HelloReply:
+        """Connects to the job's saver (starting one when none runs) and says hello; returns its reply."""
+        # The job's saver may be exiting at this very moment (an engine of this job just said its final
+        # goodbye): it then refuses the hello or drops the connection (SaverError). Retry, bounded, until
+        # a live saver accepts us, or the new one ensure_saver starts once the old one has cleaned up.
+        deadline = time.monotonic() + self.knobs.spawn_timeout_s
+        while True:
+            client = ensure_saver(self.job_dir, self.checkpoint_dir, self.knobs, storage=self._storage)
+            try:
+                hello = client.request(self._hello())
+                break
+            except E.SaverError:
+                client.close()
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+        self.client = client
+        self.cursor = hello.cursor or 0  # errors before we attached belong to an earlier run
+        self.saver_pid = hello.pid
+        return hello
+
+    def reattach(self, op: str, cause: BaseException | None) -> Client:
+        """Attaches to a new saver after the connection to ours broke (the saver died, e.g. SIGKILL).
+
+        The new saver adopts the job's shared-memory segments (the same runtime dir), so every snapshot
+        in memory stays, and this rank says hello again. Persists that were in flight in the dead saver
+        are lost: the next reply raises one PersistError saying so (``lost_persists``)."""
+        old_pid = self.saver_pid
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        self._status_req = None
+        hello = self.attach()
+        committed = set(hello.committed)
+        lost = sorted(s for s in self.requested if s not in committed)
+        self.requested.clear()
+        log.warning("%s(): lost the saver (pid %d: %s); attached to a new saver (pid %d), which adopted the "
+                    "snapshots in shared memory%s", op, old_pid, cause or "connection closed", self.saver_pid,
+                    f"; the persists of steps {lost} were lost" if lost else "")
+        if lost:
+            self.lost_persists = (f"the persist(s) of step(s) {lost} were lost: the saver (pid {old_pid}) died "
+                                  "before committing them. The snapshots in memory are intact; save with "
+                                  "StorageType.DISK again to persist")
+        assert self.client is not None  # set by attach
+        return self.client
+
+    def call(self, req: M.Request[RP], *, on_reattach: Callable[[], None] | None = None,
+             timeout: float | None = None) -> RP:
+        """One round trip; a saver that died is replaced (``reattach``) and the request sent to the new
+        one, after ``on_reattach``."""
+        client = self.client
+        if client is not None and self._status_req is not None:  # its reply is in what this one says
+            client.cancel(self._status_req)
+        self._status_req = None
+        for attempt in range(2):
+            if client is None or client.lost:
+                client = self.reattach(req.OP, None)
+                if on_reattach is not None:
+                    on_reattach()
+            try:
+                return client.request(req, timeout=timeout)
+            except ConnectionLost:
+                if attempt:
+                    raise
+                client = None
+        raise AssertionError("unreachable")
+
+    def news(self, seg: str | None, local_rank: int) -> M.StatusReply | None:
+        """The saver's news after a memory snapshot, which needs no round trip (the saver reads slot
+        headers itself) and never waits for the saver: the reply to the status request sent earlier if it
+        has arrived (else None), and the next request sent when due (at most every _STATUS_EVERY_S, and at
+        once when this snapshot went to a new segment, so that the saver frees the one it outgrew:
+        ``local_rank`` says whose). A saver that does not answer (stopped) delays news, never a snapshot;
+        a lost connection is re-attached by the next ``call`` (a persist, wait)."""
+        client = self.client
+        if client is None or client.lost:
+            return None
+        got = None
+        try:
+            if self._status_req is not None:
+                reply = client.poll(self._status_req)
+                if reply is None:
+                    return None
+                self._status_req = None
+                got = M.StatusReply.from_wire(reply)
+            if seg != self._status_seg or time.monotonic() - self.status_at >= _STATUS_EVERY_S:
+                self._status_req = client.submit(M.Status(cursor=self.cursor, local_rank=local_rank))
+                self._status_seg = seg
+                self.status_at = time.monotonic()
+        except ConnectionLost as e:
+            self._status_req = None
+            log.warning("save(): %s Memory snapshots go on; the next persist or wait attaches a new saver.", e)
+        return got
+
+    def absorb(self, st: M.StatusReply) -> None:
+        """Takes in a status reply: the error cursor and the persists known to be done."""
+        if st.cursor is not None:
+            self.cursor = st.cursor
+        if st.inflight == 0:
+            self.requested.clear()
+        else:
+            done = {int(e["step"]) for e in st.errors}
+            self.requested = {s for s in self.requested if s not in st.committed and s not in done}
+
+    def take_lost(self) -> str | None:
+        """The persists lost with a dead saver, reported once."""
+        lost, self.lost_persists = self.lost_persists, None
+        return lost
+
+    def bye(self, intent: str) -> None:
+        """Says goodbye ("release", "keep" or "persist": see ``CheckpointEngine._close``) and disconnects."""
+        if self.client is not None:
+            try:
+                self.client.request(M.Bye(final=intent != "keep", intent=intent))
+            except E.FlashCheckpointError as e:
+                log.warning("close(): %s", e)
+            finally:
+                self.client.close()
+                self.client = None
+
+
+def agent_pid() -> int:
+    """The pid of the ``flashckpt-run`` launcher this process runs under (FLASHCKPT_AGENT_PID), else 0."""
+    try:
+        return max(0, int(os.environ.get("FLASHCKPT_AGENT_PID", "0") or 0))
+    except ValueError:
+        return 0
+
+
+def restart_expected() -> bool:
+    """Whether this process's failure is followed by a restart that can use its memory snapshots: a
+    ``flashckpt-run`` launcher (FLASHCKPT_AGENT_PID) is alive, or torchrun's elastic agent has restarts
+    left (TORCHELASTIC_RESTART_COUNT < TORCHELASTIC_MAX_RESTARTS)."""
+    pid = agent_pid()
+    if pid:
+        try:
+            os.kill(pid, 0)
+            return True
+        except PermissionError:
+            return True
+        except ProcessLookupError:
+            pass
+    try:
+        return int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+    except (KeyError, ValueError):
+        return False
