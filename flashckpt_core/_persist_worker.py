@@ -51,7 +51,7 @@ from ._tree import TensorMeta, build_tensor, split_opaque, unflatten
 from .commit import CommitLayout
 from .files import FileSet, is_fileset_tree
 from .segment import COMPLETE, Segment
-from .storage import CheckpointStorage, FileRecord, HashingWriter, storage_from_spec
+from .storage import CheckpointStorage, FileRecord, HashingWriter, options_from_env, storage_from_spec
 from .torchfile import torch_save_parts, zip_crc_slots
 
 __all__ = ["main", "WORKER_MODULE"]
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     # Segments are mapped read-only: torch warns that its views of them are not writable (they are not
     # written: the files are only read from them).
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
-    writer = _Writer(CommitLayout(args.checkpoint_dir, storage_from_spec(args.storage, args.checkpoint_dir), job=args.job))
+    writer = _Writer(CommitLayout(args.checkpoint_dir, storage_from_spec(args.storage, args.checkpoint_dir, options_from_env()), job=args.job))
     out_lock = threading.Lock()
     with out_lock:
         write_frame(out_fd, {"ready": True, "pid": os.getpid()})

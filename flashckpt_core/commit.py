@@ -376,7 +376,7 @@ class CommitLayout:
                              "trackers": [asdict(f) for f in trackers], "supersedes": supersedes,
                              "saved_at": saved_at, "saved_at_ranks": ranks_at},
                             self.job, seq=max((q for q, _s in order), default=0) + 1)
-        self.storage.write_bytes(self.manifest_path(step), manifest.to_json())
+        self._write_manifest(step, manifest.to_json())
         # Committed. Nothing below may report the step as failed: it is loadable whatever happens now.
         problems = []
         try:
@@ -397,6 +397,20 @@ class CommitLayout:
         if problems:
             raise TrackerUpdateError(step, problems)
         return manifest
+
+    def _write_manifest(self, step: int, body: bytes) -> None:
+        """The commit point. A first commit of ``step`` creates its manifest only if none appeared meanwhile
+        (``write_new``: an atomic create-if-absent where the backend has one); a step committed again
+        replaces its earlier manifest."""
+        path = self.manifest_path(step)
+        if self.storage.exists(path):
+            self.storage.write_bytes(path, body)
+            return
+        try:
+            self.storage.write_new(path, body)
+        except FileExistsError:
+            raise E.PersistError(f"step {step}: another writer committed it at the same moment ({path}); give each "
+                                 f"job its own checkpoint dir") from None
 
     def write_tracker(self, step: int | None) -> None:
         """Points ``tracker.json`` at ``step`` (removes it for None)."""
@@ -601,12 +615,15 @@ class CommitLayout:
     def _remove_files(self, paths: list[str]) -> None:
         keep = self._committed_paths()
         dirs = set()
+        doomed: list[str] = []
         for p in paths:
             if p in keep or not self._confined(p):  # callers pass confined paths; checked again just before
                 continue
-            self.storage.remove(p)
-            self.storage.remove(f"{p}.flashckpt-tmp")
+            doomed.append(p)
+            if self.storage.temp_suffix:
+                doomed.append(p + self.storage.temp_suffix)
             dirs.add(locations.parent(p))
+        self.storage.remove_many(doomed)
         self.storage.prune_empty_dirs(sorted(dirs), self.root)  # directories left empty, up to the root
 
     def _writer_jobs(self, step: int) -> set[str]:

@@ -86,6 +86,8 @@ class CheckpointEngine:
             Python objects of memory snapshots under the same rules; set False only for trusted
             checkpoints holding arbitrary Python objects.
         overlap: ``save`` returns before its copy is done (see ``save`` and ``wait_snapshot``).
+        storage_options: options of the storage backend (for ``s3://``: ``storage_s3.S3Options``' fields,
+            such as ``endpoint_url`` or ``part_size_mb``); the node's saver is started with them.
 
     Raises:
         CheckpointDirError: ``checkpoint_dir`` is a URL no backend serves, a file, or cannot be
@@ -100,7 +102,8 @@ class CheckpointEngine:
                  save_storage_interval: int = 0, auto_save: bool = False,
                  deletion_strategy: CheckpointDeletionStrategy | None = None, *, replicated: bool = False,
                  process_group: Any = None, weights_only: bool = True, process_mtbf_s: float | None = None,
-                 node_mtbf_s: float | None = None, overlap: bool = False) -> None:
+                 node_mtbf_s: float | None = None, overlap: bool = False,
+                 storage_options: dict[str, Any] | None = None) -> None:
         for name, v in (("max_to_keep", max_to_keep), ("save_mem_interval", save_mem_interval),
                         ("save_storage_interval", save_storage_interval)):
             if not isinstance(v, int) or v < 0:
@@ -108,7 +111,7 @@ class CheckpointEngine:
         self.ranks = RankInfo.current()
         self._auto = self._auto_intervals(process_mtbf_s, node_mtbf_s) if auto_save else None
         self._given_dir = checkpoint_location(checkpoint_dir)
-        self.storage = storage_for(self._given_dir)
+        self.storage = storage_for(self._given_dir, storage_options)
         self.checkpoint_dir = self.storage.normpath(self._given_dir)
         self.storage.prepare_dir(self.checkpoint_dir, self._given_dir)
         self.save_mem_interval = save_mem_interval
@@ -131,6 +134,7 @@ class CheckpointEngine:
         self._copier = Copier(self.knobs.copy_threads)
         r = self.ranks
         self._link = SaverLink(self.job_dir, self.checkpoint_dir, self.knobs, storage=storage_spec(self.storage),
+                               storage_options=storage_options,
                                hello=lambda: M.Hello(rank=r.rank, local_rank=r.local_rank, world_size=r.world_size,
                                                      local_world_size=r.local_world_size, pid=os.getpid(),
                                                      persists=self.persists, commit=self._commit_spec(),
@@ -508,6 +512,7 @@ class CheckpointEngine:
                 self._reader.close()
             self._handler.close()
             self._copier.close()
+            self.storage.close()
 
     def __enter__(self) -> CheckpointEngine:
         return self

@@ -8,6 +8,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 from . import errors as E
 from . import messages as M
@@ -33,15 +34,17 @@ class SaverLink:
         checkpoint_dir: the checkpoint dir, for a saver this link starts.
         knobs: timeouts.
         storage: the backend's ``storage_spec``, for a saver this link starts.
+        storage_options: the backend's options, for a saver this link starts.
         hello: the ``Hello`` this rank says on every attach.
 
     Not thread-safe: the engine's thread only.
     """
 
     def __init__(self, job_dir: str, checkpoint_dir: str, knobs: Knobs, *, storage: str,
-                 hello: Callable[[], M.Hello]) -> None:
+                 storage_options: dict[str, Any] | None = None, hello: Callable[[], M.Hello]) -> None:
         self.job_dir, self.checkpoint_dir, self.knobs, self._storage, self._hello = (
             job_dir, checkpoint_dir, knobs, storage, hello)
+        self._storage_options = storage_options
         self.client: Client | None = None
         self.saver_pid = 0
         self.cursor = 0  # errors the saver reported up to here are known
@@ -58,7 +61,8 @@ class SaverLink:
         # a live saver accepts us, or the new one ensure_saver starts once the old one has cleaned up.
         deadline = time.monotonic() + self.knobs.spawn_timeout_s
         while True:
-            client = ensure_saver(self.job_dir, self.checkpoint_dir, self.knobs, storage=self._storage)
+            client = ensure_saver(self.job_dir, self.checkpoint_dir, self.knobs, storage=self._storage,
+                                  storage_options=self._storage_options)
             try:
                 hello = client.request(self._hello())
                 break

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .records import RecordsHome
 
 __all__ = ["FileRecord", "CheckpointStorage", "file_checksum", "HashingWriter", "storage_for",
-           "register_storage", "storage_spec", "storage_from_spec", "url_scheme", "local_dir", "ENTRY_POINT_GROUP"]
+           "register_storage", "storage_spec", "storage_from_spec", "options_from_env", "OPTIONS_ENV", "url_scheme", "local_dir", "ENTRY_POINT_GROUP"]
 
 ENTRY_POINT_GROUP = "flashckpt.storage"
 
@@ -111,8 +111,11 @@ class CheckpointStorage(ABC):
     supports_rename: bool = False
 
     @classmethod
-    def from_url(cls, url: str) -> CheckpointStorage:
-        """The backend for checkpoint dirs under ``url`` (the resolver calls it); by default ``cls()``."""
+    def from_url(cls, url: str, **options: Any) -> CheckpointStorage:
+        """The backend for checkpoint dirs under ``url`` with the user's ``storage_options`` (the resolver
+        calls it); by default ``cls()``, which takes no options."""
+        if options:
+            raise E.InvalidArgumentError(f"storage_options {sorted(options)}: {cls.__name__} takes none")
         return cls()
 
     # -- locations -----------------------------------------------------------------------------------
@@ -128,6 +131,14 @@ class CheckpointStorage(ABC):
     @abstractmethod
     def write_bytes(self, path: str, data: bytes) -> FileRecord:
         """Atomically creates or replaces ``path`` with ``data``."""
+
+    def write_new(self, path: str, data: bytes) -> FileRecord:
+        """Creates ``path`` with ``data`` only when it does not exist (a commit record two writers might
+        race for). FileExistsError when it does. The default checks first (not atomic: a backend with an
+        atomic create-if-absent overrides it)."""
+        if self.exists(path):
+            raise FileExistsError(17, "exists", path)
+        return self.write_bytes(path, data)
 
     def write_parts(self, path: str, parts: Sequence[Any], *,
                     crc_slots: dict[int, list[tuple[int, int]]] | None = None) -> FileRecord:
@@ -216,6 +227,15 @@ class CheckpointStorage(ABC):
     def remove_tree(self, path: str) -> None:
         """Removes everything at and below ``path``; missing is not an error."""
 
+    def remove_many(self, paths: Sequence[str]) -> None:
+        """Removes files (object stores: in batches); missing ones are not an error."""
+        for p in paths:
+            self.remove(p)
+
+    #: the suffix of the temporary name a write uses before its file is visible (removed with the file
+    #: after a failure); None where writes have no temporary name (object stores)
+    temp_suffix: str | None = None
+
     def prune_empty_dirs(self, dirs: Sequence[str], root: str) -> None:
         """Removes the directories in ``dirs`` and their parents up to (not including) ``root`` that the
         removals left empty. Object stores have no directories: nothing to do."""
@@ -244,6 +264,10 @@ class CheckpointStorage(ABC):
 
         return InsideRecords(self, root)
 
+    def close(self) -> None:
+        """Releases what the backend holds (connections); it may be used again afterwards."""
+        return None
+
     def tidy(self, root: str, *, dry_run: bool = False) -> list[str]:
         """``flashckpt gc``: removes what an interrupted write of this backend left under ``root`` (object
         stores: unfinished multipart uploads); returns what was removed (or would be), a line each."""
@@ -266,17 +290,24 @@ def register_storage(scheme: str, backend: type[CheckpointStorage]) -> None:
 
 
 
-def storage_for(url: str | os.PathLike[str]) -> CheckpointStorage:
-    """The storage backend serving checkpoint dir ``url`` (a plain path or a URL).
+#: the backends of this distribution, by scheme (also in its entry points, found without them)
+_BUILTIN = {"file": "flashckpt.storage_posix:PosixDiskStorage", "s3": "flashckpt.storage_s3:S3Storage"}
+
+#: how a saver daemon and its persist worker receive the ``storage_options`` of the engine that started them
+OPTIONS_ENV = "FLASHCKPT_STORAGE_OPTIONS"
+
+
+def storage_for(url: str | os.PathLike[str], options: dict[str, Any] | None = None) -> CheckpointStorage:
+    """The storage backend serving checkpoint dir ``url`` (a plain path or a URL), built with ``options``
+    (``storage_options``: the backend's own, e.g. ``S3Options``' fields for ``s3://``).
 
     Raises:
-        InvalidArgumentError: no backend serves the URL's scheme; the message lists those installed.
+        InvalidArgumentError: no backend serves the URL's scheme (the message lists those installed), or
+            it takes no such option.
     """
     scheme = url_scheme(url)
-    if scheme == "file":
-        from .storage_posix import PosixDiskStorage
-
-        return PosixDiskStorage.from_url(os.fspath(url))
+    if scheme in _BUILTIN and scheme not in _REGISTRY:
+        return storage_from_spec(_BUILTIN[scheme], os.fspath(url), options)
     backend = _REGISTRY.get(scheme) or _from_entry_points(scheme)
     if backend is None:
         known = sorted(set(_REGISTRY) | _entry_point_names() | {"file"})
@@ -284,7 +315,17 @@ def storage_for(url: str | os.PathLike[str]) -> CheckpointStorage:
             f"no storage backend serves {os.fspath(url)!r} ({scheme}:// URLs); installed: "
             f"{', '.join(s + '://' for s in known)}. A backend registers for its scheme in the entry-point group "
             f"{ENTRY_POINT_GROUP!r} (or with flashckpt.storage.register_storage); see docs/storage.md")
-    return backend.from_url(os.fspath(url))
+    return _build(backend, os.fspath(url), options)
+
+
+def _build(backend: type[CheckpointStorage], url: str, options: dict[str, Any] | None) -> CheckpointStorage:
+    try:
+        return backend.from_url(url, **(options or {}))
+    except TypeError as e:
+        if options:
+            raise E.InvalidArgumentError(f"storage_options {sorted(options)}: {backend.__name__} takes none of "
+                                         f"them ({e})") from None
+        raise
 
 
 def storage_spec(storage: CheckpointStorage) -> str:
@@ -294,14 +335,15 @@ def storage_spec(storage: CheckpointStorage) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def storage_from_spec(spec: str, url: str) -> CheckpointStorage:
-    """The backend ``storage_spec`` names, built for ``url``; ``storage_for(url)`` when ``spec`` is empty.
+def storage_from_spec(spec: str, url: str, options: dict[str, Any] | None = None) -> CheckpointStorage:
+    """The backend ``storage_spec`` names, built for ``url`` with ``options``; ``storage_for(url, options)``
+    when ``spec`` is empty.
 
     Raises:
         InvalidArgumentTypeError: ``spec`` names no ``CheckpointStorage`` subclass.
     """
     if not spec:
-        return storage_for(url)
+        return storage_for(url, options)
     import importlib
 
     module, _, name = spec.partition(":")
@@ -310,7 +352,15 @@ def storage_from_spec(spec: str, url: str) -> CheckpointStorage:
         obj = getattr(obj, part)
     if not (isinstance(obj, type) and issubclass(obj, CheckpointStorage)):
         raise E.InvalidArgumentTypeError(f"{spec} is not a CheckpointStorage subclass")
-    return obj.from_url(url)
+    return _build(obj, url, options)
+
+
+def options_from_env() -> dict[str, Any]:
+    """The ``storage_options`` a saver daemon or persist worker was started with (``OPTIONS_ENV``)."""
+    import json
+
+    raw = os.environ.get(OPTIONS_ENV)
+    return dict(json.loads(raw)) if raw else {}
 
 
 def _entry_points() -> list[Any]:

@@ -29,6 +29,7 @@ class PosixDiskStorage(CheckpointStorage):
     """Local or network file systems with POSIX rename semantics (``file://`` URLs and plain paths)."""
 
     supports_rename = True
+    temp_suffix = ".flashckpt-tmp"
 
     def open_read(self, path: str) -> BinaryIO:
         return open(path, "rb")
@@ -54,7 +55,7 @@ class PosixDiskStorage(CheckpointStorage):
     def write_file(self, path: str, fill: Callable[[str], tuple[int, str] | None]) -> FileRecord:
         d = os.path.dirname(path)
         self._makedirs(d)
-        tmp = f"{path}.flashckpt-tmp"
+        tmp = f"{path}{self.temp_suffix}"
         try:
             known = fill(tmp)
             size, digest = known if known is not None else file_checksum(tmp)
@@ -80,6 +81,26 @@ class PosixDiskStorage(CheckpointStorage):
             return len(data), xxhash.xxh3_64_hexdigest(data)
 
         return self.write_file(path, fill)
+
+    def write_new(self, path: str, data: bytes) -> FileRecord:
+        """Written under a unique temporary name, then linked to ``path`` (``link`` never replaces: an
+        existing ``path`` is FileExistsError), atomically."""
+        d = os.path.dirname(path)
+        self._makedirs(d)
+        tmp = f"{path}.{uuid.uuid4().hex}{self.temp_suffix}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, path)
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        fsync_dir(d)
+        return FileRecord(path, len(data), xxhash.xxh3_64_hexdigest(data))
 
     def read_bytes(self, path: str) -> bytes:
         with open(path, "rb") as f:

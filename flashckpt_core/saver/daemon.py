@@ -26,7 +26,7 @@ from .. import locations
 from .._lease import pid_running
 from .._protocol import Client
 from ..config import Knobs, make_private_dir, open_private_dir
-from ..storage import storage_from_spec
+from ..storage import OPTIONS_ENV, options_from_env, storage_from_spec
 from ._base import _LOG_NAME, SOCKET_NAME, lock_job, log
 from .server import CheckpointSaver
 
@@ -35,7 +35,8 @@ __all__ = ["ensure_saver", "main", "SAVER_MODULE"]
 SAVER_MODULE = __spec__.name  # the daemon runs as ``python -m`` this module (flashckpt.saver.daemon)
 
 
-def ensure_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs, *, storage: str = "") -> Client:
+def ensure_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs, *, storage: str = "",
+                 storage_options: dict[str, Any] | None = None) -> Client:
     """Connects to the job's saver on this node, starting a detached daemon first when none runs.
 
     The runtime dirs are checked first (``open_private_dir``: ours, private, no symbolic link), and the
@@ -61,17 +62,21 @@ def ensure_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs, *, storage: st
             return Client(path, timeout=knobs.rpc_timeout_s)
         except (FileNotFoundError, ConnectionRefusedError):
             pass
-        return _spawn_saver(job_dir, checkpoint_dir, knobs, storage)
+        return _spawn_saver(job_dir, checkpoint_dir, knobs, storage, storage_options or {})
     finally:
         spawn_lock.release()
 
 
-def _spawn_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs, storage: str) -> Client:
+def _spawn_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs, storage: str,
+                 storage_options: dict[str, Any]) -> Client:
     """Starts the daemon (the job's spawn lock is held) and connects to it."""
     path = os.path.join(job_dir, SOCKET_NAME)
     log_path = os.path.join(job_dir, _LOG_NAME)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop(OPTIONS_ENV, None)
+    if storage_options:  # in the environment, not on the command line (credentials may be among them)
+        env[OPTIONS_ENV] = json.dumps(storage_options)
     try:
         dir_fd = open_private_dir(job_dir)
         try:
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("FLASHCKPT_SAVER_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     saver = CheckpointSaver(args.job_dir, args.checkpoint_dir,
-                            storage=storage_from_spec(args.storage, args.checkpoint_dir))
+                            storage=storage_from_spec(args.storage, args.checkpoint_dir, options_from_env()))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: saver.request_stop(last_words=True))
     try:

@@ -236,6 +236,7 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
             if self._inflight:
                 log.error("exiting with %d persist(s) unfinished after %.0f s", self._inflight, drain_timeout)
         self._worker.close()
+        self.storage.close()
         try:
             spawn_lock: SharedLock | None = lock_job(self.job_dir)
         except E.SaverError as e:  # the path no longer leads to a dir of ours: clean only through our fd

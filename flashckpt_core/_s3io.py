@@ -1,0 +1,247 @@
+"""S3 transfers, apart from the backend's bookkeeping: the retry policy (which errors are throttling,
+transient or fatal; backoff with full jitter honouring ``Retry-After``; fewer parallel parts under
+throttling; a deadline per file) and zero-copy request bodies cut from a file's parts. boto3/botocore are
+imported only inside functions that need them."""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from . import errors as E
+
+if TYPE_CHECKING:
+    from .storage_s3 import S3Options
+
+try:  # ISA-L's CRC-32 (~20 GB/s), zlib's otherwise: the same values
+    from isal.isal_zlib import crc32 as crc32
+except ImportError:  # pragma: no cover - platforms without isal wheels
+    from zlib import crc32 as crc32
+
+__all__ = ["Retry", "Body", "chunks", "b64_crc", "error_code", "status", "crc32"]
+
+log = logging.getLogger("flashckpt.storage_s3")
+
+_MIB = 1 << 20
+_PIECE = _MIB  # hashing granularity (cache-sized)
+
+
+# ------------------------------------------------------------------------------------------ retries
+_THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
+             "ProvisionedThroughputExceededException", "RequestThrottled"}
+_TRANSIENT = {"InternalError", "ServiceUnavailable", "RequestTimeout", "RequestTimeTooSkewed", "BadDigest",
+              "IncompleteBody", "XAmzContentSHA256Mismatch", "InternalServerError"}
+
+
+def error_code(e: BaseException) -> str:
+    resp = getattr(e, "response", None)
+    if isinstance(resp, dict):
+        return str(resp.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def status(e: BaseException) -> int:
+    resp = getattr(e, "response", None)
+    if isinstance(resp, dict):
+        return int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return 0
+
+
+def _retry_after(e: BaseException) -> float:
+    """The wait a throttling reply asks for: ``Retry-After`` (seconds) or ``x-amz-retry-after`` (ms)."""
+    resp = getattr(e, "response", None)
+    if isinstance(resp, dict):
+        headers = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}) or {}
+        try:
+            return max(0.0, float(headers.get("retry-after", 0) or 0),
+                       float(headers.get("x-amz-retry-after", 0) or 0) / 1000)
+        except ValueError:
+            return 0.0
+    return 0.0
+
+
+def _kind(e: BaseException) -> str:
+    """"throttle", "transient" or "fatal" for an error a request raised."""
+    from botocore import exceptions as bx
+
+    code, http = error_code(e), status(e)
+    if code in _THROTTLE or http in (429, 503):
+        return "throttle"
+    if code in _TRANSIENT or http >= 500:
+        return "transient"
+    if isinstance(e, (bx.EndpointConnectionError, bx.ConnectionClosedError, bx.ReadTimeoutError,
+                      bx.ConnectTimeoutError, bx.ResponseStreamingError, bx.HTTPClientError,
+                      ConnectionError, TimeoutError, E.CheckpointCorruptError)):
+        return "transient"
+    try:
+        from urllib3 import exceptions as ux
+
+        if isinstance(e, (ux.ProtocolError, ux.ReadTimeoutError, ux.IncompleteRead)):
+            return "transient"
+    except ImportError:  # pragma: no cover
+        pass
+    return "fatal"
+
+
+class Retry:
+    """One file's retry budget: attempts per request, a deadline for all of them, and the number of parts
+    that may be in flight (halved on throttling, grown by one per success)."""
+
+    def __init__(self, opts: S3Options, what: str) -> None:
+        self.opts, self.what = opts, what
+        self.deadline = time.monotonic() + opts.deadline_s
+        self.allowed = opts.concurrency
+        self.throttled = 0
+        self._lock = threading.Lock()
+        self._rng = random.Random()
+
+    def call(self, op: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` until it succeeds, a fatal error, ``max_attempts`` or the deadline (PersistError)."""
+        delay = 0.1
+        for attempt in range(1, self.opts.max_attempts + 1):
+            try:
+                out = fn()
+                with self._lock:
+                    self.allowed = min(self.opts.concurrency, self.allowed + 1)
+                return out
+            except (FileNotFoundError, FileExistsError):  # answers, not failures
+                raise
+            except Exception as e:
+                kind = _kind(e)
+                if kind == "fatal" or attempt == self.opts.max_attempts:
+                    raise self._failed(op, e, attempt) from e
+                with self._lock:
+                    if kind == "throttle":
+                        self.throttled += 1
+                        self.allowed = max(1, self.allowed // 2)
+                wait_s = max(_retry_after(e), self._rng.uniform(0, delay))  # full jitter; Retry-After first
+                delay = min(delay * 2, 20.0)
+                if time.monotonic() + wait_s > self.deadline:
+                    raise self._failed(op, e, attempt, deadline=True) from e
+                log.info("%s: %s failed (%s: %s); retrying in %.2f s (attempt %d of %d)", self.what, op,
+                         type(e).__name__, error_code(e) or e, wait_s, attempt + 1, self.opts.max_attempts)
+                time.sleep(wait_s)
+        raise AssertionError("unreachable")
+
+    def _failed(self, op: str, e: BaseException, attempts: int, *, deadline: bool = False) -> E.PersistError:
+        why = (f"gave up after {self.opts.deadline_s:.0f} s (the deadline per file, storage option deadline_s)"
+               if deadline else f"failed after {attempts} attempt(s)")
+        return E.PersistError(f"{self.what}: S3 {op} {why}: {type(e).__name__}: {e}")
+
+
+# ------------------------------------------------------------------------------------------ bodies
+class Body(io.RawIOBase):
+    """A seekable, read-only request body over memoryview pieces (views of the snapshot, no copy): botocore
+    reads it to send (``read`` hands out views, which go to the socket as they are) and seeks it back to
+    retry."""
+
+    def __init__(self, pieces: Sequence[memoryview]) -> None:
+        super().__init__()
+        self._pieces = list(pieces)
+        self._starts = []
+        n = 0
+        for p in self._pieces:
+            self._starts.append(n)
+            n += len(p)
+        self._len = n
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, off: int, whence: int = 0) -> int:
+        self._pos = off if whence == 0 else self._pos + off if whence == 1 else self._len + off
+        return self._pos
+
+    def _view(self, n: int) -> memoryview:
+        """Up to ``n`` bytes from the current position, within one piece."""
+        import bisect
+
+        i = bisect.bisect_right(self._starts, self._pos) - 1
+        p = self._pieces[i]
+        at = self._pos - self._starts[i]
+        return p[at: at + n]
+
+    def read(self, n: int = -1) -> Any:  # a memoryview: http.client sends it as it is
+        if self._pos >= self._len:
+            return b""
+        want = self._len - self._pos if n is None or n < 0 else n
+        view = self._view(max(want, 4 * _MIB) if n and n > 0 else want)  # large sends: fewer system calls
+        self._pos += len(view)
+        return view
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        got = 0
+        while got < len(out) and self._pos < self._len:
+            v = self._view(len(out) - got)
+            out[got:got + len(v)] = v
+            got += len(v)
+            self._pos += len(v)
+        return got
+
+
+def _views(part: Any) -> memoryview:
+    """A part's bytes as a flat byte memoryview (no copy for bytes and contiguous CPU tensors)."""
+    if isinstance(part, (bytes, bytearray, memoryview)):
+        return memoryview(part).cast("B")
+    from .files import tensor_view  # torch: only in the persist worker, which has it
+
+    return tensor_view(part)
+
+
+def chunks(parts: Sequence[Any], size: int, crc_slots: dict[int, list[tuple[int, int]]] | None,
+            h: Any) -> Iterator[tuple[list[memoryview], int]]:
+    """The file ``parts`` make, cut into upload parts of ``size`` bytes (the last shorter): each a list of
+    views and its CRC-32. Hashes the whole file into ``h`` and fills the zip CRC-32s of ``crc_slots`` on
+    the way: a part ``j`` that holds a slot is read only after the tensor part whose CRC goes there."""
+    cur: list[memoryview] = []
+    cur_n = 0
+    cur_crc = 0
+    yielded = False
+    for i, p in enumerate(parts):
+        v = _views(p)
+        want = crc_slots is not None and i in crc_slots
+        zcrc = 0
+        off = 0
+        while off < len(v):
+            k = min(len(v) - off, size - cur_n)
+            piece = v[off:off + k]
+            for q in range(0, k, _PIECE):  # hashed while in cache
+                sub = piece[q:q + _PIECE]
+                h.update(sub)
+                cur_crc = crc32(sub, cur_crc)
+                if want:
+                    zcrc = crc32(sub, zcrc)
+            cur.append(piece)
+            cur_n += k
+            off += k
+            if cur_n == size:
+                yield cur, cur_crc
+                yielded = True
+                cur, cur_n, cur_crc = [], 0, 0
+        if want:
+            assert crc_slots is not None
+            for j, at in crc_slots[i]:
+                parts[j][at:at + 4] = zcrc.to_bytes(4, "little")
+    if cur_n or not yielded:  # the rest; an empty file is one empty part
+        yield cur, cur_crc
+
+
+def b64_crc(crc: int) -> str:
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
