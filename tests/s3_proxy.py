@@ -367,7 +367,7 @@ class _Handler(BaseHTTPRequestHandler):
     def handle_expect_100(self) -> bool:
         return True  # answered by _continue() when the body is wanted, or by the final answer instead
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
+    def log_message(self, format: str, *args: object) -> None:
         logger.debug("s3 proxy: " + format, *args)
 
     def _proxy(self) -> None:
