@@ -198,6 +198,8 @@ _TIER_OF_FILE = {
     **dict.fromkeys(("test_interval.py", "test_tree.py", "test_kit.py", "test_errors.py", "test_snapshot_reader.py",
                      "test_filewriter.py", "test_files.py", "test_retention.py", "test_messages.py",
                      "test_storage.py", "test_s3_infra.py"), "unit"),
+    # the S3 backend against a real S3-compatible server on loopback, directly and through a fault proxy
+    **dict.fromkeys(("test_s3_backend.py", "test_s3_engine.py"), "multiproc"),
     # savers, persist workers, trainers and launchers in processes of their own, faults and kills
     **dict.fromkeys(("test_cli.py", "test_commit_guards.py", "test_engine.py", "test_fault_injection.py",
                      "test_ipc.py", "test_killpoints.py", "test_launcher.py", "test_lifecycle.py",

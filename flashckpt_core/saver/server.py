@@ -111,6 +111,12 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
         cleaned = self.layout.clean_uncommitted()
         if cleaned:
             log.warning("removed half-written, uncommitted steps %s left by an earlier run", cleaned)
+        if not self.layout.live_jobs():  # unfinished uploads of a killed saver (object stores); no one else's
+            try:
+                for line in self.storage.tidy(self.layout.root):
+                    log.warning("%s", line)
+            except (OSError, E.FlashCheckpointError) as e:
+                log.error("could not look for unfinished uploads in %s: %s", self.layout.root, e)
         self._repair()
         try:
             os.unlink(SOCKET_NAME, dir_fd=self._dir_fd)
