@@ -22,6 +22,7 @@ from typing import Any, Self
 import numpy as np
 import torch
 import torch.distributed as dist
+from flashckpt import locations
 from flashckpt.errors import FlashCheckpointError
 
 __all__ = ["rank", "world", "barrier", "group_ranks", "path_inside", "rel_inside", "step_of", "swapped",
@@ -63,8 +64,10 @@ def path_inside(path: str | os.PathLike[str], root: str | os.PathLike[str], *, s
 
     Both are made absolute and resolved (``..`` and symbolic links, as far as they exist), so a path that
     leaves ``root`` through ``..`` or through a link to elsewhere is outside, and a path given through a
-    link to ``root`` is inside.
+    link to ``root`` is inside. URLs of a store (``s3://...``) are compared lexically.
     """
+    if locations.is_url(os.fspath(root)) or locations.is_url(os.fspath(path)):  # a store: lexically
+        return locations.inside(os.fspath(path), os.fspath(root), strict=strict)
     p, r = os.path.realpath(os.fspath(path)), os.path.realpath(os.fspath(root))
     if p == r:
         return not strict
@@ -76,6 +79,8 @@ def rel_inside(path: Any, root: str | os.PathLike[str]) -> str | None:
     ``path_inside``), else None; None also for what is not a path (a file object)."""
     if not isinstance(path, (str, os.PathLike)) or not path_inside(path, root, strict=True):
         return None
+    if locations.is_url(os.fspath(root)):
+        return locations.relpath(os.fspath(path), os.fspath(root))
     return os.path.relpath(os.path.realpath(os.fspath(path)), os.path.realpath(os.fspath(root))).replace(os.sep, "/")
 
 

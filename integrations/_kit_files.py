@@ -6,8 +6,8 @@ out as files for a framework to read.
   ``collect`` adds the other files written there (JSON, pickles) as bytes. Other paths pass through.
   ``Capture(root, patch=False)`` only names paths (``rel``) for adapters whose framework hands its writes
   over through an interface of its own (DeepSpeed's checkpoint engine).
-- ``SnapshotDir``: a private temporary directory holding a snapshot's files (written, or empty placeholders
-  for a framework that only looks for them), removed by ``close``.
+- ``SnapshotDir``: a private temporary directory holding a snapshot's files (written, downloaded from a
+  store, or empty placeholders for a framework that only looks for them), removed by ``close``.
 - ``scratch_root`` / ``scratch``: where such directories go (``/dev/shm`` when it is writable).
 """
 
@@ -25,6 +25,7 @@ from typing import Any, Self
 
 import torch
 from flashckpt.files import FileEntry, FileSet
+from flashckpt.storage import CheckpointStorage
 
 from ._kit import exchange_files, rel_inside, swapped, world
 
@@ -172,6 +173,30 @@ class SnapshotDir:
     def write(self, name: str, e: FileEntry) -> None:
         """The file ``name`` with the entry's content."""
         write_entry(self.path(name), e)
+
+    def fetch(self, name: str, storage: CheckpointStorage, location: str, *, size: int | None = None) -> str:
+        """The file ``name``, downloaded from ``location`` through ``storage`` (ranged reads, several at once,
+        straight into the file's pages); returns its local path. For a framework that reads a checkpoint
+        from a local directory when the checkpoint dir is in a store."""
+        p = self.path(name)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        local = storage.local_path(location)
+        if local is not None:
+            shutil.copyfile(local, p)
+            return p
+        n = storage.size(location) if size is None else size
+        with open(p, "wb+") as f:
+            if n:
+                f.truncate(n)
+                import mmap
+
+                with mmap.mmap(f.fileno(), n) as mm:
+                    view = memoryview(mm)
+                    try:
+                        storage.read_into(location, 0, view)
+                    finally:
+                        view.release()
+        return p
 
     def touch(self, name: str) -> None:
         """An empty placeholder ``name``: answers a framework's ``glob`` / ``os.path.exists``, while its
