@@ -15,7 +15,7 @@ from . import errors as E
 from .commit import CommitLayout
 from .config import RankInfo
 
-__all__ = ["newer_in_memory", "agree", "verified_step", "world"]
+__all__ = ["newer_in_memory", "agree", "verified_step", "all_ranks", "world"]
 
 log = logging.getLogger(__name__)
 
@@ -86,24 +86,35 @@ def world(group: Any = None) -> int | None:
     return None
 
 
-def verified_step(layout: CommitLayout, rank: int, committed: list[int], newest: int | None, group: Any = None) -> int:
-    """The most recently committed step (not after ``newest`` in commit order) whose files verify on every
-    rank of ``group`` (``rank``'s files here).
+def all_ranks(ok: bool, group: Any = None) -> bool:
+    """Whether ``ok`` holds on every rank of ``group`` (one ``all_reduce``; every rank calls it)."""
+    n = world(group)
+    if n is None:
+        return ok
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return int(flag.item()) == 1
+
+
+def verified_step(layout: CommitLayout, rank: int, committed: list[int], newest: int | None, group: Any = None, *,
+                  deep: bool = True, exclude: frozenset[int] | set[int] = frozenset()) -> int:
+    """The most recently committed step (not after ``newest`` in commit order, not in ``exclude``) whose
+    files verify on every rank of ``group`` (``rank``'s files here; ``deep``: their checksums, else their
+    sizes, for a loader that checks checksums while it reads).
 
     Raises:
         CheckpointCorruptError: every committed step is damaged.
     """
-    import torch.distributed as dist
-
     upto = committed.index(newest) + 1 if newest in committed else len(committed)
     for step in reversed(committed[:upto]):
-        problems = layout.verify(step, rank=rank)
-        ok = torch.tensor([0 if problems else 1], dtype=torch.int64)
-        if world(group) is not None:
-            if dist.get_backend(group) == "nccl":
-                ok = ok.cuda()
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-        if int(ok.item()) == 1:
+        if step in exclude:
+            continue
+        problems = layout.verify(step, rank=rank, deep=deep)
+        if all_ranks(not problems, group):
             return step
         log.warning("load(): step %d is damaged (%s); falling back to the previous committed step",
                     step, "; ".join(problems) or "on another rank")

@@ -519,8 +519,10 @@ class CommitLayout:
         step = d.get("step") if isinstance(d, dict) else None
         return step if isinstance(step, int) and not isinstance(step, bool) else None
 
-    def verify(self, step: int, rank: int | None = None) -> list[str]:
-        """Problems found in step ``step`` (all ranks' files, or those ``rank`` loads); [] when sound."""
+    def verify(self, step: int, rank: int | None = None, *, deep: bool = True) -> list[str]:
+        """Problems found in step ``step`` (all ranks' files, or those ``rank`` loads); [] when sound.
+        ``deep=False`` checks that the files exist with their sizes only (a loader that verifies checksums
+        while it reads, as from an object store, spares a second download)."""
         try:
             m = self.read_manifest(step)
         except E.CheckpointCorruptError as e:
@@ -533,7 +535,7 @@ class CommitLayout:
                 problems.append(f"the manifest of step {step} is damaged: {e}")
                 continue
             try:
-                size, digest = self.storage.checksum(path)
+                size, digest = self.storage.checksum(path) if deep else (self.storage.size(path), f.xxh3)
             except FileNotFoundError:
                 problems.append(f"{path}: missing")
                 continue

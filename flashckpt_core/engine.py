@@ -20,7 +20,7 @@ from . import locations
 from . import messages as M
 from ._copy import Copier
 from ._protocol import process_cpu_seconds
-from .agreement import agree, newer_in_memory, verified_step
+from .agreement import agree, all_ranks, newer_in_memory, verified_step
 from .commit import CommitLayout
 from .config import Knobs, RankInfo, StorageType, job_dir
 from .files import FileSet, is_fileset_tree
@@ -151,7 +151,9 @@ class CheckpointEngine:
         self._reader: SnapshotReader = (
             self._handler if not replicated or r.local_rank == 0 else
             SnapshotReader.for_job_dir(0, self.job_dir, copier=self._copier, weights_only=weights_only))
-        self._loader = StorageLoader(self.layout, r.rank, weights_only=weights_only, resolve=self.resolve)
+        self._downloads = False  # a load from an object store may have left a shared download
+        self._loader = StorageLoader(self.layout, r.rank, weights_only=weights_only, resolve=self.resolve,
+                                     cache_dir=self.job_dir)
         self._closed = False
         self._retention_baseline = hello.committed[-1] if hello.committed else -1  # in commit order
         self._cleaned_up = list(hello.committed)
@@ -227,6 +229,9 @@ class CheckpointEngine:
             PersistError: an earlier persist failed (raised once, after this snapshot was taken).
         """
         self._check_open("save")
+        if self._downloads:  # the node's shared download of a replicated step: mapped by now
+            self._downloads = False
+            self._loader.drop_downloads()
         if not isinstance(step, int) or step < 0:
             raise E.InvalidArgumentError(f"save(step={step!r}): step must be an integer >= 0")
         auto_kind = None
@@ -545,13 +550,19 @@ class CheckpointEngine:
         ``memory=False`` considers storage only (for a caller that cannot use the memory snapshot)."""
         self._check_open("locate")
         self.wait_snapshot()
+        return self._locate(memory=memory, deep=True)
+
+    def _locate(self, *, memory: bool, deep: bool, exclude: frozenset[int] | set[int] = frozenset()) -> Located:
+        """``locate``; ``deep=False`` verifies storage steps by size only (for a load that checks the
+        checksums while it reads), ``exclude``: steps found damaged by such a load."""
         committed = self.layout.committed_steps()
         mem = newer_in_memory(self._reader.memory_snapshots(), self.layout, self.ranks, committed)[:2] if memory else []
         step, source = agree(mem, committed, self.process_group)
         if source == "memory" and step is not None:
             return Located(step, "memory", self._reader.snapshot_name(step) or None)
         if source == "storage":
-            step = verified_step(self.layout, self.ranks.rank, committed, step, self.process_group)
+            step = verified_step(self.layout, self.ranks.rank, committed, step, self.process_group, deep=deep,
+                                 exclude=exclude)
             return Located(step, "storage", self._loader.path_of(step))
         return Located(None, "none", None)
 
@@ -565,7 +576,8 @@ class CheckpointEngine:
                 for a ``FileSet``, ``{file name: tree}``). On a load from memory, every snapshot tensor
                 whose key path, dtype and shape match a contiguous CPU tensor of ``into`` is copied
                 straight into it (no new memory; the model's parameters are then already loaded) and that
-                tensor is returned in its place. Loads from storage ignore it.
+                tensor is returned in its place. Loads from an object store fill it the same way (ranged
+                reads straight into its tensors); loads from a file system ignore it.
 
         Returns:
             The state dict (a ``FileSet`` for sets), or ``{}`` when there is no checkpoint. ``last_load``
@@ -583,15 +595,29 @@ class CheckpointEngine:
             sd = self._loader.load_file(self._loader.resume_target(resume_path))
             self._loaded(None, "storage", t0, 0)
             return sd
-        loc = self.locate()
-        if loc.source == "memory":
-            return self.load_memory(loc.step, into=into, _t0=t0)
-        if loc.source == "storage" and loc.step is not None:
-            sd = self._loader.load_step(loc.step)
-            self._loaded(loc.step, "storage", t0, 0)
-            return sd
-        self._loaded(None, "none", t0, 0)
-        return {}
+        # A store without local files (an object store) is verified while it is read: a step whose file
+        # turns out damaged on any rank is excluded and every rank goes back to the previous one.
+        deep = self.storage.local_path(self.checkpoint_dir) is not None
+        damaged: set[int] = set()
+        while True:
+            loc = self._locate(memory=not damaged, deep=deep, exclude=damaged)
+            if loc.source == "memory":
+                return self.load_memory(loc.step, into=into, _t0=t0)
+            if loc.source != "storage" or loc.step is None:
+                self._loaded(None, "none", t0, 0)
+                return {}
+            try:
+                sd, nbytes = self._loader.load_step(loc.step, into=into), self._loader.last_bytes
+                ok = True
+            except E.CheckpointCorruptError as e:
+                log.warning("load(): step %d is damaged on this rank (%s)", loc.step, e)
+                ok = False
+            self._downloads = True
+            if all_ranks(ok, self.process_group):
+                self._loaded(loc.step, "storage", t0, nbytes)
+                return sd
+            log.warning("load(): step %d is damaged on a rank; falling back to the previous committed step", loc.step)
+            damaged.add(loc.step)
 
     def load_memory(self, step: int | None, *, into: Any = None, _t0: float | None = None) -> Any:
         """This rank's snapshot of ``step`` (the newest when None) from shared memory, without agreeing

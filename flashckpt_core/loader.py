@@ -1,20 +1,32 @@
 """Reading committed checkpoints from storage, for one rank: a step's files (or ``FileSet``), a file a
-user names, through the storage backend (a local file is opened directly; others are read through the
-backend), verified against the manifest when it lists them."""
+user names, through the storage backend, verified against the manifest when it lists them.
+
+A local file is opened directly (``torch.load``). A file in a store without local paths (an object store)
+is read with ranged reads straight into the tensors' memory, or into the caller's tensors (``into``), and
+its checksum checked on the way (``remote_load``). A step every rank loads the same file of (replicated:
+DDP) is downloaded once per node, into the job's runtime dir in shared memory, and mapped by every local
+rank (``torch.load(mmap=True)``); those downloads go at the next save (``drop_downloads``)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import mmap
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import xxhash
 
 from . import errors as E
 from . import locations
 from .commit import CommitLayout
 from .files import FileEntry, FileSet
+from .ipc import SharedLock
+from .remote_load import load_remote
+from .storage import FileRecord
 
 __all__ = ["StorageLoader"]
 
@@ -29,14 +41,17 @@ class StorageLoader:
         rank: the rank whose files ``load_step`` reads (replicated steps: rank 0's for every rank).
         weights_only: ``torch.load(weights_only=...)``.
         resolve: what a user's ``resume_path`` names (``CheckpointEngine.resolve``).
+        cache_dir: where a download several local ranks read is kept (the job's runtime dir).
     """
 
     def __init__(self, layout: CommitLayout, rank: int, *, weights_only: bool,
-                 resolve: Callable[[str], str]) -> None:
+                 resolve: Callable[[str], str], cache_dir: str | None = None) -> None:
         self.layout = layout
         self.rank = rank
         self.weights_only = weights_only
         self._resolve = resolve
+        self.cache_dir = cache_dir  # the job's runtime dir: downloads shared by the node's ranks
+        self.last_bytes = 0  # bytes the last load_step read
 
     def path_of(self, step: int, rank: int | None = None) -> str | None:
         r = self.rank if rank is None else rank
@@ -46,23 +61,36 @@ class StorageLoader:
         files = self.layout.read_manifest(step).files_for(r)
         return self.layout.abs(files[0].path) if len(files) == 1 else None
 
-    def load_step(self, step: int) -> Any:
-        files = self.layout.read_manifest(step).files_for(self.rank)
+    def load_step(self, step: int, *, into: Any = None) -> Any:
+        """This rank's files of committed ``step`` (a ``FileSet`` for sets; ``into`` as for
+        ``CheckpointEngine.load``: filled where the store is read remotely).
+
+        Raises:
+            CheckpointCorruptError: a file does not match the manifest (read from an object store; a
+                local file is verified before, by ``CommitLayout.verify``).
+        """
+        m = self.layout.read_manifest(step)
+        files = m.files_for(self.rank)
+        self.last_bytes = sum(f.size for f in files)
         if any(f.name for f in files):
-            return self.load_fileset(files)
+            return self.load_fileset(files, into=into, shared=m.replicated)
         if len(files) != 1:
             raise E.CheckpointCorruptError(f"load(): step {step} lists {len(files)} files for rank "
                                            f"{self.rank}; expected one")
-        return self.torch_load(self.layout.abs(files[0].path))
+        return self.torch_load(self.layout.abs(files[0].path), record=files[0], into=into, shared=m.replicated)
 
-    def load_fileset(self, files: list[Any]) -> FileSet:
+    def load_fileset(self, files: list[Any], *, into: Any = None, shared: bool = False) -> FileSet:
         fs = FileSet()
         for f in files:
             path = self.layout.abs(f.path)
             if f.fmt == "torch":
-                fs[f.name] = FileEntry("torch", self.torch_load(path), f.kind)
+                sub = into.get(f.name) if isinstance(into, dict) else None
+                fs[f.name] = FileEntry("torch", self.torch_load(path, record=f, into=sub, shared=shared), f.kind)
             else:
-                fs[f.name] = FileEntry("raw", [self.layout.storage.read_bytes(path)], f.kind)
+                data = self.layout.storage.read_bytes(path)
+                if self.layout.storage.local_path(path) is None and xxhash.xxh3_64_hexdigest(data) != f.xxh3:
+                    raise E.CheckpointCorruptError(f"{path}: its checksum does not match the manifest")
+                fs[f.name] = FileEntry("raw", [data], f.kind)
         return fs
 
     def resume_target(self, resume_path: str) -> str:
@@ -124,17 +152,83 @@ class StorageLoader:
             return [f"{path} does not match the manifest of step {step}"]
         return []
 
-    def torch_load(self, path: str) -> Any:
+    def torch_load(self, path: str, *, record: FileRecord | None = None, into: Any = None,
+                   shared: bool = False) -> Any:
+        """``torch.load`` of ``path`` through the backend (see the module docstring); ``record``: its
+        manifest entry (size and checksum), ``shared``: the node's other ranks read it too."""
         try:
             storage = self.layout.storage  # through the backend; a local file is opened directly
             local = storage.local_path(path)
             if local is not None:
                 return torch.load(local, map_location="cpu", weights_only=self.weights_only)
-            with storage.open_read(path) as f:
-                return torch.load(f, map_location="cpu", weights_only=self.weights_only)
+            if record is None:
+                with storage.open_read(path) as f:
+                    return torch.load(f, map_location="cpu", weights_only=self.weights_only)
+            cached = self._download(path, record) if shared and self.cache_dir else None
+            if cached is not None:
+                return torch.load(cached, map_location="cpu", weights_only=self.weights_only, mmap=True)
+            return load_remote(storage, path, size=record.size, xxh3=record.xxh3, weights_only=self.weights_only,
+                               into=into)
         except Exception as e:
             if self.weights_only and "weights_only" in str(e):
                 raise E.FlashCheckpointError(
                     f"load(): {path} holds Python objects that torch.load(weights_only=True) refuses. If the "
                     "checkpoint is trusted, construct the engine with weights_only=False.") from e
             raise
+
+    def _download(self, path: str, rec: FileRecord) -> str | None:
+        """The node's one download of ``path`` in the job's runtime dir (the first rank downloads it under
+        a lock, verified; the others find it there); None where shared memory cannot hold it."""
+        assert self.cache_dir is not None  # checked by the caller
+        final = os.path.join(self.cache_dir, f"{_DOWNLOAD}{rec.xxh3}-{rec.size}")
+        with SharedLock(final + ".lock"):
+            if os.path.exists(final):
+                return final
+            tmp = f"{final}.{os.getpid()}.tmp"
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                try:
+                    if rec.size:
+                        os.posix_fallocate(fd, 0, rec.size)
+                except OSError as e:  # no room: each rank reads for itself
+                    log.info("load(): no room in %s for a shared download of %s (%s)", self.cache_dir, path, e)
+                    os.unlink(tmp)
+                    return None
+                if rec.size:
+                    with mmap.mmap(fd, rec.size) as mm:
+                        view = memoryview(mm)
+                        try:
+                            self.layout.storage.read_into(path, 0, view)
+                            digest = xxhash.xxh3_64_hexdigest(view)
+                        finally:
+                            view.release()
+                else:
+                    digest = xxhash.xxh3_64_hexdigest(b"")
+                if digest != rec.xxh3:
+                    os.unlink(tmp)
+                    raise E.CheckpointCorruptError(f"{path}: checksum {digest} != {rec.xxh3} in the manifest")
+                os.rename(tmp, final)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
+            finally:
+                os.close(fd)
+        return final
+
+    def drop_downloads(self) -> None:
+        """Removes the shared downloads (a rank that mapped one keeps its mapping)."""
+        if not self.cache_dir:
+            return
+        try:
+            names = os.listdir(self.cache_dir)
+        except OSError:
+            return
+        for n in names:
+            if n.startswith(_DOWNLOAD) and not n.endswith((".lock", ".tmp")):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.cache_dir, n))
+                    os.unlink(os.path.join(self.cache_dir, n + ".lock"))
+
+
+_DOWNLOAD = "dl-"  # names of the shared downloads in the job's runtime dir

@@ -189,6 +189,14 @@ class CheckpointStorage(ABC):
                     raise E.CheckpointCorruptError(f"{path}: {len(out) - got} bytes short at offset {offset + got}")
                 got += n
 
+    def read_scatter(self, path: str, segments: Sequence[tuple[int, memoryview]]) -> None:
+        """Fills each ``(offset, out)`` of ``segments`` with ``len(out)`` bytes of ``path`` from ``offset``
+        (object stores: ranges that cover several contiguous segments are one request, several at once).
+        The default reads each segment with ``read_into``."""
+        for offset, out in segments:
+            if len(out):
+                self.read_into(path, offset, out)
+
     @abstractmethod
     def exists(self, path: str) -> bool: ...
 

@@ -381,43 +381,64 @@ class S3Storage(CheckpointStorage):
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         """Ranged GETs (``concurrency`` at once, ``part_size_mb`` each) straight into ``out``."""
+        self.read_scatter(path, [(offset, out)])
+
+    def read_scatter(self, path: str, segments: Sequence[tuple[int, memoryview]]) -> None:
+        """Ranged GETs of up to ``part_size_mb`` each, ``concurrency`` at once, each filling the segments it
+        covers in order (the bytes go from the socket into the segments' memory). A GET that breaks off is
+        fetched again whole (``ResponseStreamingError`` and resets are transient)."""
         bucket, key = self._split(path)
-        out = out.cast("B") if out.format != "B" else out
-        n = len(out)
-        if n == 0:
-            return
         step = self.options.part_size_mb * _MIB
+        gets: list[list[tuple[int, memoryview]]] = []  # contiguous runs, each at most ``step`` bytes
+        run: list[tuple[int, memoryview]] = []
+        run_end = run_n = 0
+        for offset, out in sorted(segments, key=lambda s: s[0]):
+            view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+            at = 0
+            while at < len(view):
+                pos = offset + at
+                if run and (pos != run_end or run_n >= step):  # not contiguous, or full: a new GET
+                    gets.append(run)
+                    run, run_n = [], 0
+                k = min(len(view) - at, step - run_n)
+                run.append((pos, view[at:at + k]))
+                run_n += k
+                run_end = pos + k
+                at += k
+        if run:
+            gets.append(run)
         retry = self._read_retry(path)
 
-        def fetch(at: int) -> None:
-            dst = out[at:min(at + step, n)]
+        def fetch(pieces: list[tuple[int, memoryview]]) -> None:
+            first, last = pieces[0][0], pieces[-1][0] + len(pieces[-1][1]) - 1
 
             def get() -> None:
-                got = 0
-                r = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={offset + at}-{offset + at + len(dst) - 1}")
+                r = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={first}-{last}")
                 stream = r["Body"]
-                # urllib3's response reads into the buffer itself: the bytes go from the socket to ``out``
+                # urllib3's response reads into the buffers itself: from the socket to the segments
                 raw = getattr(stream, "_raw_stream", None)
-                while got < len(dst):
-                    if raw is not None and hasattr(raw, "readinto"):
-                        k = raw.readinto(dst[got:])
-                    else:
-                        chunk = stream.read(len(dst) - got)
-                        dst[got:got + len(chunk)] = chunk
-                        k = len(chunk)
-                    if not k:
-                        raise E.CheckpointCorruptError(f"{path}: the store sent {got} of {len(dst)} bytes at "
-                                                       f"offset {offset + at}")
-                    got += k
+                for at, dst in pieces:
+                    got = 0
+                    while got < len(dst):
+                        if raw is not None and hasattr(raw, "readinto"):
+                            k = raw.readinto(dst[got:])
+                        else:
+                            chunk = stream.read(len(dst) - got)
+                            dst[got:got + len(chunk)] = chunk
+                            k = len(chunk)
+                        if not k:
+                            raise E.CheckpointCorruptError(f"{path}: the store sent too few bytes at offset {at + got}")
+                        got += k
+                stream.close()
 
-            retry.call(f"GetObject bytes={offset + at}-", get)
+            retry.call(f"GetObject bytes={first}-{last}", get)
 
-        starts = list(range(0, n, step))
-        if len(starts) == 1:
-            fetch(0)
+        if len(gets) <= 1:
+            for g in gets:
+                fetch(g)
             return
-        with ThreadPoolExecutor(min(self.options.concurrency, len(starts)), thread_name_prefix="flashckpt-s3-get") as pool:
-            for f in [pool.submit(fetch, at) for at in starts]:
+        with ThreadPoolExecutor(min(self.options.concurrency, len(gets)), thread_name_prefix="flashckpt-s3-get") as pool:
+            for f in [pool.submit(fetch, g) for g in gets]:
                 f.result()
 
     def open_read(self, path: str) -> BinaryIO:

@@ -185,3 +185,56 @@ def test_tidy_aborts_unfinished_uploads_under_the_dir(s3: Any, backend: Any) -> 
     assert len(lines) == 1 and "step_3/rank_0.pt" in lines[0] and len(s3.multipart_uploads()) == 2
     st.tidy(s3.url)
     assert [k for k, _ in s3.multipart_uploads()] == ["other/x"]
+
+
+# ------------------------------------------------------------------------------------------ remote loads
+def _tricky_state() -> dict[str, Any]:
+    """Dtypes, views, tied tensors, a Parameter, requires_grad, an empty tensor, an OrderedDict with metadata."""
+    import collections
+
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(64, 64, generator=g)
+    model: Any = collections.OrderedDict(
+        [("w", base), ("tied", base), ("row", base[3]), ("t", base.t()), ("p", torch.nn.Parameter(torch.ones(5)))])
+    model._metadata = {"": {"version": 1}}
+    return {"model": model,
+            "dtypes": [torch.randn(33, generator=g).to(d) for d in (torch.bfloat16, torch.float16, torch.float64)]
+            + [torch.tensor([True, False]), torch.randn(3, dtype=torch.complex64, generator=g),
+               torch.randn(4, generator=g).to(torch.float8_e4m3fn), torch.empty(0, 3)],
+            "grad": torch.ones(2, requires_grad=True), "step": 9, "tag": ("a", 2)}
+
+
+def test_load_remote_equals_torch_load_for_every_kind_of_tensor(s3: Any, backend: Any) -> None:
+    from flashckpt.remote_load import load_remote
+    from helpers import assert_same_tree
+
+    st = backend()
+    state = _tricky_state()
+    buf = io.BytesIO()
+    torch.save(state, buf)  # a vanilla file, as torch writes it
+    data = buf.getvalue()
+    st.write_bytes(f"{s3.url}/v.pt", data)
+    got = load_remote(st, f"{s3.url}/v.pt", size=len(data), xxh3=xxhash.xxh3_64_hexdigest(data), weights_only=True)
+    want = torch.load(io.BytesIO(data), weights_only=True)
+    assert_same_tree(got, want)
+    m = got["model"]
+    assert m["tied"].untyped_storage().data_ptr() == m["w"].untyped_storage().data_ptr()  # still tied
+    assert m["row"].untyped_storage().data_ptr() == m["w"].untyped_storage().data_ptr()
+    assert isinstance(m["p"], torch.nn.Parameter) and got["grad"].requires_grad and m._metadata == {"": {"version": 1}}
+    with pytest.raises(Exception, match="checksum"):
+        load_remote(st, f"{s3.url}/v.pt", size=len(data), xxh3="0" * 16, weights_only=True)
+
+
+def test_load_remote_fills_the_callers_tensors_in_place(s3: Any, backend: Any) -> None:
+    from flashckpt.remote_load import load_remote
+
+    st = backend()
+    state = {"model": {"a": torch.randn(1000), "b": torch.arange(12).reshape(3, 4)}, "opt": torch.ones(3)}
+    rec = _torch_file(st, f"{s3.url}/m.pt", state)
+    into = {"model": {"a": torch.zeros(1000), "b": torch.zeros(3, 4, dtype=torch.int64)}, "opt": torch.zeros(2)}
+    ptrs = {k: t.data_ptr() for k, t in into["model"].items()}
+    got = load_remote(st, f"{s3.url}/m.pt", size=rec.size, xxh3=rec.xxh3, weights_only=True, into=into)
+    for k in ("a", "b"):
+        assert got["model"][k] is into["model"][k] and into["model"][k].data_ptr() == ptrs[k]
+        assert torch.equal(into["model"][k], state["model"][k])
+    assert got["opt"] is not into["opt"] and torch.equal(got["opt"], state["opt"])  # shape differs: a new tensor

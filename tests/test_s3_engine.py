@@ -221,3 +221,70 @@ def test_storage_options_reach_the_saver(s3: Any, fault_env: FaultEnv, monkeypat
     head = s3.client().head_object(Bucket=s3.bucket, Key="run/step_1/rank_00000.pt")
     assert "-" not in head["ETag"], head["ETag"]  # one PutObject: the saver used part_size_mb=16
     assert json.loads(s3.read("run/.flashckpt/tracker.json")) == {"step": 1}
+
+
+# ------------------------------------------------------------------------------------------ several ranks
+def _save_ranks(url: str, steps: list[int], replicated: bool) -> dict[str, Any]:
+    """A rank's part: saves ``steps`` to the store, then releases its memory (the saver exits)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    engine = CheckpointEngine(url, max_to_keep=0, replicated=replicated)
+    for step in steps:
+        engine.save(step, make_state(step if replicated else 10 * step + rank, MB), storage_type=StorageType.DISK)
+        engine.wait(timeout=120)
+    engine.close()
+    return {"rank": rank}
+
+
+def _load_ranks(url: str, replicated: bool) -> dict[str, Any]:
+    """A rank's part: loads from the store (memory was released) and says what it got."""
+    import torch.distributed as dist
+
+    engine = CheckpointEngine(url, replicated=replicated)
+    try:
+        sd = engine.load()
+        assert engine.last_load is not None
+        return {"step": engine.last_load.step, "source": engine.last_load.source, "tag": sd["step"],
+                "digest": _digest(sd), "rank": dist.get_rank()}
+    finally:
+        engine.close()
+
+
+def _digest(sd: Any) -> str:
+    from helpers import tree_digest
+
+    return tree_digest(sd)
+
+
+def _run(fe: FaultEnv, s3: Any, fn: Any, name: str, **args: Any) -> list[Any]:
+    from helpers import run_ranks
+
+    return run_ranks(fn, 2, os.path.join(fe.tmp, name), args=args, timeout=300,
+                     env={**s3.env, "FLASHCKPT_S3_PART_SIZE_MB": "5", "MASTER_PORT": str(29500 + os.getpid() % 1000)})
+
+
+def test_a_replicated_step_is_downloaded_once_per_node(s3_proxied: Any, fault_env: FaultEnv) -> None:
+    """DDP: every rank loads rank 0's file. The node downloads it once (into the job's shared memory; the
+    other rank maps it): the proxy sees one download's worth of ranged GETs of that object."""
+    _run(fault_env, s3_proxied, _save_ranks, "save", url=s3_proxied.url, steps=[1], replicated=True)
+    s3_proxied.proxy.clear()
+    got = _run(fault_env, s3_proxied, _load_ranks, "load", url=s3_proxied.url, replicated=True)
+    assert [(r["step"], r["source"], r["tag"]) for r in got] == [(1, "storage", 1)] * 2
+    assert got[0]["digest"] == got[1]["digest"] == _digest(make_state(1, MB))
+    gets = [r for r in s3_proxied.proxy.records("GetObject") if r.key.endswith("step_1/checkpoint.pt")]
+    size = s3_proxied.client().head_object(Bucket=s3_proxied.bucket, Key="run/step_1/checkpoint.pt")["ContentLength"]
+    assert len(gets) == -(-size // (5 << 20)), [r.query for r in gets]  # one download of ceil(size / part) ranges
+
+
+def test_a_damaged_shard_makes_every_rank_fall_back(s3: Any, fault_env: FaultEnv) -> None:
+    """Sharded: rank 1's file of the newest step is damaged on the store. Rank 1 finds it while reading
+    (its checksum), and both ranks load the previous step, each its own shard."""
+    _run(fault_env, s3, _save_ranks, "save", url=s3.url, steps=[1, 2], replicated=False)
+    key = "run/step_2/rank_00001.pt"
+    body = bytearray(s3.read(key))
+    body[len(body) // 2] ^= 0xFF  # one flipped byte in the middle of a tensor
+    s3.client().put_object(Bucket=s3.bucket, Key=key, Body=bytes(body))
+    got = _run(fault_env, s3, _load_ranks, "load", url=s3.url, replicated=False)
+    assert [(r["step"], r["source"], r["tag"]) for r in got] == [(1, "storage", 10), (1, "storage", 11)]
+    assert [r["digest"] for r in got] == [_digest(make_state(10, MB)), _digest(make_state(11, MB))]
