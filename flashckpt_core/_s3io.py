@@ -102,9 +102,12 @@ class Retry:
         self._rng = random.Random()
 
     def call(self, op: str, fn: Callable[[], Any]) -> Any:
-        """``fn()`` until it succeeds, a fatal error, ``max_attempts`` or the deadline (PersistError)."""
+        """``fn()`` until it succeeds, a fatal error, ``max_attempts`` failures or the deadline (then a
+        PersistError). Throttling counts against the deadline only: a throttled store slows the upload
+        down (fewer parts at once, waits), it never makes it fail before the deadline."""
         delay = 0.1
-        for attempt in range(1, self.opts.max_attempts + 1):
+        failures = 0
+        while True:
             try:
                 out = fn()
                 with self._lock:
@@ -114,8 +117,10 @@ class Retry:
                 raise
             except Exception as e:
                 kind = _kind(e)
-                if kind == "fatal" or attempt == self.opts.max_attempts:
-                    raise self._failed(op, e, attempt) from e
+                if kind != "throttle":
+                    failures += 1
+                if kind == "fatal" or failures >= self.opts.max_attempts:
+                    raise self._failed(op, e, failures) from e
                 with self._lock:
                     if kind == "throttle":
                         self.throttled += 1
@@ -123,15 +128,14 @@ class Retry:
                 wait_s = max(_retry_after(e), self._rng.uniform(0, delay))  # full jitter; Retry-After first
                 delay = min(delay * 2, 20.0)
                 if time.monotonic() + wait_s > self.deadline:
-                    raise self._failed(op, e, attempt, deadline=True) from e
-                log.info("%s: %s failed (%s: %s); retrying in %.2f s (attempt %d of %d)", self.what, op,
-                         type(e).__name__, error_code(e) or e, wait_s, attempt + 1, self.opts.max_attempts)
+                    raise self._failed(op, e, failures, deadline=True) from e
+                log.info("%s: %s failed (%s: %s); retrying in %.2f s", self.what, op, type(e).__name__,
+                         error_code(e) or e, wait_s)
                 time.sleep(wait_s)
-        raise AssertionError("unreachable")
 
     def _failed(self, op: str, e: BaseException, attempts: int, *, deadline: bool = False) -> E.PersistError:
         why = (f"gave up after {self.opts.deadline_s:.0f} s (the deadline per file, storage option deadline_s)"
-               if deadline else f"failed after {attempts} attempt(s)")
+               if deadline else f"failed {attempts} time(s) (storage option max_attempts)")
         return E.PersistError(f"{self.what}: S3 {op} {why}: {type(e).__name__}: {e}")
 
 

@@ -140,6 +140,18 @@ def test_throttling_slows_the_upload_down_and_it_completes(s3_proxied: Any, back
     assert s3_proxied.multipart_uploads() == []
 
 
+def test_throttling_never_fails_a_file_before_its_deadline(s3_proxied: Any, backend: Any) -> None:
+    """More SlowDowns than ``max_attempts`` allows failures: throttling counts against the deadline only."""
+    st = backend(max_attempts=2)
+    s3_proxied.proxy.set_faults([Fault("slowdown", op="PutObject", times=5, retry_after_s=0)])
+    st.write_bytes(f"{s3_proxied.url}/x", b"payload")
+    assert _read(s3_proxied, "run/x") == b"payload"
+    assert len([r for r in s3_proxied.proxy.records("PutObject") if r.fault == "slowdown"]) == 5
+    s3_proxied.proxy.set_faults([Fault("error500", op="PutObject", times=5)])
+    with pytest.raises(PersistError, match="failed 2 time"):  # other failures count
+        st.write_bytes(f"{s3_proxied.url}/y", b"payload")
+
+
 @pytest.mark.parametrize("fault", [
     Fault("error500", op="UploadPart", times=2),
     Fault("reset_request", op="UploadPart", times=2, after_bytes=100_000),
