@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .config import StorageType
     from .engine import CheckpointEngine, LoadResult
     from .errors import (
+        AlreadyExistsError,
         CheckpointCorruptError,
         CheckpointDirError,
         CheckpointNotFoundError,
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 # ``python -m flashckpt.saver.daemon``, imports only what it needs, and torch only when it persists.
 # These are the names a user calls; the building blocks (CommitLayout, Manifest, PosixDiskStorage,
 # CheckpointSaver, ...) stay importable from their modules.
-_ERRORS = ("CheckpointCorruptError", "CheckpointDirError", "CheckpointNotFoundError", "CheckpointTimeoutError",
+_ERRORS = ("AlreadyExistsError", "CheckpointCorruptError", "CheckpointDirError", "CheckpointNotFoundError", "CheckpointTimeoutError",
            "FlashCheckpointError", "InvalidArgumentError", "InvalidArgumentTypeError", "InvalidStateDictError",
            "PersistError", "ProtocolError", "SaverError", "SharedMemoryError", "TrackerUpdateError",
            "UnsupportedStrategyError")
@@ -76,5 +77,5 @@ __all__ = [
     "FlashCheckpointError", "InvalidStateDictError", "InvalidArgumentError", "InvalidArgumentTypeError",
     "CheckpointDirError", "CheckpointNotFoundError", "SharedMemoryError", "SaverError", "PersistError",
     "TrackerUpdateError", "CheckpointCorruptError", "CheckpointTimeoutError", "ProtocolError",
-    "UnsupportedStrategyError", "__version__",
+    "UnsupportedStrategyError", "AlreadyExistsError", "__version__",
 ]

@@ -119,7 +119,9 @@ class Retry:
                 kind = _kind(e)
                 if kind != "throttle":
                     failures += 1
-                if kind == "fatal" or failures >= self.opts.max_attempts:
+                if kind == "fatal":
+                    raise E.PersistError(f"{self.what}: S3 {op} failed: {type(e).__name__}: {e}") from e
+                if failures >= self.opts.max_attempts:
                     raise self._failed(op, e, failures) from e
                 with self._lock:
                     if kind == "throttle":

@@ -22,6 +22,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidArgumentTypeError",
     "CheckpointNotFoundError",
+    "AlreadyExistsError",
     "TrackerUpdateError",
     "UnsupportedStrategyError",
 ]
@@ -46,6 +47,10 @@ class InvalidArgumentTypeError(FlashCheckpointError, TypeError):
 
 class CheckpointNotFoundError(FlashCheckpointError, FileNotFoundError):
     """A checkpoint, step or file asked for by name does not exist."""
+
+
+class AlreadyExistsError(FlashCheckpointError, FileExistsError):
+    """A record that is created only once (a step's manifest) exists already: another writer made it."""
 
 
 class UnsupportedStrategyError(FlashCheckpointError, TypeError):

@@ -137,7 +137,7 @@ class CheckpointStorage(ABC):
         race for). FileExistsError when it does. The default checks first (not atomic: a backend with an
         atomic create-if-absent overrides it)."""
         if self.exists(path):
-            raise FileExistsError(17, "exists", path)
+            raise E.AlreadyExistsError(17, "exists", path)
         return self.write_bytes(path, data)
 
     def write_parts(self, path: str, parts: Sequence[Any], *,

@@ -53,6 +53,28 @@ class PosixDiskStorage(CheckpointStorage):
             fsync_dir(os.path.dirname(m))
 
     def write_file(self, path: str, fill: Callable[[str], tuple[int, str] | None]) -> FileRecord:
+        return self._publish(path, fill, exclusive=False)
+
+    def write_bytes(self, path: str, data: bytes) -> FileRecord:
+        return self._publish(path, self._filler(data), exclusive=False)
+
+    def write_new(self, path: str, data: bytes) -> FileRecord:
+        """Like ``write_bytes``, but the temp file is linked to ``path`` instead of renamed over it: ``link``
+        never replaces, so an existing ``path`` is FileExistsError, atomically."""
+        return self._publish(path, self._filler(data), exclusive=True)
+
+    @staticmethod
+    def _filler(data: bytes) -> Callable[[str], tuple[int, str]]:
+        def fill(tmp: str) -> tuple[int, str]:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            return len(data), xxhash.xxh3_64_hexdigest(data)
+
+        return fill
+
+    def _publish(self, path: str, fill: Callable[[str], tuple[int, str] | None], *, exclusive: bool) -> FileRecord:
+        """``fill``s the temp file ``<path><temp_suffix>``, fsyncs it, makes it ``path`` (rename, or link with
+        ``exclusive``), fsyncs the directory. A failure leaves no temp file."""
         d = os.path.dirname(path)
         self._makedirs(d)
         tmp = f"{path}{self.temp_suffix}"
@@ -64,7 +86,11 @@ class PosixDiskStorage(CheckpointStorage):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.rename(tmp, path)
+            if exclusive:
+                os.link(tmp, path)
+                os.unlink(tmp)
+            else:
+                os.rename(tmp, path)
         except BaseException:
             try:
                 os.unlink(tmp)
@@ -73,34 +99,6 @@ class PosixDiskStorage(CheckpointStorage):
             raise
         fsync_dir(d)
         return FileRecord(path, size, digest)
-
-    def write_bytes(self, path: str, data: bytes) -> FileRecord:
-        def fill(tmp: str) -> tuple[int, str]:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            return len(data), xxhash.xxh3_64_hexdigest(data)
-
-        return self.write_file(path, fill)
-
-    def write_new(self, path: str, data: bytes) -> FileRecord:
-        """Written under a unique temporary name, then linked to ``path`` (``link`` never replaces: an
-        existing ``path`` is FileExistsError), atomically."""
-        d = os.path.dirname(path)
-        self._makedirs(d)
-        tmp = f"{path}.{uuid.uuid4().hex}{self.temp_suffix}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.link(tmp, path)
-        finally:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-        fsync_dir(d)
-        return FileRecord(path, len(data), xxhash.xxh3_64_hexdigest(data))
 
     def read_bytes(self, path: str) -> bytes:
         with open(path, "rb") as f:

@@ -27,6 +27,7 @@ import io
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -187,7 +188,7 @@ class S3Storage(CheckpointStorage):
                     # A retry after a lost reply finds our own first write: read back what is there.
                     if tries[0] > 1 and self._holds(path, data):
                         return {}
-                    raise FileExistsError(17, "created by another writer", path) from None
+                    raise E.AlreadyExistsError(17, "created by another writer", path) from None
                 raise
 
         self._retry(path).call("PutObject", put)
@@ -371,7 +372,7 @@ class S3Storage(CheckpointStorage):
                 return bytes(self.client.get_object(Bucket=bucket, Key=key)["Body"].read())
             except Exception as e:
                 if error_code(e) in ("NoSuchKey", "404") or status(e) == 404:
-                    raise FileNotFoundError(2, "no such object", path) from None
+                    raise E.CheckpointNotFoundError(2, "no such object", path) from None
                 raise
 
         return bytes(self._read_retry(path).call("GetObject", get))
@@ -469,7 +470,7 @@ class S3Storage(CheckpointStorage):
                 return int(self.client.head_object(Bucket=bucket, Key=key)["ContentLength"])
             except Exception as e:
                 if status(e) == 404 or error_code(e) in ("404", "NoSuchKey", "NotFound"):
-                    raise FileNotFoundError(2, "no such object", path) from None
+                    raise E.CheckpointNotFoundError(2, "no such object", path) from None
                 raise
 
         return int(self._read_retry(path).call("HeadObject", head))
@@ -552,15 +553,17 @@ class S3Storage(CheckpointStorage):
 
     # -- the checkpoint dir --------------------------------------------------------------------------
     def prepare_dir(self, root: str, shown: str) -> None:
+        """Writes and removes a probe object: credentials, the bucket and the endpoint are checked before a
+        saver starts."""
         bucket, _key = self._split(root)
+        probe = locations.join(root, f".flashckpt-probe-{uuid.uuid4().hex}")
         try:
-            super().prepare_dir(root, shown)
-        except E.CheckpointDirError:
-            raise
+            self.write_bytes(probe, b"ok")
+            self.remove(probe)
         except Exception as e:  # credentials, a missing bucket, an unreachable endpoint
-            raise E.CheckpointDirError(f"CheckpointEngine({shown!r}): cannot write to bucket {bucket!r}: "
-                                       f"{type(e).__name__}: {e}. Check the AWS configuration (credentials, "
-                                       "region, AWS_ENDPOINT_URL) and that the bucket exists") from e
+            raise E.CheckpointDirError(f"CheckpointEngine({shown!r}): cannot write to bucket {bucket!r}: {e}. Check "
+                                       "the AWS configuration (credentials, region, AWS_ENDPOINT_URL or "
+                                       "storage_options endpoint_url) and that the bucket exists") from e
 
     def tidy(self, root: str, *, dry_run: bool = False) -> list[str]:
         """Aborts the unfinished multipart uploads under ``root`` (left by a saver killed mid-upload)."""

@@ -288,3 +288,12 @@ def test_a_damaged_shard_makes_every_rank_fall_back(s3: Any, fault_env: FaultEnv
     got = _run(fault_env, s3, _load_ranks, "load", url=s3.url, replicated=False)
     assert [(r["step"], r["source"], r["tag"]) for r in got] == [(1, "storage", 10), (1, "storage", 11)]
     assert [r["digest"] for r in got] == [_digest(make_state(10, MB)), _digest(make_state(11, MB))]
+
+
+def test_a_bucket_that_cannot_be_written_is_a_clear_error_before_anything_starts(s3: Any, fault_env: FaultEnv) -> None:
+    from _fault_helpers import saver_pids
+    from flashckpt import CheckpointDirError
+
+    with pytest.raises(CheckpointDirError, match="no-such-bucket.*NoSuchBucket.*bucket exists"):
+        CheckpointEngine("s3://no-such-bucket/run")
+    assert not saver_pids(fault_env.runtime_dir)
