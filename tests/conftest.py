@@ -10,6 +10,7 @@ environment variables. Savers started by a test run as detached daemons, so they
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -73,6 +74,77 @@ def _native_fast_path():
             warnings.warn(f"the native fast path did not build ({e}); testing the Python path only", stacklevel=1)
             os.environ["FLASHCKPT_NATIVE"] = "0"
     yield
+
+
+# Test files whose ranks run DeepSpeed (its CPU shared-memory allreduce op is JIT-built on first use).
+_DEEPSPEED_FILES = {"test_deepspeed.py", "test_dlrover_guide.py", "test_hf.py", "test_s3_dist_adapters.py",
+                    "test_conformance.py"}
+
+
+def _deepspeed_build_lock() -> str:
+    """The file lock torch's JIT builder takes around every load of DeepSpeed's CPU shm op (built or not)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return os.path.join(_get_build_directory("deepspeed_shm_comm", False), "lock")
+
+
+def _drop_stale_deepspeed_lock() -> bool:
+    try:
+        os.unlink(_deepspeed_build_lock())
+        return True
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _deepspeed_op_built(request):
+    """Builds DeepSpeed's CPU shared-memory op once, before any test starts DeepSpeed ranks (cached across runs).
+
+    DeepSpeed JIT-compiles it in the first ``deepspeed.init_distributed`` of a fresh machine (half a minute or
+    more on two cores), and every later load still takes torch's build lock, a plain file: a rank killed while
+    holding it (a test's time limit) leaves it behind, and every later DeepSpeed process of the machine waits on
+    it forever (CI saw every DeepSpeed test of a run time out so). Before the first test no DeepSpeed process of
+    this session runs, so a lock found then is stale and removed; the op is then built in a child of the pytest
+    process that no test kills, and the ranks only load it. What happened goes to the terminal."""
+    if importlib.util.find_spec("deepspeed") is None or not any(
+            os.path.basename(str(item.path)) in _DEEPSPEED_FILES for item in request.session.items):
+        yield
+        return
+    import subprocess
+    import sys
+    import time
+
+    notes = ["removed a stale build lock"] if _drop_stale_deepspeed_lock() else []
+    code = ("from deepspeed.accelerator import get_accelerator\n"
+            "b = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+            "print('built' if b is not None and b.load() is not None else 'not used on this machine')")
+    start = time.monotonic()
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=1200)
+        notes += out.stdout.strip().splitlines()[-1:] or [f"exit {out.returncode}: {out.stderr[-2000:]}"]
+    except subprocess.TimeoutExpired:
+        notes.append("the build timed out after 1200 s")
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"DeepSpeed's CPU shm op: {'; '.join(notes)} ({time.monotonic() - start:.0f} s)")
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _deepspeed_lock_hygiene(request):
+    """After a test that ran DeepSpeed ranks (all ended by then: see _thread_and_child_hygiene), a build lock
+    left behind belongs to a rank the test killed mid-load; it is removed so that it cannot stall the next
+    tests, with a warning (the test that killed the rank has already failed on its own terms)."""
+    yield
+    if os.path.basename(str(request.node.path)) in _DEEPSPEED_FILES and importlib.util.find_spec("deepspeed"):
+        if _drop_stale_deepspeed_lock():
+            import warnings
+
+            warnings.warn("a DeepSpeed rank killed while loading its shm op left torch's build lock: removed",
+                          stacklevel=1)
 
 
 @pytest.fixture(autouse=True)

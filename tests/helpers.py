@@ -269,6 +269,19 @@ class RankGroup:
         for p in self.procs:
             p.wait(timeout=30)
 
+    def wait_until(self, cond: Callable[[], Any], timeout: float, what: str) -> Any:
+        """``wait_for`` while the ranks run: an AssertionError with every rank's output when a rank exits first
+        or ``timeout`` passes (a bare timeout says nothing about why the ranks did not get there)."""
+        def check() -> Any:
+            if any(p.poll() is not None for p in self.procs):
+                raise AssertionError(f"a rank exited while waiting for {what}\n{self.logs()}")
+            return cond()
+
+        try:
+            return wait_for(check, timeout, what)
+        except TimeoutError as e:
+            raise AssertionError(f"{e}\n{self.logs()}") from None
+
     def wait(self, timeout: float = 180.0, fail_grace: float = 15.0) -> list[Any]:
         """Waits for every rank and returns their results in rank order.
 

@@ -281,12 +281,8 @@ def test_kill9_restart_from_memory_matches_uninterrupted_run(tmp_path, world, na
     group = launch_ranks(phase1_worker, world, str(tmp_path / "p1"), env={**DS_ENV, "FLASHCKPT_SAVER_GRACE_S": "120"},
                          args={"root": root, "names": names, "ready": ready})
     try:
-        def all_ready() -> bool:
-            if any(p.poll() is not None for p in group.procs):
-                raise AssertionError(f"a rank exited before the kill\n{group.logs()}")
-            return all(os.path.exists(f"{ready}.{r}") for r in range(world))
-
-        wait_for(all_ready, 240, "every rank to save its checkpoints")
+        group.wait_until(lambda: all(os.path.exists(f"{ready}.{r}") for r in range(world)), 240,
+                         "every rank to save its checkpoints")
     finally:
         group.kill()  # SIGKILL: no goodbye, no cleanup
     assert all(p.returncode == -signal.SIGKILL for p in group.procs)
@@ -375,13 +371,9 @@ def test_latest_never_names_a_tag_killed_while_persisting(tmp_path, runtime_dir)
     layout = CommitLayout(ckpt, PosixDiskStorage())
     group = launch_ranks(persist_kill_worker, 2, str(tmp_path / "p1"), env=DS_ENV, args={"ckpt": ckpt, "width": width})
     try:
-        def persisting_step2() -> bool:
-            if any(p.poll() is not None for p in group.procs):
-                raise AssertionError(f"a rank exited early\n{group.logs()}")
-            # The saver's intent to write each rank's files (so both ranks hold step 2 in memory).
-            return all(os.path.exists(os.path.join(layout.step_dir(2), f"intent_rank_{r}.json")) for r in (0, 1))
-
-        wait_for(persisting_step2, 240, "the saver to start persisting global_step2 of both ranks")
+        # The saver's intent to write each rank's files (so both ranks hold step 2 in memory).
+        group.wait_until(lambda: all(os.path.exists(os.path.join(layout.step_dir(2), f"intent_rank_{r}.json"))
+                                     for r in (0, 1)), 240, "the saver to start persisting global_step2 of both ranks")
         savers = saver_pids(runtime_dir)
         for pid in savers:
             stop(pid)  # frozen mid-write
