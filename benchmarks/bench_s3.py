@@ -58,11 +58,13 @@ from benchmarks._common import (  # noqa: E402
     Samples,
     SaveLog,
     build_gpt_state_dict,
+    cores,
     fingerprint,
     fmt_bytes,
     fmt_time,
     fs_free,
     gpt_config_for_bytes,
+    loadavg_note,
     logger,
     machine_info,
     markdown_table,
@@ -543,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--rounds must be >= 1")
     os.environ.setdefault("FLASHCKPT_SAVER_GRACE_S", "30")  # a crashed run must not hold /dev/shm for long
     sizes = [float(s) for s in args.sizes.split(",") if s]
+    load0 = os.getloadavg()[0]
     S = Samples()
     notes: list[str] = []
     done: dict[str, int] = {}
@@ -572,6 +575,9 @@ def main(argv: list[str] | None = None) -> int:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+    busy = loadavg_note(load0, cores())
+    if busy:
+        notes.append(busy)
     text, results = report(S, done, args.rounds) if done else ("(no size ran)", {})
     head = (f"Server: {info['server']} on 127.0.0.1 (data on {info.get('fs_data', 'the temp dir')}); boto3 "
             f"{info['versions'].get('boto3')}, torch {info['torch']}; {info['cores']} cores.")

@@ -58,6 +58,7 @@ from benchmarks._common import (  # noqa: E402
     REPO_ROOT,
     Samples,
     cores,
+    loadavg_note,
     logger,
     machine_info,
     markdown_table,
@@ -445,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = int(args.size_gib * (1 << 30)) // MIB * MIB
     log(f"making a {nbytes / 2**30:.2f} GiB object of random bytes ...")
     data = memoryview(np.random.default_rng(0).bytes(nbytes))
+    load0 = os.getloadavg()[0]
     S = Samples()
     errors: dict[str, str] = {}
     servers = [s for s in args.servers.split(",") if s]
@@ -502,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
                       "rounds; CPU: seconds per GB moved):\n\n" + markdown_table(
                           ["client", "upload MB/s", "download MB/s", "client CPU up", "client CPU down",
                            "server CPU up", "server CPU down", "error"], rows, "lrrrrrrl"))
+    busy = loadavg_note(load0, cores())
+    if busy:
+        tables.append("Note: " + busy)
     vs = info["versions"]
     tables.append("Versions: " + ", ".join(f"{k} {v}" for k, v in sorted({**vs, **server_versions}.items())))
     for t in tables:
