@@ -144,7 +144,11 @@ class S3Storage(CheckpointStorage):
         o = self.options
         session = boto3.session.Session(profile_name=o.profile) if o.profile else boto3.session.Session()
         cfg = Config(retries={"total_max_attempts": 1}, max_pool_connections=max(16, 2 * o.concurrency),
-                     s3={"addressing_style": o.addressing_style}, connect_timeout=10, read_timeout=120,
+                     # With a CRC-32 on every body (checksums) the store verifies what arrived, so SigV4's
+                     # SHA-256 of each payload is not computed too (0.3 instead of 1.2 CPU s/GB uploaded,
+                     # docs/storage.md "Choosing the client library")
+                     s3={"addressing_style": o.addressing_style, "payload_signing_enabled": not o.checksums},
+                     connect_timeout=10, read_timeout=120,
                      request_checksum_calculation="when_required", response_checksum_validation="when_required")
         region = o.region or session.region_name or "us-east-1"
         return session.client("s3", endpoint_url=o.endpoint_url, region_name=region, config=cfg)
