@@ -266,7 +266,6 @@ class _FlashIOImpl:
         self.load_wait_s = load_wait_s
         self.storage_options = storage_options
         self.scratch_dir = scratch_dir
-        _all_ios.add(self)
         self.last_load: tuple[str, str] | None = None  # (source: "memory" | "storage", path)
         self.deferred_removals = 0  # removals that waited for a persist of their path
         self._warned_dir = False
@@ -274,6 +273,7 @@ class _FlashIOImpl:
         self._warned_outside = False
         self._memory_only = 0
         self._reset()
+        _all_ios.add(self)  # fsspec's s3:// (_lightning_fs) asks the plugins for their dirs and pending saves
 
     def _reset(self) -> None:
         self._engine: CheckpointEngine | None = None
