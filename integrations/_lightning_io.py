@@ -1,6 +1,7 @@
 """The body of ``FlashCheckpointIO`` (``lightning``) and ``PLFlashCheckpointIO`` (``pytorch_lightning``): the
 ``CheckpointIO`` plugin that snapshots every checkpoint Lightning saves and has the node's saver persist it
-to its ``.ckpt`` path (see ``flashckpt.integrations.lightning`` and docs/lightning.md)."""
+to its ``.ckpt`` path, local or in a store (``s3://...``) (see ``flashckpt.integrations.lightning`` and
+docs/lightning.md)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from flashckpt import CheckpointEngine, FlashCheckpointError, PersistError, StorageType
+from flashckpt import CheckpointEngine, FlashCheckpointError, PersistError, StorageType, locations
 from flashckpt import errors as E
 from flashckpt.commit import CommitLayout
 from flashckpt.snapshot_reader import SnapshotReader, job_in_memory
-from flashckpt.storage import local_dir, storage_for, url_scheme
+from flashckpt.storage import FileRecord, file_checksum, local_dir, storage_for, url_scheme
 
 from ._kit import path_inside
+from ._kit_files import SnapshotDir, scratch_root
 
 log = logging.getLogger("flashckpt.integrations.lightning")
 
@@ -39,28 +41,62 @@ background (see the module docstring of ``flashckpt.integrations.lightning``).
 
 Args:
     checkpoint_dir: the directory that contains every ``.ckpt`` path Lightning saves (default: the
-        directory of the first checkpoint saved; saves outside it then go to ``TorchCheckpointIO``).
-        flashckpt keeps its bookkeeping beside it, in ``<parent>/.flashckpt/<name>/``; the job's saver and
-        shared memory are keyed by it.
+        directory of the first checkpoint saved; saves outside it then go to ``TorchCheckpointIO``): a
+        local directory, or the URL of a store (``s3://bucket/run``, with ``ModelCheckpoint(dirpath=
+        "s3://bucket/run")``; see docs/lightning.md). flashckpt keeps its bookkeeping beside a local one, in
+        ``<parent>/.flashckpt/<name>/`` (in a store: inside, in ``.flashckpt/``); the job's saver and shared
+        memory are keyed by it.
     weights_only: how Python objects in memory snapshots are decoded (torch's weights-only rules).
     teardown_timeout_s: how long ``teardown`` waits for the persists (None: no bound).
     load_wait_s: how long a rank that does not hold a checkpoint in memory waits for it on storage.
+    storage_options: options of the store's backend (``s3://``: ``flashckpt.storage_s3.S3Options`` fields
+        such as ``endpoint_url``); the node's saver gets them too.
+    scratch_dir: where a checkpoint loaded from a store is downloaded for Lightning's reader (default
+        ``/dev/shm`` when writable, else the system temp dir); removed after the load.
 
 Thread safety: Lightning calls it from the training thread only; so must you.
 """
 
 
 # ---------------------------------------------------------------------------------------- helpers
+_SERVED: dict[str, bool] = {}  # URL scheme -> whether a flashckpt storage backend serves it
+
+
+def _served(url: str) -> bool:
+    """Whether a flashckpt storage backend serves ``url``'s scheme (``s3``; backends registered later count)."""
+    scheme = url_scheme(url)
+    if not _SERVED.get(scheme):
+        try:
+            storage_for(url).close()
+            _SERVED[scheme] = True
+        except E.InvalidArgumentError:
+            return False
+    return True
+
+
 def _local_path(path: Any, op: str) -> str | None:
-    """The absolute local path of ``path``; None for a URL (``s3://...``), which flashckpt does not write."""
+    """Where flashckpt writes ``path``: its absolute local path, or its normalized URL in a store a flashckpt
+    backend serves (``s3://...``); None for other URLs (``memory://``, ...), which ``TorchCheckpointIO``
+    handles through fsspec."""
     p = os.fspath(path)
     if url_scheme(p) != "file":
-        return None
+        return locations.normpath(p) if _served(p) else None
     return os.path.abspath(local_dir(p, op))
 
 
+def _dir_of(d: str | os.PathLike[str] | None, what: str) -> str | None:
+    """A checkpoint dir as the plugin keeps it: absolute local path or normalized URL (a URL no backend serves
+    is refused, naming those installed)."""
+    if not d:
+        return None
+    loc = locations.checkpoint_location(d, what)
+    return loc if locations.is_url(loc) else os.path.abspath(loc)
+
+
 def _link_target(path: str) -> str:
-    """``path`` with a final symbolic link resolved (``save_last="link"`` makes ``last.ckpt`` one)."""
+    """``path`` with a final symbolic link resolved (``save_last="link"`` makes ``last.ckpt`` one); a URL as is."""
+    if locations.is_url(path):
+        return path
     seen = 0
     while os.path.islink(path) and seen < 40:
         path = os.path.abspath(os.path.join(os.path.dirname(path), os.readlink(path)))
@@ -69,7 +105,10 @@ def _link_target(path: str) -> str:
 
 
 def _remove_path(path: str) -> None:
-    """Removes a file, a symbolic link or a directory (DeepSpeed checkpoints are directories)."""
+    """Removes a file, a symbolic link or a directory (DeepSpeed checkpoints are directories); nothing for a
+    URL (a store's objects are removed by the saver)."""
+    if locations.is_url(path):
+        return
     if os.path.islink(path) or os.path.isfile(path):
         os.remove(path)
     elif os.path.isdir(path):
@@ -138,7 +177,7 @@ def _map_tensors(tree: Any, map_location: Any) -> Any:
     return walk(tree)
 
 
-def find_resume_path(checkpoint_dir: str) -> str | None:
+def find_resume_path(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> str | None:
     """The path of the newest checkpoint flashckpt saved under ``checkpoint_dir``, or None.
 
     Looks at this node's shared memory (snapshots the job's saver still holds, including memory-only
@@ -148,23 +187,57 @@ def find_resume_path(checkpoint_dir: str) -> str | None:
     the file is not (yet) on storage. Reads only; safe to call in every process before ``fit``.
     The job is found as the engine finds it (the checkpoint dir, ``FLASHCKPT_JOB_ID`` /
     ``TORCHELASTIC_RUN_ID``), so call it with the same environment as the run that saved.
+
+    ``checkpoint_dir`` may be a store's URL (``s3://bucket/run``, with the backend's ``storage_options``):
+    there a committed checkpoint counts only when its object matches its manifest (size and checksum:
+    the object is read), falling back to the previous committed one.
     """
-    root = os.path.abspath(checkpoint_dir)
+    root = _dir_of(checkpoint_dir, "find_resume_path")
+    assert root is not None  # _dir_of refuses an empty dir
     best: tuple[int, str | None] = (-1, None)
     with SnapshotReader(root, local_rank=0) as reader:  # sees nothing where the job has no runtime dir here
         for info in reader.snapshots():
             if info.name:
                 best = (info.step, info.name)
                 break
-    layout = CommitLayout(root, storage_for(root))
-    if layout.records_in_use():  # records of a deleted dir of this name are not ours
-        for step, path in sorted(_single_file_steps(layout).items(), reverse=True):
-            if step <= best[0]:
-                break
-            if os.path.exists(path):
-                best = (step, path)
-                break
+    storage = storage_for(root, storage_options)
+    try:
+        layout = CommitLayout(root, storage)
+        if layout.records_in_use():  # records of a deleted dir of this name are not ours
+            for step, path in sorted(_single_file_steps(layout).items(), reverse=True):
+                if step <= best[0]:
+                    break
+                if not locations.is_url(path):
+                    if os.path.exists(path):
+                        best = (step, path)
+                        break
+                    continue
+                problems = layout.verify(step)
+                if not problems:
+                    best = (step, path)
+                    break
+                log.warning("find_resume_path(%s): %s is damaged (%s); trying the previous committed checkpoint",
+                            root, path, "; ".join(problems[:3]))
+    finally:
+        storage.close()
     return best[1]
+
+
+def _stored_record(layout: CommitLayout, path: str) -> FileRecord | None:
+    """The record of ``path`` in the most recently committed manifest that lists it, or None."""
+    try:
+        rel = layout.rel(path)
+    except E.CheckpointDirError:
+        return None
+    for step in reversed(layout.committed_steps()):
+        try:
+            files = layout.read_manifest(step).all_files()
+        except E.CheckpointCorruptError:
+            continue
+        for f in files:
+            if f.path == rel:
+                return f
+    return None
 
 
 # ---------------------------------------------------------------------------------------- the plugin
@@ -182,14 +255,17 @@ class _FlashIOImpl:
         cls._tree, cls._torch_io_cls, cls.__module__, cls.__doc__ = tree, torch_io, _PUBLIC, _IO_DOC
 
     def __init__(self, checkpoint_dir: str | None = None, *, weights_only: bool = True,
-                 teardown_timeout_s: float | None = 1800.0, load_wait_s: float = 600.0) -> None:
+                 teardown_timeout_s: float | None = 1800.0, load_wait_s: float = 600.0,
+                 storage_options: dict[str, Any] | None = None, scratch_dir: str | None = None) -> None:
         super().__init__()
         if teardown_timeout_s is not None and teardown_timeout_s <= 0:
             raise E.InvalidArgumentError(f"FlashCheckpointIO(teardown_timeout_s={teardown_timeout_s!r}): must be > 0 or None")
-        self.checkpoint_dir = os.path.abspath(checkpoint_dir) if checkpoint_dir else None
+        self.checkpoint_dir = _dir_of(checkpoint_dir, "FlashCheckpointIO")
         self.weights_only = weights_only
         self.teardown_timeout_s = teardown_timeout_s
         self.load_wait_s = load_wait_s
+        self.storage_options = storage_options
+        self.scratch_dir = scratch_dir
         self.last_load: tuple[str, str] | None = None  # (source: "memory" | "storage", path)
         self.deferred_removals = 0  # removals that waited for a persist of their path
         self._warned_dir = False
@@ -197,6 +273,7 @@ class _FlashIOImpl:
         self._warned_outside = False
         self._memory_only = 0
         self._reset()
+        _all_ios.add(self)  # fsspec's s3:// (_lightning_fs) asks the plugins for their dirs and pending saves
 
     def _reset(self) -> None:
         self._engine: CheckpointEngine | None = None
@@ -220,6 +297,7 @@ class _FlashIOImpl:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._reset()
+        _all_ios.add(self)
 
     def __repr__(self) -> str:
         other = _NAMES["pytorch_lightning" if self._tree == "lightning" else "lightning"][0]
@@ -241,17 +319,20 @@ class _FlashIOImpl:
 
         Args:
             checkpoint: the dict Lightning built (``Trainer.save_checkpoint``).
-            path: the ``.ckpt`` to write, a local path inside ``checkpoint_dir`` (default: the directory
-                of the first checkpoint this plugin saves; without ``checkpoint_dir``, a path outside it
-                is saved by ``TorchCheckpointIO``). A URL (``s3://``, ``memory://``) is
-                saved by Lightning's ``TorchCheckpointIO`` instead (synchronously, no flash snapshot).
+            path: the ``.ckpt`` to write, inside ``checkpoint_dir`` (default: the directory of the first
+                checkpoint this plugin saves; without ``checkpoint_dir``, a path outside it is saved by
+                ``TorchCheckpointIO``): a local path, or a URL in a store (``s3://``). A URL of a scheme no
+                flashckpt backend serves (``memory://``, ...) is saved by Lightning's ``TorchCheckpointIO``
+                instead (synchronously, no flash snapshot). In a store nothing appears before the persist
+                (an object is created whole), but ``ModelCheckpoint`` sees the path at once through
+                fsspec (see ``flashckpt.integrations._lightning_fs``).
             storage_options: None or ``StorageType.DISK`` to persist; ``StorageType.MEMORY`` for a
                 memory-only snapshot (persisted only if the process dies before a newer one). Other
                 options are Lightning's: the save goes to ``TorchCheckpointIO`` with them.
 
         Raises:
             FlashCheckpointError: ``path`` is outside ``checkpoint_dir``, or a memory-only snapshot of a
-                URL (nothing written).
+                URL no flashckpt backend serves (nothing written).
             PersistError: an earlier persist failed (raised after this snapshot was taken); outside
                 ``fit``, this one failed.
         """
@@ -263,9 +344,9 @@ class _FlashIOImpl:
         if target is None:
             if storage == StorageType.MEMORY:
                 raise FlashCheckpointError(
-                    f"FlashCheckpointIO.save_checkpoint({os.fspath(path)!r}): a memory-only snapshot needs a local "
-                    "path (its persist after a crash is written by flashckpt); give FlashMemorySnapshot(dirpath=...) "
-                    "or FlashCheckpointIO(checkpoint_dir=...) a local directory")
+                    f"FlashCheckpointIO.save_checkpoint({os.fspath(path)!r}): a memory-only snapshot needs a path "
+                    "flashckpt writes (its persist after a crash is written by flashckpt): a local path or a store it "
+                    "serves (s3://); give FlashMemorySnapshot(dirpath=...) or FlashCheckpointIO(checkpoint_dir=...) one")
             self._torch_save(checkpoint, path, None)
             return
         if self._elsewhere(target):
@@ -326,9 +407,9 @@ class _FlashIOImpl:
         chose by itself, and ``storage_options`` that are not flashckpt's."""
         if storage_options is None and not self._warned_url and _local_path(path, "save_checkpoint") is None:
             self._warned_url = True
-            log.warning("FlashCheckpointIO: %s is not a local path; flashckpt writes local (POSIX) paths only, so "
-                        "Lightning's TorchCheckpointIO saves it (synchronously, without a flash snapshot) and every "
-                        "other URL of this plugin. Use a local dirpath for flash checkpoints.", os.fspath(path))
+            log.warning("FlashCheckpointIO: %s is a URL that no flashckpt storage backend serves, so Lightning's "
+                        "TorchCheckpointIO saves it (synchronously, without a flash snapshot) and every other such URL "
+                        "of this plugin. Use a local dirpath, or s3://, for flash checkpoints.", os.fspath(path))
         io = self._torch_io_cls()
         try:
             io.save_checkpoint(checkpoint, path, storage_options=storage_options)
@@ -391,8 +472,9 @@ class _FlashIOImpl:
     def _reserve(self, target: str, disk: bool) -> None:
         """Creates ``target`` empty when it does not exist, so that it exists once ``save_checkpoint``
         returns, as after ``torch.save``: ``ModelCheckpoint`` picks ``-v1`` names by that. The persist
-        replaces it atomically; a failed persist removes it again."""
-        if not disk:
+        replaces it atomically; a failed persist removes it again. In a store nothing is created (only the
+        saver writes there): fsspec's ``s3://`` of ``_lightning_fs`` reports pending saves as existing."""
+        if not disk or locations.is_url(target):
             return
         try:
             os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -421,15 +503,18 @@ class _FlashIOImpl:
         of path and save is broadcast, and a rank whose node does not hold that save in memory waits
         (up to ``load_wait_s``) for it to be committed on storage. ``weights_only`` applies to file
         loads; Python objects in memory snapshots are decoded under the plugin's ``weights_only``.
+        A file in a store (``s3://``) is downloaded into ``scratch_dir``, checked against the manifest
+        that lists it (when flashckpt committed it) and read by Lightning's ``TorchCheckpointIO``.
 
         Raises:
             FileNotFoundError: neither memory nor storage has ``path``.
+            CheckpointCorruptError: the file in the store does not match its manifest.
         """
         target = _local_path(path, "load_checkpoint")
         seq = None
         if target is not None:
             target = _link_target(target)
-            root = self.checkpoint_dir or (self._engine.checkpoint_dir if self._engine else os.path.dirname(target))
+            root = self.checkpoint_dir or (self._engine.checkpoint_dir if self._engine else locations.parent(target))
             # An engine is made for a load only where a saver of this job may hold snapshots (its runtime
             # dir exists): loading someone else's checkpoint never starts a saver or writes into its dir.
             if path_inside(target, root) and (self._engine is not None or job_in_memory(root)):
@@ -449,11 +534,40 @@ class _FlashIOImpl:
         kw: dict[str, Any] = {"weights_only": weights_only}
         if map_location is not None:
             kw["map_location"] = map_location
-        # The caller's own path as given (Lightning's messages name it so); another rank's choice as chosen.
-        sd = io.load_checkpoint(path if target == own else target, **kw)
+        if target is not None and locations.is_url(target):
+            sd = self._load_stored(target, io, kw)
+        else:
+            # The caller's own path as given (Lightning's messages name it so); another rank's choice as chosen.
+            sd = io.load_checkpoint(path if target == own else target, **kw)
         self.last_load = ("storage", str(target if target is not None else path))
         log.info("event=lightning_load path=%s source=storage", target or path)
         return sd
+
+    def _load_stored(self, target: str, io: Any, kw: dict[str, Any]) -> dict[str, Any]:
+        """``target`` in a store: downloaded into a private scratch dir, checked against the manifest that
+        lists it, read by ``TorchCheckpointIO`` (Lightning's own reader), removed."""
+        engine = self._engine
+        if engine is not None and path_inside(target, engine.checkpoint_dir):
+            return self._read_copy(engine.layout, target, io, kw)
+        root = self.checkpoint_dir if self.checkpoint_dir and path_inside(target, self.checkpoint_dir) \
+            else locations.parent(target)
+        storage = storage_for(root, self.storage_options)
+        try:
+            return self._read_copy(CommitLayout(root, storage), target, io, kw)
+        finally:
+            storage.close()
+
+    def _read_copy(self, layout: CommitLayout, target: str, io: Any, kw: dict[str, Any]) -> dict[str, Any]:
+        record = _stored_record(layout, target)
+        with SnapshotDir(scratch_root(self.scratch_dir), "load", prefix="flashckpt-lightning-") as d:
+            name = locations.basename(target)
+            local = d.fetch(name, layout.storage, target)
+            if record is not None and file_checksum(local) != (record.size, record.xxh3):
+                raise E.CheckpointCorruptError(
+                    f"FlashCheckpointIO.load_checkpoint({target!r}): the object does not match its manifest (damaged "
+                    "in the store); resume from FlashCheckpointIO.resume_path(), which falls back to the previous "
+                    "committed checkpoint")
+            return dict(io.load_checkpoint(local, **kw))
 
     def remove_checkpoint(self, path: Any) -> None:
         """Removes ``path`` at once, and again once every persist of it scheduled so far is done.
@@ -463,16 +577,17 @@ class _FlashIOImpl:
         ``teardown``), so a removed checkpoint never stays. A path saved again after its removal is kept.
         """
         target = _local_path(path, "remove_checkpoint")
-        if target is not None and os.path.isdir(target) and not os.path.islink(target) and not self._warned_dir:
+        local = None if target is None or locations.is_url(target) else target
+        if local is not None and os.path.isdir(local) and not os.path.islink(local) and not self._warned_dir:
             self._warned_dir = True
             log.warning("FlashCheckpointIO.remove_checkpoint(%r): a directory, which this plugin never writes: the "
                         "Trainer's strategy saves without CheckpointIO (DeepSpeed, sharded FSDP), so its checkpoints "
                         "are not flash checkpoints; see flashckpt.integrations.lightning.check_strategy", target)
         if target is None or self._engine is None or not path_inside(target, self._engine.checkpoint_dir):
-            if target is None:
+            if local is not None:
+                _remove_path(local)
+            else:  # through fsspec (a store's objects outside this plugin's dir: only with s3fs)
                 self._torch_io_cls().remove_checkpoint(path)
-            else:
-                _remove_path(target)
             return
         self._reconcile()
         if target in self._pending.values():
@@ -530,12 +645,13 @@ class _FlashIOImpl:
             self._memory_only -= 1
 
     def resume_path(self, checkpoint_dir: str | None = None) -> str | None:
-        """``find_resume_path`` of ``checkpoint_dir`` (default: the plugin's ``checkpoint_dir``)."""
+        """``find_resume_path`` of ``checkpoint_dir`` (default: the plugin's ``checkpoint_dir``), with the
+        plugin's ``storage_options``."""
         d = checkpoint_dir or self.checkpoint_dir
         if not d:
             raise E.InvalidArgumentError("FlashCheckpointIO.resume_path(): pass the checkpoint dir, or construct the plugin "
                              "with FlashCheckpointIO(checkpoint_dir=...)")
-        return find_resume_path(d)
+        return find_resume_path(d, storage_options=self.storage_options)
 
     @property
     def engine(self) -> CheckpointEngine | None:
@@ -551,10 +667,11 @@ class _FlashIOImpl:
             self._close(release=True)
             engine = None
         if engine is None:
-            root = self.checkpoint_dir or os.path.dirname(target)
+            root = self.checkpoint_dir or locations.parent(target)
             if not path_inside(target, root):
                 raise FlashCheckpointError(self._outside(op, target, root))
-            engine = CheckpointEngine(root, max_to_keep=0, replicated=True, weights_only=self.weights_only)
+            engine = CheckpointEngine(root, max_to_keep=0, replicated=True, weights_only=self.weights_only,
+                                      storage_options=self.storage_options)
             self._engine = engine
             _open_ios.add(self)
             # A plugin dropped without teardown (a save outside fit) detaches when collected; at exit the
@@ -641,9 +758,14 @@ class _FlashIOImpl:
                         self._engine.layout.meta, e)
 
     def _delete(self, path: str) -> None:
-        """Removes ``path`` and the bookkeeping of its saves (no persist of it may be pending)."""
-        for s in sorted(self._live.pop(path, [])):
+        """Removes ``path`` and the bookkeeping of its saves (no persist of it may be pending). In a store
+        the saver removes it: with the steps that list it, else (not committed by this plugin) by path."""
+        steps = sorted(self._live.pop(path, []))
+        for s in steps:
             self._drop_step(s)
+        if locations.is_url(path) and not steps and self._engine is not None:
+            with contextlib.suppress(FileNotFoundError):  # nothing there: as a removal of a missing file
+                self._engine.delete_checkpoint(path)
         _remove_path(path)
         log.debug("removed checkpoint %s", path)
 
@@ -699,6 +821,36 @@ class _FlashIOImpl:
 
 
 _open_ios: weakref.WeakSet[_FlashIOImpl] = weakref.WeakSet()  # plugins with an engine
+_all_ios: weakref.WeakSet[_FlashIOImpl] = weakref.WeakSet()  # every plugin of this process
+
+
+def plugin_for(url: str) -> _FlashIOImpl | None:
+    """The plugin of this process whose checkpoint dir (its engine's, else the one it was given) holds
+    ``url``; one with an engine first. For fsspec's ``s3://`` of ``_lightning_fs``."""
+    found = None
+    for io in list(_all_ios):
+        engine = io._engine
+        if engine is not None and path_inside(url, engine.checkpoint_dir):
+            return io
+        if found is None and io.checkpoint_dir and path_inside(url, io.checkpoint_dir):
+            found = io
+    return found
+
+
+def pending_saves(url: str) -> list[str]:
+    """The paths at or below ``url`` that a plugin of this process saved and still persists (and that were
+    not removed since): they exist for ``ModelCheckpoint`` as after ``torch.save``."""
+    out = []
+    for io in list(_all_ios):
+        for path in list(io._pending.values()):
+            if path not in io._doomed and path_inside(path, url):
+                out.append(path)
+    return sorted(set(out))
+
+
+def pending_save(url: str) -> bool:
+    """Whether ``url`` itself is a pending save (see ``pending_saves``)."""
+    return url in pending_saves(url)
 
 
 @atexit.register

@@ -4,18 +4,23 @@
 ``save_state`` runs Accelerate's own ``save_state`` with its output aimed at a private scratch directory
 and captures the files it writes there (``Capture``: tensors into shared memory, small files as bytes);
 ``load_state`` lays a memory snapshot out as files (``SnapshotDir``) for Accelerate's ``load_state``.
-Also exported by ``flashckpt.integrations.hf``.
+The checkpoint dir may be in a store (``s3://bucket/prefix``): a load from there downloads the committed
+step's files into a private scratch directory (``fetch_step``), checks them against the step's manifest and
+lets Accelerate read that copy. Also exported by ``flashckpt.integrations.hf``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import TYPE_CHECKING, Any
 
-from flashckpt import CheckpointEngine, FileSet, StorageType
+from flashckpt import CheckpointEngine, FileSet, StorageType, locations
 from flashckpt import errors as E
+from flashckpt.commit import CommitLayout
 from flashckpt.engine import Located
+from flashckpt.storage import file_checksum
 
 from ._kit import Adapter, barrier
 from ._kit_files import Capture, SnapshotDir, all_ranks_files, scratch, scratch_root
@@ -23,7 +28,47 @@ from ._kit_files import Capture, SnapshotDir, all_ranks_files, scratch, scratch_
 if TYPE_CHECKING:
     from .hf import FlashCkptConfig
 
-__all__ = ["AcceleratorCheckpointer", "StorageType"]
+__all__ = ["AcceleratorCheckpointer", "StorageType", "fetch_step", "committed_step_of"]
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------- store copies
+def committed_step_of(layout: CommitLayout, base: str) -> int | None:
+    """The most recently committed step whose rank-0 file set lives in the directory ``base``, or None."""
+    want = locations.normpath(base)
+    for step in reversed(layout.committed_steps()):
+        try:
+            if layout.base(step, 0) == want:
+                return step
+        except E.FlashCheckpointError as e:  # a damaged manifest: not this one
+            log.warning("%s: step %d: %s", layout.root, step, e)
+    return None
+
+
+def fetch_step(view: SnapshotDir, layout: CommitLayout, step: int, base: str) -> None:
+    """Downloads committed ``step``'s files under the directory ``base`` (every rank's: frameworks read
+    other ranks' files, such as rank 0's weights) into ``view``, each under its name inside ``base``, and
+    checks each copy against the manifest (size and xxh3), for a framework that reads a local directory.
+
+    Raises:
+        CheckpointCorruptError: a copy does not match the manifest (the stored file is damaged).
+    """
+    manifest = layout.read_manifest(step)
+    rel = layout.rel(base)
+    prefix = "" if rel == "." else rel.rstrip("/") + "/"
+    done: set[str] = set()
+    for f in manifest.all_files():
+        if not f.path.startswith(prefix) or f.path[len(prefix):] in done:
+            continue  # a tracker file outside the step's directory, or a name another rank lists too
+        name = f.path[len(prefix):]
+        # The stored size, not the manifest's: a damaged, shorter object then fails the check below rather
+        # than a ranged read past its end (SnapshotDir.fetch's mmap then hides that error behind a BufferError).
+        local = view.fetch(name, layout.storage, layout.abs(f.path))
+        if file_checksum(local) != (f.size, f.xxh3):
+            raise E.CheckpointCorruptError(f"{layout.abs(f.path)} does not match the manifest of step {step} "
+                                           "(damaged in the store); resume from an older committed step")
+        done.add(name)
 
 
 class AcceleratorCheckpointer(Adapter):
@@ -37,9 +82,14 @@ class AcceleratorCheckpointer(Adapter):
             ``<parent>/.flashckpt/<name>/``); with
             ``ProjectConfiguration(automatic_checkpoint_naming=True)`` it defaults to the project dir, the
             checkpoints go to ``<project_dir>/checkpoints/checkpoint_<i>`` as Accelerate names them, and
-            ``total_limit`` is the retention.
-        config: a ``flashckpt.integrations.hf.FlashCkptConfig``; its ``scratch_dir`` is used (the other
-            fields are the Trainer's).
+            ``total_limit`` is the retention. It may be the URL of a store (``s3://bucket/run``; records
+            inside it, in ``.flashckpt/``): ``output_dir`` then names a directory in it (a URL, or a path
+            relative to it), automatic naming puts ``checkpoints/checkpoint_<i>`` in it, and a load from
+            the store downloads the step into ``scratch_dir`` first.
+        config: a ``flashckpt.integrations.hf.FlashCkptConfig``; its ``scratch_dir`` and ``storage_options``
+            are used (the other fields are the Trainer's).
+        storage_options: options of the store's backend (``s3://``: ``flashckpt.storage_s3.S3Options``
+            fields such as ``endpoint_url``); default: the config's.
 
     Example::
 
@@ -54,7 +104,7 @@ class AcceleratorCheckpointer(Adapter):
     """
 
     def __init__(self, accelerator: Any, checkpoint_dir: str | None = None, *,
-                 config: FlashCkptConfig | None = None) -> None:
+                 config: FlashCkptConfig | None = None, storage_options: dict[str, Any] | None = None) -> None:
         pc = accelerator.project_configuration
         self.accelerator = accelerator
         self.config = config
@@ -67,8 +117,11 @@ class AcceleratorCheckpointer(Adapter):
             # The project dir, not its checkpoints/ (where Accelerate expects only checkpoint_<i> folders).
             checkpoint_dir = accelerator.project_dir
         limit = pc.total_limit if self.automatic and pc.total_limit else 0
+        if storage_options is None:
+            storage_options = getattr(config, "storage_options", None)
         self.engine = CheckpointEngine(checkpoint_dir, max_to_keep=limit, replicated=False,
-                                       weights_only=accelerator.distributed_type.value != "DEEPSPEED")
+                                       weights_only=accelerator.distributed_type.value != "DEEPSPEED",
+                                       storage_options=storage_options)
         self.checkpoint_dir = self.engine.checkpoint_dir
         self.last_load: Located | None = None
 
@@ -77,8 +130,9 @@ class AcceleratorCheckpointer(Adapter):
         """Like ``Accelerator.save_state``; returns the checkpoint's directory.
 
         Args:
-            output_dir: the checkpoint's directory inside ``checkpoint_dir``; with automatic checkpoint
-                naming, leave it None (``checkpoint_<iteration>``).
+            output_dir: the checkpoint's directory inside ``checkpoint_dir`` (in a store: its URL, or a path
+                relative to ``checkpoint_dir``); with automatic checkpoint naming, leave it None
+                (``checkpoint_<iteration>``).
             step: the checkpoint's step (increasing); with automatic naming, the iteration.
             storage_type: MEMORY (a snapshot only) or DISK (also persisted in the background).
             kwargs: passed to ``Accelerator.save_state`` (``safe_serialization``, ...).
@@ -89,14 +143,16 @@ class AcceleratorCheckpointer(Adapter):
                 raise E.InvalidArgumentError("save_state(output_dir=...): automatic checkpoint naming picks the directory; "
                                  "leave output_dir None")
             step = pc.iteration if step is None else step
-            output_dir = os.path.join(self.accelerator.project_dir, "checkpoints", f"checkpoint_{pc.iteration}")
+            # In a store, under the checkpoint dir (the project dir is local); else as Accelerate names them.
+            home = self.checkpoint_dir if self._in_store else self.accelerator.project_dir
+            output_dir = locations.join(home, "checkpoints", f"checkpoint_{pc.iteration}")
         if output_dir is None or step is None:
             raise E.InvalidArgumentError("save_state(): pass output_dir and step=<the training step> (flashckpt orders "
                              "checkpoints by step)")
-        target = os.path.abspath(output_dir)
+        target = self._target(output_dir)
         rel = self.engine.layout.rel(target)
         fs = FileSet()
-        with scratch(scratch_root(self.scratch_dir), os.path.basename(target), prefix="flashckpt-hf-") as tmp:
+        with scratch(scratch_root(self.scratch_dir), locations.basename(target), prefix="flashckpt-hf-") as tmp:
             cap = Capture(tmp, fs)
             auto = pc.automatic_checkpoint_naming
             pc.automatic_checkpoint_naming = False  # save_state must write where we say and delete nothing
@@ -109,30 +165,67 @@ class AcceleratorCheckpointer(Adapter):
             self.engine.save(step, fs, path=rel, storage_type=storage_type)
         return target
 
+    @property
+    def _in_store(self) -> bool:
+        return locations.is_url(self.checkpoint_dir)
+
+    def _target(self, path: str) -> str:
+        """The location ``path`` (``output_dir`` / ``input_dir``) names: an absolute local path; in a store,
+        a URL as given or a relative path inside the checkpoint dir."""
+        if self._in_store:
+            return locations.resolve_in(self.checkpoint_dir, "", path, "output_dir")
+        return os.path.abspath(locations.local_dir(path, "AcceleratorCheckpointer"))
+
     def load_state(self, input_dir: str | None = None, **kwargs: Any) -> Located:
         """Like ``Accelerator.load_state``: the newest checkpoint every process has (from memory when it
-        holds it), or ``input_dir``. Returns where it came from (``source`` "none": nothing to load)."""
+        holds it, else the newest committed one whose checksums verify, falling back to older ones), or
+        ``input_dir``. A checkpoint in a store is downloaded into ``scratch_dir`` (and checked against its
+        manifest) for Accelerate to read. Returns where it came from (``source`` "none": nothing to load).
+
+        Raises:
+            InvalidArgumentError: ``input_dir`` is in a store but is not a committed checkpoint of this
+                checkpoint dir.
+            CheckpointCorruptError: the checkpoint in the store does not match its manifest.
+        """
         loc = self.engine.locate()
-        want = os.path.abspath(input_dir) if input_dir is not None else None
+        want = self._target(input_dir) if input_dir is not None else None
         if loc.source == "memory" and loc.step is not None and loc.path and (want is None or want == loc.path):
             files = all_ranks_files(self.engine.load_memory(loc.step))
-            with SnapshotDir(scratch_root(self.scratch_dir), os.path.basename(loc.path),
+            with SnapshotDir(scratch_root(self.scratch_dir), locations.basename(loc.path),
                              prefix="flashckpt-hf-resume-") as view:
                 for name, e in files.items():
                     if e.kind != "tracker":
                         view.write(name, e)
                 self.accelerator.load_state(view.dir, **kwargs)
         elif want is not None:
-            self.accelerator.load_state(want, **kwargs)
+            self._load_from(want, None, **kwargs)
             loc = Located(None, "storage", want)
         elif loc.source == "storage" and loc.path:
-            self.accelerator.load_state(loc.path, **kwargs)
+            self._load_from(loc.path, loc.step, **kwargs)
         if self.automatic and loc.source != "none":
-            m = re.search(r"(\d+)$", os.path.basename(loc.path or ""))
+            m = re.search(r"(\d+)$", locations.basename(loc.path or ""))
             if m:
                 self.accelerator.project_configuration.iteration = int(m.group(1)) + 1
         self.last_load = loc
         return loc
+
+    def _load_from(self, path: str, step: int | None, **kwargs: Any) -> None:
+        """``Accelerator.load_state`` of a persisted checkpoint: a local directory as it is; one in a store
+        downloaded first (``step``: its committed step, None to look it up)."""
+        if not locations.is_url(path):
+            self.accelerator.load_state(path, **kwargs)
+            return
+        layout = self.engine.layout
+        step = committed_step_of(layout, path) if step is None else step
+        if step is None:
+            raise E.InvalidArgumentError(
+                f"load_state({path!r}): not a committed checkpoint of {self.checkpoint_dir} (being persisted, never "
+                f"saved, or elsewhere); committed: {layout.committed_steps()}. Pass no input_dir for the newest")
+        with SnapshotDir(scratch_root(self.scratch_dir), locations.basename(path),
+                         prefix="flashckpt-hf-resume-") as view:
+            fetch_step(view, layout, step, path)
+            log.info("event=load step=%d source=storage path=%s (downloaded)", step, path)
+            self.accelerator.load_state(view.dir, **kwargs)
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until every checkpoint saved so far is committed (on every process); raises a persist error."""

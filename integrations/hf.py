@@ -8,7 +8,9 @@ vanilla ``checkpoint-N/`` (``model.safetensors``, ``optimizer.pt``, ``scheduler.
 it. ``FlashCkptConfig(memory_snapshot_steps=k)`` adds memory-only snapshots every ``k`` steps in
 between; when the process dies, the saver persists the newest one as ``checkpoint-N/``, and
 ``train(resume_from_checkpoint=True)`` in a restarted process resumes from memory when memory holds a
-newer step than storage.
+newer step than storage. ``FlashCkptConfig(checkpoint_dir="s3://bucket/run")`` puts the ``checkpoint-N/``
+folders in a store instead of ``output_dir`` (which keeps the logs and the final model); a resume from
+there downloads the committed step into a private scratch dir for the Trainer's own loader.
 
 Example::
 
@@ -46,7 +48,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from flashckpt import CheckpointEngine, FileSet, StorageType
+from flashckpt import CheckpointEngine, FileSet, StorageType, locations
 from flashckpt import errors as E
 from flashckpt.commit import CommitLayout
 from flashckpt.engine import Located, local_dir
@@ -56,7 +58,7 @@ from flashckpt.storage import storage_for
 
 from ._kit import barrier, step_of
 from ._kit_files import Capture, SnapshotDir, all_ranks_files, scratch, scratch_root
-from .accelerate import AcceleratorCheckpointer
+from .accelerate import AcceleratorCheckpointer, committed_step_of, fetch_step
 
 try:
     import transformers
@@ -94,33 +96,60 @@ class FlashCkptConfig:
             training waits anyway: the Trainer deletes all but the best one at the end.)
         scratch_dir: where the small files of a checkpoint are staged while it is captured (default
             ``/dev/shm`` when present, else the system temp dir). Nothing large is written there, except
-            for a DeepSpeed resume from memory (see docs/hf.md).
+            for a DeepSpeed resume from memory and a resume from a store (the checkpoint is downloaded
+            there; see docs/hf.md).
+        checkpoint_dir: where the ``checkpoint-N/`` folders go, instead of ``args.output_dir``: a local
+            directory or the URL of a store (``s3://bucket/run``; see docs/storage.md). ``output_dir``
+            stays local: the Trainer writes its logs and the final model there. None: ``output_dir``.
+        storage_options: options of the store's backend (``s3://``: ``flashckpt.storage_s3.S3Options``
+            fields such as ``endpoint_url``, ``part_size_mb``); the node's saver gets them too.
     """
 
     memory_snapshot_steps: int = 0
     wait_on_train_end: bool = True
     scratch_dir: str | None = None
+    checkpoint_dir: str | None = None
+    storage_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.memory_snapshot_steps, int) or self.memory_snapshot_steps < 0:
             raise E.InvalidArgumentError(f"FlashCkptConfig(memory_snapshot_steps={self.memory_snapshot_steps!r}): "
                              "must be an integer >= 0 (0 turns memory-only snapshots off)")
+        if self.checkpoint_dir is not None:  # a URL no backend serves is refused here, before any training
+            locations.checkpoint_location(self.checkpoint_dir, "FlashCkptConfig(checkpoint_dir)")
 
 
 # ---------------------------------------------------------------------------------------------- lookup
 def _step_of(path: str) -> int | None:
-    return step_of(path, _CHECKPOINT_RE)
+    return step_of(locations.basename(path) if locations.is_url(path) else path, _CHECKPOINT_RE)
 
 
-def get_last_checkpoint(folder: str, *, verify: bool = False) -> str | None:
+def _location(d: str) -> str:
+    """A checkpoint location as the engine names it: a local path absolute, a URL normalized (a URL that no
+    storage backend serves is refused, naming those installed)."""
+    loc = locations.checkpoint_location(d, "FlashCkptTrainer")
+    return loc if locations.is_url(loc) else os.path.abspath(loc)
+
+
+def get_last_checkpoint(folder: str, *, verify: bool = False, storage_options: dict[str, Any] | None = None) -> str | None:
     """The newest ``checkpoint-N`` in ``folder`` that is safe to resume from, or None.
 
     In a folder written by flashckpt only committed checkpoints count (never one still being persisted,
     nor the remains of one a crash interrupted); with ``verify`` their checksums are checked too, falling
     back to older ones. In a folder flashckpt never wrote to (a vanilla Trainer's), the newest
-    ``checkpoint-N`` holding a ``trainer_state.json`` (the file the Trainer writes last).
+    ``checkpoint-N`` holding a ``trainer_state.json`` (the file the Trainer writes last). ``folder`` may
+    be the URL of a store (``s3://bucket/run``, with the backend's ``storage_options``); there only
+    committed checkpoints count, and the answer is their URL.
     """
-    layout = CommitLayout(folder, storage_for(folder))
+    folder = locations.checkpoint_location(folder, "get_last_checkpoint")
+    storage = storage_for(folder, storage_options)
+    try:
+        return _last_checkpoint(folder, CommitLayout(folder, storage), verify)
+    finally:
+        storage.close()
+
+
+def _last_checkpoint(folder: str, layout: CommitLayout, verify: bool) -> str | None:
     # Records that describe an earlier directory of this name (deleted since) are not this folder's.
     records = layout.records_in_use()
     committed = layout.committed_steps() if records else []
@@ -131,7 +160,8 @@ def get_last_checkpoint(folder: str, *, verify: bool = False) -> str | None:
             except Exception as e:  # a damaged manifest: fall back to the previous step
                 log.warning("get_last_checkpoint(%s): step %d: %s", folder, step, e)
                 continue
-            if not base or _step_of(base) is None or not os.path.isdir(base):
+            if not base or _step_of(base) is None or not (layout.storage.isdir(base) if locations.is_url(base)
+                                                          else os.path.isdir(base)):
                 continue
             if verify:
                 problems = layout.verify(step)
@@ -141,7 +171,7 @@ def get_last_checkpoint(folder: str, *, verify: bool = False) -> str | None:
                     continue
             return base
         return None
-    if not os.path.isdir(folder):
+    if locations.is_url(folder) or not os.path.isdir(folder):
         return None
     found = [(s, n) for n in os.listdir(folder) if (s := _step_of(n)) is not None
              and os.path.isfile(os.path.join(folder, n, _TRAINER_STATE))]
@@ -179,7 +209,12 @@ class _TrainerRetention(CheckpointDeletionStrategy):
 # ---------------------------------------------------------------------------------------------- memory view
 class _MemoryView(SnapshotDir):
     """A memory snapshot laid out for the Trainer: small files written into ``dir``; the model weights
-    and optimizer state (when the Trainer's plain path loads them) kept as tensors."""
+    and optimizer state (when the Trainer's plain path loads them) kept as tensors. Also a committed
+    checkpoint downloaded from a store (every file in ``dir``).
+
+    ``best``: the ``best_model_checkpoint`` of its ``trainer_state.json`` when that is in a store (the copy
+    in ``dir`` says None: the Trainer drops a best checkpoint it cannot find locally; it is restored after
+    the Trainer read the state)."""
 
     def __init__(self, root: str, name: str, step: int, origin: str) -> None:
         super().__init__(root, name, prefix="flashckpt-hf-resume-")
@@ -187,6 +222,20 @@ class _MemoryView(SnapshotDir):
         self.origin = origin
         self.weights: dict[str, torch.Tensor] | None = None
         self.optimizer: Any = None
+        self.best: str | None = None
+
+    def hide_stored_best(self) -> None:
+        """Moves a ``best_model_checkpoint`` in a store out of the copy's ``trainer_state.json`` into ``best``."""
+        path = self.path(_TRAINER_STATE)
+        if not os.path.isfile(path):
+            return
+        with open(path) as f:
+            state = json.load(f)
+        best = state.get("best_model_checkpoint")
+        if isinstance(best, str) and locations.is_url(best):
+            self.best, state["best_model_checkpoint"] = best, None
+            with open(path, "w") as f:
+                json.dump(state, f, indent=2, sort_keys=True)
 
     def close(self) -> None:
         self.weights = self.optimizer = None
@@ -254,11 +303,14 @@ class FlashCkptTrainer(Trainer):
 
     Raises:
         ValueError: FSDP is enabled (not supported yet, see docs/hf.md), or the Trainer runs on XLA/SageMaker
-            model parallelism.
+            model parallelism, or ``push_to_hub`` with checkpoints in a store.
+        CheckpointDirError: ``args.output_dir`` is a URL (it must be local: use
+            ``FlashCkptConfig(checkpoint_dir="s3://...")`` for the checkpoints).
 
-    The checkpoint dir is the run's output dir (``args.output_dir``); flashckpt keeps its bookkeeping beside
-    it, in ``<parent of output_dir>/.flashckpt/<name of output_dir>/`` (see docs/design.md, **Records**), so
-    the output dir holds only what the Trainer writes. ``save_total_limit`` and the best checkpoint are
+    The checkpoint dir is the run's output dir (``args.output_dir``), or ``flashckpt_config.checkpoint_dir``
+    (a local directory or a store's URL, ``s3://bucket/run``); flashckpt keeps its bookkeeping beside it, in
+    ``<parent>/.flashckpt/<name>/`` (see docs/design.md, **Records**; in a store: inside it, in
+    ``.flashckpt/``), so the checkpoint dir holds only what the Trainer writes. ``save_total_limit`` and the best checkpoint are
     honoured by flashckpt's retention after each commit, which never deletes a checkpoint still being persisted. Use this module's
     ``get_last_checkpoint`` (not transformers') to find the newest committed checkpoint.
 
@@ -270,6 +322,12 @@ class FlashCkptTrainer(Trainer):
         output_dir = getattr(training_args, "output_dir", None)
         if output_dir:  # a URL is refused before the Trainer makes the dir
             self._flash_dir(output_dir)
+        stored = flashckpt_config is not None and locations.is_url(flashckpt_config.checkpoint_dir or "")
+        if stored and getattr(training_args, "push_to_hub", False):  # before the Trainer creates the Hub repo
+            raise E.InvalidArgumentError(
+                "FlashCkptTrainer: push_to_hub uploads checkpoint folders from a local directory, and "
+                f"FlashCkptConfig(checkpoint_dir={flashckpt_config.checkpoint_dir!r}) puts them in a store; use a "  # type: ignore[union-attr]
+                "local checkpoint_dir with push_to_hub")
         super().__init__(*args, **kwargs)
         self.flashckpt_config = flashckpt_config or FlashCkptConfig()
         if self.is_fsdp_enabled or getattr(self, "is_fsdp_xla_enabled", False):
@@ -293,22 +351,47 @@ class FlashCkptTrainer(Trainer):
 
     # ------------------------------------------------------------------ engine
     def flashckpt_engine(self, run_dir: str | None = None) -> CheckpointEngine:
-        """The engine of ``run_dir`` (default: ``args.output_dir``), created on first use."""
-        run_dir = self._flash_dir(run_dir or self._get_output_dir(trial=getattr(self, "_trial", None)))
+        """The engine of ``run_dir`` (default: the checkpoint dir: ``flashckpt_config.checkpoint_dir``, else
+        ``args.output_dir``), created on first use."""
+        run_dir = _location(run_dir) if run_dir else self._flash_checkpoint_dir(getattr(self, "_trial", None))
         if self._flash is not None and self._flash.checkpoint_dir == run_dir:
             return self._flash
         self.flashckpt_close()
         limit = self.args.save_total_limit
         strategy = _TrainerRetention(limit, self._flash_best_step) if limit and limit > 0 else None
         self._flash = CheckpointEngine(run_dir, max_to_keep=0, deletion_strategy=strategy, replicated=False,
-                                       weights_only=not self.is_deepspeed_enabled)
-        self._flash_run_dir = run_dir
+                                       weights_only=not self.is_deepspeed_enabled,
+                                       storage_options=self.flashckpt_config.storage_options)
+        self._flash_run_dir = self._flash.checkpoint_dir
         return self._flash
 
     @staticmethod
     def _flash_dir(output_dir: str) -> str:
-        """The absolute local checkpoint dir of ``output_dir``; URLs (``s3://...``) are refused with what to do."""
+        """The absolute local dir of ``output_dir``; URLs (``s3://...``) are refused with what to do."""
+        if locations.is_url(os.fspath(output_dir)):
+            raise E.CheckpointDirError(
+                f"FlashCkptTrainer(args.output_dir={os.fspath(output_dir)!r}): the output dir holds the Trainer's logs "
+                "and final model and must be a local directory (a URL would become a local 's3:' directory). Put "
+                "the checkpoints in the store with FlashCkptTrainer(..., flashckpt_config=FlashCkptConfig("
+                f"checkpoint_dir={os.fspath(output_dir)!r})) and give a local output_dir (or mount the store and "
+                "pass the mount's path)")
         return os.path.abspath(local_dir(output_dir, "FlashCkptTrainer(args.output_dir)"))
+
+    @property
+    def _flash_in_store(self) -> bool:
+        return locations.is_url(self.flashckpt_config.checkpoint_dir or "")
+
+    def _flash_checkpoint_dir(self, trial: Any) -> str:
+        """Where the ``checkpoint-N/`` folders of ``trial``'s run go: ``flashckpt_config.checkpoint_dir`` (a
+        trial of a hyperparameter search in its run's subdirectory, as under ``output_dir``), else the
+        run's output dir. Local dirs absolute, URLs normalized."""
+        out = self._flash_dir(self._get_output_dir(trial=trial))
+        given = self.flashckpt_config.checkpoint_dir
+        if not given:
+            return out
+        sub = os.path.relpath(out, self._flash_dir(self.args.output_dir or out))
+        root = _location(given)
+        return root if sub == "." else locations.normpath(locations.join(root, *sub.split(os.sep)))
 
     def flashckpt_wait(self, timeout: float | None = None) -> None:
         """Blocks until every checkpoint saved so far is committed (on every rank); raises a persist error."""
@@ -333,17 +416,17 @@ class FlashCkptTrainer(Trainer):
         newest committed checkpoint whose checksums verify; in a directory flashckpt never wrote to, the
         newest vanilla ``checkpoint-N`` with a ``trainer_state.json``; else None (start from scratch).
         Every rank calls it (as ``train``)."""
-        run_dir = self._flash_dir(self._get_output_dir(trial=None))
+        run_dir = self._flash_checkpoint_dir(None)
         engine = self.flashckpt_engine(run_dir)
         loc = engine.locate()
         if loc.source == "none":
-            return get_last_checkpoint(run_dir)
+            return _last_checkpoint(run_dir, engine.layout, False)
         self._flash_located = (engine, loc)  # train() uses it rather than verifying the checksums again
         return loc.path
 
     def _flash_best_step(self) -> int | None:
         best = self.state.best_model_checkpoint
-        if not best or os.path.dirname(os.path.abspath(best)) != self._flash_run_dir:
+        if not best or locations.parent(best) != self._flash_run_dir:
             return None
         return _step_of(best)
 
@@ -352,6 +435,8 @@ class FlashCkptTrainer(Trainer):
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
         """``Trainer.train``; ``resume_from_checkpoint=True`` resumes from the newest checkpoint every rank
         has, in memory or committed on storage; a path resumes from it (from memory when memory holds it).
+        A checkpoint in a store (``FlashCkptConfig(checkpoint_dir="s3://...")``; a path may be its URL) is
+        downloaded into ``scratch_dir`` and checked against its manifest, and the Trainer reads that copy.
 
         When it returns (``wait_on_train_end``), every checkpoint it saved is committed. When it raises,
         the snapshots stay in memory for a restart and the newest one is persisted."""
@@ -374,38 +459,70 @@ class FlashCkptTrainer(Trainer):
             self.flashckpt_close(release=ok)
 
     def _flash_resolve(self, resume: str | bool | None, trial: Any) -> str | None:
-        """Where to resume from: a storage path, a memory view's directory, or None."""
+        """Where to resume from: a local storage path, a memory view's or a download's directory, or None."""
         self.flashckpt_last_resume = None
         if resume is None or resume is False:
             return None
-        run_dir = self._flash_dir(self._get_output_dir(trial=trial))
+        run_dir = self._flash_checkpoint_dir(trial)
         engine = self.flashckpt_engine(run_dir)
         cached, self._flash_located = self._flash_located, None
         # Every rank locates (they agree on the step), or every rank uses get_last_checkpoint's answer.
         loc = cached[1] if cached is not None and cached[0] is engine else engine.locate()
-        want = None if resume is True else os.path.abspath(os.fspath(resume))
+        want = None if resume is True else locations.normpath(os.fspath(resume))
         if loc.source == "memory" and loc.step is not None and (want is None or want == loc.path):
             self._flash_view = self._flash_memory_view(engine, loc)
             self.flashckpt_last_resume = loc
             log.info("event=resume step=%d source=memory path=%s", loc.step, loc.path)
             return self._flash_view.dir
         if want is None:
-            path = loc.path if loc.source == "storage" else get_last_checkpoint(run_dir)
+            path = loc.path if loc.source == "storage" else _last_checkpoint(run_dir, engine.layout, False)
             if path is None:
                 raise E.InvalidArgumentError(f"No valid checkpoint found in output directory ({run_dir}): nothing committed "
                                  "by flashckpt, in memory, or written by a vanilla Trainer")
             self.flashckpt_last_resume = loc if loc.source == "storage" else Located(_step_of(path), "storage", path)
             log.info("event=resume step=%s source=storage path=%s", _step_of(path), path)
+            if locations.is_url(path):
+                return self._flash_download(engine, path, loc.step if loc.source == "storage" else None).dir
             return path
         step = _step_of(want)
-        if os.path.dirname(want) == run_dir and step is not None:
+        if locations.parent(want) == run_dir and step is not None:
             layout = engine.layout
             if step in layout.uncommitted_steps() and step not in layout.committed_steps():
                 raise E.InvalidArgumentError(f"resume_from_checkpoint={resume!r}: this checkpoint is not committed (it is "
                                  "still being persisted, or a crash interrupted it); pass "
                                  "resume_from_checkpoint=True to resume from the newest committed or in-memory one")
         self.flashckpt_last_resume = Located(step, "storage", want)
+        if locations.is_url(want):
+            return self._flash_download(engine, want, None).dir
         return os.fspath(resume)  # type: ignore[arg-type]
+
+    def _flash_download(self, engine: CheckpointEngine, path: str, step: int | None) -> _MemoryView:
+        """The committed checkpoint ``path`` of the engine's store (``step``: its step, None to look it up),
+        downloaded into a private directory under ``scratch_dir`` and checked against its manifest; it is the
+        view ``train`` resumes from (removed when ``train`` returns)."""
+        view = self._flash_fetch(engine, path, step, what=f"resume_from_checkpoint={path!r}")
+        self._flash_view = view
+        return view
+
+    def _flash_fetch(self, engine: CheckpointEngine, path: str, step: int | None, *, what: str) -> _MemoryView:
+        layout = engine.layout
+        if not locations.inside(path, engine.checkpoint_dir, strict=True):
+            raise E.InvalidArgumentError(f"{what}: outside the checkpoint dir {engine.checkpoint_dir}; flashckpt reads "
+                                         "checkpoints of its own checkpoint dir from a store (download this one and "
+                                         "pass its local path)")
+        step = committed_step_of(layout, path) if step is None else step
+        if step is None:
+            raise E.InvalidArgumentError(f"{what}: not a committed checkpoint of {engine.checkpoint_dir} (being "
+                                         f"persisted, or never saved); committed steps: {layout.committed_steps()}")
+        view = _MemoryView(scratch_root(self.flashckpt_config.scratch_dir), locations.basename(path), step, path)
+        try:
+            fetch_step(view, layout, step, path)
+            view.hide_stored_best()
+        except BaseException:
+            view.close()
+            raise
+        log.info("event=download step=%d path=%s into=%s", step, path, view.dir)
+        return view
 
     def _flash_memory_view(self, engine: CheckpointEngine, loc: Located) -> _MemoryView:
         files = all_ranks_files(engine.load_memory(loc.step))
@@ -420,8 +537,10 @@ class FlashCkptTrainer(Trainer):
             return direct_weights
 
         assert loc.step is not None and loc.path is not None  # memory locations have both
-        return _materialize(files, scratch_root(self.flashckpt_config.scratch_dir), os.path.basename(loc.path), loc.path,
-                            loc.step, direct=direct)
+        view = _materialize(files, scratch_root(self.flashckpt_config.scratch_dir), locations.basename(loc.path),
+                            loc.path, loc.step, direct=direct)
+        view.hide_stored_best()
+        return view
 
     # ------------------------------------------------------------------ save
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -463,7 +582,7 @@ class FlashCkptTrainer(Trainer):
         from transformers.trainer_utils import SaveStrategy
 
         step = self.state.global_step
-        run_dir = self._flash_dir(self._get_output_dir(trial=trial))
+        run_dir = self._flash_checkpoint_dir(trial)
         name = f"{PREFIX}-{step}"
         engine = self.flashckpt_engine(run_dir)
         if self.hp_search_backend is None and trial is None:
@@ -489,15 +608,17 @@ class FlashCkptTrainer(Trainer):
             self._flash_disk_steps.add(step)
             if self.args.push_to_hub:
                 self.flashckpt_wait()  # the Hub gets files, so they must be on storage first
-                self._push_from_checkpoint(os.path.join(run_dir, name))
+                self._push_from_checkpoint(os.path.join(run_dir, name))  # local (refused in a store)
 
     def _flash_update_best(self, run_dir: str, step: int, disk: bool) -> None:
         """``state.best_model_checkpoint`` as the Trainer sets it: the best step's checkpoint, once it exists."""
         best = self.state.best_global_step
         if not best:
             return
-        path = os.path.join(run_dir, f"{PREFIX}-{best}")
-        if (disk and best == step) or best in self._flash_disk_steps or os.path.isdir(path):
+        path = locations.join(run_dir, f"{PREFIX}-{best}")
+        if (disk and best == step) or best in self._flash_disk_steps or (
+                best in self.flashckpt_engine(run_dir).committed_steps() if locations.is_url(path)
+                else os.path.isdir(path)):
             self.state.best_model_checkpoint = path
 
     def _flash_export_callback_states(self) -> None:
@@ -516,6 +637,14 @@ class FlashCkptTrainer(Trainer):
     def _flash_view_for(self, path: str | None) -> _MemoryView | None:
         v = self._flash_view
         return v if v is not None and path is not None and os.path.abspath(path) == v.dir else None
+
+    def _load_callback_state(self) -> None:
+        """Runs right after the Trainer read ``trainer_state.json`` of the checkpoint it resumes from: a best
+        checkpoint in a store, which the Trainer drops (it looks for a local directory), is restored."""
+        v = self._flash_view
+        if v is not None and v.best is not None and self.state.best_model_checkpoint is None:
+            self.state.best_model_checkpoint = v.best
+        super()._load_callback_state()
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Loads the model weights; from memory when resuming from a memory snapshot."""
@@ -548,9 +677,20 @@ class FlashCkptTrainer(Trainer):
         return None
 
     def _load_best_model(self) -> None:
-        """Waits until the best checkpoint is committed, then loads it as the Trainer does."""
+        """Waits until the best checkpoint is committed, then loads it as the Trainer does (one in a store
+        from a downloaded copy, checked against its manifest)."""
         self.flashckpt_wait()
-        super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        if best is None or not locations.is_url(best):
+            super()._load_best_model()
+            return
+        with self._flash_fetch(self.flashckpt_engine(locations.parent(best)), best, None,
+                               what=f"the best checkpoint {best}") as view:
+            self.state.best_model_checkpoint = view.dir
+            try:
+                super()._load_best_model()
+            finally:
+                self.state.best_model_checkpoint = best
 
 
 def _check_version() -> None:

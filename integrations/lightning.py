@@ -17,6 +17,13 @@ Example::
         FlashMemorySnapshot(every_n_train_steps=5)])
     trainer.fit(model, ckpt_path=ckpt_io.resume_path())   # None on a fresh start
 
+Checkpoints may go to a store: ``FlashCheckpointIO("s3://bucket/run")`` with
+``ModelCheckpoint(dirpath="s3://bucket/run")``. Lightning reaches such a dirpath through fsspec, whose
+``s3://`` needs s3fs, which cannot be installed beside the boto3/botocore that flashckpt's S3 backend uses:
+where s3fs is missing, importing this module serves fsspec's ``s3://`` read-only through flashckpt's backend
+(``_lightning_fs``), and the plugin saves, loads (from memory, else a verified download) and removes the
+checkpoints itself. See docs/lightning.md for what of Lightning's remote-dir features work.
+
 The two Lightning packages have separate class trees (a ``lightning.Trainer`` refuses a
 ``pytorch_lightning`` plugin): ``FlashCheckpointIO`` / ``FlashMemorySnapshot`` are built on ``lightning``,
 ``PLFlashCheckpointIO`` / ``PLFlashMemorySnapshot`` on ``pytorch_lightning``. The package is imported
@@ -28,21 +35,38 @@ them. See docs/lightning.md.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 from typing import Any
 
-from flashckpt import StorageType
+from flashckpt import StorageType, locations
 from flashckpt import errors as E
 from flashckpt.errors import UnsupportedStrategyError
 
-from ._lightning_io import _NAMES, _FlashIOImpl, find_resume_path  # noqa: E402
+from ._lightning_io import _NAMES, _dir_of, _FlashIOImpl, find_resume_path  # noqa: E402
 
 # The four Lightning classes are imported on first use by the module's __getattr__ (their package with them).
 __all__ = ["FlashCheckpointIO", "FlashMemorySnapshot", "PLFlashCheckpointIO", "PLFlashMemorySnapshot",  # noqa: F822
            "StorageType", "UnsupportedStrategyError", "check_strategy", "find_resume_path"]
 
 log = logging.getLogger(__name__)
+
+
+
+def _serve_s3_in_fsspec() -> bool:
+    """Serves fsspec's ``s3://`` (``ModelCheckpoint(dirpath="s3://...")``) read-only through flashckpt's backend
+    (``_lightning_fs.FlashStoreFileSystem``) where s3fs is not installed; an installed s3fs is left alone.
+    Returns whether it did."""
+    if importlib.util.find_spec("s3fs") is not None or importlib.util.find_spec("fsspec") is None:
+        return False
+    import fsspec
+
+    fsspec.register_implementation("s3", f"{__package__}._lightning_fs.FlashStoreFileSystem", clobber=True)
+    return True
+
+
+_serve_s3_in_fsspec()
 
 
 def check_strategy(strategy: Any) -> None:
@@ -99,7 +123,7 @@ class _MemorySnapshotImpl:
                              "a directory (use dirpath=...)")
         self.every_n_train_steps = every_n_train_steps
         self.filename = filename
-        self.dirpath = os.path.abspath(dirpath) if dirpath else None
+        self.dirpath = _dir_of(dirpath, "FlashMemorySnapshot(dirpath)")
         self._io: _FlashIOImpl | None = None
         self._last_step = -1
 
@@ -131,7 +155,7 @@ class _MemorySnapshotImpl:
         if not d:
             cb = trainer.checkpoint_callback
             d = getattr(cb, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
-        return os.path.join(os.path.abspath(d), self.filename)
+        return locations.join(_dir_of(d, "FlashMemorySnapshot") or d, self.filename)
 
 
 # ---------------------------------------------------------------------------------------- class trees
@@ -145,7 +169,8 @@ When the training process dies, the saver persists the newest snapshot to ``<dir
 Args:
     every_n_train_steps: snapshot interval in optimizer steps (use more often than ``ModelCheckpoint``).
     filename: the snapshot's file name.
-    dirpath: its directory (default: the plugin's ``checkpoint_dir``, else the first ModelCheckpoint's).
+    dirpath: its directory (default: the plugin's ``checkpoint_dir``, else the first ModelCheckpoint's): a
+        local directory or a store's URL (``s3://bucket/run``).
 """
 
 # Each package's classes are defined in a module of their own, imported on first use of their names.

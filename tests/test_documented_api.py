@@ -4,7 +4,8 @@
   taking a path) and its built-in strategies with their documented arguments; what ``delete_func`` refuses.
 - Relative paths built as DLRover's guide builds them (``os.path.join(checkpoint_dir, ...)``) with a
   relative ``checkpoint_dir`` mean that path, never ``checkpoint_dir/checkpoint_dir/...``.
-- URLs: ``s3://`` (any scheme but ``file://``) is refused by the engine and every adapter; ``file://`` maps.
+- URLs: a scheme no storage backend serves (``gs://``, ``hdfs://``) is refused by the engine and every adapter
+  (``s3://`` is served: tests/test_s3_engine.py and the adapters' S3 tests); ``file://`` maps.
 - ``auto_save=True`` without failure rates uses (and logs) the published default.
 - With ``weights_only=True`` a state dict that would not load back is refused at save time.
 - The public package exports no half-match of DLRover's internal classes.
@@ -235,12 +236,18 @@ def test_resolve_rule():
 def test_urls_are_refused_by_the_engine_and_the_adapters(runtime_dir, tmp_path, monkeypatch, url):
     """A URL that no storage backend serves is refused, naming the installed ones (s3:// is served: see
     tests/test_s3_engine.py)."""
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # recorded (lightning's import sets it), then unset
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK")
     from flashckpt.integrations.fsdp import FsdpShardCheckpointer
+    from flashckpt.integrations.hf import FlashCkptConfig
+    from flashckpt.integrations.lightning import FlashCheckpointIO, FlashMemorySnapshot
     from flashckpt.patches.megatron._lm import get_checkpointer
     from flashckpt.patches.megatron.dist_ckpt import MegatronCheckpointer
 
     monkeypatch.chdir(tmp_path)
-    for make in (CheckpointEngine, DdpCheckpointer, FsdpShardCheckpointer, MegatronCheckpointer, get_checkpointer):
+    for make in (CheckpointEngine, DdpCheckpointer, FsdpShardCheckpointer, MegatronCheckpointer, get_checkpointer,
+                 lambda u: FlashCkptConfig(checkpoint_dir=u), FlashCheckpointIO,
+                 lambda u: FlashMemorySnapshot(dirpath=u)):
         with pytest.raises(CheckpointDirError, match="no storage backend serves|needs a local directory") as ei:
             make(url)
         assert "mount" in str(ei.value), ei.value

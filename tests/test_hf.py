@@ -289,12 +289,14 @@ def test_output_dir_lists_what_a_vanilla_trainer_writes(tmp_path):
 
 
 def test_an_object_store_url_as_output_dir_is_refused_before_training(tmp_path, monkeypatch):
-    """``output_dir="s3://..."`` is refused with what to do (object stores are not served yet) when the
-    Trainer is built, and nothing is written locally (it used to be written to ``./s3:/bucket/run``)."""
+    """``output_dir="s3://..."`` is refused with what to do when the Trainer is built (the output dir keeps
+    the logs and the final model and stays local; checkpoints go to a store through
+    ``FlashCkptConfig(checkpoint_dir=...)``, see tests/test_hf_s3.py), and nothing is written locally (it
+    used to be written to ``./s3:/bucket/run``)."""
     from flashckpt import CheckpointDirError
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointDirError, match="s3://"):
+    with pytest.raises(CheckpointDirError, match=r"must be a local directory.*checkpoint_dir='s3://bucket/run'"):
         make_trainer("s3://bucket/run")
     assert os.listdir(tmp_path) == []
 
