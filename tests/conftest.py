@@ -209,6 +209,8 @@ _TIER_OF_FILE = {
     # a real framework (transformers, Lightning, DeepSpeed, FSDP, Megatron) under the adapter
     **dict.fromkeys(("test_hf.py", "test_lightning.py", "test_deepspeed.py", "test_fsdp.py", "test_megatron.py",
                      "test_dlrover_guide.py"), "framework"),
+    # the DDP, FSDP/DCP, DeepSpeed and Megatron adapters on s3:// (a real S3-compatible server on loopback)
+    "test_s3_dist_adapters.py": "framework",
     "test_conformance.py": "conformance",
     "test_gpu.py": "gpu",
 }
