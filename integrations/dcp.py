@@ -1,6 +1,7 @@
 """PyTorch Distributed Checkpoint (DCP) over flashckpt ``FileSet``s: a ``StorageWriter`` that stages a
-rank's items for a memory snapshot instead of writing them, and a ``StorageReader`` that serves them
-back from memory. Framework-neutral (plain DCP: FSDP, FSDP2/``fully_shard``, DTensor, ShardedTensor and
+rank's items for a memory snapshot instead of writing them, a ``StorageReader`` that serves them back
+from memory, and ``BackendStorageReader`` (``_dcp_store``), which reads a persisted checkpoint through a
+flashckpt storage backend (an ``s3://`` checkpoint dir without a download). Framework-neutral (plain DCP: FSDP, FSDP2/``fully_shard``, DTensor, ShardedTensor and
 megatron-core's ``torch_dist`` format all go through it); ``flashckpt.integrations.fsdp`` is its first user.
 
 The persisted layout is the one ``FileSystemWriter`` writes (torch 2.13, ``filesystem.py``), so
@@ -33,6 +34,8 @@ Call order (DCP's, see ``StorageWriter``/``StorageReader``)::
 
     reader = open_memory_reader(engine.load_memory(step), dir)   # all ranks; None: layout differs
     dcp.load(sd, storage_reader=reader or FileSystemReader(dir))
+    # a checkpoint dir in a store (s3://...): read it through the engine's backend, without a download
+    dcp.load(sd, storage_reader=BackendStorageReader(engine.storage, dir))
 
 Memory reads: each rank holds only its own data file; items another rank wrote (DCP deduplicates
 replicated items such as optimizer step counters and non-tensor values to one rank) are exchanged with
@@ -81,10 +84,11 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ._dcp_store import BackendStorageReader
 from ._kit import exchange_files
 
-__all__ = ["FileSetStorageWriter", "FileSetStorageReader", "CachingSavePlanner", "open_memory_reader",
-           "torch_save_frame", "data_file_name", "METADATA_NAME"]
+__all__ = ["FileSetStorageWriter", "FileSetStorageReader", "BackendStorageReader", "CachingSavePlanner",
+           "open_memory_reader", "torch_save_frame", "data_file_name", "METADATA_NAME"]
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,8 @@
 same state.
 
 Local rank 0 of every node copies the state into the node's shared memory, so any node can restart
-from memory; global rank 0's saver persists the one copy that storage gets. Every rank loads it.
+from memory; global rank 0's saver persists the one copy that storage gets. Every rank loads it. The
+checkpoint dir may be a local directory or a URL a storage backend serves (``s3://bucket/prefix``).
 
 Example::
 
@@ -34,7 +35,9 @@ class DdpCheckpointer(Adapter):
 
     Args:
         checkpoint_dir: where checkpoints are persisted (shared by all nodes): a local or mounted
-            directory, or a ``file://`` URL (``s3://`` and other URLs are refused: not supported yet).
+            directory, a ``file://`` URL, or the URL of a storage backend (``s3://bucket/prefix``; a scheme
+            no backend serves is refused with a ``CheckpointDirError``). Loads from a store read rank 0's
+            file through the backend, checksum-verified, falling back to the previous committed step.
         deletion_strategy: which committed checkpoints to delete; None keeps the newest ``max_to_keep``.
         max_to_keep: committed checkpoints kept without a ``deletion_strategy`` (0 keeps all).
         process_group: the group whose ranks agree on what to load (default group when None).

@@ -16,6 +16,15 @@ otherwise lets DeepSpeed load from storage. Outside the checkpointer's own calls
 behaves like the one it replaced, so ``engine.save_checkpoint`` / ``engine.load_checkpoint`` called
 directly stay vanilla (synchronous ``torch.save`` / ``torch.load``).
 
+The checkpoint dir may be a URL a storage backend serves (``s3://bucket/prefix``; ``save_dir`` and
+``load_dir`` are then URLs inside it). Saves persist the same files there (DeepSpeed's recovery scripts
+too, once the tag is committed). A load from the store runs DeepSpeed's own ``load_checkpoint`` on a
+private scratch directory, and only for a committed tag: every file of the tag is there as an empty
+placeholder (for DeepSpeed's ``glob`` / ``os.path.exists``) and its reads, which go through the checkpoint
+engine, are read through the backend (only the files this rank's DeepSpeed asks for cross the network);
+where DeepSpeed reads files itself (ZeRO-3 without optimizer states, MoE, pipeline, universal,
+model-parallel or elastic checkpoints) the tag's files are downloaded there instead.
+
 Tags and steps: flashckpt identifies a checkpoint by an integer step, DeepSpeed by a tag (a directory
 name, ``global_step<N>`` by default). A checkpoint's step is ``engine.global_steps`` when it is saved;
 each step is saved under one tag, and a tag directory that holds one committed step is never rewritten
@@ -39,9 +48,10 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,14 +59,16 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from flashckpt import CheckpointEngine as FlashEngine
-from flashckpt import FlashCheckpointError, LoadResult, StorageType
+from flashckpt import FlashCheckpointError, LoadResult, StorageType, locations
 from flashckpt import errors as E
 from flashckpt.commit import META
+from flashckpt.engine import Located
 from flashckpt.files import FileSet
 from flashckpt.retention import CheckpointDeletionStrategy
+from flashckpt.storage import CheckpointStorage
 
-from ._kit import Adapter, exchange_files, path_inside, rank, world
-from ._kit_files import Capture, SnapshotDir
+from ._kit import Adapter, exchange_files, path_inside, rank, swapped, world
+from ._kit_files import Capture, SnapshotDir, scratch_root
 
 __all__ = ["DeepSpeedCheckpointer", "FlashDeepSpeedCheckpointEngine", "StorageType"]
 
@@ -71,6 +83,7 @@ class _Capture(Capture):
 
     def __init__(self, tag: str, set_dir: str, files: FileSet, on_commit: Callable[[_Capture], None]) -> None:
         super().__init__(set_dir, files)
+        self.root = set_dir  # as given (normalized): Capture makes it a local absolute path, which a URL is not
         self.tag = tag
         self.on_commit = on_commit  # run at DeepSpeed's commit
         self.committed = False
@@ -78,12 +91,14 @@ class _Capture(Capture):
         self.pause_s = 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Serve:
-    """One memory load in progress: DeepSpeed's reads under ``set_dir`` come from ``files``."""
+    """One served load in progress: DeepSpeed's reads of ``names`` under ``set_dir`` come from
+    ``read(name, map_location)`` (a snapshot's trees, or files read through the storage backend)."""
 
     set_dir: str
-    files: dict[str, Any] = field(default_factory=dict)
+    names: frozenset[str]
+    read: Callable[[str, Any], Any]
 
 
 class FlashDeepSpeedCheckpointEngine(CheckpointEngine):
@@ -111,8 +126,9 @@ class FlashDeepSpeedCheckpointEngine(CheckpointEngine):
                                        f"{self.capture.tag!r}")
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        # The saver creates the tag directory when it persists; a memory snapshot leaves no trace on storage.
-        if self.capture is not None and path_inside(path, self.capture.root):
+        # The saver creates the tag directory when it persists; a memory snapshot leaves no trace on storage;
+        # a store has no directories to make.
+        if self.capture is not None and (path_inside(path, self.capture.root) or locations.is_url(path)):
             return
         self.inner.makedirs(path, exist_ok=exist_ok)
 
@@ -133,11 +149,10 @@ class FlashDeepSpeedCheckpointEngine(CheckpointEngine):
         if srv is None:
             return self.inner.load(path, map_location=map_location)
         name = os.path.relpath(os.path.abspath(path), srv.set_dir).replace(os.sep, "/")
-        if name not in srv.files:
-            raise FlashCheckpointError(f"DeepSpeed reads {name!r}, which the memory snapshot does not hold "
-                                       f"(it holds {sorted(srv.files)})")
-        tree = srv.files[name]
-        return dict(tree) if type(tree) is dict else tree  # DeepSpeed may add or pop top-level keys
+        if name not in srv.names:
+            raise FlashCheckpointError(f"DeepSpeed reads {name!r}, which the checkpoint being loaded does not hold "
+                                       f"(it holds {sorted(srv.names)})")
+        return srv.read(name, map_location)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         cap = self.capture
@@ -169,8 +184,9 @@ class DeepSpeedCheckpointer(Adapter):
     Args:
         engine: the ``DeepSpeedEngine`` (ZeRO stage 0-3, fp32, bf16 or fp16), with DeepSpeed's default
             checkpoint engine.
-        checkpoint_dir: where checkpoints are persisted; every ``save_dir`` must lie inside it (usually it
-            is the same directory).
+        checkpoint_dir: where checkpoints are persisted: a local or mounted directory, a ``file://`` URL, or
+            the URL of a storage backend (``s3://bucket/prefix``); every ``save_dir`` must lie inside it
+            (usually it is the same directory).
         deletion_strategy: which committed checkpoints to delete after each commit; None keeps the newest
             ``max_to_keep``.
         max_to_keep: committed checkpoints kept without a ``deletion_strategy`` (0 keeps all, as
@@ -211,7 +227,7 @@ class DeepSpeedCheckpointer(Adapter):
         # weights_only=False; memory snapshots are decoded the same way (they are this job's own, mode 0600).
         self._core = FlashEngine(checkpoint_dir, max_to_keep=max_to_keep, deletion_strategy=deletion_strategy,
                                  replicated=False, process_group=process_group, weights_only=False)
-        self.checkpoint_dir = self._core.checkpoint_dir  # absolute; a file:// URL mapped, other URLs refused
+        self.checkpoint_dir = self._core.checkpoint_dir  # absolute, or the store's URL; a file:// URL mapped
         self._ds_engine = FlashDeepSpeedCheckpointEngine(inner)
         engine.checkpoint_engine = self._ds_engine
         self._step_dirs: dict[int, str] = {}  # step -> tag dir, of this run's saves
@@ -253,17 +269,17 @@ class DeepSpeedCheckpointer(Adapter):
                              "StorageType.DISK")
         if not save_dir:
             raise E.InvalidArgumentError(f"save_checkpoint(save_dir={save_dir!r}): save_dir must be a non-empty string")
-        root = os.path.abspath(save_dir)
+        root = locations.normpath(save_dir)
         if not path_inside(root, self.checkpoint_dir):
             raise E.InvalidArgumentError(f"save_checkpoint(save_dir={save_dir!r}): must lie inside the checkpoint dir "
                              f"{self.checkpoint_dir} given to DeepSpeedCheckpointer")
         step = int(self.engine.global_steps)
         tag = f"global_step{step}" if tag is None else str(tag)
-        set_dir = os.path.join(root, _check_tag(tag))
+        set_dir = locations.join(root, _check_tag(tag))
         self._check_step_and_dir(step, tag, set_dir)
         files = FileSet()
         if save_latest and rank() == 0:
-            tracker = os.path.relpath(os.path.join(root, LATEST), self.checkpoint_dir).replace(os.sep, "/")
+            tracker = str(locations.relpath(locations.join(root, LATEST), self.checkpoint_dir)).replace(os.sep, "/")
             files.add_raw(tracker, tag.encode(), kind="tracker")
 
         def snapshot(cap: _Capture) -> None:
@@ -274,9 +290,12 @@ class DeepSpeedCheckpointer(Adapter):
         cap = _Capture(tag, set_dir, files, snapshot)
         t0 = time.perf_counter()
         self._ds_engine.capture = cap
+        # DeepSpeed copies its recovery scripts into save_dir with shutil, outside its checkpoint engine
+        swaps = [(self.engine, "_copy_recovery_script", self._scripts_copier(files))] if locations.is_url(root) else []
         try:
-            self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False,
-                                        exclude_frozen_parameters=exclude_frozen_parameters)
+            with swapped(swaps):
+                self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False,
+                                            exclude_frozen_parameters=exclude_frozen_parameters)
         finally:
             self._ds_engine.capture = None
         seconds = time.perf_counter() - t0
@@ -292,6 +311,22 @@ class DeepSpeedCheckpointer(Adapter):
                  storage_type.value, len(files), cap.pause_s, seconds)
         return True
 
+    def _scripts_copier(self, files: FileSet) -> Callable[[str], None]:
+        """DeepSpeed's ``_copy_recovery_script(save_path)`` for a ``save_dir`` in a store (rank 0 calls it): the
+        scripts it copies (``zero_to_fp32.py``, ...) are staged as tracker entries of this save, so they appear
+        beside the tags, as on a local dir, once the tag is committed."""
+        copy = self.engine._copy_recovery_script
+
+        def stage(save_path: str) -> None:
+            with tempfile.TemporaryDirectory(prefix="flashckpt-ds-") as tmp:
+                copy(tmp)  # DeepSpeed's own copy, into a local directory
+                for name in sorted(os.listdir(tmp)):
+                    rel = locations.relpath(locations.join(locations.normpath(save_path), name), self.checkpoint_dir)
+                    with open(os.path.join(tmp, name), "rb") as f:
+                        files.add_raw(str(rel), f.read(), kind="tracker")
+
+        return stage
+
     def _check_step_and_dir(self, step: int, tag: str, set_dir: str) -> None:
         """A step has one tag; a tag directory that holds another committed step (or another step this run
         is persisting) is not rewritten, which a crash mid-persist would leave damaged."""
@@ -300,7 +335,11 @@ class DeepSpeedCheckpointer(Adapter):
             raise E.InvalidArgumentError(f"save_checkpoint(tag={tag!r}): global step {step} was already saved as "
                              f"{prev}; flashckpt identifies checkpoints by engine.global_steps, so save each step "
                              "under one tag")
-        committed = self._core.committed_steps()
+        # In a store, listing the committed steps reads every manifest (requests, in the pause): skip it when
+        # nothing lies under the tag directory and no step of this run went there, so no step can own it.
+        clash = any(d == set_dir and s != step for d, s in self._disk_dirs.items())
+        committed = (self._core.committed_steps()
+                     if clash or not locations.is_url(set_dir) or self._core.storage.isdir(set_dir) else [])
         owners = [s for s in committed if self._committed_dir(s) == set_dir]
         newest = committed[-1] if committed else -1
         owners += [s for d, s in self._disk_dirs.items() if d == set_dir and s > newest]  # being persisted
@@ -317,7 +356,7 @@ class DeepSpeedCheckpointer(Adapter):
                 p = self._core.step_path(step)
             except FlashCheckpointError:
                 p = None
-            self._dirs_of_committed[step] = os.path.abspath(p) if p else None
+            self._dirs_of_committed[step] = locations.normpath(p) if p else None
         return self._dirs_of_committed[step]
 
     # ------------------------------------------------------------------ load
@@ -342,16 +381,9 @@ class DeepSpeedCheckpointer(Adapter):
         """
         self._check_open("load_checkpoint")
         t0 = time.perf_counter()
-        root = os.path.abspath(load_dir)
+        root = locations.normpath(load_dir)
         loc = self._core.locate()  # every rank: agreement on the newest step
-        newest = None
-        if loc.source == "memory":
-            newest = loc.path
-        elif loc.source == "storage" and loc.step is not None:
-            newest = self._core.step_path(loc.step)
-        newest_tag = None  # the newest checkpoint's tag, when it is a checkpoint of load_dir
-        if newest and os.path.dirname(os.path.abspath(newest)) == root:
-            newest_tag = os.path.basename(newest)
+        newest_tag = self._tag_in(root, loc)  # the newest checkpoint's tag, when it is a checkpoint of load_dir
         want = newest_tag if tag is None else str(tag)
         kw = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                   load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
@@ -370,17 +402,75 @@ class DeepSpeedCheckpointer(Adapter):
                     return out
                 if tag is None:
                     want = None
+        if locations.is_url(root):
+            return self._load_from_store(root, want, newest_tag, loc, kw, t0)
         if want is not None and not os.path.isdir(os.path.join(root, want)):
-            raise E.CheckpointNotFoundError(f"load_checkpoint(tag={want!r}): {os.path.join(root, want)} does not exist; "
-                                    f"the newest checkpoint is {newest_tag!r} (from {loc.source}). Pass tag=None "
-                                    "to load the newest")
+            raise self._no_tag(want, os.path.join(root, want), newest_tag, loc.source)
         load_path, client_state = self.engine.load_checkpoint(load_dir, want, **kw)
         step = loc.step if load_path is not None and want == newest_tag and loc.source == "storage" else None
         self._loaded(step, "storage" if load_path is not None else "none", t0)
         return load_path, client_state
 
+    def _tag_in(self, root: str, loc: Located) -> str | None:
+        """The tag of the checkpoint ``loc`` names, when its directory lies directly in ``root``."""
+        newest = loc.path if loc.source == "memory" else (
+            self._core.step_path(loc.step) if loc.source == "storage" and loc.step is not None else None)
+        if newest and locations.parent(newest) == root:
+            return locations.basename(newest)
+        return None
+
+    @staticmethod
+    def _no_tag(tag: str, where: str, newest_tag: str | None, source: str) -> FlashCheckpointError:
+        return E.CheckpointNotFoundError(f"load_checkpoint(tag={tag!r}): {where} does not exist; the newest "
+                                         f"checkpoint is {newest_tag!r} (from {source}). Pass tag=None to load "
+                                         "the newest")
+
+    def _load_from_store(self, root: str, want: str | None, newest_tag: str | None, loc: Located,
+                         kw: dict[str, Any], t0: float) -> tuple[Any, Any]:
+        """DeepSpeed's load of tag ``want`` (None: the newest committed one that verifies, else what
+        ``<root>/latest`` names) from a checkpoint dir in a store: only a committed tag is read."""
+        storage = self._core.storage
+        if want is None:
+            if loc.source == "memory":  # memory could not serve it: the newest committed step that verifies
+                loc = self._core.locate(memory=False)
+            want = self._tag_in(root, loc) or _read_text(storage, locations.join(root, LATEST))
+            if want is None:
+                log.warning("load_checkpoint: no checkpoint in %s (no committed tag, no %s)", root, LATEST)
+                self._loaded(None, "none", t0)
+                return None, None
+        set_dir = locations.join(root, _check_tag(want))
+        step = next((s for s in reversed(self._core.committed_steps()) if self._committed_dir(s) == set_dir), None)
+        if step is None:
+            raise self._no_tag(want, set_dir, newest_tag, loc.source)
+        m = self._core.layout.read_manifest(step)
+        files = {str(locations.relpath(p, set_dir)): p for p in (self._core.layout.abs(f.path) for f in m.all_files())
+                 if locations.inside(p, set_dir, strict=True)}
+        why = self._memory_unsupported(bool(kw["load_optimizer_states"]))
+        with SnapshotDir(scratch_root() if why else None, want, prefix="flashckpt-ds-") as view:
+            if why:  # DeepSpeed reads files itself: every file of the tag, and `latest` (zero_to_fp32 reads it)
+                log.info("load_checkpoint: downloading %d files of %s (%s)", len(files), set_dir, why)
+                for name, where in files.items():
+                    view.fetch(name, storage, where)
+                with open(os.path.join(view.base, LATEST), "w") as f:
+                    f.write(want)
+                load_path, client_state = self.engine.load_checkpoint(view.base, want, **kw)
+            else:  # placeholders answer DeepSpeed's glob/exists; its reads go through the backend
+                for name in files:
+                    view.touch(name)
+                self._ds_engine.serve = _Serve(view.dir, frozenset(files),
+                                               lambda name, at: _torch_load(storage, files[name], at))
+                try:
+                    load_path, client_state = self.engine.load_checkpoint(view.base, want, **kw)
+                finally:
+                    self._ds_engine.serve = None
+            if isinstance(load_path, str) and path_inside(load_path, view.base):
+                load_path = locations.join(root, os.path.relpath(load_path, view.base).replace(os.sep, "/"))
+        self._loaded(step if load_path is not None else None, "storage" if load_path is not None else "none", t0)
+        return load_path, client_state
+
     def _memory_unsupported(self, load_optimizer_states: bool) -> str:
-        """Why DeepSpeed's load of this engine cannot be served from memory ("" when it can)."""
+        """Why DeepSpeed's load of this engine reads files itself, past its checkpoint engine, so that it
+        cannot be served from memory, nor from a store without downloading the tag ("" when it can)."""
         e = self.engine
         if e.zero_optimization_partition_weights() and not load_optimizer_states and not e.has_moe_layers:
             return "ZeRO-3 without optimizer states reads every rank's files itself (zero_to_fp32)"
@@ -422,13 +512,15 @@ class DeepSpeedCheckpointer(Adapter):
             # checkpoint engine: empty placeholders answer those, the reads come from memory.
             for name in files:
                 view.touch(name)
-            self._ds_engine.serve = _Serve(view.dir, files)
+            self._ds_engine.serve = _Serve(view.dir, frozenset(files), lambda name, _map_location: _fresh(files[name]))
             try:
                 load_path, client_state = self.engine.load_checkpoint(vroot, tag, **kw)
             finally:
                 self._ds_engine.serve = None
         if isinstance(load_path, str) and path_inside(load_path, vroot):
-            load_path = os.path.join(load_dir, os.path.relpath(load_path, vroot))
+            rel = os.path.relpath(load_path, vroot)
+            load_path = (locations.join(locations.normpath(load_dir), rel.replace(os.sep, "/"))
+                         if locations.is_url(load_dir) else os.path.join(load_dir, rel))
         return load_path, client_state
 
     def _share_model_states(self, files: dict[str, Any], tag: str) -> bool:
@@ -470,6 +562,29 @@ class DeepSpeedCheckpointer(Adapter):
             raise FlashCheckpointError(f"{op}(): this DeepSpeedCheckpointer is closed (close() was called, or its "
                                        "`with` block ended); create a new DeepSpeedCheckpointer(engine, checkpoint_dir) "
                                        "to save or load again")
+
+
+def _fresh(tree: Any) -> Any:
+    """A snapshot's tree for DeepSpeed, which may add or pop top-level keys: a new top-level dict."""
+    return dict(tree) if type(tree) is dict else tree
+
+
+def _torch_load(storage: CheckpointStorage, where: str, map_location: Any) -> Any:
+    """``torch.load`` of a stored file as DeepSpeed's checkpoint engine loads it (``weights_only=False``:
+    DeepSpeed's files hold Python objects), read through the backend (a local file is opened directly)."""
+    local = storage.local_path(where)
+    if local is not None:
+        return torch.load(local, map_location=map_location, weights_only=False)
+    with storage.open_read(where) as f:
+        return torch.load(f, map_location=map_location, weights_only=False)
+
+
+def _read_text(storage: CheckpointStorage, where: str) -> str | None:
+    """The stripped text of a small stored file (DeepSpeed's ``latest``), None when it does not exist."""
+    try:
+        return storage.read_bytes(where).decode().strip() or None
+    except FileNotFoundError:
+        return None
 
 
 def _check_tag(tag: str) -> str:

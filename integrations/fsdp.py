@@ -8,6 +8,10 @@ structure is unchanged); the saver then persists them in DCP's own layout (``__{
 ``.metadata`` last, as the commit marker), so ``dcp.load`` with a ``FileSystemReader`` loads a persisted
 checkpoint without flashckpt, on any number of ranks.
 
+The checkpoint dir may be a URL a storage backend serves (``s3://bucket/prefix``): the saver persists the
+same files there, and loads from the store go through ``dcp.BackendStorageReader`` (ranged reads through
+the backend, no download); ``dcp.load`` with a ``FileSystemReader`` reads a downloaded copy.
+
 Example::
 
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -35,7 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from flashckpt import CheckpointEngine, FileSet, StorageType
+from flashckpt import CheckpointEngine, FileSet, StorageType, locations
 from flashckpt import errors as E
 from flashckpt.engine import LoadResult
 from flashckpt.errors import CheckpointCorruptError
@@ -69,8 +73,9 @@ class FsdpShardCheckpointer(Adapter):
     """Checkpointer for sharded state dicts (DTensor / ShardedTensor), in DCP's format.
 
     Args:
-        checkpoint_dir: where checkpoints are persisted (shared by all nodes); one DCP checkpoint
-            directory per step lives inside it.
+        checkpoint_dir: where checkpoints are persisted (shared by all nodes): a local or mounted
+            directory, a ``file://`` URL, or the URL of a storage backend (``s3://bucket/prefix``); one DCP
+            checkpoint directory per step lives inside it.
         deletion_strategy: which committed checkpoints to delete; None keeps the newest ``max_to_keep``.
         max_to_keep: committed checkpoints kept without a ``deletion_strategy`` (0 keeps all).
         process_group: the group that saves and loads (the default group when None); DCP's coordinator is
@@ -132,7 +137,8 @@ class FsdpShardCheckpointer(Adapter):
             raise E.InvalidArgumentError(f"save_checkpoint(state_dict=...): a dict is needed (as for dcp.save), not "
                              f"{type(state_dict).__name__}")
         target = self._dir(path or f"step_{step}", "save_checkpoint")
-        if os.path.isfile(target):
+        # (in a store, a key and a "directory" of that name coexist: only a local file is in the way)
+        if not locations.is_url(target) and os.path.isfile(target):
             raise E.InvalidArgumentError(f"save_checkpoint(path={path!r}): {target} is a file; a DCP checkpoint is a directory")
         t0 = time.perf_counter()
         self._writer.reset(target)
@@ -152,9 +158,10 @@ class FsdpShardCheckpointer(Adapter):
         """A DCP ``StorageReader`` for the newest checkpoint every rank has, or None when there is none.
 
         From memory when every rank holds the agreed step in memory and the checkpoint's layout matches
-        the current ranks (same number of ranks holding its data files); otherwise from storage (a
-        plain ``FileSystemReader`` on the newest committed step that verifies on every rank), which
-        also reshards: a checkpoint saved by N ranks loads on M. Collective: call it on every rank.
+        the current ranks (same number of ranks holding its data files); otherwise from storage (the
+        newest committed step that verifies on every rank: a plain ``FileSystemReader`` on a local dir, a
+        ``BackendStorageReader`` reading through the storage backend on a URL), which also reshards: a
+        checkpoint saved by N ranks loads on M. Collective: call it on every rank.
 
         Args:
             resume_path: read this persisted DCP directory instead (absolute, or relative as for
@@ -164,18 +171,16 @@ class FsdpShardCheckpointer(Adapter):
             CheckpointCorruptError: ``resume_path`` is not a committed DCP checkpoint, or every
                 committed step is damaged.
         """
-        from torch.distributed.checkpoint import FileSystemReader
-
         from .dcp import METADATA_NAME, open_memory_reader
 
         t0 = time.perf_counter()
         if resume_path:
             d = self._dir(resume_path, "get_storage_reader")
-            if not os.path.isfile(os.path.join(d, METADATA_NAME)):
+            if not self._has_metadata(d):
                 raise CheckpointCorruptError(f"get_storage_reader(resume_path={resume_path!r}): {d} has no "
                                              f"{METADATA_NAME}, so it is not a committed DCP checkpoint")
             self._loaded(None, "storage", t0)
-            return FileSystemReader(d)
+            return self._storage_reader(d)
         loc = self.engine.locate()
         if loc.source == "memory" and loc.step is not None:
             fs = None
@@ -198,11 +203,26 @@ class FsdpShardCheckpointer(Adapter):
         else:
             self._loaded(None, "none", t0)
             return None
-        if not path or not os.path.isfile(os.path.join(path, METADATA_NAME)):
+        if not path or not self._has_metadata(path):
             raise CheckpointCorruptError(f"get_storage_reader(): committed step {step} at {path} has no "
                                          f"{METADATA_NAME}; it was not written by this checkpointer")
         self._loaded(step, "storage", t0)
-        return FileSystemReader(path)
+        return self._storage_reader(path)
+
+    def _has_metadata(self, d: str) -> bool:
+        """Whether the DCP checkpoint directory ``d`` holds its ``.metadata`` (through the backend)."""
+        from .dcp import METADATA_NAME
+
+        return self.engine.storage.exists(locations.join(d, METADATA_NAME))
+
+    def _storage_reader(self, d: str) -> Any:
+        """DCP's ``FileSystemReader`` on a local dir; a ``BackendStorageReader`` (reads through the
+        engine's storage backend, no download) on a URL."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        from .dcp import BackendStorageReader
+
+        return BackendStorageReader(self.engine.storage, d) if locations.is_url(d) else FileSystemReader(d)
 
     def load_checkpoint(self, model: Any, optimizer: Any = None, resume_path: str = "") -> dict[str, Any]:
         """Loads the newest checkpoint (see ``get_storage_reader``) into ``model`` and ``optimizer``.

@@ -280,7 +280,8 @@ _TIER_OF_FILE = {
                      "test_documented_api.py", "test_wheel.py", "test_norename_storage.py"), "multiproc"),
     # a real framework (transformers, Lightning, DeepSpeed, FSDP, Megatron) under the adapter
     **dict.fromkeys(("test_hf.py", "test_lightning.py", "test_deepspeed.py", "test_fsdp.py", "test_megatron.py",
-                     "test_dlrover_guide.py", "test_hf_s3.py", "test_lightning_s3.py"), "framework"),
+                     "test_dlrover_guide.py", "test_hf_s3.py", "test_lightning_s3.py",
+                     "test_s3_dist_adapters.py"), "framework"),
     "test_conformance.py": "conformance",
     "test_gpu.py": "gpu",
 }

@@ -482,8 +482,8 @@ def test_megatron_lm_legacy_flow_through_a_stand_in(monkeypatch, tmp_path):
 LM_PATH = os.environ.get("MEGATRON_LM_PATH", "")
 
 
-def lm_worker(lm_path: str, root: str, fmt: str, phase: str) -> dict:
-    """Real Megatron-LM ``save_checkpoint``/``load_checkpoint`` through the patch, on a CPU.
+def lm_setup(lm_path: str, root: str, fmt: str) -> None:
+    """Megatron-LM's arguments and parallel state in a rank process (``--save``/``--load`` ``root``), on a CPU.
 
     Stand-ins for what cannot run here (tests only): the triton kernels module Megatron-LM's
     ``initialize`` imports; ``torch.cuda`` RNG/cache calls; ``device='cuda'`` tensors in its
@@ -522,6 +522,13 @@ def lm_worker(lm_path: str, root: str, fmt: str, phase: str) -> dict:
     set_args(args)
     init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size, args.micro_batch_size, world)
     _setup()
+
+
+def lm_worker(lm_path: str, root: str, fmt: str, phase: str) -> dict:
+    """Real Megatron-LM ``save_checkpoint``/``load_checkpoint`` through the patch, on a CPU (see ``lm_setup``)."""
+    import torch.distributed as dist
+
+    lm_setup(lm_path, root, fmt)
     from flashckpt.patches.megatron import StorageType, finalize, get_checkpointer, load_checkpoint, save_checkpoint
 
     model = _model(1 if phase == "save" else 9)

@@ -13,7 +13,11 @@ business. Only the I/O is routed through flashckpt, while the call runs:
 - load: when memory holds an iteration at least as new as storage's, Megatron-LM's
   ``_load_base_checkpoint`` is answered from memory (each rank's own files in place; files only another
   rank holds, like replicas and ``common.pt``, exchanged once); otherwise Megatron-LM loads from storage
-  as usual.
+  as usual. With ``--save``/``--load`` a URL a storage backend serves (``s3://bucket/prefix``),
+  ``_load_base_checkpoint`` is answered from the store instead: the newest committed iteration that
+  verifies on every rank, read through the backend without a download (``torch_dist`` through
+  ``MegatronCheckpointer.store_view``; legacy files with ``torch.load`` of the stored object), so
+  Megatron-LM itself never opens a URL.
 
 The swaps are module attributes of Megatron-LM (and ``megatron.core.optimizer.distrib_optimizer``) set
 for the duration of the call and restored after it; one training thread.
@@ -26,14 +30,16 @@ import inspect
 import io
 import logging
 import os
+import posixpath
+import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from flashckpt import FileSet, StorageType
-from flashckpt.engine import local_dir
+from flashckpt import FileSet, StorageType, locations
+from flashckpt.engine import LoadResult
 from flashckpt.errors import FlashCheckpointError
 from flashckpt.integrations._kit import exchange_files, rank, rel_inside, swapped, world
 from flashckpt.retention import CheckpointDeletionStrategy
@@ -85,8 +91,13 @@ def configure(*, max_to_keep: int = 0, deletion_strategy: CheckpointDeletionStra
 
 
 def get_checkpointer(checkpoint_dir: str) -> MegatronCheckpointer:
-    """The checkpointer of ``checkpoint_dir`` (Megatron-LM's ``--save`` / ``--load``), created on first use."""
-    key = os.path.abspath(local_dir(checkpoint_dir, "get_checkpointer"))  # s3:// etc. refused, file:// mapped
+    """The checkpointer of ``checkpoint_dir`` (Megatron-LM's ``--save`` / ``--load``: a local directory, a
+    ``file://`` URL, or the URL of a storage backend such as ``s3://bucket/prefix``), created on first use.
+
+    Raises:
+        CheckpointDirError: a URL no storage backend serves, or a directory that cannot be used."""
+    # file:// mapped to its path; a URL of a scheme no backend serves refused (before anything is made)
+    key = locations.normpath(locations.checkpoint_location(checkpoint_dir, "get_checkpointer"))
     ck = _CHECKPOINTERS.get(key)
     if ck is None:
         ck = MegatronCheckpointer(key, **_OPTIONS)
@@ -143,7 +154,7 @@ def _save_swaps(mlm: ModuleType, ck: MegatronCheckpointer, col: Any) -> list[tup
     from . import dist_ckpt
 
     base = col.path
-    tracker = os.path.join(ck.checkpoint_dir, TRACKER_NAME)
+    tracker = locations.join(ck.checkpoint_dir, TRACKER_NAME)
 
     def routed(path: Any) -> str | None:
         return rel_inside(path, base)
@@ -159,7 +170,7 @@ def _save_swaps(mlm: ModuleType, ck: MegatronCheckpointer, col: Any) -> list[tup
 
     def dist_save(sharded_state_dict: Any, checkpoint_dir: Any, sharded_strategy: Any = None,
                   common_strategy: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if os.path.abspath(os.fspath(checkpoint_dir)) != base:
+        if locations.normpath(os.fspath(checkpoint_dir)) != base:
             return real_dist_checkpointing.save(sharded_state_dict, checkpoint_dir, sharded_strategy,
                                                common_strategy, *args, **kwargs)
         known = inspect.signature(dist_ckpt.save).parameters
@@ -173,12 +184,12 @@ def _save_swaps(mlm: ModuleType, ck: MegatronCheckpointer, col: Any) -> list[tup
     orig_ensure = getattr(mlm, "ensure_directory_exists", None)
 
     def ensure_directory_exists(filename: Any, check_parent: bool = True) -> None:
-        if routed(os.path.join(os.fspath(filename), "x")) is None and orig_ensure is not None:
+        if routed(locations.join(os.fspath(filename), "x")) is None and orig_ensure is not None:
             orig_ensure(filename, check_parent)
 
     def opener(orig: Callable[..., Any]) -> Callable[..., Any]:
         def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-            if isinstance(file, (str, os.PathLike)) and os.path.abspath(os.fspath(file)) == tracker and "w" in mode:
+            if isinstance(file, (str, os.PathLike)) and locations.normpath(os.fspath(file)) == tracker and "w" in mode:
                 return _TrackerFile(col.fileset)
             return orig(file, mode, *args, **kwargs)
         return open_
@@ -233,8 +244,8 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
         return
     args = mlm.get_args()
     ck = get_checkpointer(args.save)
-    path = os.path.join(ck.checkpoint_dir, "release") if kwargs.get("release") else iteration_dir(ck.checkpoint_dir,
-                                                                                                  iteration)
+    path = (locations.join(ck.checkpoint_dir, "release") if kwargs.get("release")
+            else iteration_dir(ck.checkpoint_dir, iteration))
     async_save = getattr(args, "async_save", False)
     with ck.collecting(iteration, path, storage_type) as col, swapped(_save_swaps(mlm, ck, col)):
         args.async_save = False
@@ -245,13 +256,20 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
 
 
 # ------------------------------------------------------------------------------------------ load
-def _read_tracker(load_dir: str) -> int | None:
+def _read_tracker(ck: MegatronCheckpointer) -> int | None:
+    """The iteration Megatron-LM's tracker names in the checkpointer's dir (read through its backend)."""
     try:
-        with open(os.path.join(load_dir, TRACKER_NAME)) as f:
-            text = f.read().strip()
-    except OSError:
+        text = ck.engine.storage.read_bytes(locations.join(ck.checkpoint_dir, TRACKER_NAME)).decode().strip()
+    except (OSError, UnicodeDecodeError):
         return None
     return int(text) if text.isdigit() else 0 if text == "release" else None
+
+
+def _rel(path: str, base: str) -> str:
+    """``path``'s name in the iteration directory ``base`` (a local path or a URL; ``/``-separated). A path
+    outside it gets a ``..`` name, which no file of the iteration has (the caller reports it)."""
+    rel = locations.relpath(path, base)
+    return (rel if rel is not None else os.path.relpath(path, base)).replace(os.sep, "/")
 
 
 def _fetch_files(held: dict[str, list[Any]], wanted: list[str]) -> dict[str, list[Any]]:
@@ -261,19 +279,26 @@ def _fetch_files(held: dict[str, list[Any]], wanted: list[str]) -> dict[str, lis
     return {n: held[n] for n in wanted if n in held} | got
 
 
-class _MemoryLoad:
-    """Serves one Megatron-LM ``load_checkpoint`` call from the snapshot of ``step``."""
+class _ServedLoad:
+    """Serves one Megatron-LM ``load_checkpoint`` call from the snapshot of ``step`` in memory
+    (``source="memory"``) or from the committed ``step`` in a store (``source="storage"``), so Megatron-LM
+    never opens the files itself: ``torch_dist`` through a view (``memory_view`` / ``store_view``), legacy
+    files by name (``files``: a snapshot's parts, or stored locations)."""
 
-    def __init__(self, mlm: ModuleType, ck: MegatronCheckpointer, step: int, path: str) -> None:
+    def __init__(self, mlm: ModuleType, ck: MegatronCheckpointer, step: int, path: str, source: str) -> None:
         self.mlm = mlm
         self.ck = ck
         self.step = step
         self.path = path
-        self.files: dict[str, list[Any]] = {}
+        self.source = source
+        self.files: dict[str, Any] = {}  # name in the iteration dir -> parts (memory) or location (storage)
         self.view: Any = None
 
     def prepare(self, args: Any) -> bool:
-        """Collective: fetches what this rank will read. False (on every rank) when memory cannot serve."""
+        """Collective: fetches (memory) or finds (storage) what this rank will read. False (on every rank)
+        when memory cannot serve."""
+        if self.source == "storage":
+            return self._prepare_store()
         fs = self.ck.engine.load_memory(self.step)
         held = {n: (e.data if isinstance(e.data, list) else [e.data]) for n, e in fs.items()
                 if e.format == "raw" and e.kind == "file"} if isinstance(fs, FileSet) else {}
@@ -284,10 +309,10 @@ class _MemoryLoad:
             self.view = self.ck.memory_view(self.path, _located=(self.step, self.path), _fileset=fs)
             return self.view is not None
         mlm = self.mlm
-        own = os.path.relpath(mlm.get_checkpoint_name(self.ck.checkpoint_dir, self.step, False), self.path)
+        own = _rel(mlm.get_checkpoint_name(self.ck.checkpoint_dir, self.step, False), self.path)
         wanted = [own]
         if getattr(args, "use_distributed_optimizer", False):
-            wanted.append(os.path.join(os.path.dirname(own), "distrib_optim.pt"))
+            wanted.append(posixpath.join(posixpath.dirname(own), "distrib_optim.pt"))
         if getattr(args, "auto_detect_ckpt_format", False) or getattr(args, "ckpt_format", "torch") == "torch_dist":
             wanted.append(self._rank0_name(held))
         wanted = [n for n in dict.fromkeys(wanted) if n]
@@ -298,9 +323,33 @@ class _MemoryLoad:
             return False
         return True
 
+    def _prepare_store(self) -> bool:
+        """The committed iteration's files (every rank's, by name in the iteration dir), from its manifest;
+        a ``torch_dist`` iteration is read through ``store_view``. Not collective."""
+        layout = self.ck.engine.layout
+        for f in layout.read_manifest(self.step).all_files():
+            where = layout.abs(f.path)
+            rel = locations.relpath(where, self.path)
+            if rel is not None and rel != ".":
+                self.files[rel.replace(os.sep, "/")] = where
+        if "metadata.json" in self.files:
+            self.view = self.ck.store_view(self.path, self.step)
+        return True
+
+    def _load_file(self, name: str, weights_only: bool) -> Any:
+        """The ``torch.load`` of the iteration's file ``name``: from the snapshot's parts, or read through
+        the backend."""
+        if self.source == "memory":
+            return load_parts(self.files[name], weights_only=weights_only)
+        storage = self.ck.engine.storage
+        local = storage.local_path(self.files[name])
+        if local is not None:
+            return torch.load(local, map_location="cpu", weights_only=weights_only)
+        with storage.open_read(self.files[name]) as f:
+            return torch.load(f, map_location="cpu", weights_only=weights_only)
+
     def _rank0_name(self, held: dict[str, list[Any]]) -> str:
-        names: list[Any] = [sorted(n for n in held if n.startswith("mp_rank_00") and n.endswith("model_optim_rng.pt"))
-                            if rank() == 0 else None]
+        names: list[Any] = [sorted(n for n in held if _is_rank0_model(n)) if rank() == 0 else None]
         if world() > 1:
             dist.broadcast_object_list(names, src=0)
         return names[0][0] if names[0] else ""
@@ -310,7 +359,7 @@ class _MemoryLoad:
         return (state_dict, name, False) if ckpt_type is None else (state_dict, name, False, getattr(ckpt_type, kind))
 
     def load_base(self, orig: Callable[..., Any], load_dir: str, *a: Any, **kw: Any) -> Any:
-        if os.path.abspath(load_dir) != self.ck.checkpoint_dir:
+        if locations.normpath(load_dir) != self.ck.checkpoint_dir:
             return orig(load_dir, *a, **kw)
         bound = inspect.signature(orig).bind(load_dir, *a, **kw)
         rank0 = bound.arguments.get("rank0", False)
@@ -342,18 +391,19 @@ class _MemoryLoad:
                                              strict=getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected"))
                 return self._result(sd, self.path, "GLOBAL")
         if rank0:
-            name = next((n for n in self.files if n.startswith("mp_rank_00") and n.endswith("model_optim_rng.pt")), "")
+            name = min((n for n in self.files if _is_rank0_model(n)), default="")
         else:
-            name = os.path.relpath(mlm.get_checkpoint_name(self.ck.checkpoint_dir, self.step, False), self.path)
+            name = _rel(mlm.get_checkpoint_name(self.ck.checkpoint_dir, self.step, False), self.path)
         if name not in self.files:
-            raise FlashCheckpointError(f"load_checkpoint(): {name} of iteration {self.step} was not fetched from memory")
-        sd = load_parts(self.files[name], weights_only=self.ck.weights_only)
-        return self._result(sd, os.path.join(self.path, name), "LEGACY")
+            raise FlashCheckpointError(f"load_checkpoint(): {name} of iteration {self.step} is not in {self.source} "
+                                       f"(it holds {sorted(self.files)[:8]})")
+        sd = self._load_file(name, self.ck.weights_only)
+        return self._result(sd, locations.join(self.path, name), "LEGACY")
 
     def swaps(self) -> list[tuple[Any, str, Any]]:
         mlm = self.mlm
         orig = mlm._load_base_checkpoint
-        tracker = os.path.join(self.ck.checkpoint_dir, TRACKER_NAME)
+        tracker = locations.join(self.ck.checkpoint_dir, TRACKER_NAME)
         orig_read = mlm.read_metadata
         step = self.step
 
@@ -361,7 +411,7 @@ class _MemoryLoad:
             return self.load_base(orig, load_dir, *a, **kw)
 
         def read_metadata(tracker_filename: str) -> Any:
-            if os.path.abspath(tracker_filename) == tracker:
+            if locations.normpath(tracker_filename) == tracker:
                 return step, False
             return orig_read(tracker_filename)
 
@@ -369,7 +419,7 @@ class _MemoryLoad:
             if isinstance(f, (str, os.PathLike)):
                 rel = rel_inside(f, self.path)
                 if rel in self.files:
-                    return load_parts(self.files[rel], weights_only=kwargs.get("weights_only", self.ck.weights_only))
+                    return self._load_file(rel, kwargs.get("weights_only", self.ck.weights_only))
             return torch.load(f, *args, **kwargs)
 
         swaps: list[tuple[Any, str, Any]] = [(mlm, "_load_base_checkpoint", load_base),
@@ -380,6 +430,11 @@ class _MemoryLoad:
         return swaps
 
 
+def _is_rank0_model(name: str) -> bool:
+    """Whether ``name`` is a legacy model file of tensor/pipeline rank 0 (``mp_rank_00*/model_optim_rng.pt``)."""
+    return name.startswith("mp_rank_00") and name.endswith("model_optim_rng.pt")
+
+
 def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load", strict: bool = True,
                     **kwargs: Any) -> Any:
     """Megatron-LM's ``load_checkpoint``, served from memory when memory holds the newest iteration.
@@ -388,7 +443,8 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
     ``num_floating_point_operations_so_far``). Collective: call it on every rank. Memory wins when every
     rank holds an iteration at least as new as the tracker's; otherwise Megatron-LM reads storage (when
     the tracker's iteration is a committed one that fails its checksums, the newest intact committed
-    iteration is loaded instead, through ``args.ckpt_step``).
+    iteration is loaded instead, through ``args.ckpt_step``). With a checkpoint dir in a store
+    (``s3://...``) the newest committed iteration that verifies on every rank is served from the store.
     """
     mlm = megatron_lm()
     args = mlm.get_args()
@@ -399,13 +455,26 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
         return _call(mlm.load_checkpoint, values, kwargs)
     ck = get_checkpointer(load_dir)
     loc = ck.engine.locate()
-    tracked = _read_tracker(ck.checkpoint_dir)
+    tracked = _read_tracker(ck)
     if loc.source == "memory" and loc.step is not None and loc.path is not None and (tracked is None or loc.step >= tracked):
-        served = _MemoryLoad(mlm, ck, loc.step, loc.path)
+        served = _ServedLoad(mlm, ck, loc.step, loc.path, "memory")
         if served.prepare(args):
             log.info("event=megatron_lm_load step=%d source=memory", loc.step)
             with swapped(served.swaps()):
                 return _call(mlm.load_checkpoint, values, kwargs)
+    if locations.is_url(ck.checkpoint_dir):  # Megatron-LM cannot open a URL: served from the store
+        if loc.source == "memory":  # memory could not serve (or is older than the tracker): the newest
+            loc = ck.engine.locate(memory=False)  # committed step that verifies on every rank
+        if loc.source == "storage" and loc.step is not None and loc.path is not None:
+            t0 = time.perf_counter()
+            served = _ServedLoad(mlm, ck, loc.step, loc.path, "storage")
+            served.prepare(args)
+            with swapped(served.swaps()):
+                out = _call(mlm.load_checkpoint, values, kwargs)
+            ck.last_load = LoadResult(loc.step, "storage", time.perf_counter() - t0, 0)
+            log.info("event=megatron_lm_load step=%d source=storage seconds=%.4f", loc.step, ck.last_load.seconds)
+            return out
+        return _call(mlm.load_checkpoint, values, kwargs)  # nothing committed: Megatron-LM finds no tracker
     if (loc.source == "storage" and loc.step is not None and tracked is not None and tracked != loc.step
             and tracked in ck.engine.committed_steps() and hasattr(args, "ckpt_step")):
         log.warning("load_checkpoint(): iteration %d (the tracker's) is damaged; loading iteration %d", tracked, loc.step)

@@ -17,16 +17,22 @@ so vanilla ``dist_checkpointing.load`` (and Megatron-LM) reads it without flashc
 ``load`` serves the newest checkpoint every rank holds straight from memory: each rank reads its own
 shards in place and gets the shards other ranks wrote (replicas saved once) through one exchange.
 
+The checkpoint dir may be a URL a storage backend serves (``s3://bucket/prefix``): the same files are
+persisted there, and ``load`` reads a committed iteration from the store without a download (DCP's
+reads through ``dcp.BackendStorageReader``, ``common.pt`` and ``metadata.json`` through the backend), with
+megatron-core's own loading functions, as for memory (``MegatronCheckpointer.store_view``).
+
 Three ways in:
 
 - ``save`` / ``load``: drop-in versions of ``dist_checkpointing.save`` / ``load`` that route every file
   through flashckpt (nothing is written by the trainer; a MEMORY save touches no storage at all).
 - ``FlashCkptSaveStrategy``: a ``sharded_strategy`` for vanilla ``dist_checkpointing.save``. The shards go
   through flashckpt; megatron-core itself still writes ``common.pt`` and ``metadata.json`` into the
-  directory (which must exist), so use it for storage saves, or ``save`` for memory snapshots.
-- ``MegatronCheckpointer.memory_view``: a context in which megatron-core's own loading functions
-  (``load``, ``load_common_state_dict``, ``get_default_load_sharded_strategy``, ...) read a checkpoint that
-  lives only in memory.
+  directory (which must exist, locally), so use it for storage saves to a local dir, or ``save`` for
+  memory snapshots and for a checkpoint dir in a store.
+- ``MegatronCheckpointer.memory_view`` / ``store_view``: a context in which megatron-core's own loading
+  functions (``load``, ``load_common_state_dict``, ``get_default_load_sharded_strategy``, ...) read a
+  checkpoint that lives only in memory, or in a store (through the storage backend).
 
 Example::
 
@@ -58,12 +64,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from flashckpt import CheckpointEngine, FileSet, StorageType
+from flashckpt import CheckpointEngine, FileSet, StorageType, locations
 from flashckpt import errors as E
 from flashckpt.engine import LoadResult
 from flashckpt.errors import FlashCheckpointError
 from flashckpt.integrations._kit import Adapter, path_inside, rank, step_of, swapped
-from flashckpt.integrations.dcp import METADATA_NAME, FileSetStorageReader, open_memory_reader, torch_save_frame
+from flashckpt.integrations.dcp import METADATA_NAME, open_memory_reader, torch_save_frame
 from flashckpt.retention import CheckpointDeletionStrategy
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import serialization as _ser
@@ -84,7 +90,13 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import (
 )
 from megatron.core.dist_checkpointing.strategies.state_dict_saver import save_state_dict_async_plan
 from megatron.core.dist_checkpointing.validation import StrictHandling
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
+    DEFAULT_SUFFIX,
+    FileSystemReader,
+    _StorageInfo,
+    _StoragePrefix,
+)
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -100,8 +112,8 @@ _CONTENT_METADATA_KEY = "content_metadata"
 
 
 def iteration_dir(checkpoint_dir: str, iteration: int) -> str:
-    """Megatron-LM's directory of an iteration: ``<checkpoint_dir>/iter_0000100``."""
-    return os.path.join(checkpoint_dir, f"iter_{iteration:07d}")
+    """Megatron-LM's directory of an iteration: ``<checkpoint_dir>/iter_0000100`` (a path or a URL)."""
+    return locations.join(checkpoint_dir, f"iter_{iteration:07d}")
 
 
 def _config_bytes(backend: str, version: int) -> bytes:
@@ -127,7 +139,8 @@ class MegatronCheckpointer(Adapter):
     commits once every rank's files are durable, and only then is Megatron-LM's tracker written.
 
     Args:
-        checkpoint_dir: the root of all iterations (``iter_XXXXXXX`` directories live in it).
+        checkpoint_dir: the root of all iterations (``iter_XXXXXXX`` directories live in it): a local or
+            mounted directory, a ``file://`` URL, or the URL of a storage backend (``s3://bucket/prefix``).
         max_to_keep: committed iterations to keep when no ``deletion_strategy`` is given (0 keeps all,
             like Megatron-LM).
         deletion_strategy: which committed iterations to delete after each commit.
@@ -227,7 +240,7 @@ class MegatronCheckpointer(Adapter):
         return self.engine.locate()
 
     def memory_view(self, checkpoint_dir: str | None = None, *, _located: tuple[int, str] | None = None,
-                    _fileset: Any = None) -> _MemoryView | None:
+                    _fileset: Any = None) -> _View | None:
         """A context that lets megatron-core's loading functions read a checkpoint from memory.
 
         Collective: every rank calls it. ``checkpoint_dir`` None means the newest checkpoint every rank
@@ -242,7 +255,7 @@ class MegatronCheckpointer(Adapter):
             loc = self.engine.locate()
             if loc.source != "memory" or loc.step is None or loc.path is None:
                 return None
-            if checkpoint_dir is not None and os.path.abspath(str(checkpoint_dir)) != os.path.abspath(loc.path):
+            if checkpoint_dir is not None and locations.normpath(str(checkpoint_dir)) != locations.normpath(loc.path):
                 return None
             step, path = loc.step, loc.path
             fs = self.engine.load_memory(step)
@@ -256,7 +269,29 @@ class MegatronCheckpointer(Adapter):
         self.last_load = LoadResult(step, "memory", time.perf_counter() - t0,
                                     self.engine.last_load.nbytes if self.engine.last_load else 0)
         log.info("event=megatron_memory_view step=%d files=%d", step, len(names))
-        return _MemoryView(path, step, reader, common, config, self.weights_only)
+        return _View(path, step, reader, common, config, self.weights_only)
+
+    def store_view(self, path: str, step: int | None = None) -> _View:
+        """A context that lets megatron-core's loading functions read the ``torch_dist`` checkpoint at
+        ``path`` (an iteration directory in a store, or a local one) through the checkpointer's storage
+        backend, without a download: DCP's reads through ``dcp.BackendStorageReader`` (ranged reads of the
+        records the rank needs), ``common.pt`` and ``metadata.json`` read whole. Not collective.
+
+        Raises:
+            FlashCheckpointError: ``path`` holds no ``metadata.json`` / ``common.pt`` (not a distributed
+                checkpoint, or not committed).
+        """
+        from flashckpt.integrations.dcp import BackendStorageReader
+
+        storage = self.engine.storage
+        path = storage.normpath(path)
+        try:
+            config = CheckpointingConfig(**json.loads(storage.read_bytes(locations.join(path, CONFIG_FNAME))))
+            common = storage.read_bytes(locations.join(path, COMMON_STATE_FNAME))
+        except FileNotFoundError as e:
+            raise FlashCheckpointError(f"load({path!r}): {e.filename or e} does not exist; {path} is not a committed "
+                                       "distributed (torch_dist) checkpoint") from e
+        return _View(path, step, BackendStorageReader(storage, path), common, config, self.weights_only)
 
 
 def _raw(fs: Any, name: str) -> bytes | None:
@@ -275,8 +310,9 @@ def _from_rank0(common: bytes | None, config: bytes | None) -> tuple[bytes, Chec
 
 
 # ------------------------------------------------------------------------------------------ serving
-class _MemoryCommonLoadStrategy(TorchCommonLoadStrategy):
-    """megatron-core's common load strategy over ``common.pt`` held in memory."""
+class _HeldCommonLoadStrategy(TorchCommonLoadStrategy):
+    """megatron-core's common load strategy over ``common.pt`` held in memory (from a snapshot, or read
+    from a store)."""
 
     def __init__(self, common: bytes, weights_only: bool) -> None:
         super().__init__()
@@ -286,26 +322,35 @@ class _MemoryCommonLoadStrategy(TorchCommonLoadStrategy):
     def load_common(self, checkpoint_dir: str | Path) -> Any:
         return torch.load(io.BytesIO(self.common), map_location="cpu", weights_only=self.weights_only)
 
+    def load_sharded_metadata(self, checkpoint_dir: str | Path) -> Any:
+        # The legacy per-object files (``<key>/shard_*.pt``) this scans a local directory for do not exist in
+        # a torch_dist checkpoint of ours: its sharded objects live in the DCP files (the sharded strategy's).
+        return {}
 
-class _MemoryView:
-    """While entered, megatron-core reads the checkpoint at ``path`` from memory: its strategy lookup
-    (``verify_checkpoint_and_load_strategy``) and its DCP reader factory (``_get_filesystem_reader``)
-    answer for that one directory. Other directories are read as usual. Not thread-safe: megatron-core's
-    module functions are swapped while inside (one training thread)."""
 
-    def __init__(self, path: str, step: int, reader: FileSetStorageReader, common: bytes,
+class _View:
+    """While entered, megatron-core reads the checkpoint at ``path`` from memory (a ``FileSetStorageReader``)
+    or from a store (a ``BackendStorageReader``): its strategy lookup (``verify_checkpoint_and_load_strategy``)
+    and its DCP reader factory (``_get_filesystem_reader``) answer for that one directory, with
+    ``common.pt`` and ``metadata.json`` held here. Other directories are read as usual. Not thread-safe:
+    megatron-core's module functions are swapped while inside (one training thread)."""
+
+    def __init__(self, path: str, step: int | None, reader: FileSystemReader, common: bytes,
                  config: CheckpointingConfig, weights_only: bool) -> None:
-        self.path = os.path.abspath(path)
+        self.path = locations.normpath(path)
         self.step = step
         self.reader = reader
         self.config = config
-        self.common_strategy = _MemoryCommonLoadStrategy(common, weights_only)
+        self.common_strategy = _HeldCommonLoadStrategy(common, weights_only)
         self._swaps: Any = None
 
     def _mine(self, checkpoint_dir: Any) -> bool:
-        return checkpoint_dir is not None and os.path.abspath(str(checkpoint_dir)) == self.path
+        if checkpoint_dir is None:
+            return False
+        # megatron-core passes the directory as given, or as a pathlib.Path (which folds a URL's "//")
+        return locations.normpath(str(checkpoint_dir)) == self.path or str(checkpoint_dir) == str(Path(self.path))
 
-    def __enter__(self) -> _MemoryView:
+    def __enter__(self) -> _View:
         orig_verify = _ser.verify_checkpoint_and_load_strategy
         orig_reader = _mtorch._get_filesystem_reader
 
@@ -489,7 +534,7 @@ class FlashCkptSaveStrategy(AsyncSaveShardedStrategy):
             self.stage(sharded_state_dict, path, col.fileset)
             if rank() == 0:
                 common = os.path.join(path, COMMON_STATE_FNAME)  # vanilla save wrote it just before calling us
-                if os.path.exists(common):
+                if not locations.is_url(path) and os.path.exists(common):
                     with open(common, "rb") as f:
                         col.fileset.add_raw(COMMON_STATE_FNAME, f.read())
                 col.fileset.add_raw(CONFIG_FNAME, _config_bytes(self.backend, self.version))
@@ -584,8 +629,10 @@ def load(sharded_state_dict: Any, checkpoint_dir: str | Path | None = None, shar
     """``dist_checkpointing.load`` that reads from memory when it can.
 
     With ``checkpoint_dir`` None it loads the newest checkpoint every rank has (memory first, else the
-    newest committed one on storage, checksum-verified); with a directory, that checkpoint (from memory
-    when it is the one memory holds). Collective: call it on every rank.
+    newest committed one on storage, checksum-verified, falling back to the previous committed one when
+    damaged); with a directory, that checkpoint (from memory when it is the one memory holds). A checkpoint
+    in a store (``s3://...``) is read through the storage backend (``store_view``). Collective: call it on
+    every rank.
 
     Returns:
         What ``dist_checkpointing.load`` returns, or None when there is no checkpoint at all.
@@ -604,16 +651,21 @@ def load(sharded_state_dict: Any, checkpoint_dir: str | Path | None = None, shar
     step: int | None = None
     if checkpoint_dir is None:
         loc = checkpointer.engine.locate()
+        if loc.source == "memory":  # memory could not serve it: the newest committed step that verifies
+            loc = checkpointer.engine.locate(memory=False)
         step, path = loc.step, loc.path
-        if loc.source == "memory":  # memory could not serve it: the newest committed step instead
-            committed = checkpointer.engine.committed_steps()
-            step, path = (committed[-1], checkpointer.engine.step_path(committed[-1])) if committed else (None, None)
         if path is None:
             checkpointer.last_load = LoadResult(None, "none", time.perf_counter() - t0, 0)
             return None
         checkpoint_dir = path
-    out = dist_checkpointing.load(sharded_state_dict, str(checkpoint_dir), sharded_strategy, common_strategy,
-                                  validate_access_integrity, strict)
+    where = str(checkpoint_dir)
+    if locations.is_url(where):  # a store: megatron-core's own load, its reads through the backend
+        with checkpointer.store_view(where, step) as store:
+            out = dist_checkpointing.load(sharded_state_dict, store.path, sharded_strategy, common_strategy,
+                                          validate_access_integrity, strict)
+    else:
+        out = dist_checkpointing.load(sharded_state_dict, where, sharded_strategy, common_strategy,
+                                      validate_access_integrity, strict)
     checkpointer.last_load = LoadResult(step, "storage", time.perf_counter() - t0, 0)
     log.info("event=megatron_load step=%s source=storage seconds=%.4f", step, checkpointer.last_load.seconds)
     return out
