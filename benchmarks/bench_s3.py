@@ -16,6 +16,9 @@ rounds, the systems' order rotated per round, one system in memory at a time:
   memory (RssAnon) growth, sampled every 20 ms. The engine is made and warmed before the measured save
   (a memory snapshot and two persists: the persist worker started, both shared-memory slots written)
   and closed after it; the first persist of a fresh saver is reported apart;
+* for every system, the copies: the bytes its processes moved through read/write/send system calls
+  (``/proc/<pid>/io``; one byte each way is one copy between the kernel and the process) and the growth of
+  their private memory (a copy of the state held in the process shows as 1.0x);
 * ``torch.save`` into ``io.BytesIO``, then boto3 ``upload_fileobj`` (the common recipe; the pause is all of
   it): serialization and upload timed apart, this process's CPU and RssAnon growth;
 * boto3 ``upload_file`` of a ``torch.save`` file already on disk (written beforehand, not timed: the
@@ -131,6 +134,20 @@ class RssSampler:
         self._stop.set()
         self._t.join()
         return max((self.peak[p] - self.base[p] for p in self.pids), default=0) * 1024
+
+
+def io_bytes(pids: list[int]) -> int:
+    """Bytes ``pids`` moved through read/write/send/recv system calls so far (/proc/<pid>/io rchar + wchar):
+    each such byte is one copy between the kernel and the process. Copies inside a process (a BytesIO, a
+    part buffer) are not in it: its private memory growth shows those."""
+    total = 0
+    for p in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{p}/io") as f:
+            for ln in f:
+                k, _, v = ln.partition(":")
+                if k in ("rchar", "wchar"):
+                    total += int(v)
+    return total
 
 
 def cpu_s() -> float:
@@ -288,6 +305,7 @@ class SizeRun:
             savers = saver_pids([job])
             workers = [c for p in savers for c in children_of(p)]
             cpu0, scpu0, srv0 = cpu_s(), proc_cpu_s(savers), self.srv.cpu_s()
+            io0 = io_bytes(savers + workers)
             sampler = RssSampler(workers)
             self.step += 1
             self.save_log.last = None
@@ -303,6 +321,7 @@ class SizeRun:
             self.add("ours.saver_cpu", proc_cpu_s(savers) - scpu0)
             self.add("ours.server_cpu", self.srv.cpu_s() - srv0)
             self.add("ours.worker_rss_growth", grow)
+            self.add("ours.io_bytes", io_bytes(savers + workers) - io0)
             if self.save_log.last is not None:
                 self.add("ours.snapshot_copy", self.save_log.last)
             got = saver_persist(engine, self.step)
@@ -324,7 +343,7 @@ class SizeRun:
         c = self.srv.client(max_pool_connections=2 * THREADS)
         cfg = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART, max_concurrency=THREADS)
         sampler = RssSampler([os.getpid()])
-        cpu0, srv0 = cpu_s(), self.srv.cpu_s()
+        cpu0, srv0, io0 = cpu_s(), self.srv.cpu_s(), io_bytes([os.getpid()])
         t0 = time.perf_counter()
         buf = io.BytesIO()
         torch.save(self.sd, buf)
@@ -341,6 +360,7 @@ class SizeRun:
         self.add("torch_bytesio.trainer_cpu", cpu_s() - cpu0)
         self.add("torch_bytesio.server_cpu", self.srv.cpu_s() - srv0)
         self.add("torch_bytesio.rss_growth", sampler.stop())
+        self.add("torch_bytesio.io_bytes", io_bytes([os.getpid()]) - io0)
         self.add("torch_bytesio.file_bytes", size)
         self.file_bytes = size
 
@@ -353,7 +373,7 @@ class SizeRun:
             c = self.srv.client(max_pool_connections=2 * THREADS)
             cfg = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART, max_concurrency=THREADS)
             sampler = RssSampler([os.getpid()])
-            cpu0, srv0 = cpu_s(), self.srv.cpu_s()
+            cpu0, srv0, io0 = cpu_s(), self.srv.cpu_s(), io_bytes([os.getpid()])
             t0 = time.perf_counter()
             c.upload_file(path, self.srv.bucket, "file/state.pt", Config=cfg)
             t1 = time.perf_counter()
@@ -361,6 +381,7 @@ class SizeRun:
             self.add("upload_file.trainer_cpu", cpu_s() - cpu0)
             self.add("upload_file.server_cpu", self.srv.cpu_s() - srv0)
             self.add("upload_file.rss_growth", sampler.stop())
+            self.add("upload_file.io_bytes", io_bytes([os.getpid()]) - io0)
             self.add("upload_file.file_bytes", os.path.getsize(path))
             c.delete_object(Bucket=self.srv.bucket, Key="file/state.pt")
         finally:
@@ -473,6 +494,12 @@ def report(S: Samples, sizes: dict[str, int], rounds: int) -> tuple[str, dict[st
     rows.append(["  torch.save(BytesIO) + upload_fileobj (this process)"] +
                 [f"{_med(S, f'{k}.torch_bytesio.rss_growth') / sizes[k]:.2f}" for k in cols])
     rows.append(["  upload_file (this process)"] + [f"{_med(S, f'{k}.upload_file.rss_growth') / sizes[k]:.2f}"
+                                                    for k in cols])
+    rows.append(["kernel copies (read/write/send bytes, /proc/pid/io) x state: ours' saver + persist worker"] +
+                [f"{_med(S, f'{k}.ours.io_bytes') / sizes[k]:.2f}" for k in cols])
+    rows.append(["  torch.save(BytesIO) + upload_fileobj (this process)"] +
+                [f"{_med(S, f'{k}.torch_bytesio.io_bytes') / sizes[k]:.2f}" for k in cols])
+    rows.append(["  upload_file (this process)"] + [f"{_med(S, f'{k}.upload_file.io_bytes') / sizes[k]:.2f}"
                                                     for k in cols])
     t3 = markdown_table(["CPU seconds per GB of state"] + [f"GPT {k}" for k in cols], rows)
 
