@@ -6,7 +6,6 @@ imported only inside functions that need them."""
 from __future__ import annotations
 
 import base64
-import io
 import logging
 import random
 import threading
@@ -15,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import errors as E
+from ._rawio import ViewsReader, part_view
 
 if TYPE_CHECKING:
     from .storage_s3 import S3Options
@@ -142,73 +142,21 @@ class Retry:
 
 
 # ------------------------------------------------------------------------------------------ bodies
-class Body(io.RawIOBase):
+class Body(ViewsReader):
     """A seekable, read-only request body over memoryview pieces (views of the snapshot, no copy): botocore
     reads it to send (``read`` hands out views, which go to the socket as they are) and seeks it back to
     retry."""
 
     def __init__(self, pieces: Sequence[memoryview]) -> None:
-        super().__init__()
-        self._pieces = list(pieces)
-        self._starts = []
-        n = 0
-        for p in self._pieces:
-            self._starts.append(n)
-            n += len(p)
-        self._len = n
-        self._pos = 0
+        super().__init__(list(pieces))
 
-    def __len__(self) -> int:
-        return self._len
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, off: int, whence: int = 0) -> int:
-        self._pos = off if whence == 0 else self._pos + off if whence == 1 else self._len + off
-        return self._pos
-
-    def _view(self, n: int) -> memoryview:
-        """Up to ``n`` bytes from the current position, within one piece."""
-        import bisect
-
-        i = bisect.bisect_right(self._starts, self._pos) - 1
-        p = self._pieces[i]
-        at = self._pos - self._starts[i]
-        return p[at: at + n]
-
-    def read(self, n: int = -1) -> Any:  # a memoryview: http.client sends it as it is
-        if self._pos >= self._len:
+    def read(self, n: int | None = -1) -> Any:  # a memoryview: http.client sends it as it is
+        if self._pos >= self._size:
             return b""
-        want = self._len - self._pos if n is None or n < 0 else n
+        want = self._size - self._pos if n is None or n < 0 else n
         view = self._view(max(want, 4 * _MIB) if n and n > 0 else want)  # large sends: fewer system calls
         self._pos += len(view)
         return view
-
-    def readinto(self, b: Any) -> int:
-        out = memoryview(b).cast("B")
-        got = 0
-        while got < len(out) and self._pos < self._len:
-            v = self._view(len(out) - got)
-            out[got:got + len(v)] = v
-            got += len(v)
-            self._pos += len(v)
-        return got
-
-
-def _views(part: Any) -> memoryview:
-    """A part's bytes as a flat byte memoryview (no copy for bytes and contiguous CPU tensors)."""
-    if isinstance(part, (bytes, bytearray, memoryview)):
-        return memoryview(part).cast("B")
-    from .files import tensor_view  # torch: only in the persist worker, which has it
-
-    return tensor_view(part)
 
 
 def chunks(parts: Sequence[Any], size: int, crc_slots: dict[int, list[tuple[int, int]]] | None,
@@ -221,7 +169,7 @@ def chunks(parts: Sequence[Any], size: int, crc_slots: dict[int, list[tuple[int,
     cur_crc = 0
     yielded = False
     for i, p in enumerate(parts):
-        v = _views(p)
+        v = part_view(p)
         want = crc_slots is not None and i in crc_slots
         zcrc = 0
         off = 0

@@ -25,6 +25,7 @@ __all__ = [
     "AlreadyExistsError",
     "TrackerUpdateError",
     "UnsupportedStrategyError",
+    "WriteRefusedError",
 ]
 
 
@@ -51,6 +52,11 @@ class CheckpointNotFoundError(FlashCheckpointError, FileNotFoundError):
 
 class AlreadyExistsError(FlashCheckpointError, FileExistsError):
     """A record that is created only once (a step's manifest) exists already: another writer made it."""
+
+
+class WriteRefusedError(FlashCheckpointError, PermissionError):
+    """A write or removal in the checkpoint dir that the training process leaves to the saver (the message
+    says what writes there instead)."""
 
 
 class UnsupportedStrategyError(FlashCheckpointError, TypeError):

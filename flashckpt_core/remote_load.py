@@ -15,7 +15,6 @@ xxh3 before the tensors are made (``CheckpointCorruptError`` on a mismatch: the 
 
 from __future__ import annotations
 
-import io
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +23,7 @@ import torch
 import xxhash
 
 from . import errors as E
+from ._rawio import SeekableReader
 from ._tree import tensors_by_path
 from .storage import CheckpointStorage
 
@@ -34,35 +34,21 @@ log = logging.getLogger(__name__)
 _BLOCK = 256 << 10  # read-ahead of RangeFile
 
 
-class RangeFile(io.RawIOBase):
+class RangeFile(SeekableReader):
     """A read-only, seekable view of the stored file ``path`` (``size`` bytes): reads fetch the blocks they
     touch (``_BLOCK`` bytes, cached), so reading the directory and a small record costs a request or two."""
 
     def __init__(self, storage: CheckpointStorage, path: str, size: int) -> None:
-        super().__init__()
-        self.storage, self.path, self.size = storage, path, size
-        self._pos = 0
+        super().__init__(size)
+        self.storage, self.path = storage, path
         self._blocks: dict[int, bytes] = {}
         self.requests = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, off: int, whence: int = 0) -> int:
-        self._pos = off if whence == 0 else self._pos + off if whence == 1 else self.size + off
-        return self._pos
 
     def _block(self, i: int) -> bytes:
         b = self._blocks.get(i)
         if b is None:
             start = i * _BLOCK
-            buf = bytearray(min(_BLOCK, self.size - start))
+            buf = bytearray(min(_BLOCK, self._size - start))
             self.storage.read_into(self.path, start, memoryview(buf))
             self.requests += 1
             b = self._blocks[i] = bytes(buf)
@@ -70,7 +56,7 @@ class RangeFile(io.RawIOBase):
 
     def readinto(self, out: Any) -> int:
         view = memoryview(out).cast("B")
-        n = min(len(view), max(0, self.size - self._pos))
+        n = min(len(view), max(0, self._size - self._pos))
         got = 0
         while got < n:
             i, at = divmod(self._pos + got, _BLOCK)

@@ -18,7 +18,6 @@ to a buffer ``archive/...``; ``torch.load`` reads both.
 
 from __future__ import annotations
 
-import io
 import pickle
 import threading
 import types
@@ -27,8 +26,8 @@ from typing import Any
 import torch
 
 from . import errors as E
+from ._rawio import ViewsReader, part_view
 from .errors import FlashCheckpointError
-from .files import tensor_view
 
 __all__ = ["torch_save_parts", "parts_size", "PartsReader", "load_parts", "zip_crc_slots"]
 
@@ -256,66 +255,12 @@ def parts_size(parts: list[Any]) -> int:
                for p in parts)
 
 
-def _part_view(p: Any) -> memoryview:
-    return memoryview(p) if isinstance(p, (bytes, bytearray, memoryview)) else tensor_view(p)
-
-
-class PartsReader(io.RawIOBase):
+class PartsReader(ViewsReader):
     """A seekable read-only stream over parts (bytes and CPU tensors, their bytes in C order), for
     ``torch.load`` without joining the parts into one buffer first."""
 
     def __init__(self, parts: list[Any]) -> None:
-        super().__init__()
-        self._views = [_part_view(p) for p in parts]
-        self._starts: list[int] = []
-        pos = 0
-        for v in self._views:
-            self._starts.append(pos)
-            pos += len(v)
-        self._size = pos
-        self._pos = 0
-        self._i = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, off: int, whence: int = 0) -> int:
-        base = 0 if whence == 0 else self._pos if whence == 1 else self._size
-        self._pos = max(0, base + off)
-        self._i = 0
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        out = memoryview(b).cast("B")
-        n = 0
-        while n < len(out) and self._pos < self._size:
-            while self._i + 1 < len(self._views) and self._starts[self._i + 1] <= self._pos:
-                self._i += 1
-            while self._starts[self._i] > self._pos:
-                self._i -= 1
-            v = self._views[self._i]
-            off = self._pos - self._starts[self._i]
-            k = min(len(out) - n, len(v) - off)
-            if k <= 0:
-                self._i += 1
-                continue
-            out[n:n + k] = v[off:off + k]
-            n += k
-            self._pos += k
-        return n
-
-    def read(self, size: int = -1) -> bytes:
-        if size is None or size < 0:
-            size = self._size - self._pos
-        buf = bytearray(max(0, min(size, self._size - self._pos)))
-        got = self.readinto(buf)
-        return bytes(buf[:got])
+        super().__init__([part_view(p) for p in parts])
 
 
 def load_parts(parts: list[Any], *, weights_only: bool = True) -> Any:

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from flashckpt import locations
+from flashckpt.errors import CheckpointNotFoundError, WriteRefusedError
 from flashckpt.storage import CheckpointStorage, storage_for
 from fsspec.spec import AbstractFileSystem
 
@@ -100,7 +101,7 @@ class FlashStoreFileSystem(AbstractFileSystem):
                 return {"name": name, "size": st.size(url), "type": "file"}
             if st.isdir(url):
                 return {"name": name, "size": 0, "type": "directory"}
-        raise FileNotFoundError(2, "no such object or prefix", url)
+        raise CheckpointNotFoundError(2, "no such object or prefix", url)
 
     def ls(self, path: Any, detail: bool = True, **kwargs: Any) -> list[Any]:
         url = self._url(path)
@@ -110,7 +111,7 @@ class FlashStoreFileSystem(AbstractFileSystem):
             if not names and not st.isdir(url):
                 if st.exists(url) or lio.pending_save(url):  # a file lists itself, as in fsspec
                     return [self.info(url)] if detail else [self._strip_protocol(url)]
-                raise FileNotFoundError(2, "no such object or prefix", url)
+                raise CheckpointNotFoundError(2, "no such object or prefix", url)
             children = [locations.join(url, n) for n in sorted(names)]
             if not detail:
                 return [self._strip_protocol(c) for c in children]
@@ -141,7 +142,7 @@ class FlashStoreFileSystem(AbstractFileSystem):
         self._refuse("rm_file", path, "removal")
 
     def _refuse(self, op: str, path: Any, what: str) -> None:
-        raise PermissionError(
+        raise WriteRefusedError(
             f"{type(self).__name__}.{op}({self._url(path)!r}): {what} refused. s3:// is served here by flashckpt's "
             "backend, read-only in the training process (s3fs is not installed: it cannot be installed beside "
             "boto3/botocore 1.44). Checkpoints are saved and removed by FlashCheckpointIO (give it to the Trainer: "
