@@ -43,6 +43,18 @@ MERGE_GAP = 4 << 20
 MAX_RANGE = 256 << 20
 
 
+def fill_target(planner: LoadPlanner, req: ReadItem, tensor: torch.Tensor, reader: str) -> None:
+    """Copies the stored chunk ``tensor`` (narrowed to ``req``) into the planner's target for ``req``; a chunk
+    that does not fit the target is a damaged checkpoint."""
+    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+    target = planner.resolve_tensor(req).detach()
+    if target.size() != tensor.size():
+        raise CheckpointCorruptError(f"{reader}: {req.storage_index.fqn}: stored chunk {tuple(tensor.size())} "
+                                     f"does not fit the target {tuple(target.size())}")
+    target.copy_(tensor)
+    planner.commit_tensor(req, target)
+
+
 class BackendStorageReader(FileSystemReader):
     """A DCP ``StorageReader`` over the checkpoint directory ``path`` (a location of ``storage``: a URL of an
     object store, or a local path), read through ``storage``.
@@ -163,10 +175,4 @@ class BackendStorageReader(FileSystemReader):
             return
         seekable = raw if raw.seekable() else io.BytesIO(raw.read(-1))
         tensor = cast(torch.Tensor, torch.load(seekable, map_location="cpu", weights_only=True))
-        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-        target = planner.resolve_tensor(req).detach()
-        if target.size() != tensor.size():
-            raise CheckpointCorruptError(f"BackendStorageReader({self.path}): {req.storage_index.fqn}: stored chunk "
-                                         f"{tuple(tensor.size())} does not fit the target {tuple(target.size())}")
-        target.copy_(tensor)
-        planner.commit_tensor(req, target)
+        fill_target(planner, req, tensor, f"BackendStorageReader({self.path})")

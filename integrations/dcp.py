@@ -62,7 +62,6 @@ from flashckpt import errors as E
 from flashckpt.errors import CheckpointCorruptError, FlashCheckpointError
 from flashckpt.files import tensor_view
 from flashckpt.torchfile import torch_save_parts
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
@@ -84,7 +83,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ._dcp_store import BackendStorageReader
+from ._dcp_store import BackendStorageReader, fill_target
 from ._kit import exchange_files
 
 __all__ = ["FileSetStorageWriter", "FileSetStorageReader", "BackendStorageReader", "CachingSavePlanner",
@@ -444,13 +443,7 @@ class FileSetStorageReader(FileSystemReader):
             if tensor is None:
                 raw = mine.read(info.offset, info.length) if mine is not None else received[req.storage_index]
                 tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-            tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-            target = planner.resolve_tensor(req).detach()
-            if target.size() != tensor.size():
-                raise CheckpointCorruptError(f"FileSetStorageReader: {req.storage_index.fqn}: stored chunk "
-                                             f"{tuple(tensor.size())} does not fit the target {tuple(target.size())}")
-            target.copy_(tensor)
-            planner.commit_tensor(req, target)
+            fill_target(planner, req, tensor, "FileSetStorageReader")
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
