@@ -217,7 +217,10 @@ def _command(kind: str, data: str, ports: list[int]) -> tuple[list[str], dict[st
                 f"-s3.port={s3}", f"-s3.port.grpc={grpc[0]}", f"-master.port={master}",
                 f"-master.port.grpc={grpc[1]}", f"-volume.port={volume}", f"-volume.port.grpc={grpc[2]}",
                 f"-filer.port={filer}", f"-filer.port.grpc={grpc[3]}", f"-admin.port={admin}",
-                f"-admin.port.grpc={grpc[4]}", "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0",
+                f"-admin.port.grpc={grpc[4]}", "-admin.ui=false", "-webdav=false",
+                # volumes of 1 GiB instead of mini's 128 MiB, and the space of deleted objects reclaimed every
+                # 30 s (mini's 14 min let a 4 GB run's deleted rounds fill the disk: UploadPart InternalError)
+                "-master.volumeSizeLimitMB=1024", "-master.vacuumIntervalSeconds=30", "-master.garbageThreshold=0.05", "-s3.port.iceberg=0",
                 "-s3.port.lance=0", "-master.telemetry=false", f"-s3.localSocket={sock}/s3.sock",
                 f"-filer.localSocket={sock}/filer.sock"]
         # weed mini creates the user "mini" with these keys (and then checks every signature)

@@ -16,9 +16,8 @@ rounds, the systems' order rotated per round, one system in memory at a time:
   memory (RssAnon) growth, sampled every 20 ms. The engine is made and warmed before the measured save
   (a memory snapshot and two persists: the persist worker started, both shared-memory slots written)
   and closed after it; the first persist of a fresh saver is reported apart;
-* for every system, the copies: the bytes its processes moved through read/write/send system calls
-  (``/proc/<pid>/io``; one byte each way is one copy between the kernel and the process) and the growth of
-  their private memory (a copy of the state held in the process shows as 1.0x);
+* for every system, the growth of private memory while it persists (a copy of the state held in the
+  process shows as 1.0x: ours sends straight from shared memory);
 * ``torch.save`` into ``io.BytesIO``, then boto3 ``upload_fileobj`` (the common recipe; the pause is all of
   it): serialization and upload timed apart, this process's CPU and RssAnon growth;
 * boto3 ``upload_file`` of a ``torch.save`` file already on disk (written beforehand, not timed: the
@@ -29,10 +28,11 @@ Both boto3 recipes use ``TransferConfig(64 MiB parts, 8 threads)``, the same par
 every engine closed (the snapshots released, so flashckpt reads the store):
 
 * ours: ``CheckpointEngine(url).load()`` (engine construction not timed); the bytes it fetched from the
-  store are counted by wrapping ``S3Storage.read_into`` in the child;
+  store are counted by wrapping ``S3Storage.read_scatter`` and ``read_bytes`` in the child;
 * boto3 ``download_fileobj`` into ``io.BytesIO`` + ``torch.load``.
 
-``load(into=...)`` is not measured: loads from storage ignore ``into`` (``CheckpointEngine.load``).
+* ours with ``load(into=...)``: the child first makes a state dict of the same shapes (zeros, not timed),
+  and the load reads the store's bytes straight into those tensors.
 A size whose peak (about 4x the state: the state, two snapshot slots, the server's copy) does not fit
 in the memory available, or in /dev/shm, is skipped with a message. ``--quick``: 0.25 GB, one round.
 """
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -59,6 +60,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 from benchmarks._common import (  # noqa: E402
     GB,
     REPO_ROOT,
+    GPTConfig,
     Samples,
     SaveLog,
     build_gpt_state_dict,
@@ -136,20 +138,6 @@ class RssSampler:
         return max((self.peak[p] - self.base[p] for p in self.pids), default=0) * 1024
 
 
-def io_bytes(pids: list[int]) -> int:
-    """Bytes ``pids`` moved through read/write/send/recv system calls so far (/proc/<pid>/io rchar + wchar):
-    each such byte is one copy between the kernel and the process. Copies inside a process (a BytesIO, a
-    part buffer) are not in it: its private memory growth shows those."""
-    total = 0
-    for p in pids:
-        with contextlib.suppress(OSError), open(f"/proc/{p}/io") as f:
-            for ln in f:
-                k, _, v = ln.partition(":")
-                if k in ("rchar", "wchar"):
-                    total += int(v)
-    return total
-
-
 def cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -168,51 +156,55 @@ def children_of(pid: int) -> list[int]:
 def child_main(argv: list[str]) -> int:
     """``--child ours|torch``: one load in this fresh process; prints one JSON line."""
     p = argparse.ArgumentParser()
-    p.add_argument("--child", choices=("ours", "torch"), required=True)
+    p.add_argument("--child", choices=("ours", "ours_into", "torch"), required=True)
+    p.add_argument("--gpt", default="", help="ours_into: the GPTConfig fields (JSON) of the state to load into")
     p.add_argument("--url", required=True, help="ours: the checkpoint dir; torch: s3://bucket/key")
     a = p.parse_args(argv)
     import torch
 
     out: dict[str, Any] = {"mode": a.child}
     hwm0 = rss_kb(os.getpid()).get("VmHWM", 0)
-    if a.child == "ours":
+    if a.child in ("ours", "ours_into"):
         from flashckpt import CheckpointEngine
         from flashckpt.storage_s3 import S3Storage
 
         fetched = [0, 0]  # bytes, calls
-        spent = {"checksum": 0.0, "open_read": 0.0}  # seconds in the backend's whole-object reads
-        read_into, checksum, open_read = S3Storage.read_into, S3Storage.checksum, S3Storage.open_read
+        spent = {"ranged": 0.0, "whole": 0.0}  # seconds in the backend's ranged reads and whole-object reads
+        read_scatter, read_bytes = S3Storage.read_scatter, S3Storage.read_bytes
 
-        def counting(self: Any, path: str, offset: int, buf: memoryview) -> None:
-            fetched[0] += len(buf)
+        def counted_scatter(self: Any, path: str, segments: Any) -> None:
+            fetched[0] += sum(len(v) for _, v in segments)
             fetched[1] += 1
-            read_into(self, path, offset, buf)
-
-        def timed_checksum(self: Any, path: str) -> tuple[int, str]:
             t = time.perf_counter()
             try:
-                return checksum(self, path)
+                read_scatter(self, path, segments)
             finally:
-                spent["checksum"] += time.perf_counter() - t
+                spent["ranged"] += time.perf_counter() - t
 
-        def timed_open_read(self: Any, path: str) -> Any:
+        def counted_bytes(self: Any, path: str) -> bytes:
             t = time.perf_counter()
             try:
-                return open_read(self, path)
+                data: bytes = read_bytes(self, path)
             finally:
-                spent["open_read"] += time.perf_counter() - t
+                spent["whole"] += time.perf_counter() - t
+            fetched[0] += len(data)
+            fetched[1] += 1
+            return data
 
-        # wrapped in this child only: what the load fetches, and where its time goes
-        setattr(S3Storage, "read_into", counting)  # noqa: B010
-        setattr(S3Storage, "checksum", timed_checksum)  # noqa: B010
-        setattr(S3Storage, "open_read", timed_open_read)  # noqa: B010
+        # wrapped in this child only: what the load fetches (every ranged read, read_into's included, goes
+        # through read_scatter), and where its time goes
+        setattr(S3Storage, "read_scatter", counted_scatter)  # noqa: B010
+        setattr(S3Storage, "read_bytes", counted_bytes)  # noqa: B010
         t0 = time.perf_counter()
         engine = CheckpointEngine(a.url, max_to_keep=1)
         out["init_s"] = time.perf_counter() - t0
+        # ours_into: the model's tensors exist already (a state dict of the same shapes, zeros), and the load
+        # reads straight into them: load(into=...)
+        into = build_gpt_state_dict(GPTConfig(**json.loads(a.gpt)), fill="zeros") if a.child == "ours_into" else None
         try:
             hwm0 = rss_kb(os.getpid()).get("VmHWM", 0)
             c0, t0 = cpu_s(), time.perf_counter()
-            sd = engine.load()
+            sd = engine.load(into=into)
             out["load_s"] = time.perf_counter() - t0
             out["cpu_s"] = cpu_s() - c0
             ll = engine.last_load
@@ -221,7 +213,7 @@ def child_main(argv: list[str]) -> int:
         finally:
             engine.close()
         out["fetched_bytes"], out["fetched_calls"] = fetched
-        out["verify_s"], out["read_s"] = spent["checksum"], spent["open_read"]
+        out["ranged_s"], out["whole_s"] = spent["ranged"], spent["whole"]
     else:
         import boto3
         from boto3.s3.transfer import TransferConfig
@@ -248,8 +240,8 @@ def child_main(argv: list[str]) -> int:
     os._exit(0)  # skip tearing down GBs of tensors
 
 
-def run_child(mode: str, url: str, env: dict[str, str], timeout: float = 1800) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.bench_s3", "--child", mode, "--url", url]
+def run_child(mode: str, url: str, env: dict[str, str], timeout: float = 1800, gpt: str = "") -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "benchmarks.bench_s3", "--child", mode, "--url", url, "--gpt", gpt]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT,
                            env=dict(os.environ, **env))
@@ -305,7 +297,6 @@ class SizeRun:
             savers = saver_pids([job])
             workers = [c for p in savers for c in children_of(p)]
             cpu0, scpu0, srv0 = cpu_s(), proc_cpu_s(savers), self.srv.cpu_s()
-            io0 = io_bytes(savers + workers)
             sampler = RssSampler(workers)
             self.step += 1
             self.save_log.last = None
@@ -321,7 +312,6 @@ class SizeRun:
             self.add("ours.saver_cpu", proc_cpu_s(savers) - scpu0)
             self.add("ours.server_cpu", self.srv.cpu_s() - srv0)
             self.add("ours.worker_rss_growth", grow)
-            self.add("ours.io_bytes", io_bytes(savers + workers) - io0)
             if self.save_log.last is not None:
                 self.add("ours.snapshot_copy", self.save_log.last)
             got = saver_persist(engine, self.step)
@@ -343,7 +333,7 @@ class SizeRun:
         c = self.srv.client(max_pool_connections=2 * THREADS)
         cfg = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART, max_concurrency=THREADS)
         sampler = RssSampler([os.getpid()])
-        cpu0, srv0, io0 = cpu_s(), self.srv.cpu_s(), io_bytes([os.getpid()])
+        cpu0, srv0 = cpu_s(), self.srv.cpu_s()
         t0 = time.perf_counter()
         buf = io.BytesIO()
         torch.save(self.sd, buf)
@@ -360,7 +350,6 @@ class SizeRun:
         self.add("torch_bytesio.trainer_cpu", cpu_s() - cpu0)
         self.add("torch_bytesio.server_cpu", self.srv.cpu_s() - srv0)
         self.add("torch_bytesio.rss_growth", sampler.stop())
-        self.add("torch_bytesio.io_bytes", io_bytes([os.getpid()]) - io0)
         self.add("torch_bytesio.file_bytes", size)
         self.file_bytes = size
 
@@ -373,7 +362,7 @@ class SizeRun:
             c = self.srv.client(max_pool_connections=2 * THREADS)
             cfg = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART, max_concurrency=THREADS)
             sampler = RssSampler([os.getpid()])
-            cpu0, srv0, io0 = cpu_s(), self.srv.cpu_s(), io_bytes([os.getpid()])
+            cpu0, srv0 = cpu_s(), self.srv.cpu_s()
             t0 = time.perf_counter()
             c.upload_file(path, self.srv.bucket, "file/state.pt", Config=cfg)
             t1 = time.perf_counter()
@@ -381,15 +370,14 @@ class SizeRun:
             self.add("upload_file.trainer_cpu", cpu_s() - cpu0)
             self.add("upload_file.server_cpu", self.srv.cpu_s() - srv0)
             self.add("upload_file.rss_growth", sampler.stop())
-            self.add("upload_file.io_bytes", io_bytes([os.getpid()]) - io0)
             self.add("upload_file.file_bytes", os.path.getsize(path))
             c.delete_object(Bucket=self.srv.bucket, Key="file/state.pt")
         finally:
             os.unlink(path)
 
     def load(self, mode: str) -> None:
-        url = self.url if mode == "ours" else f"s3://{self.srv.bucket}/{self.torch_key}"
-        res = run_child(mode, url, self.srv.env())
+        url = f"s3://{self.srv.bucket}/{self.torch_key}" if mode == "torch" else self.url
+        res = run_child(mode, url, self.srv.env(), gpt=json.dumps(dataclasses.asdict(self.cfg)))
         if "error" in res:
             self.notes.append(f"{self.k} load {mode}: {res['error']}")
             log(f"load {mode} failed: {res['error']}")
@@ -399,7 +387,7 @@ class SizeRun:
         if res.get("fingerprint") != self.fingerprint:
             self.notes.append(f"{self.k} load {mode}: the loaded state differs from the saved one")
         for key in ("load_s", "cpu_s", "fetched_bytes", "peak_rss_growth", "download_s", "init_s", "fetched_calls",
-                    "verify_s", "read_s"):
+                    "ranged_s", "whole_s"):
             if key in res:
                 self.add(f"load.{mode}.{key}", res[key])
 
@@ -418,10 +406,14 @@ class SizeRun:
             for r in range(self.args.rounds):
                 for name in rotated(list(SYSTEMS), r):
                     log(f"{self.k} round {r + 1}/{self.args.rounds}: {name}")
-                    systems[name]()
+                    try:
+                        systems[name]()
+                    except Exception as e:  # a server that failed a request: reported, the other rounds go on
+                        self.notes.append(f"{self.k} round {r + 1}, {name}: failed: {type(e).__name__}: {e}")
+                        log(f"{name} failed: {e}")
             self.sd = None  # the loads run in children: free the state first
             for r in range(self.args.rounds):
-                for mode in rotated(["ours", "torch"], r):
+                for mode in rotated(["ours", "ours_into", "torch"], r):
                     log(f"{self.k} round {r + 1}/{self.args.rounds}: load {mode}")
                     self.load(mode)
         finally:
@@ -495,36 +487,34 @@ def report(S: Samples, sizes: dict[str, int], rounds: int) -> tuple[str, dict[st
                 [f"{_med(S, f'{k}.torch_bytesio.rss_growth') / sizes[k]:.2f}" for k in cols])
     rows.append(["  upload_file (this process)"] + [f"{_med(S, f'{k}.upload_file.rss_growth') / sizes[k]:.2f}"
                                                     for k in cols])
-    rows.append(["kernel copies (read/write/send bytes, /proc/pid/io) x state: ours' saver + persist worker"] +
-                [f"{_med(S, f'{k}.ours.io_bytes') / sizes[k]:.2f}" for k in cols])
-    rows.append(["  torch.save(BytesIO) + upload_fileobj (this process)"] +
-                [f"{_med(S, f'{k}.torch_bytesio.io_bytes') / sizes[k]:.2f}" for k in cols])
-    rows.append(["  upload_file (this process)"] + [f"{_med(S, f'{k}.upload_file.io_bytes') / sizes[k]:.2f}"
-                                                    for k in cols])
     t3 = markdown_table(["CPU seconds per GB of state"] + [f"GPT {k}" for k in cols], rows)
 
     rows = []
     for label, mode in (("ours: CheckpointEngine(url).load()", "ours"),
+                        ("ours: load(into=the model's tensors)", "ours_into"),
                         ("download_fileobj(BytesIO) + torch.load", "torch")):
         r = [label]
         for k in cols:
             s = _med(S, f"{k}.load.{mode}.load_s")
             txt = f"{fmt_time(s)} ({rate(sizes[k], s)})" if s == s else "n/a"
-            if mode == "ours":
+            if mode != "torch":
                 b = _med(S, f"{k}.load.torch.load_s")
                 if b == b and s == s:
                     txt += f", {b / s:.2f}x"
             r.append(txt)
         rows.append(r)
-    for label, key in (("  ours: of which verifying the file (checksum(): a whole read)", "load.ours.verify_s"),
-                       ("  ours: of which reading it (open_read(): parallel ranged GETs)", "load.ours.read_s"),
+    for label, key in (("  ours: of which ranged GETs (the file's directory, then its tensors, checksum on the way)",
+                        "load.ours.ranged_s"),
+                       ("  ours: of which whole-object GETs (commit records)", "load.ours.whole_s"),
                        ("  torch recipe: of which download_fileobj", "load.torch.download_s")):
         rows.append([label] + [fmt_time(_med(S, f"{k}.{key}")) for k in cols])
-    for label, mode in (("  bytes fetched / state bytes: ours", "ours"), ("  ... torch recipe", "torch")):
+    for label, mode in (("  bytes fetched / state bytes: ours", "ours"), ("  ... ours, into", "ours_into"),
+                        ("  ... torch recipe", "torch")):
         rows.append([label] + [f"{_med(S, f'{k}.load.{mode}.fetched_bytes') / sizes[k]:.2f}" for k in cols])
-    for label, mode in (("  CPU s/GB: ours", "ours"), ("  ... torch recipe", "torch")):
+    for label, mode in (("  CPU s/GB: ours", "ours"), ("  ... ours, into", "ours_into"), ("  ... torch recipe", "torch")):
         rows.append([label] + [f"{_med(S, f'{k}.load.{mode}.cpu_s') / (sizes[k] / GB):.2f}" for k in cols])
-    for label, mode in (("  peak memory growth, x state: ours", "ours"), ("  ... torch recipe", "torch")):
+    for label, mode in (("  peak memory growth, x state: ours", "ours"), ("  ... ours, into (the model's own tensors)",
+                                                                          "ours_into"), ("  ... torch recipe", "torch")):
         rows.append([label] + [f"{_med(S, f'{k}.load.{mode}.peak_rss_growth') / sizes[k]:.2f}" for k in cols])
     t4 = markdown_table(["load in a fresh process, from the store (x: torch recipe's time / ours)"] +
                         [f"GPT {k}" for k in cols], rows)
