@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         SharedMemoryError,
         TrackerUpdateError,
         UnsupportedStrategyError,
+        WriteRefusedError,
     )
     from .files import FileSet
     from .interval import storage_type_for
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 _ERRORS = ("AlreadyExistsError", "CheckpointCorruptError", "CheckpointDirError", "CheckpointNotFoundError", "CheckpointTimeoutError",
            "FlashCheckpointError", "InvalidArgumentError", "InvalidArgumentTypeError", "InvalidStateDictError",
            "PersistError", "ProtocolError", "SaverError", "SharedMemoryError", "TrackerUpdateError",
-           "UnsupportedStrategyError")
+           "UnsupportedStrategyError", "WriteRefusedError")
 _WHERE = {
     "StorageType": "config", "CheckpointEngine": "engine", "LoadResult": "engine", "FileSet": "files",
     "storage_type_for": "interval", "CheckpointDeletionStrategy": "retention", "KeepLatestStepStrategy": "retention",
@@ -77,5 +78,5 @@ __all__ = [
     "FlashCheckpointError", "InvalidStateDictError", "InvalidArgumentError", "InvalidArgumentTypeError",
     "CheckpointDirError", "CheckpointNotFoundError", "SharedMemoryError", "SaverError", "PersistError",
     "TrackerUpdateError", "CheckpointCorruptError", "CheckpointTimeoutError", "ProtocolError",
-    "UnsupportedStrategyError", "AlreadyExistsError", "__version__",
+    "UnsupportedStrategyError", "AlreadyExistsError", "WriteRefusedError", "__version__",
 ]

@@ -69,35 +69,36 @@ def uses_clean_up(strategy: Any) -> bool:
     return getattr(cls, "clean_up", None) is not CheckpointDeletionStrategy.clean_up
 
 
-class KeepLatestStepStrategy(CheckpointDeletionStrategy):
-    """Keeps the ``max_to_keep`` most recently committed steps.
+class _BuiltinStrategy(CheckpointDeletionStrategy):
+    """The built-in strategies' common argument, as in DLRover's signatures.
 
     Args:
-        max_to_keep: how many to keep (at least 1).
-        checkpoint_dir: the checkpoint dir it applies to (DLRover's signature; the engine deletes the
-            steps' own files wherever they lie in the checkpoint dir it was given).
+        checkpoint_dir: the checkpoint dir it applies to (the engine deletes the steps' own files wherever
+            they lie in the checkpoint dir it was given).
     """
 
-    def __init__(self, max_to_keep: int, checkpoint_dir: str = "") -> None:
-        self.max_to_keep = _at_least_one("KeepLatestStepStrategy(max_to_keep=...)", max_to_keep)
+    def __init__(self, checkpoint_dir: str = "") -> None:
         self.checkpoint_dir = checkpoint_dir
+
+
+class KeepLatestStepStrategy(_BuiltinStrategy):
+    """Keeps the ``max_to_keep`` (at least 1) most recently committed steps; ``checkpoint_dir`` as in DLRover."""
+
+    def __init__(self, max_to_keep: int, checkpoint_dir: str = "") -> None:
+        super().__init__(checkpoint_dir)
+        self.max_to_keep = _at_least_one("KeepLatestStepStrategy(max_to_keep=...)", max_to_keep)
 
     def steps_to_delete(self, committed_steps: Sequence[int]) -> list[int]:
         return list(committed_steps)[: max(0, len(committed_steps) - self.max_to_keep)]
 
 
-class KeepStepIntervalStrategy(CheckpointDeletionStrategy):
-    """Keeps the steps that are multiples of ``keep_interval`` (and always the newest).
-
-    Args:
-        keep_interval: steps divisible by it are kept.
-        checkpoint_dir: the checkpoint dir it applies to (DLRover's signature; the engine deletes the
-            steps' own files wherever they lie in the checkpoint dir it was given).
-    """
+class KeepStepIntervalStrategy(_BuiltinStrategy):
+    """Keeps the steps that are multiples of ``keep_interval`` (at least 1), and always the newest;
+    ``checkpoint_dir`` as in DLRover."""
 
     def __init__(self, keep_interval: int, checkpoint_dir: str = "") -> None:
+        super().__init__(checkpoint_dir)
         self.keep_interval = _at_least_one("KeepStepIntervalStrategy(keep_interval=...)", keep_interval)
-        self.checkpoint_dir = checkpoint_dir
 
     def steps_to_delete(self, committed_steps: Sequence[int]) -> list[int]:
         return [s for s in list(committed_steps)[:-1] if s % self.keep_interval != 0]
