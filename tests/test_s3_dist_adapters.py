@@ -489,6 +489,7 @@ def ds_zero3_worker(url: str, out_dir: str) -> dict:
     with DeepSpeedCheckpointer(fresh, url) as ck:
         path, client = ck.load_checkpoint(url, load_optimizer_states=False)
         out["module_only"] = [*_source(ck), path, client["marker"], _ds_digest(fresh, optimizer=False) == want]
+    _barrier()  # both ranks are past their loads: a scratch dir of the other rank's still in use is not counted
     after = {p for d in scratch for p in glob.glob(os.path.join(d, "flashckpt-ds-*"))}
     out["scratch_left"] = sorted(after - before)
     return out
