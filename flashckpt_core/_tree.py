@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import pickle
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +27,34 @@ import torch
 
 from .errors import InvalidStateDictError
 
-__all__ = ["TensorMeta", "Flat", "flatten", "flatten_like", "unflatten", "encode_opaque", "decode_opaque"]
+__all__ = ["TensorMeta", "Flat", "flatten", "flatten_like", "unflatten", "encode_opaque", "decode_opaque", "map_tree"]
 
 _PLAIN = (str, int, float, bool, type(None))
 _RAW = (str, int, type(None))  # appear in the skeleton as themselves
+
+
+def map_tree(tree: Any, fn: Callable[[Any], Any], leaves: tuple[type, ...] = (torch.Tensor,)) -> Any:
+    """``tree`` with every instance of ``leaves`` in its dicts, lists and tuples (named tuples too) replaced by
+    ``fn`` of it. Dicts keep their class and attributes (a state dict's ``_metadata``); a dict subclass that
+    cannot be made empty becomes a plain dict."""
+    if isinstance(tree, leaves):
+        return fn(tree)
+    if isinstance(tree, dict):
+        try:
+            out = type(tree)()
+        except TypeError:
+            out = {}
+        for k, v in tree.items():
+            out[k] = map_tree(v, fn, leaves)
+        if hasattr(tree, "__dict__") and hasattr(out, "__dict__"):
+            out.__dict__.update(tree.__dict__)
+        return out
+    if isinstance(tree, list):
+        return [map_tree(v, fn, leaves) for v in tree]
+    if isinstance(tree, tuple):
+        vals = [map_tree(v, fn, leaves) for v in tree]
+        return type(tree)(*vals) if hasattr(tree, "_fields") else type(tree)(vals)
+    return tree
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -16,7 +16,6 @@ xxh3 before the tensors are made (``CheckpointCorruptError`` on a mismatch: the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ import xxhash
 
 from . import errors as E
 from ._rawio import SeekableReader
-from ._tree import tensors_by_path
+from ._tree import map_tree, tensors_by_path
 from .storage import CheckpointStorage
 
 __all__ = ["RangeFile", "load_remote"]
@@ -66,28 +65,6 @@ class RangeFile(SeekableReader):
             got += k
         self._pos += got
         return got
-
-
-def _walk(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``tree`` with every tensor replaced by ``fn`` of it (dicts, lists, tuples, named tuples)."""
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, dict):
-        try:
-            out = type(tree)()
-        except TypeError:  # a dict subclass that cannot be made empty
-            out = {}
-        for k, v in tree.items():
-            out[k] = _walk(v, fn)
-        if hasattr(tree, "__dict__") and hasattr(out, "__dict__"):
-            out.__dict__.update(tree.__dict__)  # a state dict's ``_metadata``
-        return out
-    if isinstance(tree, list):
-        return [_walk(v, fn) for v in tree]
-    if isinstance(tree, tuple):
-        vals = [_walk(v, fn) for v in tree]
-        return type(tree)(*vals) if hasattr(tree, "_fields") else type(tree)(vals)
-    return tree
 
 
 def load_remote(storage: CheckpointStorage, path: str, *, size: int, xxh3: str | None, weights_only: bool,
@@ -169,4 +146,4 @@ def load_remote(storage: CheckpointStorage, path: str, *, size: int, xxh3: str |
             return torch.nn.Parameter(out, requires_grad=t.requires_grad)
         return out.requires_grad_(t.requires_grad) if t.requires_grad else out
 
-    return _walk(meta_tree, real)
+    return map_tree(meta_tree, real)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from flashckpt import locations
+from flashckpt._tree import map_tree
 from flashckpt.errors import FlashCheckpointError
 
 __all__ = ["rank", "world", "barrier", "group_ranks", "path_inside", "rel_inside", "step_of", "swapped",
@@ -121,21 +122,12 @@ class _Ref:
         self.i, self.n, self.kind, self.meta = i, n, kind, meta
 
 
+_LEAVES = (torch.Tensor, _Ref, bytes, bytearray, memoryview)  # what the exchange replaces in a tree
+
+
 def _map_tree(x: Any, fn: Callable[[Any], Any]) -> Any:
     """``x`` with every tensor, bytes-like and ``_Ref`` in its dicts, lists and tuples replaced by ``fn`` of it."""
-    if isinstance(x, (torch.Tensor, _Ref, bytes, bytearray, memoryview)):
-        return fn(x)
-    if isinstance(x, dict):
-        d = x.copy()
-        for k in d:
-            d[k] = _map_tree(d[k], fn)
-        return d
-    if isinstance(x, list):
-        return [_map_tree(v, fn) for v in x]
-    if isinstance(x, tuple):
-        vals = [_map_tree(v, fn) for v in x]
-        return type(x)(*vals) if hasattr(x, "_fields") else type(x)(vals)
-    return x
+    return map_tree(x, fn, _LEAVES)
 
 
 _ALIGN = 64  # each piece starts at a multiple of this in the packed buffer (tensors are views of it)
