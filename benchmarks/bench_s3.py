@@ -85,13 +85,10 @@ from benchmarks._common import (  # noqa: E402
     write_json,
 )
 from benchmarks._s3server import SERVERS, LocalS3, start_server  # noqa: E402
-from benchmarks.bench_s3_clients import versions  # noqa: E402
+from benchmarks.bench_s3_clients import PART, THREADS, versions  # noqa: E402
 
 log = logger("bench_s3")
 
-MIB = 1 << 20
-PART = 64 * MIB
-THREADS = 8
 CHILD_TAG = "BENCH_S3_CHILD "
 SYSTEMS = ("ours", "torch_bytesio", "upload_file")
 

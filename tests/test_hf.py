@@ -480,9 +480,10 @@ def test_lora_resume_from_memory(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ Accelerate
-def test_accelerate_save_load_state(tmp_path):
+def accelerate_run():
+    """A seeded MLP, AdamW and a StepLR prepared by a CPU ``Accelerator``: (acc, model, opt, sched, step), where
+    ``step()`` runs one training step."""
     from accelerate import Accelerator
-    from flashckpt.integrations.hf import AcceleratorCheckpointer, StorageType
 
     _env()
     acc = Accelerator(cpu=True)
@@ -498,6 +499,14 @@ def test_accelerate_save_load_state(tmp_path):
         opt.step()
         sched.step()
         opt.zero_grad()
+
+    return acc, model, opt, sched, step
+
+
+def test_accelerate_save_load_state(tmp_path):
+    from flashckpt.integrations.hf import AcceleratorCheckpointer, StorageType
+
+    acc, model, opt, sched, step = accelerate_run()
 
     ckdir = str(tmp_path / "ck")
     with AcceleratorCheckpointer(acc, ckdir) as ck:

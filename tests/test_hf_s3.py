@@ -22,7 +22,7 @@ from s3_fixtures import moto_server_fixture, s3_fixture, s3_proxied_fixture  # n
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from test_hf import _env, _stopper, assert_weights_equal, losses, make_trainer, weights  # noqa: E402
+from test_hf import _stopper, accelerate_run, assert_weights_equal, losses, make_trainer, weights  # noqa: E402
 
 N_STEPS = 8  # test_hf's runs: save_steps=3, so steps 3, 6 and 8 are checkpoints
 
@@ -174,24 +174,10 @@ def test_urls_for_output_dir_and_unserved_schemes_are_refused(s3: Any, tmp_path:
 
 # ------------------------------------------------------------------------------------------ Accelerate
 def test_accelerate_state_in_s3(s3: Any, tmp_path: Any) -> None:
-    from accelerate import Accelerator
     from flashckpt import CheckpointCorruptError
     from flashckpt.integrations.hf import AcceleratorCheckpointer, StorageType
 
-    _env()
-    acc = Accelerator(cpu=True)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)
-    model, opt, sched = acc.prepare(model, opt, sched)
-
-    def step() -> None:
-        loss = model(torch.randn(4, 8)).pow(2).mean()
-        acc.backward(loss)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+    acc, model, opt, sched, step = accelerate_run()
 
     def state() -> tuple[dict, dict]:
         return weights(model), json.loads(json.dumps(opt.state_dict()["param_groups"]))

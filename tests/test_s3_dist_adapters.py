@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 from helpers import run_ranks
 from s3_fixtures import moto_server_fixture, s3_fixture, s3_proxied_fixture  # noqa: F401
+from test_fsdp import local_digest, state, train_step  # the FSDP tests' model steps and digests
 
 pytestmark = pytest.mark.multiproc
 
@@ -205,30 +206,6 @@ def _fsdp_build():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def _fsdp_train(model, opt, step: int) -> None:
-    import torch
-
-    g = torch.Generator().manual_seed(1000 * step + _rank())
-    loss = torch.nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)), torch.randn(4, 5, generator=g))
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-
-
-def _fsdp_state(model, opt) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(model, opt)
-    return {"model": msd, "optim": osd}
-
-
-def _fsdp_digest(model, opt) -> str:
-    """This rank's shards of the weights and optimizer state, and the plain values."""
-    from helpers import tree_digest
-
-    return tree_digest(_fsdp_state(model, opt))
-
-
 def fsdp_worker(url: str, out_dir: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from flashckpt.integrations.dcp import BackendStorageReader
@@ -243,13 +220,13 @@ def fsdp_worker(url: str, out_dir: str) -> dict:
         m, o = _fsdp_build()
         extra = ck.load_checkpoint(m, o)
         step = ck.last_load.step
-        return [*_source(ck), extra.get("step"), step is not None and _fsdp_digest(m, o) == digests[step]]
+        return [*_source(ck), extra.get("step"), step is not None and local_digest(m, o) == digests[step]]
 
     with FsdpShardCheckpointer(url) as ck:
         for step, kind in ((1, StorageType.DISK), (2, StorageType.DISK), (3, StorageType.MEMORY)):
-            _fsdp_train(model, opt, step)
-            ck.save_checkpoint(step, {**_fsdp_state(model, opt), "step": step}, f"step_{step}", storage_type=kind)
-            digests[step] = _fsdp_digest(model, opt)
+            train_step(model, opt, step, _rank())
+            ck.save_checkpoint(step, {**state(model, opt), "step": step}, f"step_{step}", storage_type=kind)
+            digests[step] = local_digest(model, opt)
             if step == 2:
                 ck.wait_latest_checkpoint(120)
         out["memory"] = resumed(ck)
@@ -260,17 +237,17 @@ def fsdp_worker(url: str, out_dir: str) -> dict:
         out["committed"] = ck.engine.committed_steps()
         # DCP's own load through our reader, straight from the store
         m, o = _fsdp_build()
-        sd = {**_fsdp_state(m, o), "step": None}
+        sd = {**state(m, o), "step": None}
         dcp.load(sd, storage_reader=BackendStorageReader(ck.engine.storage, f"{url}/step_1"))
         set_state_dict(m, o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        out["dcp_reader"] = [sd["step"], _fsdp_digest(m, o) == digests[1]]
+        out["dcp_reader"] = [sd["step"], local_digest(m, o) == digests[1]]
     local = os.path.join(out_dir, "fsdp", "step_2")
     out["listed"] = _download(f"{url}/step_2", local)
     m, o = _fsdp_build()
-    sd = {**_fsdp_state(m, o), "step": None}
+    sd = {**state(m, o), "step": None}
     dcp.load(sd, storage_reader=dcp.FileSystemReader(local))  # vanilla DCP on the downloaded copy
     set_state_dict(m, o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    out["vanilla"] = [sd["step"], _fsdp_digest(m, o) == digests[2]]
+    out["vanilla"] = [sd["step"], local_digest(m, o) == digests[2]]
     _damage(f"{url}/step_2/__1_0.distcp")  # rank 1's file only: rank 0's verifies, yet both fall back
     with FsdpShardCheckpointer(url) as ck:
         out["fallback"] = resumed(ck)
