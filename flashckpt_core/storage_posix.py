@@ -178,7 +178,8 @@ class PosixDiskStorage(CheckpointStorage):
         """Creates ``root`` when missing and checks that it is a writable directory."""
         f = root
         while f and not os.path.isdir(f):  # the nearest existing ancestor that is not a directory
-            if os.path.lexists(f):
+            # isdir asked again: another rank may have made the directory between the two checks
+            if os.path.lexists(f) and not os.path.isdir(f):
                 what = "is a file" if f == root else f"lies under {f}, which is a file"
                 raise E.CheckpointDirError(f"CheckpointEngine({shown!r}): the checkpoint dir {root} {what}, not a "
                                            "directory; pass a directory (it is created when missing)")

@@ -387,6 +387,24 @@ def test_a_file_given_as_the_checkpoint_dir_is_named_a_file(runtime_dir, tmp_pat
     assert f.read_bytes() == b"x" and not saver_pids(runtime_dir)
 
 
+def test_a_dir_another_rank_makes_between_the_checks_is_not_called_a_file(tmp_path, monkeypatch):
+    """Ranks make a missing checkpoint dir at once: the one that saw it missing, then present, takes it as the
+    directory it now is (CI saw a DDP rank refuse the dir its peer had just made as "a file")."""
+    from flashckpt.storage_posix import PosixDiskStorage
+
+    root = tmp_path / "runs" / "s01"
+    lexists = os.path.lexists
+
+    def made_meanwhile(p):  # the other rank's makedirs lands right after this rank's isdir said "missing"
+        if p == str(root):
+            os.makedirs(root, exist_ok=True)
+        return lexists(p)
+
+    monkeypatch.setattr(os.path, "lexists", made_meanwhile)
+    PosixDiskStorage().prepare_dir(str(root), "runs/s01")
+    assert root.is_dir()
+
+
 def test_a_missing_resume_path_is_named_as_given_with_the_committed_steps(make_engine, ckpt_dir):
     eng = make_engine(max_to_keep=0)
     for step in (5, 6):
