@@ -33,6 +33,7 @@ SharedLock.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import json
 import logging
@@ -44,6 +45,8 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,6 +142,7 @@ class Segment:
                 raise E.SharedMemoryError(f"segment {path} is not a regular file of this user (uid {st.st_uid}); "
                                           "set FLASHCKPT_RUNTIME_DIR to a directory of your own")
             size = st.st_size
+            self._inode = (st.st_dev, st.st_ino)
             if size < PAGE:
                 raise E.SharedMemoryError(f"segment {path} is truncated ({size} bytes)")
             # Not MAP_POPULATE: it would fault in (and so allocate) an unreserved spare slot too.
@@ -286,17 +290,35 @@ class Segment:
         return json.loads(raw)
 
     def populate(self, i: int, nbytes: int) -> None:
-        """Maps slot ``i``'s first ``nbytes`` of data in one go before it is read (MADV_POPULATE_READ,
-        Linux >= 5.14): faulting the source page by page while huge-page destinations fault too is
-        ~15x slower. Best effort: older kernels simply fault on read."""
+        """Maps slot ``i``'s first ``nbytes`` of data in one go before it is read from the mapping
+        (MADV_POPULATE_READ, Linux >= 5.14): faulting the source in while huge-page destinations fault
+        too is ~15x slower. Best effort: older kernels simply fault on read."""
         start = self.data_off(i) // PAGE * PAGE
         length = min(self.size - start, _page(nbytes + self.data_off(i) - start))
-        if length <= 0:
+        if length > 0:
+            self._advise(_MADV_POPULATE_READ, start, length)
+
+    @property
+    def huge_pages(self) -> bool:
+        """Whether the segment file has huge pages (``huge_page_tmpfs``): then its mapping, one fault per
+        2 MiB, is a source as fast as resident memory."""
+        return huge_page_tmpfs(os.path.dirname(self.path))
+
+    @contextmanager
+    def read_fd(self) -> Iterator[int | None]:
+        """A read-only descriptor of this very segment file (None where it is gone or replaced), for
+        ``_copy.file_reader``: reading a slot with ``preadv`` avoids mapping its 4 KiB pages into this
+        process (1.0-1.1x a ``copy_`` of the bytes, against 1.5-2x for faulting them in)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            yield None
             return
         try:
-            self.mm.madvise(_MADV_POPULATE_READ, start, length)
-        except (OSError, ValueError, AttributeError):
-            pass
+            st = os.fstat(fd)
+            yield fd if (st.st_dev, st.st_ino) == self._inode else None
+        finally:
+            os.close(fd)
 
     def complete_steps(self) -> list[tuple[int, int]]:
         """(step, slot) of every live COMPLETE snapshot of this segment, oldest save first (superseded ones,
@@ -337,6 +359,33 @@ def live_snapshots(segs: list[Segment]) -> list[tuple[Segment, int, SlotHeader]]
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _libc: Any = None
+
+
+@functools.lru_cache(maxsize=16)
+def huge_page_tmpfs(directory: str) -> bool:
+    """Whether files in ``directory`` get transparent huge pages: it lies on a tmpfs mounted with
+    ``huge=always`` or ``huge=within_size``, or the kernel forces them on every tmpfs (``shmem_enabled``)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            if "[force]" in f.read():
+                return True
+        with open("/proc/self/mountinfo") as f:
+            mounts = f.read().splitlines()
+    except OSError:
+        return False
+    real = os.path.realpath(directory)
+    best, huge = "", False
+    for line in mounts:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 3:
+            continue
+        point = fields[4].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best = point
+            huge = tail[0] == "tmpfs" and any(o in ("huge=always", "huge=within_size") for o in tail[2].split(","))
+    return huge
 
 
 def advise_huge_pages(addr: int, nbytes: int) -> None:

@@ -27,13 +27,14 @@ import torch
 
 from . import errors as E
 from . import locations
-from ._copy import Copier
+from ._copy import Copier, file_reader
 from ._tree import (
     TensorMeta,
     build_tensor,
     contiguous_strides,
     decode_opaque,
     dtype_name,
+    gc_paused,
     split_opaque,
     tensor_paths,
     tensors_by_path,
@@ -41,7 +42,7 @@ from ._tree import (
 )
 from .config import Knobs, job_dir
 from .files import FILES_KEY, FileSet, is_fileset_tree
-from .segment import COMPLETE, Segment, SlotHeader, advise_huge_pages, live_snapshots, segment_paths
+from .segment import COMPLETE, Segment, SlotHeader, live_snapshots, segment_paths
 
 if TYPE_CHECKING:
     from .engine import CheckpointEngine
@@ -91,10 +92,15 @@ def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None =
     h = seg.header(slot)
     if h.state != COMPLETE or (step is not None and h.step != step):
         return None
+    with gc_paused(), seg.read_fd() as fd:
+        return _read_slot(seg, slot, h, copier, fd, weights_only=weights_only, into=into)
+
+
+def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int | None, *,
+               weights_only: bool, into: Any) -> Snapshot | None:
     meta = seg.read_meta(slot, h)
     metas = [TensorMeta.from_json(v) for v in meta["tensors"]]
-    data = seg.base + seg.data_off(slot)
-    seg.populate(slot, h.tensor_bytes)
+    data = seg.data_off(slot)  # sources are offsets in the segment file until the copy op is chosen
     direct: dict[int, torch.Tensor] = {}
     tasks = []
     if into is not None:
@@ -121,10 +127,17 @@ def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None =
             continue
         st = torch.UntypedStorage(m.nbytes)
         regions[key] = st
-        if m.nbytes:
-            advise_huge_pages(st.data_ptr(), m.nbytes)
+        if m.nbytes:  # (no MADV_HUGEPAGE: its compaction stalls made such loads 2-3x slower, docs/benchmarks.md)
             tasks.append((st.data_ptr(), data + m.offset, m.nbytes))
-    copier.run(tasks)
+    # preadv from the file, except on a huge-page tmpfs when every tensor goes into an existing one: then
+    # the mapping (one fault per 2 MiB) is as fast as resident memory. Into new memory, preadv stays ahead
+    # either way (the kernel faults the destination in; a memmove faulting both sides is up to 15x slower).
+    if fd is None or (seg.huge_pages and not regions):
+        seg.populate(slot, h.tensor_bytes)
+        tasks = [(dst, seg.base + off, n) for dst, off, n in tasks]
+        copier.run(tasks)
+    else:
+        copier.run(tasks, op=file_reader(fd))
     blob_off = seg.data_off(slot) + h.tensor_bytes
     blob = seg.mm[blob_off: blob_off + h.blob_len]
     h2 = seg.header(slot)
@@ -237,7 +250,8 @@ class SnapshotReader:
         for seg, i, h in self._live():
             if h.step == step:
                 try:
-                    return str(seg.read_meta(i, h).get("name", ""))
+                    with gc_paused():
+                        return str(seg.read_meta(i, h).get("name", ""))
                 except (ValueError, E.FlashCheckpointError):
                     return None
         return None

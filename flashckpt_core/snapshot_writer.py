@@ -10,7 +10,6 @@ and marks the slot COMPLETE. It reads snapshots back as a ``SnapshotReader`` doe
 from __future__ import annotations
 
 import array
-import gc
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from ._tree import (
     encode_opaque,
     flatten,
     flatten_like,
+    gc_paused,
 )
 from .ipc import SharedLock
 from .segment import (
@@ -265,11 +265,8 @@ class SharedMemoryHandler(SnapshotReader):
         """
         if self._lease is None and self._allocate is not None:
             self._lease = _take_writer_lease(self.job_dir, self.local_rank, self._writer_info)
-        # The walk allocates ~5 containers per tensor; with thousands of tensors that triggers full
-        # garbage collections in the middle of the pause. Nothing here creates reference cycles.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        # The walk allocates ~5 containers per tensor: no garbage collection in the middle of the pause.
+        with gc_paused():
             native = _native.get()
             cached = self._tree_cache
             if cached and native is not None:
@@ -306,9 +303,6 @@ class SharedMemoryHandler(SnapshotReader):
             except BaseException:
                 self._set_state(seg, slot, EMPTY)
                 raise
-        finally:
-            if gc_was_enabled:
-                gc.enable()
         if native is not None:
             addr = array.array("q", nptrs)
             large = [(off, addr[i], n) for i, off, n in plan.large_copies]

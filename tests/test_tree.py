@@ -342,3 +342,27 @@ def test_module_state_dict_metadata_survives_like_torch_save(make_engine, ckpt_d
     on_disk = torch.load(os.path.join(ckpt_dir, "step_1", "rank_00000.pt"), weights_only=True)
     assert on_disk["model"]._metadata == sd._metadata
     eng.close()
+
+
+def test_gc_paused_holds_the_collector_off_and_restores_its_state():
+    import gc
+
+    from flashckpt._tree import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the inner block leaves it as the outer one set it
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller that disabled it keeps it disabled
+    finally:
+        gc.enable()
+    with pytest.raises(ValueError), gc_paused():
+        raise ValueError
+    assert gc.isenabled()
