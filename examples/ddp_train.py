@@ -21,28 +21,43 @@ or ``none``. The ``end`` event carries rank 0's wall time of every step (``step_
 
 from __future__ import annotations
 
-import argparse
-import ctypes
-import hashlib
-import json
-import os
-import signal
-import sys
-import time
-from typing import Any
+import time as _time
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
+_T_SCRIPT = _time.time()  # before torch is imported: for the restart breakdown (``started`` event)
+
+import argparse  # noqa: E402
+import ctypes  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flashckpt import (
-    CheckpointEngine,  # noqa: E402
-    storage_type_for,  # noqa: E402
-)
+from flashckpt import CheckpointEngine, storage_type_for  # noqa: E402
 from flashckpt.integrations.ddp import DdpCheckpointer, StorageType  # noqa: E402
+
+_T_IMPORTED = time.time()
+
+
+def _process_start_time() -> float:
+    """Wall-clock time this process was started (from /proc; 0.0 where unavailable)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            btime = next(int(ln.split()[1]) for ln in f if ln.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return 0.0
 
 
 class Block(nn.Module):
@@ -200,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.metrics, "a") as f:
                 f.write(json.dumps({**ev, "t": time.time(), "rank": rank}) + "\n")
 
+    # Where a (re)started worker's first second goes: process start, imports, process group (rank 0).
+    emit(event="started", proc_start=_process_start_time(), script=_T_SCRIPT, imported=_T_IMPORTED)
     model = TinyGPT(args.vocab, args.dim, args.layers, ctx=args.ctx)
     ddp = nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -260,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             emit(any_rank=True, event="crash", step=step)
             os.kill(os.getpid(), signal.SIGKILL)
         step_seconds.append(time.perf_counter() - t_step)
+        if step == start and start > 1:
+            emit(event="first_step", step=step)
 
     if ckpt is not None:
         ckpt.wait_latest_checkpoint(timeout=600)

@@ -9,6 +9,13 @@ rendezvous and its ``LocalElasticAgent``), plus:
 - on SIGTERM/SIGINT it does the same within ``--term-timeout`` seconds, then exits;
 - ``--no-last-words`` turns both off (and the savers' own last words after a trainer crash).
 
+Before a restart the last words run beside it, not before it: the restarted workers load the newest
+snapshot from memory whether or not its commit has finished, so the restart need not wait for the
+persist (it is waited for before the launcher exits; ``FLASHCKPT_LAST_WORDS_BLOCKING=1`` restarts only
+after it, as before). ``FLASHCKPT_LAUNCH_EVENTS=<file>`` appends one JSON
+line per agent event (a failure noticed, workers stopped, last words done, rendezvous done, workers
+started; wall-clock ``t``), which ``benchmarks/bench_recovery.py`` uses for its breakdown.
+
 The savers are the per-node daemons the engines start (the same path as under plain ``torchrun``); the
 launcher gives every worker one ``FLASHCKPT_JOB_ID`` so restarted workers find them again: the one set in
 its environment, else the rendezvous id (``--rdzv-id``, the same on every node and every restart of the
@@ -20,10 +27,12 @@ persist what is newer than the last commit and exit instead of waiting out their
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from typing import Any
@@ -80,14 +89,74 @@ def last_words_for_job(job_id: str, timeout: float) -> dict[str, Any]:
     return out
 
 
+def _event(name: str, **fields: Any) -> None:
+    """Appends an agent event to FLASHCKPT_LAUNCH_EVENTS, when set (best effort)."""
+    path = os.environ.get("FLASHCKPT_LAUNCH_EVENTS")
+    if not path:
+        return
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps({"event": name, "t": time.time(), "pid": os.getpid(), **fields}) + "\n")
+    except OSError:
+        pass
+
+
+_pending: list[threading.Thread] = []  # last words running beside a restart
+
+
+def _say_last_words(job_id: str, timeout: float) -> None:
+    last_words_for_job(job_id, timeout)
+    _event("last_words_done")
+
+
+def _join_last_words(timeout: float) -> None:
+    """Waits for the last words started beside a restart (before new ones, and before the launcher exits)."""
+    while _pending:
+        _pending.pop().join(timeout + 10)
+
+
 def _flash_agent_class(base: type, job_id: str, timeout: float, enabled: bool) -> type:
     class FlashElasticAgent(base):
-        """LocalElasticAgent that persists the newest snapshot whenever it stops its workers."""
+        """LocalElasticAgent that persists the newest snapshot whenever it stops its workers: beside the
+        restart when it restarts them, before it goes on otherwise."""
+
+        _restarting = False
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            if result.state.name in ("FAILED", "UNHEALTHY"):
+                _event("failure_noticed", state=result.state.name)
+            return result
+
+        def _restart_workers(self, worker_group: Any) -> None:
+            self._restarting = True
+            try:
+                super()._restart_workers(worker_group)
+            finally:
+                self._restarting = False
 
         def _stop_workers(self, worker_group: Any, *args: Any, **kwargs: Any) -> None:
             super()._stop_workers(worker_group, *args, **kwargs)
-            if enabled:
-                last_words_for_job(job_id, timeout)
+            _event("workers_stopped")
+            if not enabled:
+                return
+            _join_last_words(timeout)
+            if self._restarting and os.environ.get("FLASHCKPT_LAST_WORDS_BLOCKING", "0") in ("", "0"):
+                t = threading.Thread(target=_say_last_words, args=(job_id, timeout), name="flashckpt-last-words",
+                                     daemon=True)
+                _pending.append(t)
+                t.start()
+            else:
+                _say_last_words(job_id, timeout)
+
+        def _rendezvous(self, worker_group: Any) -> None:
+            super()._rendezvous(worker_group)
+            _event("rendezvous_done")
+
+        def _start_workers(self, worker_group: Any) -> Any:
+            ids = super()._start_workers(worker_group)
+            _event("workers_started")
+            return ids
 
     return FlashElasticAgent
 
@@ -135,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     agent_class = _flash_agent_class(launcher_api.LocalElasticAgent, job_id, args.term_timeout, enabled)
     launcher_api.LocalElasticAgent = agent_class  # type: ignore[misc,assignment]
     try:
-        tdr.run(args)
+        try:
+            tdr.run(args)
+        finally:
+            _join_last_words(args.term_timeout)
     except SignalException as e:
         log.warning("received %s: persisting the newest snapshot before exiting", signal.Signals(e.sigval).name)
         if enabled:
