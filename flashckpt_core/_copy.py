@@ -7,6 +7,8 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from . import errors as E
+
 __all__ = ["Copier", "SMALL_COPY", "CopyOp", "file_reader"]
 
 # Copies below this run on the calling thread: a thread hand-off costs more than it saves.
@@ -33,7 +35,8 @@ def file_reader(fd: int) -> CopyOp:
         while n > 0:
             got = os.preadv(fd, [(ctypes.c_char * n).from_address(dst)], off)
             if got <= 0:
-                raise OSError(f"short read at offset {off} of a shared-memory segment ({n} bytes missing)")
+                raise E.SharedMemoryError(f"short read at offset {off} of a shared-memory segment ({n} bytes "
+                                          "missing): it was truncated")
             dst, off, n = dst + got, off + got, n - got
 
     return read
