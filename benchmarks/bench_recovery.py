@@ -73,8 +73,8 @@ def breakdown(name: str, ev: list[dict], crash_at: int, step_s: float) -> tuple[
     the one before; "n/a" where an event is missing, e.g. plain torchrun has no agent events)."""
     crash = next(e for e in ev if e["event"] == "crash")
 
-    def first(name: str, after: float) -> dict | None:
-        return next((e for e in ev if e["event"] == name and e["t"] >= after), None)
+    def first(event: str, after: float) -> dict | None:
+        return next((e for e in ev if e["event"] == event and e["t"] >= after), None)
 
     resume = [e for e in ev if e["event"] == "resume"][-1]
     started = [e for e in ev if e["event"] == "started"][-1]

@@ -28,7 +28,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from typing import Any
 
@@ -47,19 +46,12 @@ from benchmarks._common import (  # noqa: E402
     machine_info,
     markdown_table,
     median,
+    timed,
     write_json,
 )
 
 VARIANTS = ("before: mapping", "+ file reads", "+ collector held (now)")
 TAG = "BENCH_RESTORE "
-
-
-class _NoPause:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _apply(variant: str) -> None:
@@ -68,16 +60,10 @@ def _apply(variant: str) -> None:
     from flashckpt import engine, segment, snapshot_reader
 
     if variant != VARIANTS[2]:
-        engine.gc_paused = _NoPause  # type: ignore[misc,assignment]
-        snapshot_reader.gc_paused = _NoPause  # type: ignore[misc,assignment]
+        engine.gc_paused = contextlib.nullcontext  # type: ignore[misc,assignment]
+        snapshot_reader.gc_paused = contextlib.nullcontext  # type: ignore[misc,assignment]
     if variant == VARIANTS[0]:
         segment.Segment.read_fd = lambda self: contextlib.nullcontext(None)  # type: ignore[method-assign,assignment,return-value]
-
-
-def _timed(fn: Any) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def child(ckpt: str, cfg_json: str, variant: str) -> None:
@@ -93,17 +79,15 @@ def child(ckpt: str, cfg_json: str, variant: str) -> None:
     _apply(variant)
     eng = CheckpointEngine(ckpt, max_to_keep=1)
     out: dict[str, Any] = {"variant": variant}
-    out["into_s"] = _timed(lambda: eng.load(into=model))
-    loaded: list[Any] = []
-    out["load_s"] = _timed(lambda: loaded.append(eng.load()))
-    src = list(iter_tensors(loaded.pop()))  # resident now: the source of the limits
+    out["into_s"] = timed(lambda: eng.load(into=model))[0]
+    out["load_s"], loaded = timed(eng.load)
+    src = list(iter_tensors(loaded))  # resident now: the source of the limits
     out["bytes"] = sum(t.numel() * t.element_size() for t in src)
     copier = Copier(Knobs.from_env().copy_threads)
     tasks = [(d.data_ptr(), s.data_ptr(), d.numel() * d.element_size()) for d, s in zip(dst, src)]
-    out["memmove_s"] = min(_timed(lambda: copier.run(tasks)) for _ in range(3))
-    out["copy_s"] = min(_timed(lambda: [d.copy_(s) for d, s in zip(dst, src)]) for _ in range(3))
-    clones: list[Any] = []
-    out["clone_s"] = _timed(lambda: clones.extend(s.clone() for s in src))
+    out["memmove_s"] = min(timed(lambda: copier.run(tasks))[0] for _ in range(3))
+    out["copy_s"] = min(timed(lambda: [d.copy_(s) for d, s in zip(dst, src)])[0] for _ in range(3))
+    out["clone_s"], _clones = timed(lambda: [s.clone() for s in src])
     copier.close()
     eng.close()
     print(TAG + json.dumps(out), flush=True)
