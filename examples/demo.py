@@ -3,8 +3,8 @@
 1. Launches the small GPT of ``ddp_train.py`` on 2 gloo ranks with ``flashckpt-run --max_restarts 1``,
    snapshotting to memory every step and persisting every 10 steps. Rank 1 kills itself with SIGKILL
    after step 23. The node's saver persists and commits that newest snapshot as its last words (it
-   notices the dead client; the launcher's agent also asks for it before restarting), the agent restarts
-   both workers, and they resume from shared memory at step 23, not from the step-20 checkpoint on disk.
+   notices the dead client; the launcher's agent also asks for it while it restarts both workers), and
+   the workers resume from shared memory at step 23, not from the step-20 checkpoint on disk.
 2. Runs the same job without a crash and checks that both end with bit-identical weights.
 3. Prints what happened, how long recovery took against loading the disk checkpoint, and how long
    training paused per checkpoint against ``torch.save`` of the same state.
@@ -105,7 +105,7 @@ def main() -> int:
         print(f"| steps lost | {args.crash_at_step - (resume['step'] or 0)} (a restart from disk loses {lost}, "
               f"{lost * step_s:.1f} s of training) |")
         print(f"| crash to training resumed | {resume['t'] - crash['t']:.1f} s (agent noticing the failure, "
-              "persisting the last snapshot, restarting 2 workers, rendezvous, load) |")
+              "restarting 2 workers while the last snapshot is persisted, rendezvous, load) |")
         print(f"| of which the load | {resume['seconds'] * 1e3:.1f} ms from memory (torch.load of the "
               f"step-{disk_step} file: {disk_load_s * 1e3:.1f} ms) |")
         committed = sorted(CommitLayout(ckpt, PosixDiskStorage()).committed_steps())
