@@ -4,9 +4,11 @@
    snapshotting to memory every step and persisting every 10 steps. Rank 1 kills itself with SIGKILL
    after step 23. The node's saver persists and commits that newest snapshot as its last words (it
    notices the dead client; the launcher's agent also asks for it while it restarts both workers), and
-   the workers resume from shared memory at step 23, not from the step-20 checkpoint on disk.
+   the workers resume from shared memory at step 23, not from the step-20 checkpoint on disk. The
+   restarted workers are the launcher's warm workers: processes that had torch imported already.
 2. Runs the same job without a crash and checks that both end with bit-identical weights.
-3. Prints what happened, how long recovery took against loading the disk checkpoint, and how long
+3. Prints what happened, how long recovery took (crash to the first training step after it, per phase)
+   against loading the disk checkpoint, and how long
    training paused per checkpoint against ``torch.save`` of the same state.
 """
 
@@ -33,7 +35,8 @@ def launch(ckpt_dir: str, metrics: str, job: str, *extra: str) -> int:
     cmd = [sys.executable, "-m", "flashckpt.launcher", "--nproc_per_node", "2", "--standalone",
            "--max_restarts", "1", os.path.join(HERE, "ddp_train.py"), "--checkpoint_dir", ckpt_dir,
            "--metrics", metrics, "--resume", *extra]
-    env = dict(os.environ, FLASHCKPT_JOB_ID=job, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, FLASHCKPT_JOB_ID=job, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               FLASHCKPT_LAUNCH_EVENTS=metrics)  # the agent's events beside the workers' (the breakdown)
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout.splitlines():
@@ -104,8 +107,18 @@ def main() -> int:
               f"step {disk_step}) |")
         print(f"| steps lost | {args.crash_at_step - (resume['step'] or 0)} (a restart from disk loses {lost}, "
               f"{lost * step_s:.1f} s of training) |")
-        print(f"| crash to training resumed | {resume['t'] - crash['t']:.1f} s (agent noticing the failure, "
-              "restarting 2 workers while the last snapshot is persisted, rendezvous, load) |")
+        after = [e for e in ev if e["t"] >= crash["t"]]
+
+        def at(name: str) -> float:
+            return next(e["t"] for e in after if e["event"] == name) - crash["t"]
+
+        warm = sum(e["event"] == "warm_worker_used" for e in after)
+        print(f"| crash to first training step after resume | **{at('first_step'):.2f} s**: the agent noticing "
+              f"the failure {at('failure_noticed'):.2f} s, stopping the group and a new rendezvous "
+              f"{at('rendezvous_done') - at('failure_noticed'):.2f} s, {warm} warm workers (torch imported) "
+              f"to the process group {at('started') - at('rendezvous_done'):.2f} s, model + load "
+              f"{resume['t'] - crash['t'] - at('started'):.2f} s, one step {at('first_step') - at('resume'):.2f} s "
+              "(the last snapshot is persisted beside all this) |")
         print(f"| of which the load | {resume['seconds'] * 1e3:.1f} ms from memory (torch.load of the "
               f"step-{disk_step} file: {disk_load_s * 1e3:.1f} ms) |")
         committed = sorted(CommitLayout(ckpt, PosixDiskStorage()).committed_steps())

@@ -34,6 +34,7 @@ from .saver_link import SaverLink, agent_pid, restart_expected
 from .snapshot_reader import SnapshotReader
 from .snapshot_writer import SharedMemoryHandler
 from .storage import storage_for, storage_spec
+from .warm import record_modules
 
 __all__ = ["CheckpointEngine", "LoadResult", "Located", "local_dir", "resolve_in"]
 
@@ -284,6 +285,7 @@ class CheckpointEngine:
                  nbytes, blocked, int(overlap))
         if self._pending is None:
             self._after_snapshot(step, storage_type, target, ref)
+        record_modules()  # under flashckpt-run, once: what this rank's warm worker imports ahead
         return True
 
     def wait_snapshot(self) -> None:

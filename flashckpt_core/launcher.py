@@ -16,6 +16,13 @@ after it, as before). ``FLASHCKPT_LAUNCH_EVENTS=<file>`` appends one JSON
 line per agent event (a failure noticed, workers stopped, last words done, rendezvous done, workers
 started; wall-clock ``t``), which ``benchmarks/bench_recovery.py`` uses for its breakdown.
 
+Restarted workers start warm (``flashckpt.warm``): after starting a worker the agent keeps a second
+process per local rank ready, with the same interpreter, options and environment and torch, flashckpt and
+the script's library imports done; a restart hands each rank's worker to it instead of starting a new
+interpreter, when nothing but the rendezvous endpoint and attempt counter differ (else a new process, as
+torchrun starts). ``--no-warm-workers`` / ``FLASHCKPT_WARM_WORKERS=0`` turn this off;
+``FLASHCKPT_WARM_DELAY_S`` (default 5) is how long after a worker's start its warm twin is started.
+
 The savers are the per-node daemons the engines start (the same path as under plain ``torchrun``); the
 launcher gives every worker one ``FLASHCKPT_JOB_ID`` so restarted workers find them again: the one set in
 its environment, else the rendezvous id (``--rdzv-id``, the same on every node and every restart of the
@@ -30,8 +37,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -183,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                          "restarting failed workers and on SIGTERM. " + (parser.description or "")
     parser.add_argument("--no-last-words", "--no_last_words", action="store_true",
                         help="do not persist the newest snapshot on worker failure or SIGTERM")
+    parser.add_argument("--no-warm-workers", "--no_warm_workers", action="store_true",
+                        help="start restarted workers as new processes (default: hand them to warm ones)")
     parser.add_argument("--term-timeout", "--term_timeout", type=float, default=120.0,
                         help="seconds allowed for persisting the newest snapshot after SIGTERM (default 120)")
     args = parser.parse_args(argv)
@@ -203,10 +214,24 @@ def main(argv: list[str] | None = None) -> int:
     # The agent class launch_agent builds; only this launcher process is affected.
     agent_class = _flash_agent_class(launcher_api.LocalElasticAgent, job_id, args.term_timeout, enabled)
     launcher_api.LocalElasticAgent = agent_class  # type: ignore[misc,assignment]
+    pool = None
+    if not args.no_warm_workers and os.environ.get("FLASHCKPT_WARM_WORKERS", "1") not in ("0", "false", "off"):
+        import torch.distributed.elastic.multiprocessing.api as mp_api
+
+        from .warm import MODULES_DIR_ENV, WarmPool, handler_factory
+
+        modules_dir = tempfile.mkdtemp(prefix="flashckpt-warm-")  # the workers record their imports here
+        os.environ[MODULES_DIR_ENV] = modules_dir
+        pool = WarmPool(float(os.environ.get("FLASHCKPT_WARM_DELAY_S", "5")), event=_event,
+                        modules_dir=modules_dir)
+        mp_api.get_subprocess_handler = handler_factory(pool)
     try:
         try:
             tdr.run(args)
         finally:
+            if pool is not None:
+                pool.close()
+                shutil.rmtree(os.environ.pop(MODULES_DIR_ENV), ignore_errors=True)
             _join_last_words(args.term_timeout)
     except SignalException as e:
         log.warning("received %s: persisting the newest snapshot before exiting", signal.Signals(e.sigval).name)

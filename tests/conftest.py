@@ -274,7 +274,7 @@ _TIER_OF_FILE = {
     **dict.fromkeys(("test_s3_backend.py", "test_s3_engine.py"), "multiproc"),
     # savers, persist workers, trainers and launchers in processes of their own, faults and kills
     **dict.fromkeys(("test_cli.py", "test_commit_guards.py", "test_engine.py", "test_fault_injection.py",
-                     "test_ipc.py", "test_killpoints.py", "test_launcher.py", "test_lifecycle.py",
+                     "test_ipc.py", "test_killpoints.py", "test_launcher.py", "test_warm_workers.py", "test_lifecycle.py",
                      "test_multiprocess.py", "test_native.py", "test_overlap.py", "test_records.py",
                      "test_saver_liveness.py", "test_security.py", "test_slots.py", "test_writers.py",
                      "test_documented_api.py", "test_wheel.py", "test_norename_storage.py"), "multiproc"),

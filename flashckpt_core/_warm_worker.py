@@ -1,0 +1,152 @@
+"""A warm worker: a Python process that ``flashckpt-run`` starts ahead of a restart, with torch and the
+training script's library imports done, and that becomes a restarted worker when handed one.
+
+Run as ``python <the worker's interpreter options> -m flashckpt._warm_worker <control fd> <padding>`` with the
+environment of the worker it stands in for (see ``flashckpt.warm``). Protocol on the control socket
+(an AF_UNIX stream socketpair, one JSON object per message, 4-byte big-endian length first):
+
+1. the agent sends ``{"preload": [module, ...], "local_dir": dir}``; the process imports them, except
+   those that ``dir`` (the script's directory, or the working directory with ``-m``) provides: the user's
+   own code, imported by the script in its turn. Failures are ignored: a module that cannot be imported
+   here fails the same way in the script, where its error is shown;
+2. the agent sends ``{"argv": [...], "env": {...}, "events": path}`` with two file descriptors attached
+   (SCM_RIGHTS): the worker's stdout and stderr. The process makes them its fd 1 and 2, replaces its
+   environment with ``env``, and runs ``argv`` as ``python`` would (a script path or ``-m module``,
+   then the script's arguments) as ``__main__``, its ``/proc/<pid>/cmdline`` rewritten to the worker's
+   command (the padding argument leaves room for it).
+
+The agent hands a worker over only when its interpreter, interpreter options and environment equal the
+warm worker's, except the variables that name the rendezvous endpoint and the attempt (see
+``flashckpt.warm.ATTEMPT_KEYS``), which nothing reads before ``init_process_group``. If the agent goes away
+before a hand-over, the process exits.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import struct
+import sys
+import time
+
+_HDR = struct.Struct(">I")
+
+
+def _recv(sock: socket.socket) -> tuple[dict | None, list[int]]:
+    """One message and the file descriptors that came with it; (None, []) at EOF."""
+    fds: list[int] = []
+    buf = b""
+    need = _HDR.size
+    size = None
+    while True:
+        while len(buf) < need:
+            data, anc, _flags, _addr = sock.recvmsg(max(need - len(buf), 1), socket.CMSG_SPACE(2 * 4))
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.extend(struct.unpack(f"{len(payload) // 4}i", payload[: len(payload) // 4 * 4]))
+            if not data:
+                return None, fds
+            buf += data
+        if size is None:
+            size = _HDR.unpack(buf[: _HDR.size])[0]
+            buf = buf[_HDR.size:]
+            need = size
+            continue
+        return json.loads(buf[:size]), fds
+
+
+def _take_streams(fds: list[int]) -> None:
+    """Makes the worker's stdout and stderr this process's fd 1 and 2 (Python's objects stay on them)."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    for target, fd in zip((1, 2), fds):
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def _set_cmdline(argv: list[str]) -> None:
+    """Makes ``/proc/self/cmdline`` (what ``ps`` and tools that look for a worker by its command show)
+    read ``argv``: the agent started this process with a padding argument, so its argument area has room;
+    Python has copied its arguments, so nothing reads that memory any more (setproctitle does the same)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48 and 49)
+    except (OSError, IndexError, ValueError):
+        return
+    if not 0 < start < end:
+        return
+    data = b"\0".join(os.fsencode(a) for a in argv)[: end - start - 1]
+    ctypes.memmove(start, data + b"\0" * (end - start - len(data)), end - start)
+
+
+def _event(path: str, name: str) -> None:
+    if path:
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps({"event": name, "t": time.time(), "pid": os.getpid()}) + "\n")
+        except OSError:
+            pass
+
+
+def _run(argv: list[str]) -> None:
+    """Runs ``argv`` (``script args...`` or ``-m module args...``) as ``__main__``, as python does."""
+    import runpy
+
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]  # replaced by the module's file, as python -m does
+        runpy._run_module_as_main(argv[1], alter_argv=True)  # type: ignore[attr-defined]  # what -m runs
+        return
+    from importlib.machinery import SourceFileLoader
+
+    script = os.path.abspath(argv[0])
+    sys.argv = list(argv)
+    if not sys.flags.safe_path and sys.path:
+        # python puts the script's real directory first on sys.path (-m put the working directory there)
+        sys.path[0] = os.path.dirname(os.path.realpath(script))
+    main = type(sys)("__main__")
+    main.__file__ = script
+    main.__dict__["__cached__"] = None
+    main.__loader__ = SourceFileLoader("__main__", script)
+    sys.modules["__main__"] = main  # for good, as in python: pickling and spawned children find it
+    with open(script, "rb") as f:
+        code = compile(f.read(), script, "exec", dont_inherit=True)
+    exec(code, main.__dict__)
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    msg, _ = _recv(sock)
+    if msg is None:
+        sys.exit(0)
+    from importlib.machinery import PathFinder
+
+    local = [msg["local_dir"]] if msg.get("local_dir") else []
+    for name in msg.get("preload", []):
+        if local and PathFinder.find_spec(name.partition(".")[0], local) is not None:
+            continue  # the user's own module (or one it shadows): imported by the script, in its turn
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the script shows this error where it imports the module
+            pass
+    _event(os.environ.get("FLASHCKPT_LAUNCH_EVENTS", ""), "warm_worker_ready")
+    msg, fds = _recv(sock)
+    if msg is None:  # the agent went away or dropped this warm worker
+        sys.exit(0)
+    sock.close()
+    _set_cmdline([sys.orig_argv[0], *msg["interp_opts"], *msg["argv"]])
+    _take_streams(fds)
+    os.environ.clear()
+    os.environ.update(msg["env"])
+    _event(msg.get("events", ""), "warm_worker_run")
+    _run(msg["argv"])
+
+
+if __name__ == "__main__":
+    main()
