@@ -99,9 +99,10 @@ COLUMNS = ("resumed from", "restarted as", "notice", "stop", "last words", "rend
            "process group", "model + load (load)", "first step", "crash -> first step", "steps lost")
 
 
-def breakdown(name: str, ev: list[dict], crash_at: int, step_s: float) -> tuple[str, ...]:
+def breakdown(name: str, ev: list[dict], crash_at: int, step_s: float, beside: bool) -> tuple[str, ...]:
     """One row of COLUMNS from a run's worker and agent events (wall clock; each phase from the end of
-    the one before; "n/a" where an event is missing, e.g. plain torchrun has no agent events)."""
+    the one before; "n/a" where an event is missing, e.g. plain torchrun has no agent events). With
+    ``beside``, the last words run beside the restart: not a phase of it."""
     crash = next(e for e in ev if e["event"] == "crash")
 
     def first(event: str, after: float) -> dict | None:
@@ -113,14 +114,13 @@ def breakdown(name: str, ev: list[dict], crash_at: int, step_s: float) -> tuple[
     marks: list[tuple[str, float | None]] = []
     for key in ("failure_noticed", "workers_stopped", "last_words_done", "rendezvous_done", "workers_started"):
         e = first(key, crash["t"])
-        # last words beside the restart end after it began: not a phase of it
-        marks.append((key, e["t"] if e and (key != "last_words_done" or e["t"] < resume["t"]) else None))
+        marks.append((key, e["t"] if e and not (key == "last_words_done" and beside) else None))
     marks += [("imported", started["imported"] if started["proc_start"] else None), ("pg", started["t"]),
               ("resume", resume["t"]), ("first_step", step1["t"] if step1 else None)]
     cells, prev = [], crash["t"]
     for key, t in marks:
         if t is None:
-            cells.append("n/a" if key != "last_words_done" else "beside")
+            cells.append("beside" if key == "last_words_done" and beside else "n/a")
             continue
         cell = f"{t - prev:.2f} s"
         if key == "resume":
@@ -191,14 +191,16 @@ def main() -> int:
         state_mb = max(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(work)
                        for f in fs if f.endswith(".pt")) / 2**20
         notes = []
-        for name, *_ in runs[:-1]:
+        for name, launcher, _, env, _ in runs[:-1]:
             rc, ev, tail = res[name]
             if rc != 0 or not any(e["event"] == "resume" for e in ev):
                 why = next((ln for ln in reversed(tail.splitlines()) if "Error" in ln), f"exit {rc}").strip()
                 rows.append((name, "did not run", *["n/a"] * (len(COLUMNS) - 1)))
                 notes.append(f"{name}: {why[:300]}")
                 continue
-            rows.append(breakdown(name, ev, args.crash_at, step_s))
+            agent = launcher[:3] == fc[:3]  # flashckpt-run: last words beside the restart unless told otherwise
+            rows.append(breakdown(name, ev, args.crash_at, step_s,
+                                  beside=agent and "FLASHCKPT_LAST_WORDS_BLOCKING" not in env))
         mem_pause = [e["seconds"] for e in res.get("flashckpt-run (now)", res[runs[0][0]])[1] if e["event"] == "save"]
         trun_pause = [e["seconds"] for e in res["torchrun, no crash"][1] if e["event"] == "save"]
         lines = [f"# Crash recovery, 2 CPU ranks, {state_mb:.0f} MB of model + AdamW state, "

@@ -86,6 +86,28 @@ def _set_cmdline(argv: list[str]) -> None:
     ctypes.memmove(start, data + b"\0" * (end - start - len(data)), end - start)
 
 
+def _can_restore_priority(nice: int) -> bool:
+    """Whether this process may set its threads back to ``nice`` after raising it (CAP_SYS_NICE, or an
+    RLIMIT_NICE that allows it): only then do the imports run at a lower priority."""
+    import resource
+
+    try:
+        with open("/proc/self/status") as f:
+            cap_eff = int(next(ln.split()[1] for ln in f if ln.startswith("CapEff:")), 16)
+    except (OSError, StopIteration, ValueError):
+        cap_eff = 0
+    return bool(cap_eff >> 23 & 1) or 20 - nice <= resource.getrlimit(resource.RLIMIT_NICE)[0]
+
+
+def _set_priority(nice: int) -> None:
+    """Sets every thread of this process to ``nice`` (on Linux a thread's own property)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except OSError:
+            pass
+
+
 def _event(path: str, name: str) -> None:
     if path:
         try:
@@ -127,6 +149,12 @@ def main() -> None:
         sys.exit(0)
     from importlib.machinery import PathFinder
 
+    # The imports are background work beside the training processes: at a lower priority, where the
+    # worker's own is restored at the hand-over (else at the worker's priority).
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    lowered = nice < 19 and _can_restore_priority(nice)
+    if lowered:
+        _set_priority(min(19, nice + 10))
     local = [msg["local_dir"]] if msg.get("local_dir") else []
     for name in msg.get("preload", []):
         if local and PathFinder.find_spec(name.partition(".")[0], local) is not None:
@@ -140,6 +168,8 @@ def main() -> None:
     if msg is None:  # the agent went away or dropped this warm worker
         sys.exit(0)
     sock.close()
+    if lowered:
+        _set_priority(nice)
     _set_cmdline([sys.orig_argv[0], *msg["interp_opts"], *msg["argv"]])
     _take_streams(fds)
     os.environ.clear()

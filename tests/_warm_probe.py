@@ -31,9 +31,12 @@ def main() -> int:
         "env": {k: v for k, v in os.environ.items() if k not in ATTEMPT_KEYS},
         "attempt_env": {k: os.environ.get(k) for k in sorted(ATTEMPT_KEYS)},
         "stdin_is_devnull": os.path.samestat(os.fstat(0), os.stat(os.devnull)),
+        "nice": sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}),
     }
-    with open(os.path.join(out, f"attempt{attempt}_rank{rank}.json"), "w") as f:
+    path = os.path.join(out, f"attempt{attempt}_rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(info, f)
+    os.replace(path + ".tmp", path)  # whole, for the test that reads it while this runs
     print(f"probe stdout attempt {attempt} rank {rank}", flush=True)
     print(f"probe stderr attempt {attempt} rank {rank}", file=sys.stderr, flush=True)
     if attempt > 0:

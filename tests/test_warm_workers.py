@@ -6,6 +6,7 @@ launcher, real processes (``tests/_warm_probe.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -59,7 +60,8 @@ def test_a_restarted_worker_starts_warm_and_sees_what_a_new_process_sees(fault_e
         cold, warm = _info(out, 0, rank), _info(out, 1, rank)
         assert (cold["preloaded"], warm["preloaded"]) == (False, True)
         assert warm["pid"] in [e["pid"] for e in used]
-        for key in ("argv", "path0", "file", "main_file", "cwd", "cmdline", "flags", "env", "stdin_is_devnull"):
+        for key in ("argv", "path0", "file", "main_file", "cwd", "cmdline", "flags", "env", "stdin_is_devnull",
+                    "nice"):
             assert warm[key] == cold[key], key
         # the user's module beside the script was imported by the script, not ahead of it
         assert warm["helper_saw_main"] == warm["main_file"] == PROBE
@@ -90,9 +92,11 @@ def _processes_of(job_id: str) -> list[int]:
 def test_no_warm_workers_starts_new_processes(fault_env: FaultEnv) -> None:
     proc, out, events = _run_probe(fault_env, "--no-warm-workers")
     # attempt 0 waits for warm workers that never come: it gives up after its own bound, so kill it sooner
-    wait_for(lambda: os.path.exists(os.path.join(out, "attempt0_rank1.json")), 120, "attempt 0")
-    for rank in (0, 1):
-        os.kill(_info(out, 0, rank)["pid"], signal.SIGKILL)
+    wait_for(lambda: all(os.path.exists(os.path.join(out, f"attempt0_rank{r}.json")) for r in (0, 1)), 120,
+             "attempt 0")
+    for rank in (0, 1):  # (the agent may have ended the second already)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(_info(out, 0, rank)["pid"], signal.SIGKILL)
     assert proc.wait(timeout=240) == 0, fault_env.log("launcher.log")
     assert not [e for e in read_events(events) if e["event"].startswith("warm_worker")]
     assert _info(out, 1, 0)["preloaded"] is False
@@ -104,7 +108,8 @@ def test_warm_workers_exit_when_the_launcher_is_killed(fault_env: FaultEnv) -> N
     warm = _warm_pids(events)
     os.kill(proc.pid, signal.SIGKILL)
     for rank in (0, 1):  # a killed torchrun leaves its workers running: the test's to end
-        os.kill(_info(out, 0, rank)["pid"], signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(_info(out, 0, rank)["pid"], signal.SIGKILL)
     wait_for(lambda: not [p for p in warm if alive(p)], 30, "the warm workers to exit")
     assert _processes_of(fault_env.job_id) == []
 
