@@ -17,8 +17,8 @@ environment and its arguments, and runs the script as ``__main__`` the way ``pyt
 ``sys.path[0]``, ``__file__``). Modules that the script's own directory (or, with ``-m``, the working
 directory) provides are never imported ahead: they are the user's code and must see the worker's start.
 What differs from a new process: the modules imported ahead were imported before the worker's stdout was
-attached (a warning they printed once is not printed again), and ``/proc/<pid>/cmdline`` names
-``flashckpt._warm_worker``. ``FLASHCKPT_WARM_WORKERS=0`` (or ``flashckpt-run --no-warm-workers``) turns
+attached (a warning they printed once is not printed again), and ``sys.orig_argv`` names
+``flashckpt._warm_worker`` (``sys.argv`` and ``/proc/<pid>/cmdline`` are the worker's). ``FLASHCKPT_WARM_WORKERS=0`` (or ``flashckpt-run --no-warm-workers``) turns
 warm workers off.
 """
 
