@@ -3,14 +3,14 @@ training script's library imports done, and that becomes a restarted worker when
 
 Run as ``python <the worker's interpreter options> -m flashckpt._warm_worker <control fd> <padding>`` with the
 environment of the worker it stands in for (see ``flashckpt.warm``). Protocol on the control socket
-(an AF_UNIX stream socketpair, one JSON object per message, 4-byte big-endian length first):
+(an AF_UNIX stream socketpair; messages are the saver's frames, ``_protocol.write_frame``):
 
 1. the agent sends ``{"preload": [module, ...], "local_dir": dir}``; the process imports them, except
    those that ``dir`` (the script's directory, or the working directory with ``-m``) provides: the user's
    own code, imported by the script in its turn. Failures are ignored: a module that cannot be imported
    here fails the same way in the script, where its error is shown;
-2. the agent sends ``{"argv": [...], "env": {...}, "events": path}`` with two file descriptors attached
-   (SCM_RIGHTS): the worker's stdout and stderr. The process makes them its fd 1 and 2, replaces its
+2. the agent sends ``{"argv": [...], "interp_opts": [...], "env": {...}}``, then one byte carrying two
+   file descriptors (SCM_RIGHTS): the worker's stdout and stderr. The process makes them its fd 1 and 2, replaces its
    environment with ``env``, and runs ``argv`` as ``python`` would (a script path or ``-m module``,
    then the script's arguments) as ``__main__``, its ``/proc/<pid>/cmdline`` rewritten to the worker's
    command (the padding argument leaves room for it).
@@ -24,37 +24,12 @@ before a hand-over, the process exits.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import socket
-import struct
 import sys
-import time
 
-_HDR = struct.Struct(">I")
-
-
-def _recv(sock: socket.socket) -> tuple[dict | None, list[int]]:
-    """One message and the file descriptors that came with it; (None, []) at EOF."""
-    fds: list[int] = []
-    buf = b""
-    need = _HDR.size
-    size = None
-    while True:
-        while len(buf) < need:
-            data, anc, _flags, _addr = sock.recvmsg(max(need - len(buf), 1), socket.CMSG_SPACE(2 * 4))
-            for level, kind, payload in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds.extend(struct.unpack(f"{len(payload) // 4}i", payload[: len(payload) // 4 * 4]))
-            if not data:
-                return None, fds
-            buf += data
-        if size is None:
-            size = _HDR.unpack(buf[: _HDR.size])[0]
-            buf = buf[_HDR.size:]
-            need = size
-            continue
-        return json.loads(buf[:size]), fds
+from ._protocol import read_frame
+from .warm import launch_event
 
 
 def _take_streams(fds: list[int]) -> None:
@@ -108,15 +83,6 @@ def _set_priority(nice: int) -> None:
             pass
 
 
-def _event(path: str, name: str) -> None:
-    if path:
-        try:
-            with open(path, "a") as f:
-                f.write(json.dumps({"event": name, "t": time.time(), "pid": os.getpid()}) + "\n")
-        except OSError:
-            pass
-
-
 def _run(argv: list[str]) -> None:
     """Runs ``argv`` (``script args...`` or ``-m module args...``) as ``__main__``, as python does."""
     import runpy
@@ -144,7 +110,7 @@ def _run(argv: list[str]) -> None:
 
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
-    msg, _ = _recv(sock)
+    msg = read_frame(sock.fileno())
     if msg is None:
         sys.exit(0)
     from importlib.machinery import PathFinder
@@ -163,10 +129,11 @@ def main() -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the script shows this error where it imports the module
             pass
-    _event(os.environ.get("FLASHCKPT_LAUNCH_EVENTS", ""), "warm_worker_ready")
-    msg, fds = _recv(sock)
+    launch_event("warm_worker_ready")
+    msg = read_frame(sock.fileno())
     if msg is None:  # the agent went away or dropped this warm worker
         sys.exit(0)
+    _, fds, _, _ = socket.recv_fds(sock, 1, 2)  # the worker's stdout and stderr, sent after the frame
     sock.close()
     if lowered:
         _set_priority(nice)
@@ -174,7 +141,7 @@ def main() -> None:
     _take_streams(fds)
     os.environ.clear()
     os.environ.update(msg["env"])
-    _event(msg.get("events", ""), "warm_worker_run")
+    launch_event("warm_worker_run")
     _run(msg["argv"])
 
 

@@ -34,7 +34,6 @@ persist what is newer than the last commit and exit instead of waiting out their
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -50,6 +49,7 @@ from . import errors as E
 from . import messages as M
 from ._protocol import Client
 from .config import Knobs, is_job_key_of
+from .warm import launch_event
 
 __all__ = ["main", "last_words_for_job"]
 
@@ -98,24 +98,12 @@ def last_words_for_job(job_id: str, timeout: float) -> dict[str, Any]:
     return out
 
 
-def _event(name: str, **fields: Any) -> None:
-    """Appends an agent event to FLASHCKPT_LAUNCH_EVENTS, when set (best effort)."""
-    path = os.environ.get("FLASHCKPT_LAUNCH_EVENTS")
-    if not path:
-        return
-    try:
-        with open(path, "a") as f:
-            f.write(json.dumps({"event": name, "t": time.time(), "pid": os.getpid(), **fields}) + "\n")
-    except OSError:
-        pass
-
-
 _pending: list[threading.Thread] = []  # last words running beside a restart
 
 
 def _say_last_words(job_id: str, timeout: float) -> None:
     last_words_for_job(job_id, timeout)
-    _event("last_words_done")
+    launch_event("last_words_done")
 
 
 def _join_last_words(timeout: float) -> None:
@@ -134,7 +122,7 @@ def _flash_agent_class(base: type, job_id: str, timeout: float, enabled: bool) -
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
             if result.state.name in ("FAILED", "UNHEALTHY"):
-                _event("failure_noticed", state=result.state.name)
+                launch_event("failure_noticed", state=result.state.name)
             return result
 
         def _restart_workers(self, worker_group: Any) -> None:
@@ -146,7 +134,7 @@ def _flash_agent_class(base: type, job_id: str, timeout: float, enabled: bool) -
 
         def _stop_workers(self, worker_group: Any, *args: Any, **kwargs: Any) -> None:
             super()._stop_workers(worker_group, *args, **kwargs)
-            _event("workers_stopped")
+            launch_event("workers_stopped")
             if not enabled:
                 return
             _join_last_words(timeout)
@@ -160,11 +148,11 @@ def _flash_agent_class(base: type, job_id: str, timeout: float, enabled: bool) -
 
         def _rendezvous(self, worker_group: Any) -> None:
             super()._rendezvous(worker_group)
-            _event("rendezvous_done")
+            launch_event("rendezvous_done")
 
         def _start_workers(self, worker_group: Any) -> Any:
             ids = super()._start_workers(worker_group)
-            _event("workers_started")
+            launch_event("workers_started")
             return ids
 
     return FlashElasticAgent
@@ -254,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
         modules_dir = tempfile.mkdtemp(prefix="flashckpt-warm-")  # the workers record their imports here
         os.environ[MODULES_DIR_ENV] = modules_dir
-        pool = WarmPool(float(os.environ.get("FLASHCKPT_WARM_DELAY_S", "5")), event=_event,
-                        modules_dir=modules_dir)
+        pool = WarmPool(float(os.environ.get("FLASHCKPT_WARM_DELAY_S", "5")), modules_dir=modules_dir)
         mp_api.get_subprocess_handler = handler_factory(pool)
     try:
         try:

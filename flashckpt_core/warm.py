@@ -30,7 +30,6 @@ import logging
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -38,7 +37,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
-__all__ = ["ATTEMPT_KEYS", "WarmPool", "split_command", "script_imports", "record_modules"]
+from ._protocol import write_frame
+
+__all__ = ["ATTEMPT_KEYS", "WarmPool", "split_command", "script_imports", "record_modules", "launch_event"]
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,20 @@ ATTEMPT_KEYS = frozenset({"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_CO
                           "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE"})
 _FLAGS = frozenset({"-u", "-O", "-OO", "-B", "-s", "-E", "-b", "-bb", "-q", "-R", "-d", "-v"})
 _WITH_ARG = frozenset({"-W", "-X"})
-_HDR = struct.Struct(">I")
 ALWAYS = ("torch", "torch.distributed", "flashckpt")
+
+
+def launch_event(name: str, **fields: Any) -> None:
+    """Appends an event of ``flashckpt-run`` (its agent's, its warm workers') to FLASHCKPT_LAUNCH_EVENTS,
+    when set (best effort)."""
+    path = os.environ.get("FLASHCKPT_LAUNCH_EVENTS")
+    if not path:
+        return
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps({"event": name, "t": time.time(), "pid": os.getpid(), **fields}) + "\n")
+    except OSError:
+        pass
 
 
 def split_command(args: Sequence[str]) -> tuple[str, tuple[str, ...], list[str]] | None:
@@ -118,10 +131,12 @@ def record_modules() -> None:
     its local rank to import ahead (torch imports much lazily: DDP's first construction alone imports
     torch._dynamo, 800 modules, 1-1.5 s here)."""
     global _recorded
-    directory = os.environ.get(MODULES_DIR_ENV)
-    if _recorded or not directory:
+    if _recorded:  # every save calls this: one flag test after the first
         return
     _recorded = True
+    directory = os.environ.get(MODULES_DIR_ENV)
+    if not directory:
+        return
     names = [n for n, m in list(sys.modules.items()) if m is not None and not n.startswith("__")]
     path = modules_file(directory, os.environ.get("LOCAL_RANK", "0"))
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -163,15 +178,7 @@ class _Warm:
         finally:
             theirs.close()
         self.sock = ours
-        self._send({"preload": preload, "local_dir": local_dir})
-
-    def _send(self, msg: dict[str, Any], fds: Sequence[int] = ()) -> None:
-        data = json.dumps(msg).encode()
-        data = _HDR.pack(len(data)) + data
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if fds else []
-        sent = self.sock.sendmsg([data], anc)
-        if sent < len(data):
-            self.sock.sendall(data[sent:])
+        write_frame(ours.fileno(), {"preload": preload, "local_dir": local_dir})
 
     def fits(self, interp: str, opts: tuple[str, ...], env: dict[str, str]) -> bool:
         if (interp, opts) != (self.interp, self.opts):
@@ -180,9 +187,8 @@ class _Warm:
         return all(env.get(k) == self.env.get(k) for k in keys)
 
     def hand_over(self, target: list[str], env: dict[str, str], stdout: int, stderr: int) -> subprocess.Popen:
-        self._send({"argv": target, "interp_opts": list(self.opts), "env": env,
-                    "events": env.get("FLASHCKPT_LAUNCH_EVENTS", "")},
-                   fds=(stdout, stderr))
+        write_frame(self.sock.fileno(), {"argv": target, "interp_opts": list(self.opts), "env": env})
+        socket.send_fds(self.sock, [b"\0"], [stdout, stderr])  # after the frame: its reader stops before
         self.sock.close()
         return self.proc
 
@@ -202,11 +208,9 @@ class _Warm:
 class WarmPool:
     """The agent's warm workers, one per local rank at most."""
 
-    def __init__(self, delay_s: float, event: Callable[..., None] = lambda name, **kw: None,
-                 modules_dir: str | None = None, modules_wait_s: float = 60.0) -> None:
+    def __init__(self, delay_s: float, modules_dir: str | None = None, modules_wait_s: float = 60.0) -> None:
         self.delay_s = delay_s
         self.modules_dir, self.modules_wait_s = modules_dir, modules_wait_s
-        self._event = event
         self._lock = threading.Lock()
         self._warm: dict[int, _Warm] = {}
         self._timers: dict[int, threading.Timer] = {}
@@ -234,7 +238,7 @@ class WarmPool:
             log.warning("local rank %d: hand-over to the warm worker failed (%s); a new process", local_rank, e)
             warm.drop()
             return None
-        self._event("warm_worker_used", local_rank=local_rank, pid=proc.pid)
+        launch_event("warm_worker_used", local_rank=local_rank, pid=proc.pid)
         return proc
 
     def prepare(self, local_rank: int, args: Sequence[str], env: dict[str, str]) -> None:
