@@ -19,7 +19,7 @@ from typing import Any, NoReturn, cast
 from . import errors as E
 from .messages import RP, Request
 
-__all__ = ["MAX_MESSAGE", "send_msg", "recv_msg", "Client", "ConnectionLost", "peer_uid"]
+__all__ = ["MAX_MESSAGE", "send_msg", "recv_msg", "Client", "ConnectionLost", "peer_uid", "proc_stat"]
 
 MAX_MESSAGE = 64 << 20
 _LEN = struct.Struct(">I")
@@ -326,11 +326,17 @@ def _result(reply: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
+def proc_stat(pid: int | str) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (which may hold spaces and parentheses):
+    index 0 is stat(5)'s field 3 (the state), index ``k`` its field ``k + 3``. ``pid`` may be ``"self"``."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def _stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped by a signal or a tracer (state T or t in /proc/<pid>/stat)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        return proc_stat(pid)[0] in ("T", "t")
     except (OSError, IndexError):
         return False
 
@@ -348,8 +354,7 @@ def process_cpu_seconds(pid: int, *, children: bool = False) -> float | None:
 
 
 def _cpu_ticks(pid: int, children: bool) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    fields = proc_stat(pid)
     ticks = int(fields[11]) + int(fields[12])  # utime, stime: stat(5) fields 14, 15
     if children:
         ticks += int(fields[13]) + int(fields[14])  # cutime, cstime: children it reaped

@@ -28,7 +28,7 @@ import os
 import socket
 import sys
 
-from ._protocol import read_frame
+from ._protocol import proc_stat, read_frame
 from .warm import launch_event
 
 
@@ -50,8 +50,7 @@ def _set_cmdline(argv: list[str]) -> None:
     import ctypes
 
     try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        fields = proc_stat("self")
         start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48 and 49)
     except (OSError, IndexError, ValueError):
         return
