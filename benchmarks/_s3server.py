@@ -52,7 +52,7 @@ def cache_dir() -> str:
     return d
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     """``n`` distinct ports the kernel reports free on 127.0.0.1 (held together, then released)."""
     socks = []
     try:
@@ -251,7 +251,7 @@ def start_server(kind: str, *, data_dir: str = "", log: Callable[[str], None] = 
     workdir = tempfile.mkdtemp(prefix=f"fcbench-{kind}-", dir=data_dir or None)
     data = os.path.join(workdir, "data")
     os.makedirs(data)
-    ports = _free_ports(10)
+    ports = free_ports(10)
     argv, extra, version = _command(kind, data, ports)
     log(f"starting {kind} {version} on 127.0.0.1:{ports[0]} (data in {data})")
     logf = open(os.path.join(workdir, "server.log"), "wb")  # noqa: SIM115 - the server's whole life

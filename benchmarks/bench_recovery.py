@@ -36,6 +36,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks._s3server import free_ports
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "ddp_train.py")
 
@@ -50,14 +52,6 @@ def model_flags(state_gb: float) -> list[str]:
     return ["--dim", str(dim), "--layers", str(layers), "--vocab", str(vocab), "--batch_size", "1", "--ctx", "16"]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
-
-
 def run(launcher: list[str], ckpt: str, metrics: str, job: str, extra: list[str], env_extra: dict[str, str],
         nodes: int = 1) -> tuple[int, str]:
     """One training job of 2 ranks: 2 per node on 1 node, or 1 per node on 2 simulated nodes (an agent
@@ -66,7 +60,7 @@ def run(launcher: list[str], ckpt: str, metrics: str, job: str, extra: list[str]
     if nodes == 1:
         shape = [["--nproc_per_node", "2", "--standalone"]]
     else:
-        endpoint = f"127.0.0.1:{_free_port()}"
+        endpoint = f"127.0.0.1:{free_ports(1)[0]}"
         shape = [["--nnodes", str(nodes), "--nproc_per_node", str(2 // nodes), "--rdzv_backend", "c10d",
                   "--rdzv_endpoint", endpoint, "--rdzv_id", job, "--node_rank", str(n)] for n in range(nodes)]
     env = dict(os.environ, FLASHCKPT_JOB_ID=job, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
