@@ -162,13 +162,14 @@ def _recorded_modules(directory: str | None, local_rank: int) -> list[str] | Non
 class _Warm:
     """One warm worker process and the agent's end of its control socket."""
 
-    def __init__(self, interp: str, opts: tuple[str, ...], env: dict[str, str], preload: list[str],
-                 local_dir: str, cmdline_room: int) -> None:
+    def __init__(self, interp: str, opts: tuple[str, ...], target: Sequence[str], env: dict[str, str],
+                 preload: list[str], local_dir: str) -> None:
         self.interp, self.opts, self.env = interp, opts, env
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            # the padding: room to rewrite the command line into the worker's (``ps`` shows the script)
-            pad = " " * (len(interp) + sum(len(o) + 1 for o in opts) + cmdline_room)
+            # the padding: room to rewrite the command line into the worker's (``ps`` shows the script),
+            # with 1 KiB to spare for a later attempt's longer arguments
+            pad = " " * (sum(len(a) + 1 for a in (interp, *opts, *target)) + 1024)
             self.proc = subprocess.Popen([interp, *opts, "-m", "flashckpt._warm_worker", str(theirs.fileno()), pad],
                                          env=env, pass_fds=(theirs.fileno(),), start_new_session=True,
                                          stdout=subprocess.DEVNULL)
@@ -262,8 +263,7 @@ class WarmPool:
                     return
                 del self._timers[local_rank]
                 try:
-                    warm = _Warm(interp, opts, dict(env), preload, local_dir,
-                                 cmdline_room=sum(len(a) + 1 for a in target) + 1024)
+                    warm = _Warm(interp, opts, target, dict(env), preload, local_dir)
                 except OSError as e:
                     log.warning("could not start a warm worker: %s", e)
                     return
