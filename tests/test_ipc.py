@@ -218,6 +218,31 @@ def test_an_exiting_saver_refuses_new_clients(make_engine, runtime_dir):
     again.close()
 
 
+def test_the_spawn_lock_is_taken_when_an_exiting_saver_removes_the_job_dir_meanwhile(tmp_path, monkeypatch):
+    """The interleaving a CI rehearsal hit: a restarted trainer makes the job dir, then the exiting saver
+    of the killed one (holding the spawn lock) removes the lock file and the dir before the trainer opens
+    the lock file there. The trainer must make the dir again and take the lock, not fail its start."""
+    import flashckpt.saver._base as base
+
+    job_dir = str(tmp_path / "rt" / "job")
+    made = base.make_private_dir
+    calls = []
+
+    def make_then_lose(path: str) -> None:
+        made(path)
+        calls.append(path)
+        if len(calls) == 1:  # the exiting saver's clean-up, right after the first make
+            os.rmdir(path)
+
+    monkeypatch.setattr(base, "make_private_dir", make_then_lose)
+    lock = lock_job(job_dir)
+    try:
+        assert len(calls) == 2
+        assert os.fstat(lock.fileno()).st_ino == os.lstat(os.path.join(job_dir, "spawn.lock")).st_ino
+    finally:
+        lock.release()
+
+
 def test_send_msg_refuses_oversize_messages():
     a, b = socket.socketpair()
     try:

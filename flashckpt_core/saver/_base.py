@@ -140,12 +140,16 @@ def _remove_in(dir_fd: int, name: str) -> None:
 def lock_job(job_dir: str) -> SharedLock:
     """Takes the job's spawn lock, which serializes starting a saver with a saver's clean-up.
 
-    Retries when the lock file was unlinked (by an exiting saver) while we waited on it."""
+    Retries when an exiting saver removed the job dir after we made it (before we opened the lock file
+    there), or unlinked the lock file while we waited on it."""
     path = os.path.join(job_dir, _SPAWN_LOCK)
     while True:
         make_private_dir(job_dir)
         lock = SharedLock(path)
-        lock.acquire()
+        try:
+            lock.acquire()
+        except FileNotFoundError:
+            continue  # the dir is gone again: make it anew
         try:
             same = os.lstat(path).st_ino == os.fstat(lock.fileno()).st_ino
         except FileNotFoundError:
