@@ -39,7 +39,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -238,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_warm_workers and os.environ.get("FLASHCKPT_WARM_WORKERS", "1") not in ("0", "false", "off"):
         import torch.distributed.elastic.multiprocessing.api as mp_api
 
-        from .warm import MODULES_DIR_ENV, WarmPool, handler_factory
+        from .warm import MODULES_DIR_ENV, WarmPool, handler_factory, make_modules_dir
 
-        modules_dir = tempfile.mkdtemp(prefix="flashckpt-warm-")  # the workers record their imports here
+        modules_dir = make_modules_dir()  # the workers record their imports here
         os.environ[MODULES_DIR_ENV] = modules_dir
         pool = WarmPool(float(os.environ.get("FLASHCKPT_WARM_DELAY_S", "5")), modules_dir=modules_dir)
         mp_api.get_subprocess_handler = handler_factory(pool)

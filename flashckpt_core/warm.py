@@ -28,15 +28,18 @@ import ast
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
+from ._lease import pid_running
 from ._protocol import write_frame
 
 __all__ = ["ATTEMPT_KEYS", "WarmPool", "split_command", "script_imports", "record_modules", "launch_event"]
@@ -119,6 +122,23 @@ def script_imports(target: Sequence[str]) -> list[str]:
 
 MODULES_DIR_ENV = "FLASHCKPT_WARM_MODULES_DIR"
 _recorded = False
+
+
+def make_modules_dir() -> str:
+    """A private directory for the workers' module records (``record_modules``), named by this agent's pid.
+    A launcher that is SIGKILLed cannot remove its own: the directories of agents that are gone are
+    removed here first (only this user's)."""
+    base = tempfile.gettempdir()
+    for name in os.listdir(base):
+        pid = name.split("-")[2] if name.startswith("flashckpt-warm-") and name.count("-") >= 3 else ""
+        path = os.path.join(base, name)
+        try:
+            ours = os.lstat(path).st_uid == os.getuid()
+        except OSError:
+            continue
+        if pid.isdigit() and ours and not pid_running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"flashckpt-warm-{os.getpid()}-")
 
 
 def modules_file(directory: str, local_rank: int | str) -> str:

@@ -23,7 +23,7 @@ from _fault_helpers import (  # noqa: F401
     read_events,
     wait_for,
 )
-from flashckpt.warm import ATTEMPT_KEYS, WarmPool, _Warm, script_imports, split_command
+from flashckpt.warm import ATTEMPT_KEYS, WarmPool, _Warm, make_modules_dir, script_imports, split_command
 
 pytestmark = pytest.mark.multiproc
 
@@ -112,6 +112,29 @@ def test_warm_workers_exit_when_the_launcher_is_killed(fault_env: FaultEnv) -> N
             os.kill(_info(out, 0, rank)["pid"], signal.SIGKILL)
     wait_for(lambda: not [p for p in warm if alive(p)], 30, "the warm workers to exit")
     assert _processes_of(fault_env.job_id) == []
+
+
+def test_a_new_launcher_removes_the_module_records_of_agents_that_are_gone(monkeypatch, tmp_path) -> None:
+    """A SIGKILLed launcher cannot remove its directory of module records; the next one removes those of
+    agents no longer running (and keeps a running one's)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"flashckpt-warm-{gone.pid}-x1"
+    live = tmp_path / f"flashckpt-warm-{os.getpid()}-x2"
+    other = tmp_path / "flashckpt-warm-notapid-x3"
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "local_rank_0.json").write_text("[]")
+    made = make_modules_dir()
+    try:
+        assert not dead.exists() and live.exists() and other.exists()
+        assert os.path.basename(made).startswith(f"flashckpt-warm-{os.getpid()}-")
+        assert os.stat(made).st_mode & 0o777 == 0o700
+    finally:
+        os.rmdir(made)
 
 
 # ------------------------------------------------------------------------------ what may be handed over
