@@ -6,7 +6,8 @@ process group of several ranks exists; a lone process decides alone."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,7 +16,8 @@ from . import errors as E
 from .commit import CommitLayout
 from .config import RankInfo
 
-__all__ = ["newer_in_memory", "agree", "verified_step", "all_ranks", "world"]
+__all__ = ["newer_in_memory", "agree", "verified_step", "all_ranks", "world", "across_nodes", "NodePlan",
+           "multi_node", "memory_across_nodes"]
 
 log = logging.getLogger(__name__)
 
@@ -120,3 +122,112 @@ def verified_step(layout: CommitLayout, rank: int, committed: list[int], newest:
                     step, "; ".join(problems) or "on another rank")
     raise E.CheckpointCorruptError(f"load(): every committed step in {layout.root} is damaged; "
                                    "run `flashckpt verify` for details")
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """The newest step every rank can get from memory across nodes (None: none), where each rank's copy is,
+    and the newest step some node holds that not every rank can get (``partial``, for the warning)."""
+
+    step: int | None
+    sources: dict[int, list[dict[str, Any]]]  # rank -> holders: node, instance, host, port, kind, local_rank
+    partial: int | None = None
+    missing: tuple[int, ...] = ()
+
+
+def across_nodes(inventories: Sequence[dict[str, Any]], ranks: Sequence[int], *, replicated: bool,
+                 saved_at: dict[str, float], newest_committed: int) -> NodePlan:
+    """Picks, from what every node holds (its saver's ``Inventory`` reply: own snapshots and backups), the
+    newest step of which every rank in ``ranks`` has a copy somewhere (replicated state: any copy), not older
+    than the newest commit (``saved_at``: rank -> the wall time of the snapshot its committed files came from;
+    unknown: a step not lower than ``newest_committed``). Pure: the caller gathers the inventories."""
+    nodes: dict[str, dict[str, Any]] = {}
+    for inv in inventories:
+        nodes.setdefault(str(inv.get("instance") or f"{inv.get('host')}:{inv.get('port')}"), inv)
+    avail: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    for key, inv in nodes.items():
+        for e in inv.get("held", []):
+            rank, step, t = int(e.get("rank", -1)), int(e.get("step", -1)), float(e.get("wall_time", 0.0))
+            if rank < 0 or step < 0:
+                continue  # a slot of an older version: whose it is is not recorded
+            ref = saved_at.get(str(rank)) if (not replicated or rank == 0) else None
+            if (t < ref) if ref else (step < newest_committed):
+                continue
+            avail.setdefault(step, {}).setdefault(rank, []).append(
+                {"node": inv.get("node", -1), "instance": key, "host": inv.get("host", ""),
+                 "port": int(inv.get("port", 0)), "kind": e.get("kind", "own"), "local_rank": e.get("local_rank", -1)})
+    need = set(ranks)
+    if replicated:
+        valid = [s for s, by in avail.items() if by]
+    else:
+        valid = [s for s, by in avail.items() if need <= set(by)]
+    best = max(valid, default=None)
+    partial = max(avail, default=None)
+    if best is None:
+        missing = tuple(sorted(need - set(avail[partial]))) if partial is not None and not replicated else ()
+        return NodePlan(None, {}, partial, missing)
+    if replicated:
+        everyone = [h for hs in avail[best].values() for h in hs]
+        return NodePlan(best, {r: everyone for r in ranks}, partial)
+    return NodePlan(best, {r: avail[best][r] for r in ranks}, partial)
+
+
+def multi_node(ranks: RankInfo, group: Any = None) -> bool:
+    """Whether the ranks of ``group`` span more than one node (then memory is agreed across nodes)."""
+    return ranks.world_size > ranks.local_world_size and world(group) is not None
+
+
+def memory_across_nodes(inventory: Callable[[], dict[str, Any]], fetch: Callable[[int, int, list[dict[str, Any]]], Any],
+                        layout: CommitLayout, ranks: RankInfo, committed: list[int], *, replicated: bool,
+                        writes_snapshots: bool, group: Any = None) -> int | None:
+    """The step every rank of a multi-node job loads from memory, with each rank's copy brought into its own
+    node's memory first; None when memory cannot serve every rank (then storage, with a warning saying why).
+
+    Every rank sends its node's inventory (``inventory()``: own snapshots and backups of other nodes') in one
+    ``all_gather_object``; all pick the same step (``across_nodes``). A rank whose copy is not in its own local
+    rank's segment has its saver fetch it (``fetch(rank, step, sources)``: from a backup or another node's
+    memory, into a new segment of this local rank); one ``all_reduce`` then agrees that every fetch worked."""
+    import torch.distributed as dist
+
+    n = world(group)
+    assert n is not None
+    rows: list[Any] = [None] * n
+    dist.all_gather_object(rows, inventory(), group=group)
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(n))
+    saved_at: dict[str, float] = {}
+    if committed:
+        try:
+            saved_at = {str(k): float(v) for k, v in
+                        layout.read_manifest(committed[-1]).extra.get("saved_at_ranks", {}).items()}
+        except (E.CheckpointCorruptError, TypeError, ValueError):
+            saved_at = {}
+    plan = across_nodes(rows, members, replicated=replicated, saved_at=saved_at,
+                        newest_committed=committed[-1] if committed else -1)
+    if plan.step is None:
+        if plan.partial is not None and ranks.rank == members[0]:
+            log.warning("load(): memory holds step %d on some nodes, but ranks %s have no copy left (their node "
+                        "and every node of its backup group were lost); loading from storage", plan.partial,
+                        list(plan.missing))
+        return None
+    me = rows[members.index(ranks.rank)]
+    ok = True
+    if writes_snapshots:
+        holders = plan.sources.get(ranks.rank, [])
+        here = any(h["instance"] == me.get("instance") and h["kind"] == "own" and h["local_rank"] == ranks.local_rank
+                   for h in holders)
+        if not here:
+            # This node first (a backup or another local rank's segment here), then own copies before backups.
+            order = sorted(holders, key=lambda h: (h["instance"] != me.get("instance"), h["kind"] != "own"))
+            sources = [{"host": h["host"], "port": h["port"]} for h in order if h["port"]]
+            try:
+                fetch(-1 if replicated else ranks.rank, plan.step, sources)
+            except E.FlashCheckpointError as e:
+                log.warning("load(): could not bring rank %d's snapshot of step %d into this node's memory: %s",
+                            ranks.rank, plan.step, e)
+                ok = False
+    if not all_ranks(ok, group):
+        if ranks.rank == members[0]:
+            log.warning("load(): a rank could not fetch its snapshot of step %d from a peer; loading from storage",
+                        plan.step)
+        return None
+    return plan.step

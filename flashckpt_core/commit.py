@@ -315,16 +315,28 @@ class CommitLayout:
         return None
 
     # commit --------------------------------------------------------------
+    def markers_complete(self, step: int, ranks: list[int]) -> bool:
+        """Whether every one of ``ranks`` has this job's done marker for ``step``."""
+        try:
+            return bool(ranks) and all(self._own_marker(step, "done", r) is not None for r in ranks)
+        except E.CheckpointCorruptError:
+            return False
+
     def commit(self, step: int, ranks: list[int], world_size: int, *, replicated: bool,
-               extra: dict[str, Any], timeout: float, stopping: Callable[[], bool] = lambda: False) -> Manifest:
+               extra: dict[str, Any], timeout: float, stopping: Callable[[], bool] = lambda: False,
+               waiting: Callable[[list[int], float], None] | None = None) -> Manifest:
         """Waits for every rank's done marker, moves the staged commit-time files into place, then writes
         the manifest, the tracker and the framework tracker files, in that order.
 
         Raises:
             PersistError: a rank reported a failure.
             CheckpointTimeoutError: markers missing after ``timeout`` seconds.
+
+        ``waiting(missing ranks, seconds waited)`` is called while ranks are missing; it may raise to give up
+        sooner (the saver's: a rank lost with its node that nobody holds).
         """
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         files: dict[int, list[FileRecord]] = {}
         bases: dict[int, str] = {}
         saved_at = 0.0
@@ -348,6 +360,8 @@ class CommitLayout:
                     ranks_at[str(r)] = float(done.get("saved_at", 0.0))
             if len(files) == len(ranks):
                 break
+            if waiting is not None:
+                waiting(sorted(set(ranks) - set(files)), time.monotonic() - start)
             if time.monotonic() >= deadline or stopping():
                 missing = sorted(set(ranks) - set(files))
                 raise E.CheckpointTimeoutError(f"step {step}: ranks {missing} did not finish persisting "

@@ -21,7 +21,7 @@ from . import messages as M
 from ._copy import Copier
 from ._protocol import process_cpu_seconds
 from ._tree import gc_paused
-from .agreement import agree, all_ranks, newer_in_memory, verified_step
+from .agreement import agree, all_ranks, memory_across_nodes, multi_node, newer_in_memory, verified_step
 from .commit import CommitLayout
 from .config import Knobs, RankInfo, StorageType, job_dir
 from .files import FileSet, is_fileset_tree
@@ -140,7 +140,7 @@ class CheckpointEngine:
                                hello=lambda: M.Hello(rank=r.rank, local_rank=r.local_rank, world_size=r.world_size,
                                                      local_world_size=r.local_world_size, pid=os.getpid(),
                                                      persists=self.persists, commit=self._commit_spec(),
-                                                     agent_pid=agent_pid()))
+                                                     agent_pid=agent_pid(), replicated=replicated))
         hello = self._link.attach()
         # After the saver's start: it readied the commit records (CommitLayout.claim).
         self.layout = CommitLayout(self.checkpoint_dir, self.storage)
@@ -559,6 +559,17 @@ class CheckpointEngine:
         """``locate``; ``deep=False`` verifies storage steps by size only (for a load that checks the
         checksums while it reads), ``exclude``: steps found damaged by such a load."""
         committed = self.layout.committed_steps()
+        if memory and multi_node(self.ranks, self.process_group):
+            # Across nodes: a rank's snapshot may be on a peer (a backup of a lost node's, or ranks that moved).
+            found = memory_across_nodes(
+                lambda: self._client_call(M.Inventory()).to_wire(),
+                lambda rank, step, sources: self._client_call(M.Fetch(local_rank=self.ranks.local_rank, rank=rank,
+                                                                      step=step, sources=sources)),
+                self.layout, self.ranks, committed, replicated=self.replicated, writes_snapshots=self.snapshots,
+                group=self.process_group)
+            if found is not None:
+                return Located(found, "memory", self._reader.snapshot_name(found) or None)
+            memory = False
         mem = newer_in_memory(self._reader.memory_snapshots(), self.layout, self.ranks, committed)[:2] if memory else []
         step, source = agree(mem, committed, self.process_group)
         if source == "memory" and step is not None:

@@ -25,7 +25,8 @@ __all__ = [
     "Request", "Hello", "Alloc", "Persist", "Status", "Wait", "LastWords", "DeleteSteps", "DeletePath", "GiveWay",
     "Bye", "QueuePut", "QueueGet", "QueueSize", "DictUpdate", "DictGet", "REQUESTS", "parse_request",
     "Reply", "Ok", "StatusReply", "HelloReply", "LastWordsReply", "AllocReply", "DeleteStepsReply", "DeletePathReply",
-    "GiveWayReply", "QueueGetReply", "QueueSizeReply", "DictGetReply",
+    "GiveWayReply", "QueueGetReply", "QueueSizeReply", "DictGetReply", "Inventory", "InventoryReply", "Fetch",
+    "FetchReply",
 ]
 
 R = TypeVar("R", bound="Request[Any]")
@@ -130,6 +131,29 @@ class QueueSizeReply(Reply):
 
 
 @dataclass(frozen=True)
+class InventoryReply(Reply):
+    """What this node holds in memory: its own snapshots and backups of other nodes' ranks (``held``: one
+    object per live snapshot: rank, step, wall_time, seq, kind "own" | "backup", local_rank), and where its
+    saver's peer service listens (``port`` 0: none, a single-node job)."""
+
+    node: int = -1
+    instance: str = ""
+    host: str = ""
+    port: int = 0
+    held: list[dict[str, Any]] = field(default_factory=list)
+    persisting: list[list[int]] = field(default_factory=list)  # [step, rank] of persists queued or running
+
+
+@dataclass(frozen=True)
+class FetchReply(Reply):
+    """A fetched snapshot now in this node's memory: which segment of the local rank holds it."""
+
+    path: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class DictGetReply(Reply):
     items: dict[str, Any] = field(default_factory=dict)
 
@@ -211,6 +235,7 @@ class Hello(Request[HelloReply]):
     persists: bool = False
     commit: dict[str, Any] | None = None  # global rank 0: what committing a step needs (engine._commit_spec)
     agent_pid: int = 0  # the job's launcher, whose exit the saver follows
+    replicated: bool = False  # every rank holds the same state (one holder per node is enough)
 
 
 @dataclass(frozen=True)
@@ -295,6 +320,22 @@ class Bye(Request[Ok]):
 
 
 @dataclass(frozen=True)
+class Inventory(Request[InventoryReply]):
+    """What this node holds in memory, its own and its peers' backups (a load's agreement across nodes)."""
+
+
+@dataclass(frozen=True)
+class Fetch(Request[FetchReply]):
+    """Copy ``rank``'s snapshot of ``step`` (any rank's with ``rank`` -1: replicated state) from the first
+    of ``sources`` (peer savers: host, port) that holds it into a new segment of ``local_rank`` here."""
+
+    local_rank: int
+    rank: int
+    step: int
+    sources: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class QueuePut(Request[Ok], op="q_put"):
     name: str
     item: Any = None
@@ -324,7 +365,7 @@ class DictGet(Request[DictGetReply], op="d_get"):
 
 REQUESTS: dict[str, type[Request]] = {cls.OP: cls for cls in (
     Hello, Alloc, Persist, Status, Wait, LastWords, DeleteSteps, DeletePath, GiveWay, Bye, QueuePut, QueueGet,
-    QueueSize, DictUpdate, DictGet)}
+    QueueSize, DictUpdate, DictGet, Inventory, Fetch)}
 
 
 def parse_request(msg: dict[str, Any]) -> Request:

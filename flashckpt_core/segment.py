@@ -9,7 +9,7 @@ Segment file (one per local rank and allocation epoch, created 0600 by the saver
     [0, 4096)            segment header: magic, version, nslots, slot_size, meta_cap, data_cap, local_rank
     slot i at 4096 + i * slot_size:
       [0, 4096)          slot header: state, flags, step, generation, meta_len, meta_xxh64,
-                         tensor_bytes, blob_len, wall_time, seq
+                         tensor_bytes, blob_len, wall_time, seq, owner (the global rank + 1)
       [4096, +meta_cap)  metadata (JSON, no pickle)
       [.., +data_cap)    tensor storages (each 64-byte aligned), then the opaque blob
 
@@ -55,7 +55,7 @@ import xxhash
 from . import errors as E
 
 __all__ = ["Segment", "SlotHeader", "SlotRef", "EMPTY", "WRITING", "COMPLETE", "FLAG_PINNED", "FLAG_PENDING",
-           "FLAG_UNRESERVED", "FLAGS_BUSY", "PAGE", "live_snapshots", "segment_paths", "segment_path", "lock_path",
+           "FLAG_UNRESERVED", "FLAG_SENDING", "FLAGS_BUSY", "PAGE", "live_snapshots", "segment_paths", "segment_path", "lock_path",
            "writer_lease_path", "advise_huge_pages"]
 
 log = logging.getLogger(__name__)
@@ -63,13 +63,14 @@ log = logging.getLogger(__name__)
 SEG_MAGIC = b"FLCKSEG1"
 SEG_VERSION = 1
 _SEG_HDR = struct.Struct("<8sIIQQQiq")
-_SLOT_HDR = struct.Struct("<IIqQQQQQdQ")  # zeros past wall_time read as seq 0 (older segments)
+_SLOT_HDR = struct.Struct("<IIqQQQQQdQq")  # zeros past wall_time read as seq 0, owner 0 (older segments)
 PAGE = 4096
 EMPTY, WRITING, COMPLETE = 0, 1, 2
 FLAG_PINNED = 1   # the saver is reading this slot
 FLAG_PENDING = 2  # a persist of this slot was requested and has not finished
 FLAG_UNRESERVED = 4  # the slot's memory (all but its header page) is not reserved: reserve before writing
-FLAGS_BUSY = FLAG_PINNED | FLAG_PENDING  # a persist holds the slot: no snapshot may overwrite it
+FLAG_SENDING = 8  # the saver is sending this slot to a peer (a backup, or a lost node's fetch)
+FLAGS_BUSY = FLAG_PINNED | FLAG_PENDING | FLAG_SENDING  # the saver holds the slot: no snapshot may overwrite it
 
 _MADV_POPULATE_READ = 22
 _MADV_POPULATE_WRITE = 23
@@ -116,6 +117,12 @@ class SlotHeader:
     blob_len: int
     wall_time: float
     seq: int = 0
+    owner: int = 0  # the global rank that saved it, plus one (0: not recorded, an older segment)
+
+    @property
+    def rank(self) -> int | None:
+        """The global rank whose snapshot this is; None where the segment predates the field."""
+        return self.owner - 1 if self.owner > 0 else None
 
 
 @dataclass(frozen=True)
@@ -206,7 +213,7 @@ class Segment:
             os.pwrite(fd, hdr, 0)
             for i in range(nslots):
                 flags = FLAG_UNRESERVED if i >= nslots - spare else 0
-                os.pwrite(fd, _SLOT_HDR.pack(EMPTY, flags, -1, 0, 0, 0, 0, 0, 0.0, 0), PAGE + i * slot_size)
+                os.pwrite(fd, _SLOT_HDR.pack(EMPTY, flags, -1, 0, 0, 0, 0, 0, 0.0, 0, 0), PAGE + i * slot_size)
         except BaseException:
             os.close(fd)
             os.unlink(tmp)
@@ -260,7 +267,7 @@ class Segment:
         # Fields first, state last: a reader never sees COMPLETE with stale fields.
         off = self.slot_off(i)
         _SLOT_HDR.pack_into(self.mm, off, WRITING if h.state == COMPLETE else h.state, h.flags, h.step,
-                            h.generation, h.meta_len, h.meta_xxh, h.tensor_bytes, h.blob_len, h.wall_time, h.seq)
+                            h.generation, h.meta_len, h.meta_xxh, h.tensor_bytes, h.blob_len, h.wall_time, h.seq, h.owner)
         if h.state == COMPLETE:
             struct.pack_into("<I", self.mm, off, COMPLETE)
 

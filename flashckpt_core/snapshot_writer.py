@@ -231,6 +231,10 @@ class SharedMemoryHandler(SnapshotReader):
         self._allocate = allocate
         self._lease: Lease | None = None
         self._writer_info = writer_info or {}
+        # The global rank recorded in each slot it writes (+1; 0: unknown), so that a restart whose ranks moved
+        # between nodes, and a peer holding this slot as a backup, know whose shard it is.
+        rank = self._writer_info.get("rank")
+        self._owner = int(rank) + 1 if isinstance(rank, int) and rank >= 0 else 0
         self._lock = SharedLock(lock_path(job_dir, local_rank))
         self._seg: Segment | None = None
         self._plan: SnapshotPlan | None = None
@@ -338,7 +342,7 @@ class SharedMemoryHandler(SnapshotReader):
             h0 = seg.header(slot)
             gen = h0.generation
             seg.write_header(slot, SlotHeader(COMPLETE, 0, step, gen, len(meta), xxhash.xxh64_intdigest(meta),
-                                              plan.tensor_bytes, len(blob), time.time(), h0.seq))
+                                              plan.tensor_bytes, len(blob), time.time(), h0.seq, self._owner))
             return SlotRef(seg.path, slot, gen, step)
 
         return finish

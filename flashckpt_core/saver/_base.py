@@ -40,6 +40,7 @@ class _StepState:
     error: str | None = None
     commits_here: bool = False
     paths: set[str] = field(default_factory=set)  # where this node's ranks persist it (delete_path refuses them)
+    ranks: set[int] = field(default_factory=set)  # the ranks whose files of it this saver writes
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,7 @@ class SaverBase:
     _persist_seen: float
     _dir_fd: int | None
     _worker: PersistWorker
+    _rep: Any  # saver/replica's _Replica: the peer service of a multi-node job, None before (and without) one
 
     if TYPE_CHECKING:  # the methods one part calls on another, declared for the type checker
         def _spawn(self, target: Any, name: str, *args: Any) -> threading.Thread: ...  # server
@@ -206,3 +208,8 @@ class SaverBase:
         def _work_done(self) -> None: ...  # lastwords
         def _step_done(self, step: int) -> bool: ...  # lastwords
         def _finish(self, step: int, error: str | None, *, committed: bool) -> None: ...  # committer
+        def _shm_free(self) -> int: ...  # segments
+        def _alloc(self, local_rank: int, meta_cap: int, data_cap: int, nslots: int) -> str: ...  # segments
+        def _hold_slot(self, job: Persist) -> bool: ...  # lastwords
+        def _unhold_slot(self, job: Persist) -> None: ...  # lastwords
+        def _recover_missing(self, step: int, missing: list[int]) -> list[int]: ...  # replica

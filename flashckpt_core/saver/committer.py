@@ -4,6 +4,7 @@ and deletions (retention, ``delete_checkpoint``), ordered after the commits queu
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .. import errors as E
@@ -46,7 +47,8 @@ class CommitPart(SaverBase):
                                replicated=bool(spec.get("replicated", False)),
                                extra=dict(spec.get("extra", {})),
                                timeout=self.knobs.commit_timeout_s,
-                               stopping=lambda: self._stop.is_set() and not self._signalled)
+                               stopping=lambda: self._stop.is_set() and not self._signalled,
+                               waiting=self._commit_waiting(step))
             self._committed_now(step)
             log.info("event=commit step=%d ranks=%s", step, spec["ranks"])
             self._finish(step, None, committed=True)
@@ -59,6 +61,39 @@ class CommitPart(SaverBase):
         except Exception as e:
             log.exception("commit of step %d failed", step)
             self._finish(step, f"committing step {step} failed: {e}", committed=False)
+
+    def _commit_waiting(self, step: int) -> Callable[[list[int], float], None]:
+        """What a commit of ``step`` does while ranks are missing: nothing for the loss bound
+        (FLASHCKPT_NODE_LOSS_S), then, every bound, has the missing ranks written by whoever holds them
+        (``_recover_missing``); it gives up at once when a rank was lost with its node and nobody holds it,
+        and when a newer step's commit queued behind it has all of its ranks (this one can no longer be the
+        newest: a node that wrote it is gone). Nothing waits for a node that is gone."""
+        rep = self._rep
+        bound = rep.knobs.loss_s if rep is not None else 0.0
+        asked = [0.0]
+
+        def waiting(missing: list[int], waited: float) -> None:
+            if rep is None or waited < asked[0] + bound:
+                return
+            asked[0] = waited
+            newer = [j.step for j in list(self._commit_q.queue) if isinstance(j, _CommitJob) and j.step != step]
+            for s in newer:
+                if self.layout.markers_complete(s, self._commit_ranks(j for j in list(self._commit_q.queue)
+                                                                       if isinstance(j, _CommitJob) and j.step == s)):
+                    raise E.PersistError(f"step {step}: ranks {missing} never finished persisting and step {s}, "
+                                         "saved after it, has every rank's files; not committed")
+            lost = self._recover_missing(step, missing)
+            if lost:
+                raise E.PersistError(f"step {step}: ranks {lost} were lost with their node and no backup holds "
+                                     "them; not committed (the previous committed step stays the newest)")
+
+        return waiting
+
+    @staticmethod
+    def _commit_ranks(jobs: Any) -> list[int]:
+        for j in jobs:
+            return [int(r) for r in j.spec["ranks"]]
+        return []
 
     def _committed_now(self, step: int) -> None:
         """Adds ``step`` to the committed steps, less those its commit superseded."""

@@ -31,6 +31,7 @@ class PersistPart(SaverBase):
         with self._cv:
             st = self._steps.setdefault(job.step, _StepState())
             st.paths.add(job.path)
+            st.ranks.add(job.rank)
             if job.commit is not None:
                 st.commits_here = True
             self._inflight += 1

@@ -14,9 +14,9 @@ from ..ipc import SharedLock
 from ..segment import (
     COMPLETE,
     EMPTY,
-    FLAG_PENDING,
     FLAG_PINNED,
     FLAG_UNRESERVED,
+    FLAGS_BUSY,
     WRITING,
     Segment,
     SlotHeader,
@@ -141,7 +141,7 @@ class SegmentsPart(SaverBase):
         with SharedLock(lock_path(self.job_dir, local_rank)):
             for _epoch, path in paths[:-1]:
                 seg = self._segment(path)
-                if any(seg.header(i).flags & (FLAG_PINNED | FLAG_PENDING) for i in range(seg.nslots)):
+                if any(seg.header(i).flags & FLAGS_BUSY for i in range(seg.nslots)):
                     continue
                 os.unlink(path)
                 self._segments.pop(path).close()
@@ -182,7 +182,7 @@ class SegmentsPart(SaverBase):
             return
         try:
             hs = [seg.header(i) for i in range(seg.nslots)]
-            if any(h.flags & (FLAG_PINNED | FLAG_PENDING | FLAG_UNRESERVED) for h in hs):
+            if any(h.flags & (FLAGS_BUSY | FLAG_UNRESERVED) for h in hs):
                 return
             newest = max((i for i, h in enumerate(hs) if h.state == COMPLETE), key=lambda i: (hs[i].seq, i),
                          default=None)

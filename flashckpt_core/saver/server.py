@@ -23,8 +23,7 @@ from ..ipc import SharedLock
 from ..messages import parse_request
 from ..records import Held
 from ..segment import (
-    FLAG_PENDING,
-    FLAG_PINNED,
+    FLAGS_BUSY,
     Segment,
     lock_path,
 )
@@ -47,13 +46,14 @@ from ._base import (  # noqa: F401
 from .committer import CommitPart
 from .lastwords import LastWordsPart
 from .persist import PersistPart
+from .replica import ReplicaPart
 from .segments import SegmentsPart
 from .worker import PersistWorker
 
 __all__ = ["CheckpointSaver"]
 
 
-class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, SaverBase):
+class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, CommitPart, SaverBase):
     """The saver of one job on one node.
 
     Args:
@@ -96,6 +96,7 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
         self._sock: socket.socket | None = None
         self._persist_seen = -float("inf")  # monotonic time of the last persist activity (spare slot hold)
         self._dir_fd: int | None = None  # the job dir, checked: everything in it is reached through this fd
+        self._rep = None  # the peer service of a multi-node job (saver/replica), from the first hello
         self.stats = _Stats()
         # Writes the files (torch's work) in a process of its own, started on demand: see _persist_worker.
         self._worker = PersistWorker(self.layout.root, self.layout.job, self.storage, nice=self.knobs.persist_nice,
@@ -106,9 +107,12 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
         """Creates the runtime dir, adopts segments left by an earlier saver, binds the socket."""
         self._dir_fd = open_private_dir(self.job_dir)
         self._adopt_segments()
+        # A saver of this job alive on another node may be persisting a step right now (a node that joins a
+        # running job): its half-written steps are then not left over from a crash.
+        peers_alive = self.layout.job_alive(self.layout.job)
         self._hold_job_lock()
         self._committed = self.layout.committed_steps()
-        cleaned = self.layout.clean_uncommitted()
+        cleaned = [] if peers_alive else self.layout.clean_uncommitted()
         if cleaned:
             log.warning("removed half-written, uncommitted steps %s left by an earlier run", cleaned)
         if not self.layout.live_jobs():  # unfinished uploads of a killed saver (object stores); no one else's
@@ -174,7 +178,7 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
                 continue
             with SharedLock(lock_path(self.job_dir, seg.local_rank)):
                 for i in range(seg.nslots):
-                    seg.set_flags(i, seg.header(i).flags & ~(FLAG_PINNED | FLAG_PENDING))
+                    seg.set_flags(i, seg.header(i).flags & ~FLAGS_BUSY)
             self._segments[path] = seg
             log.info("adopted segment %s (steps %s)", path, [s for s, _ in seg.complete_steps()])
 
@@ -241,6 +245,7 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
                 self._cv.wait(timeout=0.2)
             if self._inflight:
                 log.error("exiting with %d persist(s) unfinished after %.0f s", self._inflight, drain_timeout)
+        self._stop_replica()
         self._worker.close()
         self.storage.close()
         try:
@@ -385,7 +390,14 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
 
     # ------------------------------------------------------------------ requests (the dispatch table below)
     def _on_hello(self, req: M.Hello, info: _ClientInfo | None) -> M.Reply:
+        self._replica_hello(req)
         return M.HelloReply(pid=os.getpid(), **self._status(0))
+
+    def _on_inventory(self, req: M.Inventory, info: _ClientInfo | None) -> M.Reply:
+        return self._inventory()
+
+    def _on_fetch(self, req: M.Fetch, info: _ClientInfo | None) -> M.Reply:
+        return self._fetch(req)
 
     def _on_alloc(self, req: M.Alloc, info: _ClientInfo | None) -> M.Reply:
         nslots = req.nslots if req.nslots is not None else self.knobs.slots
@@ -503,6 +515,7 @@ class CheckpointSaver(SegmentsPart, PersistPart, LastWordsPart, CommitPart, Save
         M.Hello: _on_hello, M.Alloc: _on_alloc, M.Persist: _on_persist, M.Status: _on_status, M.Wait: _on_wait,
         M.LastWords: _on_last_words, M.DeleteSteps: _on_delete_steps, M.DeletePath: _on_delete_path,
         M.GiveWay: _on_give_way, M.Bye: _on_bye, M.QueuePut: _on_q_put, M.QueueGet: _on_q_get,
-        M.QueueSize: _on_q_size, M.DictUpdate: _on_d_update, M.DictGet: _on_d_get,
+        M.QueueSize: _on_q_size, M.DictUpdate: _on_d_update, M.DictGet: _on_d_get, M.Inventory: _on_inventory,
+        M.Fetch: _on_fetch,
     }
 

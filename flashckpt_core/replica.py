@@ -1,0 +1,257 @@
+"""The cross-node memory replica's shared pieces: backup groups, the peer book, and the wire between savers.
+
+Torch-free: the saver uses it as it is. The saver's side (serving peers, sending backups, fetching a lost
+node's shards) is ``saver/replica``; the trainer's side (which node holds what, at load) is ``agreement``.
+
+**Groups.** Nodes are numbered ``rank // local_world_size``. With group size ``g`` and stride ``s`` (default
+``nnodes // g``), node ``i`` of the block of ``g * s`` consecutive nodes that holds it is grouped with the nodes
+``s`` apart from it in that block: pairs by default, nodes ``i`` and ``i + nnodes/2``, so that a group spans the
+two halves of the job (two racks, two switches). A node left alone (a job whose node count the block does not
+divide) backs up to its neighbour.
+
+**Peers.** Each saver of a multi-node job listens on TCP and publishes where in the peer book, a small JSON
+file per node in the job's commit records (``<records>/peers/<job>/node-<i>.json``): host, port, the saver's
+instance id and the ranks it serves. The book also holds the job's secret (0600); a connection proves it holds
+it (HMAC-SHA256 of the server's nonce) before anything else is said.
+
+**Wire.** JSON frames (``_protocol.send_msg``) for requests and replies; a slot image (metadata, tensor bytes
+and blob of one COMPLETE slot) follows its header frame as raw bytes, sent with ``sendfile`` from the segment
+file and received straight into the receiving segment's slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import errors as E
+from . import locations
+from ._protocol import PeerClosed, recv_msg, send_msg
+from .storage import CheckpointStorage
+
+__all__ = ["ReplicaKnobs", "backup_group", "partners", "PeerBook", "connect", "accept", "advertised_host",
+           "Pacer", "send_range", "recv_into"]
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        raise E.InvalidArgumentError(f"{name}={os.environ[name]!r}: a number is needed") from None
+
+
+@dataclass(frozen=True)
+class ReplicaKnobs:
+    """The replica's settings (environment):
+
+    mode: FLASHCKPT_REPLICA: "auto" (default: on for jobs of more than one node), "on", "off".
+    group_size: FLASHCKPT_REPLICA_GROUP_SIZE: nodes per backup group (default 2: pairs).
+    stride: FLASHCKPT_REPLICA_STRIDE: distance between the nodes of a group (default nnodes // group size).
+    mbps: FLASHCKPT_REPLICA_MBPS: cap on the backup traffic a node sends, MB/s (default 1000; 0: no cap).
+    host: FLASHCKPT_REPLICA_HOST: the address peers reach this node's saver at (default: the one this host
+        routes to MASTER_ADDR from, else its host name's).
+    loss_s: FLASHCKPT_NODE_LOSS_S: how long a commit waits for a rank before it asks whether anyone still
+        writes it, and the bound on every question to a peer (default 2 s).
+    """
+
+    mode: str = "auto"
+    group_size: int = 2
+    stride: int = 0
+    mbps: float = 1000.0
+    host: str = ""
+    loss_s: float = 2.0
+
+    @staticmethod
+    def from_env() -> ReplicaKnobs:
+        mode = os.environ.get("FLASHCKPT_REPLICA", "auto").strip().lower()
+        if mode in ("0", "false", "no"):
+            mode = "off"
+        if mode in ("1", "true", "yes"):
+            mode = "on"
+        if mode not in ("auto", "on", "off"):
+            raise E.InvalidArgumentError(f"FLASHCKPT_REPLICA={mode!r}: use auto, on or off")
+        size = int(_env_float("FLASHCKPT_REPLICA_GROUP_SIZE", 2))
+        stride = int(_env_float("FLASHCKPT_REPLICA_STRIDE", 0))
+        if size < 1 or stride < 0:
+            raise E.InvalidArgumentError("FLASHCKPT_REPLICA_GROUP_SIZE must be >= 1 and FLASHCKPT_REPLICA_STRIDE >= 0")
+        return ReplicaKnobs(mode, size, stride, max(0.0, _env_float("FLASHCKPT_REPLICA_MBPS", 1000.0)),
+                            os.environ.get("FLASHCKPT_REPLICA_HOST", ""),
+                            max(0.1, _env_float("FLASHCKPT_NODE_LOSS_S", 2.0)))
+
+    def active(self, nnodes: int) -> bool:
+        return self.mode == "on" or (self.mode == "auto" and nnodes > 1)
+
+
+def backup_group(node: int, nnodes: int, size: int = 2, stride: int = 0) -> list[int]:
+    """The nodes of ``node``'s backup group, itself included, ascending (see the module's doc)."""
+    if not 0 <= node < nnodes:
+        raise E.InvalidArgumentError(f"backup_group: node {node} is not in 0..{nnodes - 1}")
+    size = max(1, min(size, nnodes))
+    stride = stride or max(1, nnodes // size)
+    block = size * stride
+    base = node // block * block
+    first = base + (node - base) % stride
+    group = [n for n in range(first, base + block, stride) if n < nnodes]
+    if len(group) == 1 and nnodes > 1 and size > 1:
+        group = sorted({node, (node - 1) % nnodes})
+    return group
+
+
+def partners(node: int, nnodes: int, size: int = 2, stride: int = 0) -> list[int]:
+    """The nodes ``node`` sends its backups to: the others of its group."""
+    return [n for n in backup_group(node, nnodes, size, stride) if n != node]
+
+
+def advertised_host(knobs: ReplicaKnobs) -> str:
+    """The address this node's peers reach it at (see ``ReplicaKnobs.host``)."""
+    if knobs.host:
+        return knobs.host
+    master = os.environ.get("MASTER_ADDR", "")
+    if master:
+        try:  # the local address of the route to the rendezvous host: no packet is sent
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, int(os.environ.get("MASTER_PORT", "29500") or 29500)))
+                return str(s.getsockname()[0])
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class PeerBook:
+    """Where the savers of one job listen, and the job's secret, in its commit records."""
+
+    def __init__(self, storage: CheckpointStorage, records_dir: str, job: str) -> None:
+        self.storage = storage
+        self.dir = locations.join(records_dir, "peers", job)
+
+    def _node_path(self, node: int) -> str:
+        return locations.join(self.dir, f"node-{node:05d}.json")
+
+    def publish(self, node: int, entry: dict[str, Any]) -> None:
+        self.storage.write_bytes(self._node_path(node), json.dumps({**entry, "node": node}).encode())
+
+    def read(self) -> dict[int, dict[str, Any]]:
+        """node -> its entry (unreadable entries are left out)."""
+        out: dict[int, dict[str, Any]] = {}
+        try:
+            names = self.storage.listdir(self.dir)
+        except (FileNotFoundError, NotADirectoryError):
+            return out
+        for name in names:
+            if not (name.startswith("node-") and name.endswith(".json")):
+                continue
+            try:
+                entry = json.loads(self.storage.read_bytes(locations.join(self.dir, name)))
+                if isinstance(entry, dict) and isinstance(entry.get("port"), int):
+                    out[int(entry["node"])] = entry
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def secret(self) -> bytes:
+        """The job's secret, made by the first saver that asks (an atomic create: every saver reads the same)."""
+        path = locations.join(self.dir, "secret")
+        for _ in range(50):
+            try:
+                raw = self.storage.read_bytes(path)
+                if len(raw) >= 32:
+                    return raw
+            except FileNotFoundError:
+                pass
+            try:
+                self.storage.write_new(path, secrets.token_bytes(32))
+                local = self.storage.local_path(path)
+                if local is not None:
+                    os.chmod(local, 0o600)
+            except (FileExistsError, E.AlreadyExistsError):
+                pass
+            time.sleep(0.02)
+        raise E.SaverError(f"could not read or create the replica secret {path}")
+
+
+def _mac(secret: bytes, nonce: bytes) -> str:
+    return hmac.new(secret, b"flashckpt-replica\0" + nonce, hashlib.sha256).hexdigest()
+
+
+def connect(host: str, port: int, secret: bytes, *, timeout: float) -> socket.socket:
+    """A connection to a peer saver that has accepted this side's proof of the job's secret.
+
+    Raises:
+        OSError: the peer cannot be reached (or is gone) within ``timeout``.
+        SaverError: the peer refused the proof (another job's saver on that port).
+    """
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        hello = recv_msg(sock)
+        send_msg(sock, {"mac": _mac(secret, bytes.fromhex(str(hello.get("nonce", ""))))})
+        answer = recv_msg(sock)
+        if not answer.get("ok"):
+            raise E.SaverError(f"the saver at {host}:{port} refused this job's secret")
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def accept(sock: socket.socket, secret: bytes, *, timeout: float) -> bool:
+    """The server's side of ``connect``: whether the peer proved the job's secret."""
+    sock.settimeout(timeout)
+    nonce = secrets.token_bytes(16)
+    send_msg(sock, {"nonce": nonce.hex()})
+    ok = hmac.compare_digest(str(recv_msg(sock).get("mac", "")), _mac(secret, nonce))
+    send_msg(sock, {"ok": ok})
+    return ok
+
+
+class Pacer:
+    """Holds a sender to ``mbps`` MB/s (0: no cap), over windows of ~50 ms."""
+
+    def __init__(self, mbps: float) -> None:
+        self.rate = mbps * 1e6
+        self.t0 = time.monotonic()
+        self.sent = 0
+
+    def chunk(self) -> int:
+        return 8 << 20 if not self.rate else max(256 << 10, min(8 << 20, int(self.rate * 0.05)))
+
+    def account(self, n: int) -> None:
+        self.sent += n
+        if self.rate:
+            ahead = self.sent / self.rate - (time.monotonic() - self.t0)
+            if ahead > 0:
+                time.sleep(ahead)
+
+
+def send_range(sock: socket.socket, fd: int, offset: int, count: int, pacer: Pacer | None = None) -> None:
+    """Sends ``count`` bytes of file ``fd`` from ``offset``: ``sendfile``, the kernel copies from the page
+    cache (a tmpfs segment's own pages) into the socket, no user-space copy."""
+    end = offset + count
+    while offset < end:
+        n = min(end - offset, pacer.chunk() if pacer else 64 << 20)
+        sent = os.sendfile(sock.fileno(), fd, offset, n)
+        if sent <= 0:
+            raise PeerClosed("the peer stopped receiving")
+        offset += sent
+        if pacer:
+            pacer.account(sent)
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fills ``view`` from the socket (into a segment's mapping: one copy, kernel to shared memory)."""
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], min(n - got, 64 << 20))
+        if k == 0:
+            raise PeerClosed("the peer closed the connection mid-transfer")
+        got += k

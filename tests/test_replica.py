@@ -1,0 +1,86 @@
+"""The cross-node replica's pure parts: backup groups and the agreement on what memory holds across nodes.
+(The replica at work, with nodes in their own mount namespaces, is tests/test_multinode.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from flashckpt import errors as E
+from flashckpt.agreement import across_nodes
+from flashckpt.replica import ReplicaKnobs, backup_group, partners
+
+
+def test_pairs_span_the_two_halves_of_the_job_by_default():
+    assert backup_group(0, 2) == [0, 1]
+    assert [backup_group(n, 4) for n in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert backup_group(3, 8) == [3, 7]
+    assert partners(7, 8) == [3]
+
+
+def test_group_size_and_stride_are_configurable_and_every_node_has_a_partner():
+    assert [backup_group(n, 4, stride=1) for n in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert backup_group(4, 6, size=3, stride=2) == [0, 2, 4]
+    for nnodes in range(2, 12):
+        for size in (2, 3):
+            for stride in (0, 1, 2):
+                for n in range(nnodes):
+                    assert partners(n, nnodes, size, stride), (n, nnodes, size, stride)
+    assert backup_group(2, 3) == [1, 2]  # left alone by the block: backs up to its neighbour
+    with pytest.raises(E.InvalidArgumentError):
+        backup_group(4, 4)
+
+
+def test_knobs(monkeypatch):
+    monkeypatch.setenv("FLASHCKPT_REPLICA", "off")
+    assert not ReplicaKnobs.from_env().active(4)
+    monkeypatch.setenv("FLASHCKPT_REPLICA", "sometimes")
+    with pytest.raises(E.InvalidArgumentError, match="FLASHCKPT_REPLICA"):
+        ReplicaKnobs.from_env()
+    monkeypatch.delenv("FLASHCKPT_REPLICA")
+    assert ReplicaKnobs.from_env().active(2) and not ReplicaKnobs.from_env().active(1)
+
+
+def _snap(rank, step, kind="own", lr=0, t=None):
+    return {"rank": rank, "step": step, "wall_time": float(step if t is None else t), "seq": step, "kind": kind,
+            "local_rank": lr}
+
+
+def _node(node, held):
+    return {"node": node, "instance": f"i{node}", "host": "127.0.0.1", "port": 1000 + node, "held": held}
+
+
+def test_a_lost_nodes_ranks_come_from_the_backups_of_its_partner():
+    survivor = _node(0, [_snap(0, 30), _snap(0, 29), _snap(1, 30, lr=1), _snap(1, 29, lr=1),
+                         _snap(2, 30, "backup"), _snap(3, 30, "backup"), _snap(2, 28, "backup")])
+    fresh = _node(1, [])
+    rows = [survivor, survivor, fresh, fresh]  # one inventory per rank: two ranks per node
+    plan = across_nodes(rows, range(4), replicated=False, saved_at={}, newest_committed=20)
+    assert plan.step == 30
+    assert [h["kind"] for h in plan.sources[2]] == ["backup"] and plan.sources[2][0]["port"] == 1000
+    assert plan.sources[0][0]["kind"] == "own"
+
+
+def test_a_whole_group_lost_leaves_memory_to_storage_and_names_the_ranks():
+    survivor = _node(0, [_snap(0, 30), _snap(1, 30)])
+    plan = across_nodes([survivor, _node(1, [])], range(4), replicated=False, saved_at={}, newest_committed=20)
+    assert plan.step is None and plan.partial == 30 and plan.missing == (2, 3)
+
+
+def test_memory_older_than_the_newest_commit_is_not_used():
+    node = _node(0, [_snap(0, 30, t=100.0), _snap(1, 30, t=100.0)])
+    assert across_nodes([node], [0, 1], replicated=False, saved_at={"0": 200.0, "1": 200.0},
+                        newest_committed=30).step is None
+    assert across_nodes([node], [0, 1], replicated=False, saved_at={}, newest_committed=31).step is None
+    assert across_nodes([node], [0, 1], replicated=False, saved_at={"0": 100.0, "1": 100.0},
+                        newest_committed=30).step == 30
+
+
+def test_replicated_state_needs_one_copy_anywhere():
+    plan = across_nodes([_node(0, [_snap(0, 12)]), _node(1, [])], [0, 1], replicated=True, saved_at={},
+                        newest_committed=10)
+    assert plan.step == 12 and plan.sources[1][0]["node"] == 0
+
+
+def test_slots_of_older_versions_name_no_rank_and_are_left_out():
+    assert across_nodes([_node(0, [_snap(-1, 30)])], [0], replicated=False, saved_at={},
+                        newest_committed=-1).step is None
