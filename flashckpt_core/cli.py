@@ -19,7 +19,7 @@ import time
 from . import errors as E
 from ._protocol import Client
 from .commit import CommitLayout
-from .config import Knobs
+from .config import Knobs, job_key_digest
 from .locations import checkpoint_location
 from .storage import CheckpointStorage, storage_for
 
@@ -74,6 +74,51 @@ def _mtime(layout: CommitLayout, d: str) -> float | None:
     return max((os.path.getmtime(os.path.join(local, n)) for n in os.listdir(local)), default=time.time())
 
 
+def _ranks(rs: set[int]) -> str:
+    return ",".join(str(r) for r in sorted(rs))
+
+
+def _in_memory(checkpoint_dir: str) -> dict[int, dict[str, set[int]]]:
+    """step -> {"own": ranks, "backup": ranks} that this node's shared memory holds for ``checkpoint_dir``
+    (every job of it on this node: its own snapshots, and backups of other nodes' ranks)."""
+    from .saver.replica import backup_paths, own_local_ranks
+    from .segment import Segment, live_snapshots, segment_paths
+
+    digest = job_key_digest(checkpoint_dir)
+    runtime = Knobs.from_env().runtime_dir
+    try:
+        names = [n for n in os.listdir(runtime) if n == digest or n.endswith("-" + digest)]
+    except OSError:
+        return {}
+    out: dict[int, dict[str, set[int]]] = {}
+    for name in names:
+        jd = os.path.join(runtime, name)
+        groups = [("own", [p for _e, p in segment_paths(jd, lr)]) for lr in own_local_ranks(jd)]
+        groups += [("backup", [p for _e, p in paths]) for paths in backup_paths(jd).values()]
+        for kind, paths in groups:
+            segs = []
+            for p in paths:
+                try:
+                    segs.append(Segment(p, populate=False, readonly=True))
+                except (OSError, E.FlashCheckpointError):
+                    continue
+            try:
+                for _seg, _i, h in live_snapshots(segs):
+                    out.setdefault(h.step, {"own": set(), "backup": set()})[kind].add(-1 if h.rank is None else h.rank)
+            finally:
+                for seg in segs:
+                    seg.close()
+    return out
+
+
+def _memory_column(held: dict[str, set[int]] | None) -> str:
+    if not held:
+        return "-"
+    parts = [f"ranks {_ranks(held['own'])}" if held["own"] else "",
+             f"backups of ranks {_ranks(held['backup'])}" if held["backup"] else ""]
+    return "; ".join(p for p in parts if p).replace("-1", "?")
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     layout = _layout(args)
     if layout is None:
@@ -85,9 +130,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     committed = layout.committed_steps()
     pending = layout.uncommitted_steps()
     latest = layout.tracker_step()
+    memory = _in_memory(layout.root)
     rows = []
-    for step in sorted(set(committed) | set(pending)):
-        if step in committed:
+    for step in sorted(set(committed) | set(pending) | set(memory)):
+        if step not in committed and step not in pending:
+            rows.append((step, "in memory", "-", "-", "(this node's shared memory)"))
+        elif step in committed:
             try:
                 m = layout.read_manifest(step)
             except E.CheckpointCorruptError as e:
@@ -100,16 +148,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
             mtime = _mtime(layout, layout.step_dir(step))
             rows.append((step, "not committed", "-", "-" if mtime is None else _age(mtime),
                          "in progress, or left by a crash"))
+    # Which ranks' snapshots of each step this node holds in memory, its own and backups of other nodes'.
+    rows = [(*r[:4], _memory_column(memory.get(r[0])), r[4]) for r in rows]
     if args.json:
-        print(json.dumps([dict(zip(("step", "state", "size", "age", "files"), r)) for r in rows], indent=1))
+        print(json.dumps([dict(zip(("step", "state", "size", "age", "memory", "files"), r)) for r in rows], indent=1))
         return 0
     if not rows:
         print(f"no flashckpt checkpoints in {layout.root}")
         return 0
-    head = ("STEP", "STATE", "SIZE", "AGE", "FILES")
-    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(4)]
+    head = ("STEP", "STATE", "SIZE", "AGE", "MEMORY", "FILES")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(5)]
     for r in [head] + rows:
-        print("  ".join(str(v).ljust(w) for v, w in zip(r[:4], widths)) + "  " + str(r[4]))
+        print("  ".join(str(v).ljust(w) for v, w in zip(r[:5], widths)) + "  " + str(r[5]))
     return 0
 
 

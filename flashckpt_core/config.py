@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from . import errors as E
 
 __all__ = ["StorageType", "Knobs", "RankInfo", "job_key", "runtime_root", "job_dir", "make_private_dir",
-           "open_private_dir", "is_default_runtime_dir", "is_job_key_of"]
+           "open_private_dir", "is_default_runtime_dir", "is_job_key_of", "job_key_digest"]
 
 
 class StorageType(enum.Enum):
@@ -112,13 +112,18 @@ def runtime_root() -> str:
     return os.path.join(base, f"flashckpt-{os.getuid()}")
 
 
+def job_key_digest(checkpoint_dir: str) -> str:
+    """The part of every job key of ``checkpoint_dir`` that names the dir (a hash of its absolute path)."""
+    return hashlib.sha256(os.path.abspath(checkpoint_dir).encode()).hexdigest()[:_DIGEST_LEN]
+
+
 def job_key(checkpoint_dir: str) -> str:
     """Names a job's runtime dir: FLASHCKPT_JOB_ID, else TORCHELASTIC_RUN_ID, plus a hash of the dir.
 
     The hash of the absolute checkpoint dir is always part of the key, so two engines with different
     checkpoint dirs never share a saver, even inside one job.
     """
-    digest = hashlib.sha256(os.path.abspath(checkpoint_dir).encode()).hexdigest()[:_DIGEST_LEN]
+    digest = job_key_digest(checkpoint_dir)
     job = os.environ.get("FLASHCKPT_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
     if job in ("", "none"):
         return digest

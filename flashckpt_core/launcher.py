@@ -180,6 +180,28 @@ def _rendezvous_poll(args: Any) -> float:
     return 0.1 if max_nodes.isdigit() and int(max_nodes) <= 64 else 1.0
 
 
+def _rendezvous_keep_alive(args: Any) -> None:
+    """Detects a lost node in seconds: torch's dynamic rendezvous counts a node dead after
+    ``keep_alive_max_attempt`` (3) missed heartbeats ``keep_alive_interval`` (5 s) apart, and a restart whose
+    group lost a node waits that long (15 s) before a fresh node takes its place. Up to 64 nodes
+    (as ``_rendezvous_poll``) flashckpt-run beats every ``FLASHCKPT_RDZV_KEEP_ALIVE_S`` (1 s): 3 s to
+    detect. What ``--rdzv-conf`` sets is kept."""
+    if getattr(args, "rdzv_backend", "") in ("", "static") or getattr(args, "standalone", False):
+        return
+    conf = str(getattr(args, "rdzv_conf", "") or "")
+    keys = {kv.split("=", 1)[0].strip() for kv in conf.split(",") if "=" in kv}
+    interval = os.environ.get("FLASHCKPT_RDZV_KEEP_ALIVE_S")
+    if interval is None:
+        if _rendezvous_poll(args) > 0.5:
+            return
+        interval = "1"
+    add = [f"keep_alive_interval={max(1, round(float(interval)))}"] if "keep_alive_interval" not in keys else []
+    if "keep_alive_max_attempt" not in keys:
+        add.append("keep_alive_max_attempt=3")
+    if add:
+        args.rdzv_conf = ",".join([c for c in [conf] if c] + add)
+
+
 def _poll_rendezvous_every(poll_s: float) -> None:
     import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dr
 
@@ -233,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     agent_class = _flash_agent_class(launcher_api.LocalElasticAgent, job_id, args.term_timeout, enabled)
     launcher_api.LocalElasticAgent = agent_class  # type: ignore[misc,assignment]
     _poll_rendezvous_every(_rendezvous_poll(args))
+    _rendezvous_keep_alive(args)
     pool = None
     if not args.no_warm_workers and os.environ.get("FLASHCKPT_WARM_WORKERS", "1") not in ("0", "false", "off"):
         import torch.distributed.elastic.multiprocessing.api as mp_api

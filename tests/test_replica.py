@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-
 from flashckpt import errors as E
 from flashckpt.agreement import across_nodes
 from flashckpt.replica import ReplicaKnobs, backup_group, partners
@@ -84,3 +83,32 @@ def test_replicated_state_needs_one_copy_anywhere():
 def test_slots_of_older_versions_name_no_rank_and_are_left_out():
     assert across_nodes([_node(0, [_snap(-1, 30)])], [0], replicated=False, saved_at={},
                         newest_committed=-1).step is None
+
+
+def test_ls_shows_what_this_nodes_memory_and_backups_hold(tmp_path, capsys):
+    import json
+    import os
+    import shutil
+
+    from flashckpt.cli import main
+    from flashckpt.config import Knobs, job_key_digest
+    from flashckpt.saver.replica import BACKUP_BASE
+    from flashckpt.segment import COMPLETE, Segment, SlotHeader
+
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt)
+    jd = os.path.join(Knobs.from_env().runtime_dir, "job-" + job_key_digest(ckpt))
+    os.makedirs(jd, mode=0o700)
+    try:
+        for name, lr, owner in (("seg-r000-e000000.shm", 0, 1), ("bak-r00003-e000000.shm", BACKUP_BASE + 3, 4)):
+            path = os.path.join(jd, name)
+            Segment.create(path, local_rank=lr, epoch=0, nslots=2, meta_cap=4096, data_cap=4096)
+            seg = Segment(path, populate=False)
+            seg.write_header(0, SlotHeader(COMPLETE, 0, 7, 1, 0, 0, 0, 0, 1.0, 1, owner))
+            seg.close()
+        assert main(["ls", "--json", ckpt]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert rows == [{"step": 7, "state": "in memory", "size": "-", "age": "-",
+                         "memory": "ranks 0; backups of ranks 3", "files": "(this node's shared memory)"}]
+    finally:
+        shutil.rmtree(jd)
