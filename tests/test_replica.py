@@ -112,3 +112,21 @@ def test_ls_shows_what_this_nodes_memory_and_backups_hold(tmp_path, capsys):
                          "memory": "ranks 0; backups of ranks 3", "files": "(this node's shared memory)"}]
     finally:
         shutil.rmtree(jd)
+
+
+def test_flashckpt_run_detects_a_lost_node_in_seconds_and_keeps_what_the_user_set(monkeypatch):
+    from argparse import Namespace
+
+    from flashckpt.launcher import _rendezvous_keep_alive
+
+    monkeypatch.delenv("FLASHCKPT_RDZV_KEEP_ALIVE_S", raising=False)
+    monkeypatch.delenv("FLASHCKPT_RDZV_POLL_S", raising=False)
+    args = Namespace(rdzv_backend="c10d", rdzv_conf="", nnodes="2", standalone=False)
+    _rendezvous_keep_alive(args)
+    assert args.rdzv_conf == "keep_alive_interval=1,keep_alive_max_attempt=3"
+    args = Namespace(rdzv_backend="c10d", rdzv_conf="timeout=60,keep_alive_interval=10", nnodes="2", standalone=False)
+    _rendezvous_keep_alive(args)
+    assert args.rdzv_conf == "timeout=60,keep_alive_interval=10,keep_alive_max_attempt=3"
+    args = Namespace(rdzv_backend="c10d", rdzv_conf="", nnodes="1:128", standalone=False)  # large jobs: torch's
+    _rendezvous_keep_alive(args)
+    assert args.rdzv_conf == ""
