@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import time
+from typing import Any
 
 from . import errors as E
 from ._protocol import Client
@@ -149,16 +150,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
             rows.append((step, "not committed", "-", "-" if mtime is None else _age(mtime),
                          "in progress, or left by a crash"))
     # Which ranks' snapshots of each step this node holds in memory, its own and backups of other nodes'.
-    rows = [(*r[:4], _memory_column(memory.get(r[0])), r[4]) for r in rows]
+    table: list[tuple[Any, ...]] = [(*r[:4], _memory_column(memory.get(r[0])), r[4]) for r in rows]
     if args.json:
-        print(json.dumps([dict(zip(("step", "state", "size", "age", "memory", "files"), r)) for r in rows], indent=1))
+        print(json.dumps([dict(zip(("step", "state", "size", "age", "memory", "files"), r)) for r in table], indent=1))
         return 0
-    if not rows:
+    if not table:
         print(f"no flashckpt checkpoints in {layout.root}")
         return 0
     head = ("STEP", "STATE", "SIZE", "AGE", "MEMORY", "FILES")
-    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(5)]
-    for r in [head] + rows:
+    widths = [max(len(str(r[i])) for r in table + [head]) for i in range(5)]
+    for r in [head] + table:
         print("  ".join(str(v).ljust(w) for v, w in zip(r[:5], widths)) + "  " + str(r[5]))
     return 0
 

@@ -168,12 +168,26 @@ class PeerBook:
                     return raw
             except FileNotFoundError:
                 pass
+            local = self.storage.local_path(path)
             try:
-                self.storage.write_new(path, secrets.token_bytes(32))
-                local = self.storage.local_path(path)
-                if local is not None:
-                    os.chmod(local, 0o600)
+                if local is not None:  # made whole and private under a name of its own, then linked (never replaces)
+                    os.makedirs(os.path.dirname(local), exist_ok=True)
+                    tmp = f"{local}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                    try:
+                        os.write(fd, secrets.token_bytes(32))
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    try:
+                        os.link(tmp, local)
+                    finally:
+                        os.unlink(tmp)
+                else:
+                    self.storage.write_new(path, secrets.token_bytes(32))
             except (FileExistsError, E.AlreadyExistsError):
+                pass
+            except (OSError, E.FlashCheckpointError):  # a racing writer of an object store: read what won
                 pass
             time.sleep(0.02)
         raise E.SaverError(f"could not read or create the replica secret {path}")

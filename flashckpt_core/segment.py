@@ -347,7 +347,7 @@ def live_snapshots(segs: list[Segment]) -> list[tuple[Segment, int, SlotHeader]]
     step: the newest save of a step wins, and a step lower than the newest starts a new timeline, which
     abandons the newer steps of the old one. Superseded slots are not touched: they are dropped from
     view only once their successor is COMPLETE, so a kill mid-copy of that successor still leaves them.
-    The live steps thus strictly decrease along the list."""
+    The live steps of each rank (``owner``) thus strictly decrease along the list."""
     found = []
     for seg in segs:
         for i in range(seg.nslots):
@@ -356,9 +356,13 @@ def live_snapshots(segs: list[Segment]) -> list[tuple[Segment, int, SlotHeader]]
                 found.append((h.seq, seg.epoch, i, seg, h))
     found.sort(key=lambda x: x[:3], reverse=True)
     out: list[tuple[Segment, int, SlotHeader]] = []
+    last: dict[int, int] = {}  # owner -> the step of its newest live snapshot so far
     for _seq, _epoch, i, seg, h in found:
-        if not out or h.step < out[-1][2].step:
+        # Each rank's snapshots are a timeline of their own: a local rank whose global rank changed (a restart
+        # that renumbered the nodes) still holds its old rank's snapshots, which a peer may need.
+        if h.owner not in last or h.step < last[h.owner]:
             out.append((seg, i, h))
+            last[h.owner] = h.step
     return out
 
 
