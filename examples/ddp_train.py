@@ -8,7 +8,10 @@ Runs on CPU with gloo (2+ ranks)::
 Deterministic: the data of step ``s`` comes from a generator seeded with ``s`` and the model has no
 dropout, so a run that is interrupted and resumed reaches exactly the weights of an uninterrupted one.
 ``--crash_at_step N --crash_rank R`` makes rank R kill itself with SIGKILL after step N, once: a run that
-resumed from a checkpoint does not crash again (for demos and tests). ``--metrics FILE`` appends one JSON line per event (save timings, the resume source, the end).
+resumed from a checkpoint does not crash again (for demos and tests). ``--metrics FILE`` appends one JSON line
+per event (save timings, the resume source, the end): rank 0's, or every rank's with ``--metrics_all_ranks``
+(each line carries its rank). ``--step_sleep S`` sleeps S seconds after every step (tests use it to act
+between steps).
 
 For overhead comparisons (``benchmarks/overhead.py``), ``--ckpt_mode`` picks the checkpointing:
 ``flashckpt`` (the default: a memory snapshot every ``--save_memory_interval`` steps, a persist every
@@ -180,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare_torch_save", action="store_true",
                    help="rank 0 also times torch.save of the same state at every storage save")
     p.add_argument("--metrics", default="", help="append JSON lines of events to this file")
+    p.add_argument("--metrics_all_ranks", action="store_true",
+                   help="every rank appends its events to --metrics (default: rank 0 only, and crashes)")
+    p.add_argument("--step_sleep", type=float, default=0.0, help="sleep this many seconds after every step")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -211,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
 
     def emit(*, any_rank: bool = False, **ev: object) -> None:
-        if args.metrics and (rank == 0 or any_rank):
+        if args.metrics and (rank == 0 or any_rank or args.metrics_all_ranks):
             with open(args.metrics, "a") as f:
                 f.write(json.dumps({**ev, "t": time.time(), "rank": rank}) + "\n")
 
@@ -279,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         step_seconds.append(time.perf_counter() - t_step)
         if step == start and start > 1:
             emit(event="first_step", step=step)
+        if args.step_sleep > 0:
+            time.sleep(args.step_sleep)
 
     if ckpt is not None:
         ckpt.wait_latest_checkpoint(timeout=600)

@@ -10,7 +10,10 @@ Every rank snapshots its own shard; persisted steps are DCP checkpoints (``step_
 and ``.metadata``) that ``torch.distributed.checkpoint.load`` reads without flashckpt, on any number of
 ranks. Deterministic like the DDP example, so an interrupted and resumed run ends with exactly the weights
 of an uninterrupted one. ``--crash_at_step N --crash_rank R`` makes rank R kill itself with SIGKILL after
-step N, once (a resumed run does not crash again). ``--metrics FILE`` appends one JSON line per event.
+step N, once (a resumed run does not crash again). ``--metrics FILE`` appends one JSON line per event:
+rank 0's, or every rank's with ``--metrics_all_ranks`` (each line carries its rank; the ``end`` event's
+digest is rank 0's only). ``--step_sleep S`` sleeps S seconds after every step (tests use it to act
+between steps).
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--crash_at_step", type=int, default=-1)
     p.add_argument("--crash_rank", type=int, default=1)
     p.add_argument("--metrics", default="", help="append JSON lines of events to this file")
+    p.add_argument("--metrics_all_ranks", action="store_true",
+                   help="every rank appends its events to --metrics (default: rank 0 only, and crashes)")
+    p.add_argument("--step_sleep", type=float, default=0.0, help="sleep this many seconds after every step")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def emit(*, any_rank: bool = False, **ev: object) -> None:
-        if args.metrics and (rank == 0 or any_rank):
+        if args.metrics and (rank == 0 or any_rank or args.metrics_all_ranks):
             with open(args.metrics, "a") as f:
                 f.write(json.dumps({**ev, "t": time.time(), "rank": rank}) + "\n")
 
@@ -124,10 +130,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[rank {rank}] crashing (SIGKILL) after step {step}", flush=True)
             emit(any_rank=True, event="crash", step=step)
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == start and start > 1:
+            emit(event="first_step", step=step)
+        if args.step_sleep > 0:
+            time.sleep(args.step_sleep)
 
     ckpt.wait_latest_checkpoint(timeout=600)
     digest = full_weights_digest(model)
-    emit(event="end", step=args.steps, digest=digest)
+    emit(event="end", step=args.steps, digest=digest if rank == 0 else None)  # only rank 0 has the full weights
     if rank == 0:
         print(f"[rank 0] done: {args.steps} steps, weights sha256 {digest[:16]}", flush=True)
     ckpt.close()

@@ -284,6 +284,8 @@ _TIER_OF_FILE = {
                      "test_s3_dist_adapters.py"), "framework"),
     "test_conformance.py": "conformance",
     "test_gpu.py": "gpu",
+    # simulated nodes (mount namespaces with a private /dev/shm each), node loss (tests/_nodes.py)
+    "test_multinode.py": "multiproc",
 }
 
 
