@@ -26,6 +26,7 @@ import hmac
 import json
 import os
 import secrets
+import select
 import socket
 import time
 from dataclasses import dataclass
@@ -251,9 +252,15 @@ def send_range(sock: socket.socket, fd: int, offset: int, count: int, pacer: Pac
     """Sends ``count`` bytes of file ``fd`` from ``offset``: ``sendfile``, the kernel copies from the page
     cache (a tmpfs segment's own pages) into the socket, no user-space copy."""
     end = offset + count
+    wait = sock.gettimeout()
     while offset < end:
         n = min(end - offset, pacer.chunk() if pacer else 64 << 20)
-        sent = os.sendfile(sock.fileno(), fd, offset, n)
+        try:
+            sent = os.sendfile(sock.fileno(), fd, offset, n)
+        except BlockingIOError:  # a socket with a timeout is non-blocking underneath: wait until it drains
+            if not select.select([], [sock], [], wait)[1]:
+                raise E.CheckpointTimeoutError(f"the peer took no data for {wait} s") from None
+            continue
         if sent <= 0:
             raise PeerClosed("the peer stopped receiving")
         offset += sent

@@ -130,3 +130,32 @@ def test_flashckpt_run_detects_a_lost_node_in_seconds_and_keeps_what_the_user_se
     args = Namespace(rdzv_backend="c10d", rdzv_conf="", nnodes="1:128", standalone=False)  # large jobs: torch's
     _rendezvous_keep_alive(args)
     assert args.rdzv_conf == ""
+
+
+def test_a_slot_larger_than_the_socket_buffer_goes_through_a_socket_with_a_timeout(tmp_path):
+    """Peer sockets have timeouts, so Python makes them non-blocking underneath: sendfile then stops with
+    EAGAIN once the send buffer is full (every backup of a 500 MB shard failed so before)."""
+    import os
+    import socket
+    import threading
+
+    from flashckpt.replica import Pacer, recv_into, send_range
+
+    data = os.urandom(48 << 20)
+    path = tmp_path / "slot"
+    path.write_bytes(data)
+    a, b = socket.socketpair()
+    a.settimeout(30)
+    b.settimeout(30)
+    out = bytearray(len(data))
+    t = threading.Thread(target=recv_into, args=(b, memoryview(out)))
+    t.start()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        send_range(a, fd, 0, len(data), Pacer(0))
+    finally:
+        os.close(fd)
+        t.join(30)
+        a.close()
+        b.close()
+    assert out == data
