@@ -19,12 +19,14 @@ every step, a persist to storage every ``--storage-interval`` steps, ``--step-sl
    rendezvous before training resumed completed, the workers were started, and the load's own seconds
    (the longest rank's). "restarts" counts the surviving node 0's worker starts in between.
 2. **Replication throughput**: the savers log every backup sent (``event=backup_sent ... bytes= seconds=``,
-   the partner's reply included) and every shard a survivor sent to a fresh node (``replica_fetch_sent``);
+   the partner's reply included) and every shard a node sent for a load after the loss, to the fresh node or
+   to a node whose ranks the rendezvous renumbered (``replica_fetch_sent``);
    their GB/s per transfer, at the default cap and uncapped (``FLASHCKPT_REPLICA_MBPS=0``), next to the
    loopback limit measured in the same run: a TCP connection on 127.0.0.1 moving ``--loopback-gb`` from a
    tmpfs file with ``sendfile`` into an mmap'd tmpfs file with ``recv_into`` (the replica's mechanism), the
    same with ``sendall`` of a bytes buffer, and two ``sendfile`` streams at once, one each way (a pair of
-   nodes backing up each other). Failed backups (the saver's "backup ... failed" warnings) are counted.
+   nodes backing up each other). The backups sent are counted against the snapshots taken, and the savers'
+   "backup ... failed" warnings (the first of each streak) with their reasons.
 3. **Step time**: the same 2-node training without a kill, ``--steady-steps`` steps, replica at the default
    cap, uncapped, and off: the median time between two consecutive snapshots of rank 0 (a step, its
    snapshot and the step sleep; the first two steps are left out) and the median snapshot pause (the
@@ -43,6 +45,7 @@ import mmap
 import os
 import re
 import shutil
+import signal
 import socket
 import statistics
 import sys
@@ -51,7 +54,7 @@ import threading
 import time
 from typing import Any
 
-from benchmarks._common import GB, fmt_bytes, loadavg_note, logger, machine_info, markdown_table
+from benchmarks._common import GB, fmt_bytes, logger, machine_info, markdown_table
 from benchmarks._simnodes import REPO, SimCluster, namespace_support
 
 FSDP_TRAIN = os.path.join(REPO, "examples", "fsdp_train.py")
@@ -340,6 +343,9 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep the work dir (node logs, events, saver logs)")
     p.add_argument("--out", default=os.path.join(REPO, "bench_out", "nodes.md"))
     args = p.parse_args()
+    # SIGTERM and SIGINT (even where a background shell ignores it) unwind: every node is killed on the way
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     why = namespace_support()
     if why:
         print(f"bench_nodes: {why}", file=sys.stderr)
@@ -387,10 +393,10 @@ def main() -> int:
              "",
              f"Machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB memory, /dev/shm "
              f"{info['dev_shm_gib']} GiB (each simulated node: a tmpfs of its own), kernel {info['kernel']}, "
-             f"torch {info['torch']}, git {info['git']}. Load average (1 min) {load0[0]:.2f} at the start, "
-             f"{load1[0]:.2f} at the end"
-             + (": other processes used the cores during this run, the numbers are noisier than usual."
-                if loadavg_note(load0[0], info["cores"]) else ".")
+             f"torch {info['torch']}, git {info['git']}. Load average (1 min) {load0[0]:.2f} before the "
+             f"benchmark started anything, {load1[0]:.2f} at the end (its own nodes included)"
+             + (": other processes used the cores at the start, the numbers are noisier than usual."
+                if load0[0] > 0.5 * info["cores"] else ".")
              + f" Whole benchmark: {time.monotonic() - t_start:.0f} s.", ""]
     notes: list[str] = []
 
@@ -446,7 +452,8 @@ def main() -> int:
         count, *rest = _rate(sv["sent"])
         tp_rows.append((f"backups sent, {name}" + (" (node-loss run)" if kind == "loss" else ""), cap, f"{count} of {sv['snapshots']}", *rest, f"{fails}{why}"))
         if sv["fetched"]:
-            tp_rows.append((f"shards fetched by the fresh node, {name} (node-loss run)", "uncapped", *_rate(sv["fetched"]), "-"))
+            tp_rows.append((f"shards fetched after the loss, {name} (node-loss run)", "uncapped",
+                            *_rate(sv["fetched"]), "-"))
     for what, nbytes, secs in lb:
         rate = f"{nbytes / secs / GB:.2f} GB/s"
         tp_rows.append((f"loopback: {what}", "-", "1 (best of 3)", fmt_bytes(nbytes), f"{secs:.3f} s, {rate}", rate, "-"))
