@@ -17,7 +17,6 @@ counted dead in 3 s; torch's default is 15 s), and the scenarios keep the launch
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
@@ -186,14 +185,6 @@ def _four_nodes_lose(c: Cluster, lost: list[int]) -> tuple[float, int, list[int 
     return t_kill, c.newest_step(before=first_resume), rcs  # type: ignore[arg-type]
 
 
-# Not yet reliable (issue #19, open): in 1 of 3 runs on a loaded 2-core machine the job resumed from storage at
-# the newest step (bit exact) instead of from memory, and the whole-pair case failed a check not yet diagnosed.
-# Run them with FLASHCKPT_TEST_FOUR_NODES=1.
-_four_nodes = pytest.mark.skipif(os.environ.get("FLASHCKPT_TEST_FOUR_NODES") != "1",
-                                 reason="four-node scenarios not yet reliable (issue #19); FLASHCKPT_TEST_FOUR_NODES=1 runs them")
-
-
-@_four_nodes
 def test_four_nodes_two_lost_their_partners_hold_them(cluster: Cluster, tmp_path, request) -> None:  # noqa: F811
     """Nodes 1 and 2 lost at once: node 1's partner (3) and node 2's (0) survive: memory, bit exact."""
     want = reference_digest(tmp_path, FSDP_TRAIN, 4, ARGS)
@@ -208,7 +199,6 @@ def test_four_nodes_two_lost_their_partners_hold_them(cluster: Cluster, tmp_path
     _no_commit_timeouts(cluster)
 
 
-@_four_nodes
 def test_four_nodes_whole_pair_lost_falls_back_to_storage(cluster: Cluster, request) -> None:  # noqa: F811
     """Nodes 1 and 3, both of one backup pair, lost: their shards are in no memory; the job resumes from
     the newest committed step with a warning. (Bit exactness against a run resumed from that step is not
