@@ -654,3 +654,11 @@ def write_json(path: str, obj: Any) -> None:
     with open(tmp, "w") as f:
         json.dump(finite(json.loads(json.dumps(obj, default=str))), f, indent=1, allow_nan=False)
     os.replace(tmp, path)
+
+
+def print_report(text: str, path: str) -> None:
+    """Prints a benchmark's report and writes it to ``path`` (its directory made when missing)."""
+    print(text)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text + "\n")

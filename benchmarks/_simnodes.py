@@ -46,7 +46,7 @@ NODE_TMP = f"{NODE_SHM}/tmp"
 
 
 def mnt_ns(pid: int | str) -> str | None:
-    """The mount namespace of ``pid`` (``mnt:[inode]``); None when it is gone."""
+    """The mount namespace of ``pid`` (``mnt:[inode]``); None when it is gone (or a zombie)."""
     try:
         return os.readlink(f"/proc/{pid}/ns/mnt")
     except OSError:
@@ -54,14 +54,44 @@ def mnt_ns(pid: int | str) -> str | None:
 
 
 def pids_in_ns(ns: str) -> list[int]:
+    """Every live process of mount namespace ``ns`` (a scan of /proc, as pgrep would)."""
     me = os.getpid()
     return sorted(int(d) for d in os.listdir("/proc") if d.isdigit() and int(d) != me and mnt_ns(d) == ns)
 
 
-def _signal_all(pids: list[int], sig: int) -> None:
+def signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
+
+
+def cmdline(pid: int) -> str:
+    """``pid``'s command line (200 characters at most; "?" when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return " ".join(a.decode(errors="replace") for a in f.read().split(b"\0") if a)[:200]
+    except OSError:
+        return "?"
+
+
+def kill_namespace(ns: str, timeout: float = 30.0) -> None:
+    """SIGSTOPs then SIGKILLs every process of ``ns`` until none is left (a process forked meanwhile is
+    found by the next scan). Raises TimeoutError with the survivors when ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while pids := pids_in_ns(ns):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"processes of {ns} still alive {timeout:.0f} s after SIGKILL: "
+                               f"{[(p, cmdline(p)) for p in pids]}")
+        signal_all(pids, signal.SIGSTOP)  # none of them forks while the others are killed
+        signal_all(pids, signal.SIGKILL)
+        time.sleep(0.02)
+
+
+def node_shell(shm_size: str) -> list[str]:
+    """The command prefix that runs a command as a node: a mount namespace with a private /dev/shm."""
+    script = (f"mount -t tmpfs -o size={shm_size},mode=1777 tmpfs {NODE_SHM} && "
+              f"mkdir -m 700 {NODE_RUNTIME_DIR} && mkdir -m 1777 {NODE_TMP} && exec \"$@\"")
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh"]
 
 
 def namespace_support() -> str | None:
@@ -70,18 +100,18 @@ def namespace_support() -> str | None:
         return "simulated nodes need root (a mount namespace and a tmpfs each)"
     if shutil.which("unshare") is None:
         return "simulated nodes need unshare (util-linux)"
-    r = subprocess.run([*_node_shell("4m"), "sh", "-c", f"test -d {NODE_RUNTIME_DIR}"], capture_output=True,
-                       text=True, timeout=30, stdin=subprocess.DEVNULL)
-    return None if r.returncode == 0 else f"cannot make a mount namespace with a tmpfs: {r.stderr.strip()}"
+    try:
+        r = subprocess.run([*node_shell("4m"), "sh", "-c", f"test -d {NODE_RUNTIME_DIR}"], capture_output=True,
+                           text=True, timeout=30, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"cannot make a mount namespace with a tmpfs: {e}"
+    if r.returncode != 0:
+        return f"cannot make a mount namespace with a tmpfs: {(r.stderr or r.stdout).strip()}"
+    return None
 
 
-def _node_shell(shm_size: str) -> list[str]:
-    script = (f"mount -t tmpfs -o size={shm_size},mode=1777 tmpfs {NODE_SHM} && "
-              f"mkdir -m 700 {NODE_RUNTIME_DIR} && mkdir -m 1777 {NODE_TMP} && exec \"$@\"")
-    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh"]
-
-
-def _listening(port: int) -> bool:
+def listening(port: int) -> bool:
+    """Whether a socket listens on ``port`` (IPv4 or IPv6), from /proc/net (the network is shared)."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -93,6 +123,17 @@ def _listening(port: int) -> bool:
         except (OSError, StopIteration):
             continue
     return False
+
+
+def tail_of(path: str, n: int = 4000) -> str:
+    """The last ``n`` bytes of file ``path`` as text ("<no output>" when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return "<no output>"
 
 
 def read_events(path: str) -> list[dict[str, Any]]:
@@ -194,7 +235,7 @@ class SimCluster:
         """Starts every node: node 0 first, the others once it hosts the rendezvous store."""
         self.start_node(0, timeout)
         deadline = time.monotonic() + timeout
-        while not _listening(self.port):
+        while not listening(self.port):
             if self.exited(0) or time.monotonic() > deadline:
                 raise RuntimeError(f"node 0 did not host the rendezvous store (exit code {self.nodes[0].proc.poll() if self.nodes[0].proc else None}"
                                    f"):\n{self.tail(0)}")
@@ -211,7 +252,7 @@ class SimCluster:
             raise RuntimeError(f"node {i} still runs")
         node.gen += 1
         env = dict(self.env, FLASHCKPT_LAUNCH_EVENTS=node.agent_events)
-        argv = [*_node_shell(self.shm_size), *self.cmd, *self.script, "--metrics", node.metrics]
+        argv = [*node_shell(self.shm_size), *self.cmd, *self.script, "--metrics", node.metrics]
         own = mnt_ns("self")
         with open(node.log, "ab") as log:
             log.write(f"\n==== node {i} start {node.gen} at {time.time():.3f}\n".encode())
@@ -255,13 +296,10 @@ class SimCluster:
             ns = node.ns
         if ns is None:
             return
-        deadline = time.monotonic() + timeout
-        while pids := ns.pids():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"node {node.index}: processes still alive after SIGKILL: {pids}")
-            _signal_all(pids, signal.SIGSTOP)  # none of them forks while the others are killed
-            _signal_all(pids, signal.SIGKILL)
-            time.sleep(0.02)
+        try:
+            kill_namespace(ns.name, timeout)
+        except TimeoutError as e:
+            raise RuntimeError(f"node {node.index}: {e}") from None
         self._forget(node)
         if node.proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -326,13 +364,7 @@ class SimCluster:
             return [(n.index, ln) for n in self.nodes for text in n.saver_logs.values() for ln in text.splitlines()]
 
     def tail(self, i: int, n: int = 4000) -> str:
-        try:
-            with open(self.nodes[i].log, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - n))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return "<no output>"
+        return tail_of(self.nodes[i].log, n)
 
     # ---------------------------------------------------------------- saver logs
     def mirror_now(self) -> None:

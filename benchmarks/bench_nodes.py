@@ -54,7 +54,7 @@ import threading
 import time
 from typing import Any
 
-from benchmarks._common import GB, fmt_bytes, logger, machine_info, markdown_table
+from benchmarks._common import GB, fmt_bytes, logger, machine_info, markdown_table, print_report
 from benchmarks._simnodes import REPO, SimCluster, namespace_support
 
 FSDP_TRAIN = os.path.join(REPO, "examples", "fsdp_train.py")
@@ -487,10 +487,7 @@ def main() -> int:
     if notes:
         lines += ["Notes:", *[f"- {n}" for n in notes], ""]
     text = "\n".join(lines)
-    print(text)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text + "\n")
+    print_report(text, args.out)
     return 0
 
 

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks._common import print_report
 from benchmarks._s3server import free_ports
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -222,10 +223,7 @@ def main() -> int:
                   "processes (the warm workers' imports, 5 s after the start, at nice +10) cost the training "
                   "processes on this machine's cores."]
         text = "\n".join(lines)
-        print(text)
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        print_report(text, args.out)
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)

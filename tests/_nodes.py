@@ -37,7 +37,6 @@ import contextlib
 import glob
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -54,105 +53,29 @@ from helpers import wait_for
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS_DIR)
-if REPO not in sys.path:  # for benchmarks._s3server (the repository root is not on pytest's path)
+if REPO not in sys.path:  # for benchmarks (the repository root is not on pytest's path)
     sys.path.insert(0, REPO)
 from benchmarks._s3server import free_ports  # noqa: E402
+from benchmarks._simnodes import (  # noqa: E402  (the namespace primitives the benchmarks' nodes use too)
+    NODE_RUNTIME_DIR,
+    NODE_TMP,
+    cmdline,
+    kill_namespace,
+    listening,
+    mnt_ns,
+    namespace_support,
+    node_shell,
+    pids_in_ns,
+    signal_all,
+    tail_of,
+)
 
 VENV_BIN = os.path.dirname(sys.executable)
 DDP_TRAIN = os.path.join(REPO, "examples", "ddp_train.py")
 FSDP_TRAIN = os.path.join(REPO, "examples", "fsdp_train.py")
 
-NODE_SHM = "/dev/shm"
-NODE_RUNTIME_DIR = f"{NODE_SHM}/fc"  # inside the node's private /dev/shm
-NODE_TMP = f"{NODE_SHM}/tmp"
 KILL_TIMEOUT_S = 30.0
 LOG_TAIL = 6000
-
-
-# ------------------------------------------------------------------------------------------ namespaces
-def mnt_ns(pid: int | str) -> str | None:
-    """The mount namespace of ``pid`` (``mnt:[inode]``); None when it is gone (or a zombie)."""
-    try:
-        return os.readlink(f"/proc/{pid}/ns/mnt")
-    except OSError:
-        return None
-
-
-def pids_in_ns(ns: str) -> list[int]:
-    """Every live process of mount namespace ``ns`` (a scan of /proc, as pgrep would)."""
-    me = os.getpid()
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != me and mnt_ns(name) == ns:
-            out.append(int(name))
-    return sorted(out)
-
-
-def _signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
-def kill_namespace(ns: str, timeout: float = KILL_TIMEOUT_S) -> None:
-    """SIGSTOPs then SIGKILLs every process of ``ns`` until none is left (a process forked meanwhile is
-    found by the next scan). Raises TimeoutError with the survivors when ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        pids = pids_in_ns(ns)
-        if not pids:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"processes of {ns} still alive {timeout:.0f} s after SIGKILL: "
-                               f"{[(p, _cmd(p)) for p in pids]}")
-        _signal_all(pids, signal.SIGSTOP)  # none of them forks while we kill the others
-        _signal_all(pids, signal.SIGKILL)
-        time.sleep(0.02)
-
-
-def _cmd(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return " ".join(a.decode(errors="replace") for a in f.read().split(b"\0") if a)[:200]
-    except OSError:
-        return "?"
-
-
-def _node_shell(shm_size: str) -> list[str]:
-    script = (f"mount -t tmpfs -o size={shm_size},mode=1777 tmpfs {NODE_SHM} && "
-              f"mkdir -m 700 {NODE_RUNTIME_DIR} && mkdir -m 1777 {NODE_TMP} && exec \"$@\"")
-    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh"]
-
-
-def namespace_support() -> str | None:
-    """Why simulated nodes cannot run here (None when they can)."""
-    if os.geteuid() != 0:
-        return "simulated nodes need root (a mount namespace and a tmpfs each)"
-    if shutil.which("unshare") is None:
-        return "simulated nodes need unshare (util-linux)"
-    try:
-        r = subprocess.run([*_node_shell("4m"), "sh", "-c", f"test -d {NODE_RUNTIME_DIR}"], capture_output=True,
-                           text=True, timeout=30, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"cannot make a mount namespace with a tmpfs: {e}"
-    if r.returncode != 0:
-        return f"cannot make a mount namespace with a tmpfs: {(r.stderr or r.stdout).strip()}"
-    return None
-
-
-def _listening(port: int) -> bool:
-    """Whether a socket listens on ``port`` (IPv4 or IPv6), from /proc/net (the network is shared)."""
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f)
-                for line in f:
-                    cols = line.split()
-                    if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":
-                        return True
-        except (OSError, StopIteration):
-            continue
-    return False
 
 
 def events(path: str) -> list[dict[str, Any]]:
@@ -166,13 +89,7 @@ def events(path: str) -> list[dict[str, Any]]:
 
 
 def _tail(path: str, n: int = LOG_TAIL) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - n))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return "<no output>"
+    return tail_of(path, n)
 
 
 def ls_checkpoints(ckpt_dir: str) -> list[dict[str, Any]]:
@@ -259,7 +176,7 @@ class Cluster:
             os.makedirs(d, exist_ok=True)
             self.nodes.append(Node(i, d))
         self.start_node(0, timeout=start_timeout)
-        self.wait_for(lambda: _listening(port) or self._exited(0), start_timeout,
+        self.wait_for(lambda: listening(port) or self._exited(0), start_timeout,
                       "node 0 to host the rendezvous store")
         if self._exited(0):
             self.fail("node 0 exited before hosting the rendezvous store")
@@ -303,7 +220,7 @@ class Cluster:
             self._release(node)
         node.gen += 1
         env = dict(self.env, FLASHCKPT_LAUNCH_EVENTS=node.agent_events)
-        argv = [*_node_shell(self.shm_size), *self.cmd, *self.script, "--metrics", node.metrics,
+        argv = [*node_shell(self.shm_size), *self.cmd, *self.script, "--metrics", node.metrics,
                 *self.node_args.get(i, [])]
         with open(node.log, "ab") as log:
             log.write(f"\n==== node {i} start {node.gen} at {time.time():.3f}: {' '.join(argv)}\n".encode())
@@ -347,7 +264,7 @@ class Cluster:
             assert n.ns is not None and n.ns in n.held, f"node {n.index} is not running"
             self._copy_saver_logs(n)
         t = time.time()
-        _signal_all([p for n in nodes for p in pids_in_ns(n.ns or "")], signal.SIGSTOP)
+        signal_all([p for n in nodes for p in pids_in_ns(n.ns or "")], signal.SIGSTOP)
         for n in nodes:
             kill_namespace(n.ns or "")
         for n in nodes:
@@ -359,7 +276,7 @@ class Cluster:
         """SIGTERM to node ``i``'s launcher only. Returns the wall-clock time it was sent."""
         node = self.nodes[i]
         assert node.proc is not None and node.proc.poll() is None, f"node {i}'s launcher is not running"
-        assert "flashckpt.launcher" in _cmd(node.proc.pid), _cmd(node.proc.pid)
+        assert "flashckpt.launcher" in cmdline(node.proc.pid), cmdline(node.proc.pid)
         t = time.time()
         os.kill(node.proc.pid, signal.SIGTERM)
         return t
@@ -535,7 +452,7 @@ class Cluster:
             for ns in list(n.held):
                 left = pids_in_ns(ns)
                 if left:
-                    problems.append(f"node {n.index}: processes left in {ns}: {[(p, _cmd(p)) for p in left]}")
+                    problems.append(f"node {n.index}: processes left in {ns}: {[(p, cmdline(p)) for p in left]}")
         if not problems:
             for n in self.nodes:
                 self._release(n)
