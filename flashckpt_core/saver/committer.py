@@ -76,10 +76,10 @@ class CommitPart(SaverBase):
             if rep is None or waited < asked[0] + bound:
                 return
             asked[0] = waited
-            newer = [j.step for j in list(self._commit_q.queue) if isinstance(j, _CommitJob) and j.step != step]
-            for s in newer:
-                if self.layout.markers_complete(s, self._commit_ranks(j for j in list(self._commit_q.queue)
-                                                                       if isinstance(j, _CommitJob) and j.step == s)):
+            queued = {j.step: [int(r) for r in j.spec["ranks"]] for j in list(self._commit_q.queue)
+                      if isinstance(j, _CommitJob) and j.step != step}
+            for s, ranks in queued.items():
+                if self.layout.markers_complete(s, ranks):
                     raise E.PersistError(f"step {step}: ranks {missing} never finished persisting and step {s}, "
                                          "saved after it, has every rank's files; not committed")
             lost = self._recover_missing(step, missing)
@@ -88,12 +88,6 @@ class CommitPart(SaverBase):
                                      "them; not committed (the previous committed step stays the newest)")
 
         return waiting
-
-    @staticmethod
-    def _commit_ranks(jobs: Any) -> list[int]:
-        for j in jobs:
-            return [int(r) for r in j.spec["ranks"]]
-        return []
 
     def _committed_now(self, step: int) -> None:
         """Adds ``step`` to the committed steps, less those its commit superseded."""
