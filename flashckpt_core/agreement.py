@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ import torch
 from . import errors as E
 from .commit import CommitLayout
 from .config import RankInfo
+from .replica import NodePlan, across_nodes
 
 __all__ = ["newer_in_memory", "agree", "verified_step", "all_ranks", "world", "across_nodes", "NodePlan",
            "multi_node", "memory_across_nodes"]
@@ -122,54 +122,6 @@ def verified_step(layout: CommitLayout, rank: int, committed: list[int], newest:
                     step, "; ".join(problems) or "on another rank")
     raise E.CheckpointCorruptError(f"load(): every committed step in {layout.root} is damaged; "
                                    "run `flashckpt verify` for details")
-
-
-@dataclass(frozen=True)
-class NodePlan:
-    """The newest step every rank can get from memory across nodes (None: none), where each rank's copy is,
-    and the newest step some node holds that not every rank can get (``partial``, for the warning)."""
-
-    step: int | None
-    sources: dict[int, list[dict[str, Any]]]  # rank -> holders: node, instance, host, port, kind, local_rank
-    partial: int | None = None
-    missing: tuple[int, ...] = ()
-
-
-def across_nodes(inventories: Sequence[dict[str, Any]], ranks: Sequence[int], *, replicated: bool,
-                 saved_at: dict[str, float], newest_committed: int) -> NodePlan:
-    """Picks, from what every node holds (its saver's ``Inventory`` reply: own snapshots and backups), the
-    newest step of which every rank in ``ranks`` has a copy somewhere (replicated state: any copy), not older
-    than the newest commit (``saved_at``: rank -> the wall time of the snapshot its committed files came from;
-    unknown: a step not lower than ``newest_committed``). Pure: the caller gathers the inventories."""
-    nodes: dict[str, dict[str, Any]] = {}
-    for inv in inventories:
-        nodes.setdefault(str(inv.get("instance") or f"{inv.get('host')}:{inv.get('port')}"), inv)
-    avail: dict[int, dict[int, list[dict[str, Any]]]] = {}
-    for key, inv in nodes.items():
-        for e in inv.get("held", []):
-            rank, step, t = int(e.get("rank", -1)), int(e.get("step", -1)), float(e.get("wall_time", 0.0))
-            if rank < 0 or step < 0:
-                continue  # a slot of an older version: whose it is is not recorded
-            ref = saved_at.get(str(rank)) if (not replicated or rank == 0) else None
-            if (t < ref) if ref else (step < newest_committed):
-                continue
-            avail.setdefault(step, {}).setdefault(rank, []).append(
-                {"node": inv.get("node", -1), "instance": key, "host": inv.get("host", ""),
-                 "port": int(inv.get("port", 0)), "kind": e.get("kind", "own"), "local_rank": e.get("local_rank", -1)})
-    need = set(ranks)
-    if replicated:
-        valid = [s for s, by in avail.items() if by]
-    else:
-        valid = [s for s, by in avail.items() if need <= set(by)]
-    best = max(valid, default=None)
-    partial = max(avail, default=None)
-    if best is None:
-        missing = tuple(sorted(need - set(avail[partial]))) if partial is not None and not replicated else ()
-        return NodePlan(None, {}, partial, missing)
-    if replicated:
-        everyone = [h for hs in avail[best].values() for h in hs]
-        return NodePlan(best, {r: everyone for r in ranks}, partial)
-    return NodePlan(best, {r: avail[best][r] for r in ranks}, partial)
 
 
 def multi_node(ranks: RankInfo, group: Any = None) -> bool:

@@ -50,7 +50,16 @@ from .manifest import Manifest, check_rel, need, record_from_json
 from .records import Held
 from .storage import CheckpointStorage, FileRecord
 
-__all__ = ["META", "Manifest", "CommitLayout", "TrackerUpdateError", "record_from_json"]
+__all__ = ["META", "Manifest", "CommitLayout", "TrackerUpdateError", "record_from_json", "commit_spec"]
+
+
+def commit_spec(world_size: int, replicated: bool) -> dict[str, Any]:
+    """What committing a step of a job needs (a ``Persist`` request's ``commit``): the ranks whose done
+    markers make it whole (replicated state: rank 0's only), the world size, and whether state is replicated.
+    Global rank 0's engine sends it; a survivor that commits for a lost rank 0 builds the same."""
+    return {"ranks": [0] if replicated else list(range(world_size)), "world_size": world_size,
+            "replicated": replicated, "extra": {}}
+
 
 log = logging.getLogger(__name__)
 

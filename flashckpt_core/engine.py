@@ -22,7 +22,7 @@ from ._copy import Copier
 from ._protocol import process_cpu_seconds
 from ._tree import gc_paused
 from .agreement import agree, all_ranks, memory_across_nodes, multi_node, newer_in_memory, verified_step
-from .commit import CommitLayout
+from .commit import CommitLayout, commit_spec
 from .config import Knobs, RankInfo, StorageType, job_dir
 from .files import FileSet, is_fileset_tree
 from .interval import AutoIntervals, default_failure_rates, storage_type_for
@@ -334,10 +334,7 @@ class CheckpointEngine:
 
     def _commit_spec(self) -> dict[str, Any] | None:
         """What global rank 0's saver needs to commit a step; None on other ranks."""
-        if self.ranks.rank != 0:
-            return None
-        ranks = [0] if self.replicated else list(range(self.ranks.world_size))
-        return {"ranks": ranks, "world_size": self.ranks.world_size, "replicated": self.replicated, "extra": {}}
+        return commit_spec(self.ranks.world_size, self.replicated) if self.ranks.rank == 0 else None
 
     def _auto_observe(self, step: int, kind: str, blocked: float) -> None:
         auto = self._auto

@@ -29,6 +29,7 @@ import secrets
 import select
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,7 @@ from . import locations
 from ._protocol import PeerClosed, recv_msg, send_msg
 from .storage import CheckpointStorage
 
-__all__ = ["ReplicaKnobs", "backup_group", "partners", "PeerBook", "connect", "accept", "advertised_host",
+__all__ = ["ReplicaKnobs", "backup_group", "partners", "PeerBook", "NodePlan", "across_nodes", "takes_over_rank0", "connect", "accept", "advertised_host",
            "Pacer", "send_range", "recv_into"]
 
 
@@ -140,6 +141,16 @@ class PeerBook:
 
     def publish(self, node: int, entry: dict[str, Any]) -> None:
         self.storage.write_bytes(self._node_path(node), json.dumps({**entry, "node": node}).encode())
+
+    def withdraw(self, node: int, instance: str) -> None:
+        """Removes ``node``'s entry if it is still the one saver ``instance`` published (it moved to another
+        node index; a saver that took the index since keeps its entry)."""
+        path = self._node_path(node)
+        try:
+            if json.loads(self.storage.read_bytes(path)).get("instance") == instance:
+                self.storage.remove(path)
+        except (OSError, ValueError, AttributeError, E.FlashCheckpointError):
+            pass
 
     def read(self) -> dict[int, dict[str, Any]]:
         """node -> its entry (unreadable entries are left out)."""
@@ -276,3 +287,81 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise PeerClosed("the peer closed the connection mid-transfer")
         got += k
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """The newest step every rank can get from memory across nodes (None: none), where each rank's copy is,
+    and the newest step some node holds that not every rank can get (``partial``, for the warning)."""
+
+    step: int | None
+    sources: dict[int, list[dict[str, Any]]]  # rank -> holders: node, instance, host, port, kind, local_rank
+    partial: int | None = None
+    missing: tuple[int, ...] = ()
+
+
+def across_nodes(inventories: Sequence[dict[str, Any]], ranks: Sequence[int], *, replicated: bool,
+                 saved_at: dict[str, float], newest_committed: int) -> NodePlan:
+    """Picks, from what every node holds (its saver's ``Inventory`` reply: own snapshots and backups), the
+    newest step of which every rank in ``ranks`` has a copy somewhere (replicated state: any copy), not older
+    than the newest commit (``saved_at``: rank -> the wall time of the snapshot its committed files came from;
+    unknown: a step not lower than ``newest_committed``). Pure: the caller gathers the inventories."""
+    nodes: dict[str, dict[str, Any]] = {}
+    for inv in inventories:
+        nodes.setdefault(str(inv.get("instance") or f"{inv.get('host')}:{inv.get('port')}"), inv)
+    avail: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    for key, inv in nodes.items():
+        for e in inv.get("held", []):
+            rank, step, t = int(e.get("rank", -1)), int(e.get("step", -1)), float(e.get("wall_time", 0.0))
+            if rank < 0 or step < 0:
+                continue  # a slot of an older version: whose it is is not recorded
+            ref = saved_at.get(str(rank)) if (not replicated or rank == 0) else None
+            if (t < ref) if ref else (step < newest_committed):
+                continue
+            avail.setdefault(step, {}).setdefault(rank, []).append(
+                {"node": inv.get("node", -1), "instance": key, "host": inv.get("host", ""),
+                 "port": int(inv.get("port", 0)), "kind": e.get("kind", "own"), "local_rank": e.get("local_rank", -1)})
+    need = set(ranks)
+    if replicated:
+        valid = [s for s, by in avail.items() if by]
+    else:
+        valid = [s for s, by in avail.items() if need <= set(by)]
+    best = max(valid, default=None)
+    partial = max(avail, default=None)
+    if best is None:
+        missing = tuple(sorted(need - set(avail[partial]))) if partial is not None and not replicated else ()
+        return NodePlan(None, {}, partial, missing)
+    if replicated:
+        everyone = [h for hs in avail[best].values() for h in hs]
+        return NodePlan(best, {r: everyone for r in ranks}, partial)
+    return NodePlan(best, {r: avail[best][r] for r in ranks}, partial)
+
+
+def _rank0_copies(inv: dict[str, Any], replicated: bool) -> set[int]:
+    """The steps of which inventory ``inv`` holds a copy of global rank 0's state that its saver may persist
+    for rank 0: a backup of rank 0's snapshot; replicated state: a snapshot of its own trainer's (any rank
+    holds the whole state), not one fetched from a peer."""
+    return {int(e.get("step", -1)) for e in inv.get("held", [])
+            if ((e.get("kind") == "own" and not e.get("fetched")) if replicated
+                else (e.get("kind") == "backup" and e.get("rank") == 0))}
+
+
+def takes_over_rank0(step: int, here: dict[str, Any], peers: Sequence[dict[str, Any]], *, node: int,
+                     replicated: bool) -> bool:
+    """Whether the saver of node ``node`` (inventory ``here``), in its last words, persists and commits
+    ``step`` for global rank 0, whose own saver should but may be gone with its node. It does when it holds
+    a copy of rank 0's state of ``step`` (``_rank0_copies``), and no answering peer (``peers``: their
+    inventories) persists rank 0 of ``step`` or newer, holds rank 0's own snapshot of ``step`` or newer (not
+    a fetched copy: then rank 0's saver is alive, and commits in its own last words), or holds a copy too
+    under a lower node number (that one takes over). Pure: the caller gathers the inventories."""
+    if step not in _rank0_copies(here, replicated):
+        return False
+    for inv in peers:
+        if any(int(s) >= step and int(r) == 0 for s, r in inv.get("persisting", [])):
+            return False
+        if any(e.get("kind") == "own" and e.get("rank") == 0 and not e.get("fetched") and int(e.get("step", -1)) >= step
+               for e in inv.get("held", [])):
+            return False
+        if step in _rank0_copies(inv, replicated) and int(inv.get("node", -1)) < node:
+            return False
+    return True

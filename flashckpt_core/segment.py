@@ -55,8 +55,8 @@ import xxhash
 from . import errors as E
 
 __all__ = ["Segment", "SlotHeader", "SlotRef", "EMPTY", "WRITING", "COMPLETE", "FLAG_PINNED", "FLAG_PENDING",
-           "FLAG_UNRESERVED", "FLAG_SENDING", "FLAGS_BUSY", "PAGE", "live_snapshots", "segment_paths", "segment_path", "lock_path",
-           "writer_lease_path", "advise_huge_pages"]
+           "FLAG_UNRESERVED", "FLAG_SENDING", "FLAG_FETCHED", "FLAGS_BUSY", "PAGE", "live_snapshots", "segment_paths",
+           "segment_path", "lock_path", "writer_lease_path", "advise_huge_pages"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ FLAG_PINNED = 1   # the saver is reading this slot
 FLAG_PENDING = 2  # a persist of this slot was requested and has not finished
 FLAG_UNRESERVED = 4  # the slot's memory (all but its header page) is not reserved: reserve before writing
 FLAG_SENDING = 8  # the saver is sending this slot to a peer (a backup, or a lost node's fetch)
+FLAG_FETCHED = 16  # a copy fetched from a peer's memory after a node loss, not a snapshot of this node's trainer
 FLAGS_BUSY = FLAG_PINNED | FLAG_PENDING | FLAG_SENDING  # the saver holds the slot: no snapshot may overwrite it
 
 _MADV_POPULATE_READ = 22

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from flashckpt import errors as E
 from flashckpt.agreement import across_nodes
-from flashckpt.replica import ReplicaKnobs, backup_group, partners
+from flashckpt.replica import PeerBook, ReplicaKnobs, backup_group, partners, takes_over_rank0
+from flashckpt.storage import storage_for
 
 
 def test_pairs_span_the_two_halves_of_the_job_by_default():
@@ -39,13 +40,14 @@ def test_knobs(monkeypatch):
     assert ReplicaKnobs.from_env().active(2) and not ReplicaKnobs.from_env().active(1)
 
 
-def _snap(rank, step, kind="own", lr=0, t=None):
+def _snap(rank, step, kind="own", lr=0, t=None, fetched=False):
     return {"rank": rank, "step": step, "wall_time": float(step if t is None else t), "seq": step, "kind": kind,
-            "local_rank": lr}
+            "local_rank": lr, "fetched": fetched}
 
 
-def _node(node, held):
-    return {"node": node, "instance": f"i{node}", "host": "127.0.0.1", "port": 1000 + node, "held": held}
+def _node(node, held, persisting=()):
+    return {"node": node, "instance": f"i{node}", "host": "127.0.0.1", "port": 1000 + node, "held": held,
+            "persisting": [list(p) for p in persisting]}
 
 
 def test_a_lost_nodes_ranks_come_from_the_backups_of_its_partner():
@@ -83,6 +85,40 @@ def test_replicated_state_needs_one_copy_anywhere():
 def test_slots_of_older_versions_name_no_rank_and_are_left_out():
     assert across_nodes([_node(0, [_snap(-1, 30)])], [0], replicated=False, saved_at={},
                         newest_committed=-1).step is None
+
+
+def test_a_survivor_holding_rank0s_backup_commits_for_it_only_when_rank0s_saver_is_gone():
+    survivor = _node(1, [_snap(1, 30), _snap(0, 30, "backup"), _snap(0, 29, "backup")])
+    assert takes_over_rank0(30, survivor, [], node=1, replicated=False)  # rank 0's node did not answer
+    fresh = _node(0, [_snap(0, 30, fetched=True)])  # a fresh node 0 that fetched rank 0's shard already
+    assert takes_over_rank0(30, survivor, [fresh], node=1, replicated=False)
+    alive = _node(0, [_snap(0, 30)])  # rank 0's own saver answers: its last words commit
+    assert not takes_over_rank0(30, survivor, [alive], node=1, replicated=False)
+    assert not takes_over_rank0(30, survivor, [_node(0, [], persisting=[(30, 0)])], node=1, replicated=False)
+    assert not takes_over_rank0(31, survivor, [], node=1, replicated=False)  # holds no copy of step 31
+    assert not takes_over_rank0(30, _node(1, [_snap(1, 30)]), [], node=1, replicated=False)
+
+
+def test_with_three_copies_the_lowest_numbered_survivor_takes_over():
+    backups = [_snap(0, 30, "backup")]
+    assert not takes_over_rank0(30, _node(2, backups), [_node(1, backups)], node=2, replicated=False)
+    assert takes_over_rank0(30, _node(1, backups), [_node(2, backups)], node=1, replicated=False)
+
+
+def test_replicated_survivors_persist_their_own_copy_not_a_fetched_one():
+    assert takes_over_rank0(12, _node(1, [_snap(1, 12)]), [], node=1, replicated=True)
+    assert not takes_over_rank0(12, _node(1, [_snap(1, 12, fetched=True)]), [], node=1, replicated=True)
+    assert not takes_over_rank0(12, _node(2, [_snap(2, 12)]), [_node(1, [_snap(1, 12)])], node=2, replicated=True)
+
+
+def test_a_saver_that_moved_withdraws_its_old_entry_but_not_a_successors(tmp_path):
+    storage = storage_for(str(tmp_path))
+    book = PeerBook(storage, str(tmp_path / "meta"), "job")
+    book.publish(1, {"host": "127.0.0.1", "port": 5, "instance": "a"})
+    book.publish(3, {"host": "127.0.0.1", "port": 6, "instance": "b"})
+    book.withdraw(1, "a")
+    book.withdraw(3, "a")  # node 3 is another saver's now
+    assert {n: e["instance"] for n, e in book.read().items()} == {3: "b"}
 
 
 def test_ls_shows_what_this_nodes_memory_and_backups_hold(tmp_path, capsys):

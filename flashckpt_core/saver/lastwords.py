@@ -41,9 +41,23 @@ class LastWordsPart(SaverBase):
         Safe to call concurrently and repeatedly (idempotent). Used after a trainer crash, on SIGTERM,
         and by ``flashckpt-run`` before it restarts failed workers.
 
+        In a multi-node job whose global rank 0 was lost with its node, a survivor holding rank 0's newest
+        snapshot also persists it and commits (``_take_over_commit``).
+
         Returns:
             The step persisted (or already in flight), or None when there was nothing newer to persist.
         """
+        with self._cv:  # whether this saver commits: as of the crash (a restarted rank 0 may say hello meanwhile)
+            commits = any(i.commit is not None for i in self._persisters.values())
+        limit = self._newest_across_nodes()
+        step = self._persist_newest(timeout, limit)
+        taken = None if commits else self._take_over_commit(timeout, limit)
+        return step if taken is None else taken if step is None else max(step, taken)
+
+    def _persist_newest(self, timeout: float | None, limit: int | None) -> int | None:
+        """``save_shm_to_storage`` of the local ranks; ``limit``: in a multi-node job the newest step every
+        rank can get from memory, on any node, and only that one is persisted (a newer step of these ranks
+        could never be committed: a lost rank's copy of it is nowhere)."""
         with self._last_words_lock:
             with self._cv:
                 persisters = dict(self._persisters)
@@ -64,7 +78,7 @@ class LastWordsPart(SaverBase):
                 ref = saved_at.get(str(persisters[lr].rank), 0.0)  # that rank's own snapshot: one clock
                 return seg.header(slot).wall_time > ref if ref else s > newest_committed
 
-            for step in sorted((s for s in common if newer(s)), reverse=True):
+            for step in sorted((s for s in common if newer(s) and (limit is None or s == limit)), reverse=True):
                 jobs = self._last_words_jobs(step, persisters, held)
                 if jobs is not None:
                     break

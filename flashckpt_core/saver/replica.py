@@ -31,11 +31,25 @@ import xxhash
 from .. import errors as E
 from .. import messages as M
 from .._protocol import PeerClosed, recv_msg, send_msg
+from ..commit import commit_spec
 from ..ipc import SharedLock
-from ..replica import Pacer, PeerBook, ReplicaKnobs, accept, advertised_host, connect, partners, recv_into, send_range
+from ..replica import (
+    Pacer,
+    PeerBook,
+    ReplicaKnobs,
+    accept,
+    across_nodes,
+    advertised_host,
+    connect,
+    partners,
+    recv_into,
+    send_range,
+    takes_over_rank0,
+)
 from ..segment import (
     COMPLETE,
     EMPTY,
+    FLAG_FETCHED,
     FLAG_SENDING,
     FLAGS_BUSY,
     WRITING,
@@ -88,10 +102,11 @@ class _Replica:
     listener: socket.socket
     port: int
     replicated: bool = False
+    world_size: int = 0
     instance: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    ranks: set[int] = field(default_factory=set)
+    ranks: dict[int, int] = field(default_factory=dict)  # local rank -> global rank, as of its newest hello
     sent: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # local rank -> (path, slot, generation)
-    conns: dict[int, socket.socket] = field(default_factory=dict)  # partner node -> connection
+    conns: dict[int, tuple[str, socket.socket]] = field(default_factory=dict)  # partner node -> (instance, connection)
     lock: threading.Lock = field(default_factory=threading.Lock)  # backup segments: create, choose a slot, reap
     unreachable: set[int] = field(default_factory=set)  # partners already reported unreachable
     sent_bytes: int = 0
@@ -107,12 +122,28 @@ class ReplicaPart(SaverBase):
         nnodes = max(1, req.world_size // max(1, req.local_world_size))
         if nnodes < 2:
             return
+        node = req.rank // max(1, req.local_world_size)
+        moved_from = None
         with self._cv:
             rep = self._rep
             if rep is None:
-                rep = self._rep = self._start_replica(req.rank // max(1, req.local_world_size), nnodes)
-            rep.ranks.add(req.rank)
+                rep = self._rep = self._start_replica(node, nnodes)
+            elif node != rep.node or nnodes != rep.nnodes:
+                # A restart's rendezvous may give this node another group rank (torch ranks the agents by
+                # their sorted addresses: a node that joins may come before a survivor): the groups follow.
+                moved_from, rep.node, rep.nnodes = rep.node, node, nnodes
+                rep.ranks.clear()
+                rep.sent.clear()  # the newest snapshots go to the new partners
+                rep.unreachable.clear()
+                for _inst, conn in rep.conns.values():
+                    conn.close()
+                rep.conns.clear()
+            rep.ranks[req.local_rank] = req.rank
             rep.replicated = req.replicated
+            rep.world_size = req.world_size
+        if moved_from is not None and moved_from != node:
+            log.info("event=replica_node_moved from=%d to=%d", moved_from, node)
+            rep.book.withdraw(moved_from, rep.instance)
         self._publish()
 
     def _start_replica(self, node: int, nnodes: int) -> _Replica:
@@ -139,7 +170,7 @@ class ReplicaPart(SaverBase):
             return
         try:
             rep.book.publish(rep.node, {"host": rep.host, "port": rep.port, "instance": rep.instance,
-                                        "ranks": sorted(rep.ranks), "pid": os.getpid(), "t": time.time()})
+                                        "ranks": sorted(rep.ranks.values()), "pid": os.getpid(), "t": time.time()})
         except OSError as e:
             log.error("could not publish this saver's peer address in %s: %s", rep.book.dir, e)
 
@@ -147,7 +178,7 @@ class ReplicaPart(SaverBase):
         rep = self._rep
         if rep is None:
             return
-        for conn in list(rep.conns.values()):
+        for _inst, conn in list(rep.conns.values()):
             conn.close()
         with contextlib.suppress(OSError):
             rep.listener.shutdown(socket.SHUT_RDWR)
@@ -171,7 +202,7 @@ class ReplicaPart(SaverBase):
         held = []
         for kind, lr, _seg, _i, h in self._held():
             held.append({"rank": -1 if h.rank is None else h.rank, "step": h.step, "wall_time": h.wall_time,
-                         "seq": h.seq, "kind": kind, "local_rank": lr})
+                         "seq": h.seq, "kind": kind, "local_rank": lr, "fetched": bool(h.flags & FLAG_FETCHED)})
         with self._cv:
             persisting = [[s, r] for s, st in self._steps.items() for r in st.ranks if st.status != "failed"]
         if rep is None:
@@ -286,9 +317,9 @@ class ReplicaPart(SaverBase):
 
     # ------------------------------------------------------------------ receiving a slot
     def _receive_slot(self, conn: socket.socket, hdr: dict[str, Any], seg: Segment, slot: int, *, seq: int,
-                      lock: SharedLock) -> bool:
+                      lock: SharedLock, flags: int = 0) -> bool:
         """Receives the slot image announced by ``hdr`` into ``slot`` of ``seg`` (claimed WRITING here), and
-        marks it COMPLETE only when whole and intact; True when it did."""
+        marks it COMPLETE (with ``flags``) only when whole and intact; True when it did."""
         meta_len, nbytes = int(hdr["meta_len"]), int(hdr["tensor_bytes"]) + int(hdr["blob_len"])
         if meta_len > seg.meta_cap or nbytes > seg.data_cap:
             raise E.ProtocolError(f"a slot image of {meta_len}+{nbytes} bytes does not fit {seg.path}")
@@ -311,7 +342,7 @@ class ReplicaPart(SaverBase):
             rank = int(hdr["rank"])
             with lock:
                 if ok:
-                    seg.write_header(slot, SlotHeader(COMPLETE, 0, int(hdr["step"]), gen, meta_len, int(hdr["meta_xxh"]),
+                    seg.write_header(slot, SlotHeader(COMPLETE, flags, int(hdr["step"]), gen, meta_len, int(hdr["meta_xxh"]),
                                                       int(hdr["tensor_bytes"]), int(hdr["blob_len"]),
                                                       float(hdr["wall_time"]), seq, rank + 1 if rank >= 0 else 0))
                 elif seg.header(slot).generation == gen:
@@ -426,7 +457,7 @@ class ReplicaPart(SaverBase):
                 except (OSError, E.FlashCheckpointError, ValueError) as e:
                     old = rep.conns.pop(node, None)
                     if old is not None:
-                        old.close()
+                        old[1].close()
                     if node not in rep.unreachable:
                         rep.unreachable.add(node)
                         log.warning("backup of rank %s step %d to node %d failed: %s (retried with the next "
@@ -444,15 +475,17 @@ class ReplicaPart(SaverBase):
                                 reply.get("error"))
 
     def _partner(self, rep: _Replica, node: int, book: dict[int, dict[str, Any]]) -> socket.socket:
-        conn = rep.conns.get(node)
-        if conn is not None:
-            return conn
         entry = book.get(node)
         if entry is None:
             raise E.SaverError(f"node {node} has not published its saver's address yet")
+        cached = rep.conns.get(node)
+        if cached is not None:
+            if cached[0] == entry.get("instance"):
+                return cached[1]
+            cached[1].close()  # another saver is node ``node`` now (a fresh node, or ranks that moved)
         conn = connect(str(entry["host"]), int(entry["port"]), rep.secret, timeout=rep.knobs.loss_s)
         conn.settimeout(max(30.0, rep.knobs.loss_s))
-        rep.conns[node] = conn
+        rep.conns[node] = (str(entry.get("instance")), conn)
         return conn
 
     # ------------------------------------------------------------------ fetching a lost node's snapshot
@@ -481,7 +514,7 @@ class ReplicaPart(SaverBase):
                 with lock:
                     seq = 1 + max((seg2.header(i).seq for _e, p in segment_paths(self.job_dir, req.local_rank)
                                    for seg2 in [self._segment(p)] for i in range(seg2.nslots)), default=0)
-                if self._receive_slot(conn, hdr, seg, 0, seq=seq, lock=lock):
+                if self._receive_slot(conn, hdr, seg, 0, seq=seq, lock=lock, flags=FLAG_FETCHED):
                     nbytes = int(hdr["tensor_bytes"]) + int(hdr["blob_len"])
                     dt = time.perf_counter() - t0
                     log.info("event=replica_fetch rank=%d step=%d local_rank=%d bytes=%d seconds=%.3f from=%s:%s",
@@ -547,8 +580,11 @@ class ReplicaPart(SaverBase):
             finally:
                 conn.close()
 
-        threads = [threading.Thread(target=ask, args=(n, e), daemon=True) for n, e in rep.book.read().items()
-                   if e.get("instance") != rep.instance]
+        entries: dict[str, tuple[int, dict[str, Any]]] = {}  # one question per saver (an entry may be stale)
+        for n, e in sorted(rep.book.read().items()):
+            if e.get("instance") != rep.instance:
+                entries[str(e.get("instance"))] = (n, e)
+        threads = [threading.Thread(target=ask, args=ne, daemon=True) for ne in entries.values()]
         for t in threads:
             t.start()
         for t in threads:
@@ -564,24 +600,15 @@ class ReplicaPart(SaverBase):
         rep = self._rep
         if rep is None:
             return []
-        peers = self._ask_peers(rep, {"op": "inventory"})
-        covered: set[int] = set()
-        holders: dict[int, list[tuple[int, int]]] = {}  # rank -> (preference, node)
-        for node, inv in peers.items():
-            for s, r in inv.get("persisting", []):
-                if s == step:
-                    covered.add(int(r))
+        invs = [*self._ask_peers(rep, {"op": "inventory"}).values(), {**self._inventory().to_wire(), "self": True}]
+        covered = {int(r) for inv in invs for s, r in inv.get("persisting", []) if s == step}
+        holders: dict[int, list[tuple[int, int, dict[str, Any]]]] = {}  # rank -> (preference, node, inventory)
+        for inv in invs:
             for e in inv.get("held", []):
                 if e.get("step") == step and e.get("rank") in missing:
-                    holders.setdefault(int(e["rank"]), []).append((0 if e.get("kind") == "own" else 1, node))
-        local = self._inventory()
-        for s, r in local.persisting:
-            if s == step:
-                covered.add(r)
-        for e in local.held:
-            if e.get("step") == step and e.get("rank") in missing:
-                holders.setdefault(int(e["rank"]), []).append((0 if e.get("kind") == "own" else 1, rep.node))
-        todo: dict[int, list[int]] = {}
+                    pref = 0 if e.get("kind") == "own" else 1
+                    holders.setdefault(int(e["rank"]), []).append((pref, int(inv.get("node", -1)), inv))
+        todo: dict[str, tuple[dict[str, Any], list[int]]] = {}  # instance -> (its inventory, ranks to write)
         lost = []
         for r in missing:
             if r in covered:
@@ -589,25 +616,91 @@ class ReplicaPart(SaverBase):
             if r not in holders:
                 lost.append(r)
                 continue
-            node = min(holders[r])[1]
-            todo.setdefault(node, []).append(r)
-        book = rep.book.read()
-        for node, ranks in todo.items():
-            if node == rep.node:
+            inv = min(holders[r], key=lambda h: h[:2])[2]
+            todo.setdefault(str(inv.get("instance")), (inv, []))[1].append(r)
+        for inv, ranks in todo.values():
+            if inv.get("self"):
                 self._persist_held(step, ranks)
                 continue
-            entry = book.get(node)
-            if entry is None:
-                continue
             try:
-                conn = connect(str(entry["host"]), int(entry["port"]), rep.secret, timeout=rep.knobs.loss_s)
+                conn = connect(str(inv["host"]), int(inv["port"]), rep.secret, timeout=rep.knobs.loss_s)
                 try:
                     conn.settimeout(rep.knobs.loss_s * 2)
                     send_msg(conn, {"op": "persist_held", "step": step, "ranks": ranks})
-                    log.warning("event=persist_held_asked step=%d ranks=%s node=%d answer=%s", step, ranks, node,
-                                recv_msg(conn).get("ranks"))
+                    log.warning("event=persist_held_asked step=%d ranks=%s node=%s answer=%s", step, ranks,
+                                inv.get("node"), recv_msg(conn).get("ranks"))
                 finally:
                     conn.close()
-            except (OSError, E.FlashCheckpointError) as e:
-                log.warning("asking node %d to persist ranks %s of step %d: %s", node, ranks, step, e)
+            except (OSError, KeyError, E.FlashCheckpointError) as e:
+                log.warning("asking node %s to persist ranks %s of step %d: %s", inv.get("node"), ranks, step, e)
         return lost
+
+    # ------------------------------------------------------------------ last words for a lost rank 0
+    def _newest_across_nodes(self) -> int | None:
+        """The newest step of a multi-node job that every rank can get from memory, its own node's or a
+        peer's (``across_nodes`` over every answering saver's inventory); None in a single-node job, and
+        when there is none (a rank lost with its whole backup group, or peers that no longer answer after a
+        normal end: then each node persists its own newest, as a single node does)."""
+        rep = self._rep
+        if rep is None or rep.world_size < 2:
+            return None
+        with self._cv:
+            newest_committed = self._committed[-1] if self._committed else -1
+        invs = [*self._ask_peers(rep, {"op": "inventory"}).values(), self._inventory().to_wire()]
+        plan = across_nodes(invs, list(range(rep.world_size)), replicated=rep.replicated,
+                            saved_at=self._saved_at(newest_committed), newest_committed=newest_committed)
+        if plan.step is None:
+            if plan.partial is not None:
+                log.warning("last words: step %d is in memory, but no saver that answered holds ranks %s (lost "
+                            "with their node and its backup group, or their saver has ended): this node persists "
+                            "its own newest snapshot, which commits only if their files come", plan.partial,
+                            list(plan.missing))
+            return None
+        return plan.step
+
+    def _take_over_commit(self, timeout: float | None, limit: int | None) -> int | None:
+        """Last words on a node whose saver does not commit (global rank 0 was elsewhere): when rank 0's own
+        saver is gone (its node lost), the survivor that holds rank 0's newest snapshot (sharded state: a
+        backup of it; replicated state: its own copy), the lowest-numbered if several do, persists it with the
+        commit, so the newest step is committed as well. The commit then has the lost node's other ranks
+        written by whoever holds them (``_recover_missing``). Waits for the commit; returns its step, or None
+        when there is nothing to take over (``takes_over_rank0``)."""
+        rep = self._rep
+        with self._cv:
+            newest_committed = self._committed[-1] if self._committed else -1
+        if rep is None or limit is None:
+            return None
+        step = limit  # the newest step every rank can get: the one the survivors persist
+        if step == newest_committed:
+            return None
+        peers = list(self._ask_peers(rep, {"op": "inventory"}).values())
+        if not takes_over_rank0(step, self._inventory().to_wire(), peers, node=rep.node, replicated=rep.replicated):
+            return None
+        found = self._find_held(-1 if rep.replicated else 0, step)
+        if found is None:
+            return None
+        _kind, seg, slot, h = found
+        try:
+            name = str(seg.read_meta(slot, h).get("name", ""))
+        except (E.FlashCheckpointError, ValueError):
+            return None
+        if not name:
+            return None
+        job = M.Persist(step=step, rank=0, local_rank=seg.local_rank, seg_path=seg.path, slot=slot,
+                        generation=h.generation, path=name, commit=commit_spec(rep.world_size, rep.replicated))
+        with self._last_words_lock:  # once, when last words are asked twice (a crash seen here and by the agent)
+            with self._cv:
+                st = self._steps.get(step)
+                queued = st is not None and 0 in st.ranks and st.commits_here and st.status != "failed"
+            if not queued:
+                if not self._hold_slot(job):
+                    return None
+                try:
+                    self._enqueue(job)
+                except BaseException:
+                    self._unhold_slot(job)
+                    raise
+                log.warning("event=last_words_for_rank0 step=%d from=%s: global rank 0's saver is gone; this "
+                            "survivor commits the step", step, _kind)
+        self._wait_step(step, timeout)
+        return step
