@@ -9,8 +9,11 @@ Runs on CPU with gloo (one process, or several under torchrun)::
 A memory snapshot every ``--save_memory_interval`` steps, a persisted checkpoint (DeepSpeed's own
 ``global_step<N>`` layout and ``latest``) every ``--save_storage_interval`` steps. ``--resume`` loads the
 newest checkpoint, from memory when the previous run of this job left it there.
-``--crash_at_step N`` makes rank 0 kill itself with SIGKILL after step N (only in a run that did not
-resume): run again with ``--resume`` within the saver's grace period and it resumes from memory.
+``--crash_at_step N`` makes rank ``--crash_rank`` (0) kill itself with SIGKILL after step N (only in a run
+that did not resume): run again with ``--resume`` within the saver's grace period and it resumes from memory.
+``--metrics FILE`` appends one JSON line per event (resume, save, first_step after a resume, crash, end with
+the weights digest): rank 0's, or every rank's with ``--metrics_all_ranks``; ``--step_sleep`` pauses after
+every step (the multi-node tests act between two steps).
 Deterministic: the data of step ``s`` on rank ``r`` is seeded by (s, r), so a resumed run ends with the
 weights of an uninterrupted one (the final digest is printed).
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import signal
 import sys
@@ -77,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save_storage_interval", type=int, default=10)
     p.add_argument("--resume", action="store_true", help="resume from the newest checkpoint (memory first)")
     p.add_argument("--crash_at_step", type=int, default=-1)
+    p.add_argument("--crash_rank", type=int, default=0)
+    p.add_argument("--metrics", default="", help="append JSON lines of events to this file")
+    p.add_argument("--metrics_all_ranks", action="store_true",
+                   help="every rank appends its events to --metrics (default: rank 0 only, and crashes)")
+    p.add_argument("--step_sleep", type=float, default=0.0, help="sleep this many seconds after every step")
     args = p.parse_args(argv)
 
     import deepspeed
@@ -91,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
+
+    def emit(*, any_rank: bool = False, **ev: object) -> None:
+        if args.metrics and (rank == 0 or any_rank or args.metrics_all_ranks):
+            with open(args.metrics, "a") as f:
+                f.write(json.dumps({**ev, "t": time.time(), "rank": rank}) + "\n")
+
     engine = build(args)
     ckpt = DeepSpeedCheckpointer(engine, args.checkpoint_dir)
     resumed = False
@@ -98,12 +113,15 @@ def main(argv: list[str] | None = None) -> int:
         path, client_state = ckpt.load_checkpoint(args.checkpoint_dir)
         info = ckpt.last_load
         resumed = path is not None
+        emit(event="resume", step=info.step if info else None, source=info.source if info else "none",
+             seconds=info.seconds if info else 0.0)
         if rank == 0:
             print(f"[rank 0] resumed from {info.source if info else 'none'}: {path} (global step "
                   f"{engine.global_steps}, {info.seconds if info else 0:.3f} s)", flush=True)
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     pauses: dict[str, list[float]] = {"memory": [], "disk": []}
+    start = engine.global_steps + 1
     while engine.global_steps < args.steps:
         step = engine.global_steps + 1
         g = torch.Generator().manual_seed(1000 * step + rank)
@@ -116,13 +134,20 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             ckpt.save_checkpoint(args.checkpoint_dir, client_state={"loss": loss.item()}, storage_type=kind)
             pauses[kind.value].append(time.perf_counter() - t0)
+            emit(event="save", step=step, storage=kind.value, seconds=pauses[kind.value][-1])
         if rank == 0 and step % 10 == 0:
             print(f"[rank 0] step {step} loss {loss.item():.5f}", flush=True)
-        if step == args.crash_at_step and rank == 0 and not resumed:
-            print(f"[rank 0] crashing after step {step} (SIGKILL)", flush=True)
+        if step == args.crash_at_step and rank == args.crash_rank and not resumed:
+            print(f"[rank {rank}] crashing after step {step} (SIGKILL)", flush=True)
+            emit(any_rank=True, event="crash", step=step)
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == start and resumed:
+            emit(event="first_step", step=step)
+        if args.step_sleep > 0:
+            time.sleep(args.step_sleep)
     ckpt.wait()
     d = digest(engine)
+    emit(event="end", step=engine.global_steps, digest=d if rank == 0 else None)
     ckpt.close()
     if rank == 0:
         def med(v: list[float]) -> str:

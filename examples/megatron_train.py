@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import sys
 import time
@@ -52,8 +53,10 @@ def build_model():
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = CpuAttention
     torch.manual_seed(0)
+    # no dropout: its random state is not checkpointed, and a resumed run must end with the weights of an
+    # uninterrupted one
     cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
-                            pipeline_dtype=torch.float32)
+                            pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0)
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=128, max_sequence_length=32)
 
 
@@ -74,16 +77,28 @@ def digest(model) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ckpt", required=True, help="checkpoint root (Megatron-LM's --save/--load)")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--save-interval", type=int, default=10, help="persist every this many iterations")
+    # (the second spellings are the other examples', which the multi-node tests pass to every script)
+    ap.add_argument("--ckpt", "--checkpoint_dir", required=True, help="checkpoint root (Megatron-LM's --save/--load)")
+    ap.add_argument("--iters", "--steps", type=int, default=20)
+    ap.add_argument("--save-interval", "--save_storage_interval", type=int, default=10,
+                    help="persist every this many iterations")
     ap.add_argument("--crash-at", type=int, default=0, help="die (os._exit) right after this iteration")
+    ap.add_argument("--resume", action="store_true", help="(always on: a run resumes from the newest checkpoint)")
+    ap.add_argument("--metrics", default="", help="append JSON lines of events (resume, save, first_step, end)")
+    ap.add_argument("--metrics_all_ranks", action="store_true", help="every rank appends to --metrics")
+    ap.add_argument("--step_sleep", type=float, default=0.0, help="sleep this many seconds after every iteration")
     opts = ap.parse_args()
     warnings.filterwarnings("ignore")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group("gloo", rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
     rank, world = dist.get_rank(), dist.get_world_size()
+
+    def emit(**ev: object) -> None:
+        if opts.metrics and (rank == 0 or opts.metrics_all_ranks):
+            with open(opts.metrics, "a") as f:
+                f.write(json.dumps({**ev, "t": time.time(), "rank": rank}) + "\n")
+
     from flashckpt.patches.megatron.dist_ckpt import MegatronCheckpointer, StorageType, iteration_dir, load, save
     from megatron.core import parallel_state
 
@@ -99,6 +114,10 @@ def main() -> None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start = state["iteration"] + 1
+    info = ckpt.last_load
+    emit(event="resume", step=start - 1 if state is not None else None,
+         source=info.source if info is not None and state is not None else "none", seconds=time.perf_counter() - t0)
+    if state is not None:
         if rank == 0:
             source = ckpt.last_load.source if ckpt.last_load is not None else "?"
             print(f"resumed at iteration {state['iteration']} from {source} in "
@@ -121,13 +140,19 @@ def main() -> None:
         save({"model": model.sharded_state_dict(), "optimizer": opt.state_dict(), "iteration": it},
              iteration_dir(opts.ckpt, it), checkpointer=ckpt, step=it, storage_type=kind, tracker=True)
         pauses[kind].append(time.perf_counter() - t)
+        emit(event="save", step=it, storage=kind.value, seconds=pauses[kind][-1])
         if rank == 0:
             print(f"iteration {it:3d}  loss {loss.item():.4f}  {kind.value} checkpoint")
         if it == opts.crash_at:
             print(f"rank {rank}: crashing after iteration {it}", flush=True)
             os._exit(17)
+        if it == start and start > 1:
+            emit(event="first_step", step=it)
+        if opts.step_sleep > 0:
+            time.sleep(opts.step_sleep)
 
     ckpt.wait()
+    emit(event="end", step=opts.iters, digest=digest(model) if rank == 0 else None)
     if rank == 0:
         for kind, xs in pauses.items():
             if xs:

@@ -11,7 +11,8 @@ so it has a private, empty /dev/shm (its runtime dir ``/dev/shm/fc``: its savers
 ``TMPDIR``) that goes away with its last process, as a lost machine's memory does; network, pids, the
 checkpoint dir and the rest of the file system are shared. ``unshare`` and ``sh`` exec, so the process
 ``Popen`` started is the node's launcher (its agent). Node 0 is started first and hosts the c10d store of
-the rendezvous: the tests never kill it (losing the rendezvous host is out of scope).
+the rendezvous: the tests never kill it (losing the rendezvous host is out of scope), unless the store is
+hosted outside the nodes (``launch(external_store=True)``, as a production job's store or etcd is).
 
 The ``cluster`` fixture gives a ``Cluster`` (see its methods): ``launch`` starts N nodes running an
 example script (``--checkpoint_dir`` shared, ``--metrics`` one file per node with every rank's events,
@@ -73,9 +74,16 @@ from benchmarks._simnodes import (  # noqa: E402  (the namespace primitives the 
 VENV_BIN = os.path.dirname(sys.executable)
 DDP_TRAIN = os.path.join(REPO, "examples", "ddp_train.py")
 FSDP_TRAIN = os.path.join(REPO, "examples", "fsdp_train.py")
+DS_TRAIN = os.path.join(REPO, "examples", "ds_train.py")
+MEGATRON_TRAIN = os.path.join(REPO, "examples", "megatron_train.py")
 
 KILL_TIMEOUT_S = 30.0
 LOG_TAIL = 6000
+# The rendezvous store outside every node (``launch(external_store=True)``), as a production job's
+# TCPStore host or etcd is: then node 0, with global rank 0, may be lost too.
+STORE_HOST = ("import sys, time\nimport torch.distributed as dist\n"
+              "store = dist.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, wait_for_workers=False)\n"
+              "while True:\n    time.sleep(3600)\n")
 
 
 def events(path: str) -> list[dict[str, Any]]:
@@ -146,14 +154,16 @@ class Cluster:
         self.env: dict[str, str] = {}
         self.shm_size = "256m"
         self.logs_shown = False  # a failure message carried them already
+        self.store: subprocess.Popen[bytes] | None = None  # the rendezvous store's host, when outside the nodes
 
     # ---------------------------------------------------------------- starting
     def launch(self, script: str, nnodes: int, script_args: list[str], *, nproc_per_node: int = 1,
                max_restarts: int = 3, env: dict[str, str] | None = None, warm_workers: bool = False,
                rdzv_conf: str = "", shm_size: str = "256m", node_args: dict[int, list[str]] | None = None,
-               start_timeout: float = 60.0) -> None:
+               start_timeout: float = 60.0, external_store: bool = False) -> None:
         """Starts ``nnodes`` nodes of one job running ``script`` (node 0 first; the others once it hosts
-        the rendezvous store). The script gets ``--checkpoint_dir`` (shared), ``--metrics`` (its node's
+        the rendezvous store; with ``external_store``, a process outside the nodes hosts it and every node
+        may be lost). The script gets ``--checkpoint_dir`` (shared), ``--metrics`` (its node's
         file), ``--metrics_all_ranks`` and ``--resume`` before ``script_args``; ``node_args[i]`` is added
         on node i only. Warm workers are off unless asked for (2 cores: their imports slow the others)."""
         port = free_ports(1)[0]
@@ -165,6 +175,14 @@ class Cluster:
                     "--nproc_per_node", str(nproc_per_node), "--rdzv_backend", "c10d",
                     "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", self.rdzv_id,
                     "--max_restarts", str(max_restarts)]
+        if external_store:
+            self.store = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(port)], stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.wait_for(lambda: listening(port) or self.store.poll() is not None,  # type: ignore[union-attr]
+                          start_timeout, "the rendezvous store to listen")
+            if self.store.poll() is not None:
+                self.fail(f"the rendezvous store's host exited (rc {self.store.returncode})")
+            rdzv_conf = ",".join(c for c in [rdzv_conf, "is_host=false"] if c)
         if rdzv_conf:
             self.cmd += ["--rdzv_conf", rdzv_conf]
         self.script = [script, "--checkpoint_dir", self.ckpt_dir, "--metrics_all_ranks", "--resume", *script_args]
@@ -258,7 +276,7 @@ class Cluster:
     def kill_nodes(self, idx: list[int]) -> float:
         """Kills the nodes ``idx`` whole at once: every process of their namespaces is stopped before any
         is killed. Returns the wall-clock time of the kill."""
-        assert 0 not in idx, "node 0 hosts the rendezvous store: losing it is out of scope"
+        assert 0 not in idx or self.store is not None, "node 0 hosts the rendezvous store: losing it is out of scope"
         nodes = [self.nodes[i] for i in idx]
         for n in nodes:
             assert n.ns is not None and n.ns in n.held, f"node {n.index} is not running"
@@ -333,6 +351,29 @@ class Cluster:
         """Waits until every rank of ``nodes`` saved ``step`` (or a later one); returns the step seen."""
         return self.wait_for(lambda: self.newest_step(nodes) >= step and self.newest_step(nodes), timeout,
                              f"nodes {nodes} to save step {step}")
+
+    def wait_backed_up(self, nodes: list[int], step: int, timeout: float = 90.0) -> None:
+        """Waits until every rank of ``nodes`` saved ``step`` or a later one and the backup of its newest
+        snapshot reached a partner (its saver logged ``event=backup_sent`` for it), so that a node lost right
+        then holds no snapshot its partner lacks (one lost between a snapshot and its backup leaves that step
+        to nobody: the job then resumes from the one before, rightly, but not at the step the test saw saved).
+        Sharded state only: replicated state sends no backups."""
+        def backed_up() -> bool:
+            for i in nodes:
+                node = self.nodes[i]
+                newest: dict[int, int] = {}
+                for e in self.events(i, "save"):
+                    newest[e["rank"]] = max(newest.get(e["rank"], 0), int(e["step"]))
+                if not newest or min(newest.values()) < step:
+                    return False
+                self._copy_saver_logs(node)
+                with self._lock:
+                    text = "\n".join(v for k, v in self.saver_logs.items() if k[:2] == (i, node.gen))
+                if any(f"event=backup_sent rank={r} step={s} " not in text for r, s in newest.items()):
+                    return False
+            return True
+
+        self.wait_for(backed_up, timeout, f"nodes {nodes} to save step {step} and back up their newest snapshot")
 
     def resumes(self, after: float) -> dict[int, dict[str, Any]]:
         """Rank -> the last ``resume`` event of that rank after ``after`` (every node's)."""
@@ -469,7 +510,11 @@ class Cluster:
             self._mirror.join(timeout=30)
             if self._mirror.is_alive():
                 problems.append("the saver-log copier thread did not end")
-        return problems + self.kill_all()
+        problems += self.kill_all()
+        if self.store is not None:
+            self.store.kill()
+            self.store.wait(timeout=KILL_TIMEOUT_S)
+        return problems
 
 
 @pytest.fixture

@@ -7,7 +7,12 @@ weights of an uninterrupted one.
 1. a worker crash on node 1: every rank resumes from memory at the newest snapshot, bit exact;
 2. SIGTERM to node 1's agent: the newest snapshot is committed within 60 s and node 0 does not hang;
 3. node 1 lost whole and a fresh node 1 joining: resume from memory (the cross-node replica) at the
-   newest snapshot, bit exact, in a few seconds, every later persist committed;
+   newest snapshot, bit exact, in a few seconds, the newest snapshot committed by node 0's last words
+   (node 1's shard from its backup) and every later persist committed; and node 0 lost, with global rank 0
+   (the rendezvous store outside the nodes): node 1's last words commit the newest snapshot (rank 0's shard
+   from its backup), the fresh node comes first in the new ranks' order, and the job resumes from memory;
+   the node-loss scenario with DeepSpeed ZeRO-2 (its optimizer partitions: sharded state) and megatron-core
+   (torch_dist checkpoints through flashckpt.patches.megatron) too;
 4. four nodes (``-k four_nodes``), backup pairs {0,2} {1,3}: two nodes of different pairs lost at once
    resume from memory; both nodes of one pair lost fall back to the newest committed step.
 
@@ -17,19 +22,37 @@ counted dead in 3 s; torch's default is 15 s), and the scenarios keep the launch
 
 from __future__ import annotations
 
+import datetime
+import importlib.util
 import re
 import time
 
 import pytest
-from _nodes import DDP_TRAIN, FSDP_TRAIN, Cluster, cluster, committed_steps, pids_in_ns, reference_digest  # noqa: F401
+from _nodes import (  # noqa: F401
+    DDP_TRAIN,
+    DS_TRAIN,
+    FSDP_TRAIN,
+    MEGATRON_TRAIN,
+    Cluster,
+    cluster,
+    committed_steps,
+    pids_in_ns,
+    reference_digest,
+)
 
-SCRIPTS = {"ddp": DDP_TRAIN, "fsdp": FSDP_TRAIN}
+SCRIPTS = {"ddp": DDP_TRAIN, "fsdp": FSDP_TRAIN, "deepspeed": DS_TRAIN, "megatron": MEGATRON_TRAIN}
 STEPS = 30
 PERSIST_EVERY = 10
 KILL_AT = 15  # between two persists: memory holds a newer step than storage
 # --step_sleep: time to act between steps (a kill lands between two snapshots, not in one)
 ARGS = ["--steps", str(STEPS), "--dim", "64", "--layers", "2", "--vocab", "512",
         "--save_storage_interval", str(PERSIST_EVERY), "--step_sleep", "0.15"]
+# DeepSpeed ZeRO-2 (examples/ds_train.py): each rank snapshots its optimizer partition, rank 0 the model too
+DS_ARGS = ["--steps", str(STEPS), "--dim", "64", "--zero", "2", "--save_storage_interval", str(PERSIST_EVERY),
+           "--step_sleep", "0.15"]
+# megatron-core (examples/megatron_train.py): torch_dist checkpoints, each rank snapshots its part
+MEGATRON_ARGS = ["--steps", str(STEPS), "--save_storage_interval", str(PERSIST_EVERY), "--step_sleep", "0.15"]
+ADAPTER_ARGS = {"deepspeed": DS_ARGS, "megatron": MEGATRON_ARGS}
 # Backup groups of the 4-node scenarios: pairs, nodes i and i + N/2 (the defaults, spelled out).
 PAIRS = {"FLASHCKPT_REPLICA_GROUP_SIZE": "2", "FLASHCKPT_REPLICA_STRIDE": "2"}
 
@@ -65,19 +88,31 @@ def _first_step_after(c: Cluster, t: float) -> float:
     return max(per_rank.values())
 
 
-def _wait_before_loss(c: Cluster, nodes: list[int], timeout: float = 120.0) -> None:
+def _wait_before_loss(c: Cluster, nodes: list[int], timeout: float = 120.0, *, replicated: bool = False) -> None:
     """Waits until the first persist is committed (so storage holds an older step than memory) and the
     ranks of ``nodes`` saved KILL_AT (the first persist may come later on 2 busy cores: the kill then
-    comes later too), then lets the newest snapshot's backup leave for its partner (a few ms)."""
+    comes later too) and, for sharded state, until their newest snapshot's backup reached its partner
+    (then the kill lands in the step sleep before the next snapshot)."""
     c.wait_for(lambda: PERSIST_EVERY in committed_steps(c.ckpt_dir), timeout, f"step {PERSIST_EVERY} to be committed")
-    c.wait_saved(nodes, KILL_AT, timeout=timeout)
-    time.sleep(0.05)
+    if replicated:
+        c.wait_saved(nodes, KILL_AT, timeout=timeout)
+    else:
+        c.wait_backed_up(nodes, KILL_AT, timeout=timeout)
 
 
 def _no_commit_timeouts(c: Cluster) -> None:
     text = c.all_text()
     hits = [ln for ln in text.splitlines() if "CheckpointTimeoutError" in ln]
     c.check(not hits, f"no CheckpointTimeoutError in any log: {hits[:5]}")
+
+
+def _saver_event_time(c: Cluster, needle: str) -> float:
+    """The wall-clock time of the first saver log line (any node's) that contains ``needle``."""
+    for ln in c.all_text().splitlines():
+        m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \d+ flashckpt\.saver ", ln)
+        if m and needle in ln:
+            return datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    c.fail(f"no saver log line with {needle!r}")
 
 
 def _report(request: pytest.FixtureRequest, **values: object) -> None:
@@ -146,11 +181,15 @@ def test_sigterm_to_an_agent_commits_the_newest_snapshot(cluster: Cluster, reque
 
 
 # ------------------------------------------------------------------------------------------ 3. a node lost
-@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+@pytest.mark.parametrize("kind", ["fsdp", "ddp", "deepspeed", "megatron"])
 def test_node_lost_fresh_node_joins_resumes_from_memory(cluster: Cluster, tmp_path, request, kind) -> None:  # noqa: F811
-    want = reference_digest(tmp_path, SCRIPTS[kind], 2, ARGS)
-    cluster.launch(SCRIPTS[kind], 2, ARGS)
-    _wait_before_loss(cluster, [1])
+    module = {"deepspeed": "deepspeed", "megatron": "megatron.core"}.get(kind)
+    if module and importlib.util.find_spec(module.split(".")[0]) is None:  # not imported here: it sets env vars
+        pytest.skip(f"{module} is not installed")
+    args = ADAPTER_ARGS.get(kind, ARGS)
+    want = reference_digest(tmp_path, SCRIPTS[kind], 2, args)
+    cluster.launch(SCRIPTS[kind], 2, args)
+    _wait_before_loss(cluster, [1], replicated=kind == "ddp")
     t_kill = cluster.kill_node(1)
     cluster.start_node(1)  # a fresh machine: empty memory
     rcs = cluster.wait_exit(timeout=180)
@@ -170,6 +209,44 @@ def test_node_lost_fresh_node_joins_resumes_from_memory(cluster: Cluster, tmp_pa
     due = [s for s in range(PERSIST_EVERY, STEPS + 1, PERSIST_EVERY) if s > newest]
     cluster.check(set(due) <= set(committed) and max(committed) == STEPS,
                   f"every persist after the loss committed ({due}): {committed}")
+    cluster.check(newest in committed, f"the last words committed step {newest}, the newest snapshot: {committed}")
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_rank0_node_lost_survivor_commits_and_resumes(cluster: Cluster, tmp_path, request, kind) -> None:  # noqa: F811
+    """Node 0, with global rank 0 (whose saver commits), lost whole: node 1's last words commit the newest
+    snapshot (FSDP: rank 0's shard from node 1's backup of it; DDP: node 1's own copy) within seconds; the
+    fresh node 0 starts after node 1's agent, so the rendezvous now ranks it after node 1 (node 1's rank 0
+    loads its shard from its backup, the fresh node fetches rank 1's from node 1); bit exact."""
+    want = reference_digest(tmp_path, SCRIPTS[kind], 2, ARGS)
+    cluster.launch(SCRIPTS[kind], 2, ARGS, external_store=True)
+    _wait_before_loss(cluster, [0], replicated=kind == "ddp")
+    t_kill = cluster.kill_node(0)
+    cluster.start_node(0)
+    first_resume = cluster.wait_for(lambda: min((e["t"] for e in cluster.all_events("resume", after=t_kill)),
+                                                default=None), 120, "the job to resume")
+    # what memory holds after the loss: the newest step both ranks saved (FSDP: node 1 holds rank 0's
+    # backup of it); DDP: node 1's own newest copy (node 0's, one step ahead at most, went with it)
+    newest = cluster.newest_step(before=first_resume) if kind == "fsdp" else cluster.saved_step(1, first_resume)
+    cluster.wait_for(lambda: newest in committed_steps(cluster.ckpt_dir), 60,
+                     f"step {newest}, the newest snapshot, to be committed by the survivor")
+    rcs = cluster.wait_exit(timeout=180)
+    t_committed = _saver_event_time(cluster, f"event=commit step={newest} ")
+    committed = committed_steps(cluster.ckpt_dir)
+    resumed = {r: (e.get("source"), e.get("step")) for r, e in sorted(cluster.resumes(t_kill).items())}
+    kill_to_step = _first_step_after(cluster, t_kill) - t_kill
+    _report(request, newest_snapshot=newest, resumed=resumed, kill_to_first_step_s=round(kill_to_step, 2),
+            kill_to_commit_s=round(t_committed - t_kill, 2), committed=committed, exit_codes=rcs,
+            bit_exact=cluster.final_digest() == want)
+    _check_exit_codes(cluster, rcs)
+    cluster.check("event=last_words_for_rank0" in cluster.all_text(),
+                  "node 1's saver took over rank 0's commit (event=last_words_for_rank0 in its log)")
+    _check_resumed(cluster, t_kill, 2, "memory", newest)
+    _check_digest(cluster, want)
+    cluster.check(kill_to_step < 30, f"training resumes within 30 s of the node loss: {kill_to_step:.1f} s")
+    cluster.check(t_committed - t_kill < 30, f"the survivor commits within 30 s of the loss: {t_committed - t_kill:.1f} s")
+    _no_commit_timeouts(cluster)
+    cluster.check(max(committed) == STEPS, f"the final persist committed: {committed}")
 
 
 # ------------------------------------------------------------------------------------------ 4. four nodes
