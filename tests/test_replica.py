@@ -195,3 +195,44 @@ def test_a_slot_larger_than_the_socket_buffer_goes_through_a_socket_with_a_timeo
         a.close()
         b.close()
     assert out == data
+
+
+def _backup(saver, rank: int, step: int, *, flags: int = 0, nbytes: int = 1 << 20) -> str:
+    """A backup segment of ``rank`` in ``saver``'s job dir holding a complete backup of ``step``."""
+    import os
+
+    from flashckpt.saver.replica import BACKUP_BASE
+    from flashckpt.segment import COMPLETE, Segment, SlotHeader
+
+    path = os.path.join(saver.job_dir, f"bak-r{rank:05d}-e000000.shm")
+    Segment.create(path, local_rank=BACKUP_BASE + rank, epoch=0, nslots=2, meta_cap=4096, data_cap=nbytes)
+    seg = saver._segment(path)
+    seg.write_header(0, SlotHeader(COMPLETE, flags, step, 1, 0, 0, 0, 0, float(step), step, rank + 1))
+    return path
+
+
+def test_backups_give_way_to_own_snapshots_and_newer_backups_never_busy_ones(tmp_path):
+    """The real saver's space rules, in this process (FLASHCKPT_SHM_LIMIT_BYTES plays a small /dev/shm):
+    a newer backup makes room from older backups of other ranks (ranks that moved at a restart), never
+    from newer ones; an allocation for this node's own snapshots drops backups, oldest first, rather than
+    failing; a backup being persisted or sent is never dropped."""
+    import dataclasses
+    import os
+
+    from flashckpt.config import Knobs
+    from flashckpt.saver.server import CheckpointSaver
+    from flashckpt.segment import FLAG_SENDING
+
+    job = tmp_path / "job"
+    job.mkdir()
+    knobs = dataclasses.replace(Knobs.from_env(), shm_limit_bytes=8 << 20)
+    saver = CheckpointSaver(str(job), str(tmp_path / "ckpt"), knobs=knobs)
+    old1 = _backup(saver, 1, 12)
+    new2 = _backup(saver, 2, 20)
+    busy3 = _backup(saver, 3, 11, flags=FLAG_SENDING)
+    free = saver._shm_free()
+    saver._drop_backups(free + (1 << 20), keep=4, older_than=20)  # a backup of rank 4, step 20, needs room
+    assert not os.path.exists(old1) and os.path.exists(new2) and os.path.exists(busy3)
+    # own snapshots come first: an allocation that does not fit drops the remaining backups it can
+    path = saver._alloc(0, 4096, 5 << 20, 1)
+    assert os.path.exists(path) and not os.path.exists(new2) and os.path.exists(busy3)

@@ -215,5 +215,6 @@ class SaverBase:
         def _recover_missing(self, step: int, missing: list[int]) -> list[int]: ...  # replica
         def _take_over_commit(self, timeout: float | None, limit: int | None) -> int | None: ...  # replica
         def _newest_across_nodes(self) -> int | None: ...  # replica
+        def _drop_backups(self, need: int, *, keep: int = -1, older_than: int | None = None) -> int: ...
         def _saved_at(self, step: int) -> dict[str, float]: ...  # lastwords
         def _wait_step(self, step: int, timeout: float | None) -> None: ...  # lastwords

@@ -348,8 +348,10 @@ class ReplicaPart(SaverBase):
                 elif seg.header(slot).generation == gen:
                     seg.write_header(slot, SlotHeader(EMPTY, 0, -1, gen, 0, 0, 0, 0, 0.0, seq, 0))
 
-    def _backup_segment(self, rep: _Replica, rank: int, meta_cap: int, data_cap: int) -> Segment:
-        """The newest backup segment of ``rank``, made (a new epoch) when there is none or it is too small."""
+    def _backup_segment(self, rep: _Replica, rank: int, meta_cap: int, data_cap: int, step: int) -> Segment:
+        """The newest backup segment of ``rank``, made (a new epoch) when there is none or it is too small
+        (room made, if need be, from backups of ranks whose newest backup is older than ``step``: after a
+        restart that moved the ranks, those of ranks no partner serves any more)."""
         paths = backup_paths(self.job_dir).get(rank, [])
         if paths:
             seg = self._segment(paths[-1][1])
@@ -358,7 +360,7 @@ class ReplicaPart(SaverBase):
         epoch = paths[-1][0] + 1 if paths else 0
         path = os.path.join(self.job_dir, f"bak-r{rank:05d}-e{epoch:06d}.shm")
         need = 4096 + 2 * (4096 + meta_cap + data_cap)
-        if need > self._shm_free():
+        if need > self._shm_free() and self._drop_backups(need, keep=rank, older_than=step) < need:
             raise E.SharedMemoryError(f"no room in {self.job_dir} for a backup of rank {rank} ({need} bytes)")
         Segment.create(path, local_rank=BACKUP_BASE + rank, epoch=epoch, nslots=2, meta_cap=meta_cap,
                        data_cap=data_cap)
@@ -371,7 +373,7 @@ class ReplicaPart(SaverBase):
         nbytes = int(hdr["meta_len"]) + int(hdr["tensor_bytes"]) + int(hdr["blob_len"])
         with rep.lock:
             try:
-                seg = self._backup_segment(rep, rank, int(hdr["meta_cap"]), int(hdr["data_cap"]))
+                seg = self._backup_segment(rep, rank, int(hdr["meta_cap"]), int(hdr["data_cap"]), int(hdr["step"]))
             except E.SharedMemoryError as e:
                 seg, error = None, str(e)
             slot = None
@@ -406,6 +408,41 @@ class ReplicaPart(SaverBase):
             nbytes -= k
         recv_msg(conn)  # the trailer
 
+    def _drop_backups(self, need: int, *, keep: int = -1, older_than: int | None = None) -> int:
+        """Removes backup segments until ``need`` bytes of shared memory are free: those whose newest backup
+        is the oldest first, never one being persisted or sent, nor ``keep``'s; with ``older_than``, only
+        those whose newest backup is of an older step. Returns the bytes free. (A node's own snapshots come
+        before second copies of its partners': a backup dropped costs redundancy, not a checkpoint.)"""
+        free = self._shm_free()
+        found = []
+        for rank, paths in backup_paths(self.job_dir).items():
+            if rank == keep:
+                continue
+            for _epoch, path in paths:
+                seg = self._segment(path)
+                done = [seg.header(i) for i in range(seg.nslots) if seg.header(i).state == COMPLETE]
+                newest = max(done, key=lambda h: h.seq, default=None)
+                if older_than is None or newest is None or newest.step < older_than:
+                    found.append((-1 if newest is None else newest.seq, rank, path, seg))
+        for _seq, rank, path, seg in sorted(found, key=lambda f: f[0]):
+            if free >= need:
+                break
+            with SharedLock(lock_path(self.job_dir, seg.local_rank)):
+                if any(h.flags & FLAGS_BUSY or h.state == WRITING for h in (seg.header(i) for i in range(seg.nslots))):
+                    continue  # being persisted, sent or received
+                os.unlink(path)
+                with contextlib.suppress(BufferError):  # a receive that just chose it: it fails, the sender retries
+                    self._segments.pop(path).close()
+            if older_than is not None:  # e.g. a rank that moved to another node at a restart
+                log.info("event=backup_dropped rank=%d path=%s: older than step %d, whose backup needs the room",
+                         rank, path, older_than)
+            else:
+                log.warning("event=backup_dropped rank=%d path=%s: shared memory is short, and this node's own "
+                            "snapshots come first (a loss of rank %d's node now resumes from its other copies or "
+                            "from storage)", rank, path, rank)
+            free = self._shm_free()
+        return free
+
     def _reap_backups(self, rank: int) -> None:
         """Removes a rank's older backup segments once the newest holds a complete backup."""
         paths = backup_paths(self.job_dir).get(rank, [])
@@ -436,6 +473,11 @@ class ReplicaPart(SaverBase):
                 seg, slot, h = live[0]
                 key = (seg.path, slot, h.generation)
                 if rep.sent.get(lr) == key or h.rank is None:
+                    continue
+                if h.rank != rep.ranks.get(lr) or h.flags & FLAG_FETCHED:
+                    # a previous rank's snapshot (ranks moved at a restart) or a copy fetched from a peer: not
+                    # this trainer's; the peers hold them already, and a restore may be reading them right now
+                    rep.sent[lr] = key
                     continue
                 rep.sent[lr] = key
                 self._send_backup(rep, seg, slot, h)

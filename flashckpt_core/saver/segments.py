@@ -14,6 +14,7 @@ from ..ipc import SharedLock
 from ..segment import (
     COMPLETE,
     EMPTY,
+    FLAG_FETCHED,
     FLAG_PINNED,
     FLAG_UNRESERVED,
     FLAGS_BUSY,
@@ -50,6 +51,8 @@ class SegmentsPart(SaverBase):
             free = self._shm_free()
         if need > free:
             free = self._make_room(need)
+        if need > free:  # last, this node's backups of other nodes' snapshots: its own come first
+            free = self._drop_backups(need)
         if need > free:
             raise E.SharedMemoryError(
                 f"local rank {local_rank} needs {need} bytes ({need / 2**30:.2f} GiB) of shared memory for "
@@ -136,7 +139,10 @@ class SegmentsPart(SaverBase):
         if len(paths) < 2:
             return
         newest = self._segment(paths[-1][1])
-        if not newest.complete_steps():
+        # a snapshot of this local rank's trainer, not only a copy fetched after a node loss: until it trains
+        # on, the older segments hold its previous rank's snapshots, which a peer's restore may be fetching
+        if not any(h.state == COMPLETE and not h.flags & FLAG_FETCHED
+                   for h in (newest.header(i) for i in range(newest.nslots))):
             return
         with SharedLock(lock_path(self.job_dir, local_rank)):
             for _epoch, path in paths[:-1]:
