@@ -238,6 +238,7 @@ class ReplicaPart(SaverBase):
                 log.warning("refused a peer connection without this job's secret")
                 return
             conn.settimeout(None)
+            niced = False
             while not self._stop.is_set():
                 try:
                     req = recv_msg(conn)
@@ -245,6 +246,11 @@ class ReplicaPart(SaverBase):
                     return
                 op = req.get("op")
                 if op == "push":
+                    if not niced:  # a partner's backups: received below training, as they are sent (a restore's
+                        # fetch, on a connection of its own, is not)
+                        niced = True
+                        with contextlib.suppress(OSError):
+                            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.knobs.persist_nice)
                     self._receive_backup(rep, conn, req)
                 elif op == "fetch":
                     self._send_held(conn, int(req["rank"]), int(req["step"]))
