@@ -106,12 +106,48 @@ def _no_commit_timeouts(c: Cluster) -> None:
     c.check(not hits, f"no CheckpointTimeoutError in any log: {hits[:5]}")
 
 
+_LOG_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \d+ flashckpt\.saver ")
+
+
+def _log_time(stamp: str) -> float:
+    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _memory_step(c: Cluster, lost: list[int], before: float, *, replicated: bool) -> int:
+    """The step the job must resume at from memory after the nodes ``lost`` are gone, from what the
+    survivors hold before ``before`` (the first resume): replicated state, the newest step a surviving rank
+    saved; sharded state, the newest step every surviving rank saved and of which a surviving node received
+    every lost rank's backup (its saver's ``event=backup_received ... ok=True``). A kill may fall between a
+    snapshot and its backup: then the job rightly resumes from the step before."""
+    saved: dict[int, set[int]] = {}
+    for i in range(len(c.nodes)):
+        if i not in lost:
+            for e in c.events(i, "save"):
+                if e["t"] < before:
+                    saved.setdefault(e["rank"], set()).add(int(e["step"]))
+    c.check(saved, f"the surviving ranks saved snapshots before the loss: {saved}")
+    if replicated:
+        return max(s for steps in saved.values() for s in steps)
+    lost_ranks = {e["rank"] for i in lost for e in c.events(i, "save") if e["t"] < before}
+    got: dict[int, set[int]] = {}
+    with c._lock:
+        logs = [text for (node, _gen, _job), text in c.saver_logs.items() if node not in lost]
+    for ln in "\n".join(logs).splitlines():
+        m = _LOG_TIME.match(ln)
+        b = re.search(r"event=backup_received rank=(\d+) step=(\d+) .*ok=True", ln)
+        if m and b and _log_time(m.group(1)) < before:
+            got.setdefault(int(b.group(1)), set()).add(int(b.group(2)))
+    steps = set.intersection(*saved.values(), *(got.get(r, set()) for r in lost_ranks))
+    c.check(steps, f"a step every rank has in surviving memory: saved {saved}, backups received {got}")
+    return max(steps)
+
+
 def _saver_event_time(c: Cluster, needle: str) -> float:
     """The wall-clock time of the first saver log line (any node's) that contains ``needle``."""
     for ln in c.all_text().splitlines():
-        m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \d+ flashckpt\.saver ", ln)
+        m = _LOG_TIME.match(ln)
         if m and needle in ln:
-            return datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            return _log_time(m.group(1))
     c.fail(f"no saver log line with {needle!r}")
 
 
@@ -195,7 +231,7 @@ def test_node_lost_fresh_node_joins_resumes_from_memory(cluster: Cluster, tmp_pa
     rcs = cluster.wait_exit(timeout=180)
     first_resume = min((e["t"] for e in cluster.all_events("resume", after=t_kill)), default=None)
     cluster.check(first_resume is not None, "the job resumed after the node loss")
-    newest = cluster.newest_step(before=first_resume, replicated=kind == "ddp")  # type: ignore[arg-type]
+    newest = _memory_step(cluster, [1], first_resume, replicated=kind == "ddp")  # type: ignore[arg-type]
     committed = committed_steps(cluster.ckpt_dir)
     resumed = {r: (e.get("source"), e.get("step")) for r, e in sorted(cluster.resumes(t_kill).items())}
     kill_to_step = _first_step_after(cluster, t_kill) - t_kill
@@ -225,9 +261,8 @@ def test_rank0_node_lost_survivor_commits_and_resumes(cluster: Cluster, tmp_path
     cluster.start_node(0)
     first_resume = cluster.wait_for(lambda: min((e["t"] for e in cluster.all_events("resume", after=t_kill)),
                                                 default=None), 120, "the job to resume")
-    # what memory holds after the loss: the newest step both ranks saved (FSDP: node 1 holds rank 0's
-    # backup of it); DDP: node 1's own newest copy (node 0's, one step ahead at most, went with it)
-    newest = cluster.newest_step(before=first_resume) if kind == "fsdp" else cluster.saved_step(1, first_resume)
+    # what memory holds after the loss (FSDP: node 1 holds rank 0's backup; DDP: node 1's own copy)
+    newest = _memory_step(cluster, [0], first_resume, replicated=kind == "ddp")
     cluster.wait_for(lambda: newest in committed_steps(cluster.ckpt_dir), 60,
                      f"step {newest}, the newest snapshot, to be committed by the survivor")
     rcs = cluster.wait_exit(timeout=180)
@@ -250,7 +285,7 @@ def test_rank0_node_lost_survivor_commits_and_resumes(cluster: Cluster, tmp_path
 
 
 # ------------------------------------------------------------------------------------------ 4. four nodes
-def _four_nodes_lose(c: Cluster, lost: list[int]) -> tuple[float, int, list[int | None]]:
+def _four_nodes_lose(c: Cluster, lost: list[int]) -> tuple[float, float, list[int | None]]:
     c.launch(FSDP_TRAIN, 4, ARGS, env=PAIRS, start_timeout=90)
     _wait_before_loss(c, lost, timeout=150)
     t_kill = c.kill_nodes(lost)
@@ -259,13 +294,14 @@ def _four_nodes_lose(c: Cluster, lost: list[int]) -> tuple[float, int, list[int 
     rcs = c.wait_exit(timeout=240)
     first_resume = min((e["t"] for e in c.all_events("resume", after=t_kill)), default=None)
     c.check(first_resume is not None, f"the job resumed after the node loss (exit codes {rcs})")
-    return t_kill, c.newest_step(before=first_resume), rcs  # type: ignore[arg-type]
+    return t_kill, first_resume, rcs  # type: ignore[return-value]  (checked not None above)
 
 
 def test_four_nodes_two_lost_their_partners_hold_them(cluster: Cluster, tmp_path, request) -> None:  # noqa: F811
     """Nodes 1 and 2 lost at once: node 1's partner (3) and node 2's (0) survive: memory, bit exact."""
     want = reference_digest(tmp_path, FSDP_TRAIN, 4, ARGS)
-    t_kill, newest, rcs = _four_nodes_lose(cluster, [1, 2])
+    t_kill, first_resume, rcs = _four_nodes_lose(cluster, [1, 2])
+    newest = _memory_step(cluster, [1, 2], first_resume, replicated=False)
     resumed = {r: (e.get("source"), e.get("step")) for r, e in sorted(cluster.resumes(t_kill).items())}
     _report(request, newest_snapshot=newest, resumed=resumed,
             kill_to_first_step_s=round(_first_step_after(cluster, t_kill) - t_kill, 2),
@@ -280,7 +316,8 @@ def test_four_nodes_whole_pair_lost_falls_back_to_storage(cluster: Cluster, requ
     """Nodes 1 and 3, both of one backup pair, lost: their shards are in no memory; the job resumes from
     the newest committed step with a warning. (Bit exactness against a run resumed from that step is not
     checked: the other scenarios cover the load path.)"""
-    t_kill, newest, rcs = _four_nodes_lose(cluster, [1, 3])
+    t_kill, first_resume, rcs = _four_nodes_lose(cluster, [1, 3])
+    newest = cluster.newest_step(before=first_resume)
     committed = committed_steps(cluster.ckpt_dir)
     older = [s for s in committed if s <= newest]
     resumed = {r: (e.get("source"), e.get("step")) for r, e in sorted(cluster.resumes(t_kill).items())}

@@ -401,7 +401,7 @@ class ReplicaPart(SaverBase):
         if ok:
             self._reap_backups(rank)
         send_msg(conn, {"ok": ok, "error": "" if ok else "the snapshot changed while it was sent"})
-        log.debug("event=backup_received rank=%d step=%d bytes=%d seconds=%.3f ok=%s", rank, int(hdr["step"]),
+        log.info("event=backup_received rank=%d step=%d bytes=%d seconds=%.3f ok=%s", rank, int(hdr["step"]),
                   nbytes, time.perf_counter() - t0, ok)
 
     @staticmethod
