@@ -38,8 +38,8 @@ from . import locations
 from ._protocol import PeerClosed, recv_msg, send_msg
 from .storage import CheckpointStorage
 
-__all__ = ["ReplicaKnobs", "backup_group", "partners", "PeerBook", "NodePlan", "across_nodes", "takes_over_rank0", "connect", "accept", "advertised_host",
-           "Pacer", "send_range", "recv_into"]
+__all__ = ["ReplicaKnobs", "backup_group", "partners", "PeerBook", "NodePlan", "across_nodes", "takes_over_rank0",
+           "connect", "accept", "advertised_host", "Pacer", "send_range", "recv_into"]
 
 
 def _env_float(name: str, default: float) -> float:

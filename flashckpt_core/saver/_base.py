@@ -213,8 +213,9 @@ class SaverBase:
         def _hold_slot(self, job: Persist) -> bool: ...  # lastwords
         def _unhold_slot(self, job: Persist) -> None: ...  # lastwords
         def _recover_missing(self, step: int, missing: list[int]) -> list[int]: ...  # replica
-        def _take_over_commit(self, timeout: float | None, limit: int | None) -> int | None: ...  # replica
-        def _newest_across_nodes(self) -> int | None: ...  # replica
+        def _take_over_commit(self, timeout: float | None, limit: int | None,
+                              peers: list[dict[str, Any]]) -> int | None: ...  # replica
+        def _newest_across_nodes(self) -> tuple[int | None, list[dict[str, Any]]]: ...  # replica
         def _drop_backups(self, need: int, *, keep: int = -1, older_than: int | None = None) -> int: ...
         def _saved_at(self, step: int) -> dict[str, float]: ...  # lastwords
         def _wait_step(self, step: int, timeout: float | None) -> None: ...  # lastwords

@@ -49,9 +49,9 @@ class LastWordsPart(SaverBase):
         """
         with self._cv:  # whether this saver commits: as of the crash (a restarted rank 0 may say hello meanwhile)
             commits = any(i.commit is not None for i in self._persisters.values())
-        limit = self._newest_across_nodes()
+        limit, peers = self._newest_across_nodes()
         step = self._persist_newest(timeout, limit)
-        taken = None if commits else self._take_over_commit(timeout, limit)
+        taken = None if commits else self._take_over_commit(timeout, limit, peers)
         return step if taken is None else taken if step is None else max(step, taken)
 
     def _persist_newest(self, timeout: float | None, limit: int | None) -> int | None:

@@ -133,7 +133,6 @@ class ReplicaPart(SaverBase):
                 # their sorted addresses: a node that joins may come before a survivor): the groups follow.
                 moved_from, rep.node, rep.nnodes = rep.node, node, nnodes
                 rep.ranks.clear()
-                rep.sent.clear()  # the newest snapshots go to the new partners
                 rep.unreachable.clear()
                 for _inst, conn in rep.conns.values():
                     conn.close()
@@ -426,8 +425,8 @@ class ReplicaPart(SaverBase):
                 continue
             for _epoch, path in paths:
                 seg = self._segment(path)
-                done = [seg.header(i) for i in range(seg.nslots) if seg.header(i).state == COMPLETE]
-                newest = max(done, key=lambda h: h.seq, default=None)
+                newest = max((h for h in (seg.header(i) for i in range(seg.nslots)) if h.state == COMPLETE),
+                             key=lambda h: h.seq, default=None)
                 if older_than is None or newest is None or newest.step < older_than:
                     found.append((-1 if newest is None else newest.seq, rank, path, seg))
         for _seq, rank, path, seg in sorted(found, key=lambda f: f[0]):
@@ -587,28 +586,37 @@ class ReplicaPart(SaverBase):
                     if st is not None and rank in st.ranks and st.status != "failed":
                         out.append(rank)
                         continue
-                found = self._find_held(rank, step)
-                if found is None:
+                kind = self._persist_held_copy(rank, step, rank)
+                if kind is None:
                     continue
-                kind, seg, slot, h = found
-                try:
-                    name = str(seg.read_meta(slot, h).get("name", ""))
-                except (E.FlashCheckpointError, ValueError):
-                    continue
-                if not name:
-                    continue
-                job = M.Persist(step=step, rank=rank, local_rank=seg.local_rank, seg_path=seg.path, slot=slot,
-                                generation=h.generation, path=name)
-                if not self._hold_slot(job):
-                    continue
-                try:
-                    self._enqueue(job)
-                except BaseException:
-                    self._unhold_slot(job)
-                    raise
                 log.warning("event=persist_held step=%d rank=%d from=%s", step, rank, kind)
                 out.append(rank)
         return out
+
+    def _persist_held_copy(self, rank: int, step: int, find: int, commit: dict[str, Any] | None = None) -> str | None:
+        """Queues the persist of ``step`` for ``rank`` from the copy held here of ``find``'s snapshot (-1: any
+        rank's), with ``commit`` when given; its kind ("own", "backup"), or None when there is no such copy
+        (or it was overwritten, or names no path). The caller holds ``_last_words_lock``."""
+        found = self._find_held(find, step)
+        if found is None:
+            return None
+        kind, seg, slot, h = found
+        try:
+            name = str(seg.read_meta(slot, h).get("name", ""))
+        except (E.FlashCheckpointError, ValueError):
+            return None
+        if not name:
+            return None
+        job = M.Persist(step=step, rank=rank, local_rank=seg.local_rank, seg_path=seg.path, slot=slot,
+                        generation=h.generation, path=name, commit=commit)
+        if not self._hold_slot(job):
+            return None
+        try:
+            self._enqueue(job)
+        except BaseException:
+            self._unhold_slot(job)
+            raise
+        return kind
 
     def _ask_peers(self, rep: _Replica, msg: dict[str, Any]) -> dict[int, dict[str, Any]]:
         """``msg``'s reply from every other peer in the book that answers within the loss bound."""
@@ -684,17 +692,18 @@ class ReplicaPart(SaverBase):
         return lost
 
     # ------------------------------------------------------------------ last words for a lost rank 0
-    def _newest_across_nodes(self) -> int | None:
+    def _newest_across_nodes(self) -> tuple[int | None, list[dict[str, Any]]]:
         """The newest step of a multi-node job that every rank can get from memory, its own node's or a
-        peer's (``across_nodes`` over every answering saver's inventory); None in a single-node job, and
-        when there is none (a rank lost with its whole backup group, or peers that no longer answer after a
-        normal end: then each node persists its own newest, as a single node does)."""
+        peer's (``across_nodes`` over every answering saver's inventory), and those peers' inventories; None
+        in a single-node job, and when there is none (a rank lost with its whole backup group, or peers that
+        no longer answer after a normal end: then each node persists its own newest, as a single node does)."""
         rep = self._rep
         if rep is None or rep.world_size < 2:
-            return None
+            return None, []
         with self._cv:
             newest_committed = self._committed[-1] if self._committed else -1
-        invs = [*self._ask_peers(rep, {"op": "inventory"}).values(), self._inventory().to_wire()]
+        peers = list(self._ask_peers(rep, {"op": "inventory"}).values())
+        invs = [*peers, self._inventory().to_wire()]
         plan = across_nodes(invs, list(range(rep.world_size)), replicated=rep.replicated,
                             saved_at=self._saved_at(newest_committed), newest_committed=newest_committed)
         if plan.step is None:
@@ -703,16 +712,17 @@ class ReplicaPart(SaverBase):
                             "with their node and its backup group, or their saver has ended): this node persists "
                             "its own newest snapshot, which commits only if their files come", plan.partial,
                             list(plan.missing))
-            return None
-        return plan.step
+            return None, peers
+        return plan.step, peers
 
-    def _take_over_commit(self, timeout: float | None, limit: int | None) -> int | None:
+    def _take_over_commit(self, timeout: float | None, limit: int | None, peers: list[dict[str, Any]]) -> int | None:
         """Last words on a node whose saver does not commit (global rank 0 was elsewhere): when rank 0's own
         saver is gone (its node lost), the survivor that holds rank 0's newest snapshot (sharded state: a
         backup of it; replicated state: its own copy), the lowest-numbered if several do, persists it with the
         commit, so the newest step is committed as well. The commit then has the lost node's other ranks
         written by whoever holds them (``_recover_missing``). Waits for the commit; returns its step, or None
-        when there is nothing to take over (``takes_over_rank0``)."""
+        when there is nothing to take over (``takes_over_rank0``, over ``peers``: the inventories that chose
+        ``limit``; a rank 0 saver alive shows its own snapshot there, whenever its last words start)."""
         rep = self._rep
         with self._cv:
             newest_committed = self._committed[-1] if self._committed else -1
@@ -721,34 +731,18 @@ class ReplicaPart(SaverBase):
         step = limit  # the newest step every rank can get: the one the survivors persist
         if step == newest_committed:
             return None
-        peers = list(self._ask_peers(rep, {"op": "inventory"}).values())
         if not takes_over_rank0(step, self._inventory().to_wire(), peers, node=rep.node, replicated=rep.replicated):
             return None
-        found = self._find_held(-1 if rep.replicated else 0, step)
-        if found is None:
-            return None
-        _kind, seg, slot, h = found
-        try:
-            name = str(seg.read_meta(slot, h).get("name", ""))
-        except (E.FlashCheckpointError, ValueError):
-            return None
-        if not name:
-            return None
-        job = M.Persist(step=step, rank=0, local_rank=seg.local_rank, seg_path=seg.path, slot=slot,
-                        generation=h.generation, path=name, commit=commit_spec(rep.world_size, rep.replicated))
         with self._last_words_lock:  # once, when last words are asked twice (a crash seen here and by the agent)
             with self._cv:
                 st = self._steps.get(step)
                 queued = st is not None and 0 in st.ranks and st.commits_here and st.status != "failed"
             if not queued:
-                if not self._hold_slot(job):
+                kind = self._persist_held_copy(0, step, -1 if rep.replicated else 0,
+                                               commit_spec(rep.world_size, rep.replicated))
+                if kind is None:
                     return None
-                try:
-                    self._enqueue(job)
-                except BaseException:
-                    self._unhold_slot(job)
-                    raise
                 log.warning("event=last_words_for_rank0 step=%d from=%s: global rank 0's saver is gone; this "
-                            "survivor commits the step", step, _kind)
+                            "survivor commits the step", step, kind)
         self._wait_step(step, timeout)
         return step
