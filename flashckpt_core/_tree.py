@@ -466,7 +466,7 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def build_tensor(storage: torch.UntypedStorage, meta: TensorMeta) -> torch.Tensor:
     """A tensor of ``meta``'s dtype, shape and strides over ``storage`` (no copy)."""
-    t = torch.empty(0, dtype=dtype_from_name(meta.dtype))
+    t = torch.empty(0, dtype=dtype_from_name(meta.dtype), device=storage.device)
     t.set_(storage, meta.storage_offset, meta.shape, meta.stride)
     if meta.parameter:
         return torch.nn.Parameter(t, requires_grad=meta.requires_grad)

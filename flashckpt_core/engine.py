@@ -585,9 +585,10 @@ class CheckpointEngine:
                 its manifest when listed).
             into: a state-dict tree of existing tensors (for example ``{"model": model.state_dict()}``;
                 for a ``FileSet``, ``{file name: tree}``). On a load from memory, every snapshot tensor
-                whose key path, dtype and shape match a contiguous CPU tensor of ``into`` is copied
-                straight into it (no new memory; the model's parameters are then already loaded) and that
-                tensor is returned in its place. Loads from an object store fill it the same way (ranged
+                whose key path, dtype and shape match a contiguous tensor of ``into`` (a CPU tensor for a
+                CPU snapshot; a CUDA tensor for any, copied host-to-device straight from shared memory) is
+                copied straight into it (no new memory; the model's parameters are then already loaded) and
+                that tensor is returned in its place. Tensors saved from a GPU come back on that GPU. Loads from an object store fill it the same way (ranged
                 reads straight into its tensors); loads from a file system ignore it.
 
         Returns:

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import _cuda, locations
 from . import errors as E
-from . import locations
 from ._copy import Copier, file_reader
 from ._tree import (
     TensorMeta,
@@ -42,7 +42,7 @@ from ._tree import (
 )
 from .config import Knobs, job_dir
 from .files import FILES_KEY, FileSet, is_fileset_tree
-from .segment import COMPLETE, Segment, SlotHeader, live_snapshots, segment_paths
+from .segment import COMPLETE, PAGE, Segment, SlotHeader, live_snapshots, segment_paths
 
 if TYPE_CHECKING:
     from .engine import CheckpointEngine
@@ -87,8 +87,9 @@ def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None =
     """Copies slot ``slot`` out of shared memory; None when it is not a COMPLETE, untorn snapshot.
 
     With ``into`` (a state-dict tree), a snapshot tensor whose key path, dtype and shape match a
-    contiguous CPU tensor of ``into`` is copied straight into that tensor, which is returned in its
-    place: no new memory, one copy at memcpy speed. Other tensors are copied into new storages."""
+    contiguous tensor of ``into`` (CPU for a CPU snapshot; CUDA for any) is copied straight into that
+    tensor, which is returned in its place: no new memory, one copy at memcpy (or PCIe) speed. Other
+    tensors are copied into new storages, on the GPU they were saved from where this process has it."""
     h = seg.header(slot)
     if h.state != COMPLETE or (step is not None and h.step != step):
         return None
@@ -103,6 +104,8 @@ def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int |
     data = seg.data_off(slot)  # sources are offsets in the segment file until the copy op is chosen
     direct: dict[int, torch.Tensor] = {}
     tasks = []
+    # (CUDA storage, byte offset in it, offset in the segment, bytes): copied host-to-device from the mapping
+    device_tasks: list[tuple[torch.UntypedStorage, int, int, int]] = []
     if into is not None:
         targets = tensors_by_path(into)
         paths = tensor_paths(meta["tree"])
@@ -110,14 +113,19 @@ def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int |
             paths = [(p[1], *p[3:]) for p in paths]  # a FileSet: ``into`` is {file name: tree}
         for i, (m, path) in enumerate(zip(metas, paths)):
             t = targets.get(path)
-            if (t is not None and not t.is_cuda and t.layout == torch.strided and t.is_contiguous()
+            # A CPU tensor takes a CPU snapshot's bytes; a CUDA tensor any snapshot's (host-to-device).
+            if (t is not None and type(t) in _PLAIN and t.layout == torch.strided and t.is_contiguous()
+                    and (t.is_cuda or (t.device.type == "cpu" and m.device == "cpu"))
                     and tuple(t.shape) == m.shape and dtype_name(t.dtype) == m.dtype
-                    and m.stride == contiguous_strides(m.shape) and m.device == "cpu"):
+                    and m.stride == contiguous_strides(m.shape)):
                 n = t.numel() * t.element_size()
                 start = m.storage_offset * t.element_size()
                 if start + n > m.nbytes:
                     continue  # not a view inside its region (cannot happen for a valid snapshot)
-                if n:
+                if n and t.is_cuda:
+                    device_tasks.append((t.untyped_storage(), int(t.storage_offset()) * t.element_size(),
+                                         data + m.offset + start, n))
+                elif n:
                     tasks.append((t.data_ptr(), data + m.offset + start, n))
                 direct[i] = t
     regions: dict[tuple[int, int], torch.UntypedStorage] = {}
@@ -125,9 +133,12 @@ def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int |
         key = (m.offset, m.nbytes)
         if i in direct or key in regions:
             continue
-        st = torch.UntypedStorage(m.nbytes)
+        dev = _device_of(m.device)
+        st = torch.UntypedStorage(m.nbytes, device=dev)
         regions[key] = st
-        if m.nbytes:  # (no MADV_HUGEPAGE: its compaction stalls made such loads 2-3x slower, docs/benchmarks.md)
+        if m.nbytes and dev.type == "cuda":
+            device_tasks.append((st, 0, data + m.offset, m.nbytes))
+        elif m.nbytes:  # (no MADV_HUGEPAGE: its compaction stalls made such loads 2-3x slower, docs/benchmarks.md)
             tasks.append((st.data_ptr(), data + m.offset, m.nbytes))
     # preadv from the file, except on a huge-page tmpfs when every tensor goes into an existing one: then
     # the mapping (one fault per 2 MiB) is as fast as resident memory. Into new memory, preadv stays ahead
@@ -138,6 +149,8 @@ def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int |
         copier.run(tasks)
     else:
         copier.run(tasks, op=file_reader(fd))
+    if device_tasks:
+        _read_to_device(seg, slot, h, device_tasks)
     blob_off = seg.data_off(slot) + h.tensor_bytes
     blob = seg.mm[blob_off: blob_off + h.blob_len]
     h2 = seg.header(slot)
@@ -151,18 +164,41 @@ def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int |
         if i in direct:
             tensors.append(direct[i])
             continue
-        t = build_tensor(regions[(m.offset, m.nbytes)], m)
-        if m.device != "cpu":
-            t = _to_device(t, m.device)
-        tensors.append(t)
+        tensors.append(build_tensor(regions[(m.offset, m.nbytes)], m))
     return Snapshot(h.step, unflatten(meta["tree"], tensors, opaque), meta.get("name", ""), h.tensor_bytes)
 
 
-def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
+def _device_of(device: str) -> torch.device:
+    """Where a snapshot tensor saved on ``device`` is restored: that CUDA device where this process has it
+    (as ``torch.load`` without ``map_location``), else the CPU (a restore on a machine without the GPU)."""
+    if not device.startswith("cuda"):
+        return _CPU
     dev = torch.device(device)
-    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
-        return t
-    return t.to(dev)
+    if not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count():
+        return _CPU
+    return dev
+
+
+_CPU = torch.device("cpu")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a subclass (a DTensor's shape is not its local shard's)
+
+
+def _read_to_device(seg: Segment, slot: int, h: SlotHeader,
+                    tasks: list[tuple[torch.UntypedStorage, int, int, int]]) -> None:
+    """Copies slot ``slot``'s regions host-to-device straight from the mapping, page-locking the slot's data
+    for the copies where ``FLASHCKPT_CUDA_LOAD_PIN`` allows (``_cuda``); returns when they are done."""
+    seg.populate(slot, h.tensor_bytes)
+    start = seg.data_off(slot)
+    pinned = _cuda.load_pinned() and _cuda.register(seg.base + start, _page_up(h.tensor_bytes))
+    try:
+        _cuda.copy_to_device([(st, off, seg.base + src, n) for st, off, src, n in tasks])
+    finally:
+        if pinned:
+            _cuda.unregister(seg.base + start)
+
+
+def _page_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
 
 
 class SnapshotReader:

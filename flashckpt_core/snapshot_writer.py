@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import xxhash
 
-from . import _native
+from . import _cuda, _native
 from . import errors as E
 from ._copy import SMALL_COPY, Copier
 from ._lease import Lease, pid_running, read_holder
@@ -239,7 +239,8 @@ class SharedMemoryHandler(SnapshotReader):
         self._seg: Segment | None = None
         self._plan: SnapshotPlan | None = None
         self._tree_cache: tuple[SnapshotPlan, Any, str] | None = None
-        self._cuda_registered: set[str] = set()
+        # (segment path, slot) -> the registered address (0: the driver refused; copied unpinned)
+        self._cuda_registered: dict[tuple[str, int], int] = {}
         self._stream: Any = None
         self.slot_wait_timeout = slot_wait_timeout
         self._seq = -1  # the highest save sequence number seen; -1 until the live segments were read
@@ -300,6 +301,8 @@ class SharedMemoryHandler(SnapshotReader):
                 self._check_loadable(state_dict, flat.opaque, blob, lengths)
             meta = self._meta_json(step, ckpt_name, flat, plan, lengths)
             seg = self._segment_for(len(meta), plan.tensor_bytes + len(blob))
+            if self._cuda_registered:
+                self._release_stale_registrations(seg)
             slot = self._acquire_slot(seg)
             try:
                 device_done = self._copy_cuda(seg, slot, [(flat.tensors[i], off, n) for i, off, n in plan.device_copies]) \
@@ -444,6 +447,7 @@ class SharedMemoryHandler(SnapshotReader):
                     if h.flags & FLAG_UNRESERVED:
                         if spare_failed:
                             continue
+                        self._drop_registration((seg.path, i))  # it pins the pages the saver gave back
                         try:
                             seg.reserve(i)
                         except OSError as e:
@@ -472,24 +476,29 @@ class SharedMemoryHandler(SnapshotReader):
             struct.pack_into("<I", seg.mm, seg.slot_off(slot), state)
 
     def _copy_cuda(self, seg: Segment, slot: int, items: list[tuple[torch.Tensor, int, int]]) -> Any:
-        """Queues device-to-host copies on a side stream into the (pinned) segment, ordered after the
-        work already queued on the current stream; returns the event that completes them."""
-        if seg.path not in self._cuda_registered and torch.cuda.is_available():
-            # Page-lock the segment once so the copies are true asynchronous DMA.
-            torch.cuda.cudart().cudaHostRegister(seg.base, seg.size, 0)
-            self._cuda_registered.add(seg.path)
+        """Queues device-to-host copies on a side stream into the slot (page-locked at its first use),
+        ordered after the work already queued on the current stream; returns the event that completes
+        them (``_cuda``)."""
+        key = (seg.path, slot)
+        if key not in self._cuda_registered:
+            addr = seg.base + seg.slot_off(slot)
+            self._cuda_registered[key] = addr if _cuda.register(addr, seg.slot_size) else 0
         if self._stream is None:
             self._stream = torch.cuda.Stream()
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for t, off, n in items:
-                dst = torch.frombuffer(seg.mm, dtype=torch.uint8, count=n, offset=seg.data_off(slot) + off)
-                src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-                dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        return done
+        data = seg.base + seg.data_off(slot)
+        return _cuda.copy_to_host(self._stream, [(t, data + off, n) for t, off, n in items])
+
+    def _release_stale_registrations(self, seg: Segment) -> None:
+        """Unregisters the slots of ``seg`` the saver gave back since they were registered: their pages
+        left the file (a later reserve maps new ones), and the registration alone still pins the old."""
+        for key in [k for k in self._cuda_registered if k[0] == seg.path]:
+            if seg.header(key[1]).flags & FLAG_UNRESERVED:
+                self._drop_registration(key)
+
+    def _drop_registration(self, key: tuple[str, int]) -> None:
+        addr = self._cuda_registered.pop(key, 0)
+        if addr:
+            _cuda.unregister(addr)
 
     def mark_pending(self, ref: SlotRef) -> None:
         """Flags ``ref``'s slot as awaiting a persist, so no later snapshot overwrites it first."""
@@ -510,9 +519,8 @@ class SharedMemoryHandler(SnapshotReader):
         return super()._open(path)
 
     def _unregister(self, seg: Segment) -> None:
-        if seg.path in self._cuda_registered:
-            torch.cuda.cudart().cudaHostUnregister(seg.base)
-            self._cuda_registered.discard(seg.path)
+        for key in [k for k in self._cuda_registered if k[0] == seg.path]:
+            self._drop_registration(key)
 
     def close(self) -> None:
         try:
