@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, on a machine with a CUDA GPU: the `gpu` test tier (tests/test_gpu.py) and
+# the CUDA benchmark (benchmarks/bench_gpu.py), logs and reports into $OUT (default bench_out/gpu).
+#
+# It runs under the machine's own Python and torch (a CUDA build: the project's .venv holds the CPU wheel),
+# with flashckpt laid out from the source folders on PYTHONPATH, as installed, so that it needs no package
+# registry. What it needs besides torch: xxhash, numpy, pytest, pytest-timeout; transformers for the
+# Trainer test (skipped without it). Knobs: PYTHON (default python3), GPU_BENCH_SIZES (default 1,4),
+# GPU_TEST_TIMEOUT_S (240), GPU_BENCH_TIMEOUT_S (300).
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+OUT="${OUT:-$ROOT/bench_out/gpu}"
+mkdir -p "$OUT"
+SITE="$(mktemp -d)"
+mkdir -p "$SITE/flashckpt"
+cp -r flashckpt_core/. "$SITE/flashckpt/"
+cp -r integrations "$SITE/flashckpt/integrations"
+cp -r patches "$SITE/flashckpt/patches"
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+{
+  date -Is
+  nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
+  "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
+  nproc; free -g | head -2; df -h /dev/shm /tmp | cat
+} 2>&1 | tee "$OUT/machine.txt"
+# The benchmark keeps up to ~5x the largest state in /dev/shm and pinned memory: a small /dev/shm (containers
+# often give 64 MB) is enlarged where we may (root), else FLASHCKPT_RUNTIME_DIR goes to a tmpfs of our own.
+need_gb=$(( $(echo "${GPU_BENCH_SIZES:-1,4}" | tr ',' '\n' | sort -g | tail -1 | cut -d. -f1) * 4 + 8 ))
+have_gb=$(df -BG --output=size /dev/shm | tail -1 | tr -dc '0-9')
+if [ "${have_gb:-0}" -lt "$need_gb" ]; then
+  mount -o remount,size="${need_gb}G" /dev/shm 2>&1 | tee -a "$OUT/machine.txt" || true
+fi
+rc=0
+timeout "${GPU_TEST_TIMEOUT_S:-240}" "$PY" -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider \
+  -o addopts="-ra --strict-markers" 2>&1 | tee "$OUT/gpu_tests.log"
+rc=${PIPESTATUS[0]}
+timeout "${GPU_BENCH_TIMEOUT_S:-300}" "$PY" -m benchmarks.bench_gpu --sizes "${GPU_BENCH_SIZES:-1,4}" \
+  --out "$OUT" --work "${GPU_BENCH_WORK:-/tmp/bench_gpu_work}" 2>&1 | tee "$OUT/bench_gpu.log"
+brc=${PIPESTATUS[0]}
+rm -rf "$SITE" "${GPU_BENCH_WORK:-/tmp/bench_gpu_work}"
+echo "gpu tests: exit $rc; bench_gpu: exit $brc"
+exit $(( rc != 0 ? rc : brc ))
