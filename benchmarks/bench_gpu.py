@@ -13,8 +13,9 @@ exp_avg/exp_avg_sq, all on ``cuda:0``):
   (allocation and page-locking of the slot), ``save(MEMORY, overlap=True)`` (returns once the copies are
   queued) and its ``wait_snapshot``, ``save(DISK)`` until committed; a restore in a new engine (the saver's
   memory, as after a crash; the segment not page-locked in this process yet) into the model's CUDA tensors,
-  with the slot page-locked for the copy (``FLASHCKPT_CUDA_LOAD_PIN=1``, default) and from pageable memory
-  (``=0``), and ``load()`` into new CUDA tensors;
+  as each ``FLASHCKPT_CUDA_LOAD`` mode copies (``staged``, the default: pinned staging buffers filled by the
+  copy threads; ``register``: the slot page-locked for the restore; ``pageable``), and ``load()`` into new
+  CUDA tensors;
 * ``torch.save`` of the CUDA state (blocking) and ``torch.load(map_location="cuda")`` + copy into the model;
 * DCP: ``dcp.save``; ``dcp.async_save`` with its default stager, and with a reused
   ``DefaultStager(StagingOptions(use_pinned_memory=True, use_async_staging=True, use_non_blocking_copy=True))``
@@ -32,7 +33,6 @@ import os
 import shutil
 import sys
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -68,7 +68,8 @@ def gpu_state(size_gb: float, seed: int, fill: bool = True) -> dict[str, Any]:
         t = torch.empty(shape, device="cuda")
         return t.normal_(0.0, 0.02, generator=g) if fill else t.zero_()
 
-    model: dict[str, torch.Tensor] = OrderedDict((name, new(shape)) for name, shape in gpt_param_shapes(cfg))
+    # a plain dict, as model.state_dict() is not: DCP's pinned stager of torch 2.11 fails on an OrderedDict
+    model: dict[str, torch.Tensor] = {name: new(shape) for name, shape in gpt_param_shapes(cfg)}
     state = {i: {"step": torch.tensor(1000.0), "exp_avg": new(p.shape), "exp_avg_sq": new(p.shape)}
              for i, p in enumerate(model.values())}
     groups = [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "params": list(range(len(model)))}]
@@ -85,6 +86,17 @@ def _sync_time(fn: Callable[[], Any]) -> float:
     fn()
     torch.cuda.synchronize()
     return time.perf_counter() - t0
+
+
+def _by_path(tree: Any, path: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], torch.Tensor]:
+    """Every CUDA tensor of a state-dict tree by its key path."""
+    if isinstance(tree, torch.Tensor):
+        return {path: tree} if tree.is_cuda else {}
+    out: dict[tuple[Any, ...], torch.Tensor] = {}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else []
+    for k, v in items:
+        out.update(_by_path(v, path + (k,)))
+    return out
 
 
 def _flat_u8(t: torch.Tensor) -> torch.Tensor:
@@ -213,12 +225,12 @@ class Flash:
         self.engine.close(release=False)
         self.engine = CheckpointEngine(self.dir, max_to_keep=1)
 
-    def restore_into(self, pin: bool) -> float:
-        os.environ["FLASHCKPT_CUDA_LOAD_PIN"] = "1" if pin else "0"
+    def restore_into(self, mode: str) -> float:
+        os.environ["FLASHCKPT_CUDA_LOAD"] = mode
         try:
             t = _sync_time(lambda: self.engine.load(into=self.c.target))
         finally:
-            del os.environ["FLASHCKPT_CUDA_LOAD_PIN"]
+            del os.environ["FLASHCKPT_CUDA_LOAD"]
         last = self.engine.last_load
         ok = last is not None and last.source == "memory" and all(
             torch.equal(x, y) for x, y in zip(self.c.target_tensors, self.c.tensors, strict=True))
@@ -249,8 +261,9 @@ def torch_load(c: Case) -> dict[str, float]:
     sd = torch.load(path, map_location="cuda", weights_only=True)
     torch.cuda.synchronize()
     t1 = time.perf_counter()
-    for dst, src in zip(c.target_tensors, cuda_tensors(sd), strict=True):
-        dst.copy_(src)
+    loaded = _by_path(sd)
+    for key, dst in _by_path(c.target).items():
+        dst.copy_(loaded[key])
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     del sd
@@ -317,26 +330,30 @@ def training(c: Case, flash: Flash, steps: int) -> dict[str, float]:
         torch._foreach_add_(tensors, 1e-7)
 
     eng = flash.engine
+
+    def step(mode: str) -> None:
+        compute()
+        if mode == "overlap":
+            eng.wait_snapshot()  # the previous step's snapshot, copied while this step computed
+        optimizer()
+        flash.step += 1
+        if mode == "blocking":
+            eng.save(flash.step, c.sd, storage_type=StorageType.MEMORY)
+        elif mode == "overlap":
+            eng.save(flash.step, c.sd, storage_type=StorageType.MEMORY, overlap=True)
+
+    # No synchronization inside the loop (as in training, where the host runs ahead of the GPU): the
+    # steps' mean is the time of the whole run over the steps, after two steps of warm-up.
     for mode in ("none", "blocking", "overlap"):
-        times = []
-        for i in range(steps + 2):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            compute()
-            if mode == "overlap":
-                eng.wait_snapshot()
-            optimizer()
-            flash.step += 1
-            if mode == "blocking":
-                eng.save(flash.step, c.sd, storage_type=StorageType.MEMORY)
-            elif mode == "overlap":
-                eng.save(flash.step, c.sd, storage_type=StorageType.MEMORY, overlap=True)
-            torch.cuda.synchronize()
-            if i >= 2:  # warm-up steps left out
-                times.append(time.perf_counter() - t0)
+        for _ in range(2):
+            step(mode)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step(mode)
         eng.wait_snapshot()
-        for t in times:
-            c.s.add(f"train.{mode}", t)
+        torch.cuda.synchronize()
+        c.s.add(f"train.{mode}", (time.perf_counter() - t0) / steps)
     return {}
 
 
@@ -367,8 +384,9 @@ def run_case(c: Case, rounds: int, steps: int) -> None:
         stager_close()
     flash.open_reader()
     loads: list[tuple[str, Callable[[], Any]]] = [
-        ("flashckpt.restore_pinned", lambda: flash.restore_into(True)),
-        ("flashckpt.restore_pageable", lambda: flash.restore_into(False)),
+        ("flashckpt.restore_staged", lambda: flash.restore_into("staged")),
+        ("flashckpt.restore_register", lambda: flash.restore_into("register")),
+        ("flashckpt.restore_pageable", lambda: flash.restore_into("pageable")),
         ("flashckpt.restore_new", flash.restore_new), ("torch.load", lambda: torch_load(c)), *load_ops]
     for r in range(rounds):
         log(f"{c.size_gb:g} GB: load round {r + 1}/{rounds}")
@@ -411,7 +429,8 @@ def render(cases: list[Case], machine: dict[str, Any]) -> str:
     rows = [
         ["limit: host-to-device, pinned buffer", *[cell(c, "limit.h2d_pinned") for c in cases]],
         ["limit: host-to-device, pageable buffer", *[cell(c, "limit.h2d_pageable") for c in cases]],
-        ["**flashckpt load(into=model), slot page-locked**", *[cell(c, "flashckpt.restore_pinned") for c in cases]],
+        ["**flashckpt load(into=model), staged (default)**", *[cell(c, "flashckpt.restore_staged") for c in cases]],
+        ["flashckpt load(into=model), slot page-locked", *[cell(c, "flashckpt.restore_register") for c in cases]],
         ["flashckpt load(into=model), pageable", *[cell(c, "flashckpt.restore_pageable") for c in cases]],
         ["flashckpt load() into new CUDA tensors", *[cell(c, "flashckpt.restore_new") for c in cases]],
         ["torch.load(map_location=cuda) (page cache)", *[cell(c, "torch.load.load") for c in cases]],

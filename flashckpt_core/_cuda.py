@@ -11,9 +11,16 @@ it again, since its registration still pins the pages that left the file.
 
 A restore copies host-to-device straight from the segment into the model's CUDA tensors (or new ones), on
 the current stream of each device, and waits for them before the slot's generation is checked again (a
-torn snapshot is never returned). ``FLASHCKPT_CUDA_LOAD_PIN`` (default 1) registers the slot's range for
-the duration of the restore; 0 copies from pageable memory (the driver stages it), which
-``benchmarks/bench_gpu.py`` measures against.
+torn snapshot is never returned). How, by ``FLASHCKPT_CUDA_LOAD``:
+
+- ``staged`` (default): through a few pinned staging buffers of 64 MiB, filled by the copy threads (``preadv``
+  from the segment file) while the previous buffer's DMA runs: no page-locking of the slot, whose cost
+  (about 0.1 s per GB, measured on an H100 host) is paid once per slot by a writer but would be paid by
+  every restore;
+- ``register``: the slot's range page-locked for the restore, one DMA straight from it;
+- ``pageable``: plain copies from the mapping (the driver stages them through its own buffers).
+
+``benchmarks/bench_gpu.py`` measures the three against the PCIe limits.
 """
 
 from __future__ import annotations
@@ -21,11 +28,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["register", "unregister", "copy_to_host", "copy_to_device", "load_pinned"]
+__all__ = ["register", "unregister", "copy_to_host", "copy_to_device", "copy_to_device_staged", "load_mode"]
 
 log = logging.getLogger(__name__)
 _warned = False
@@ -72,9 +79,10 @@ def unregister(addr: int) -> None:
         _clear_last_error()
 
 
-def load_pinned() -> bool:
-    """Whether a restore page-locks the slot it reads (``FLASHCKPT_CUDA_LOAD_PIN``, default on)."""
-    return os.environ.get("FLASHCKPT_CUDA_LOAD_PIN", "1").lower() not in ("0", "false", "no", "off")
+def load_mode() -> str:
+    """How a restore copies to the GPU: ``FLASHCKPT_CUDA_LOAD`` (staged, register or pageable)."""
+    mode = os.environ.get("FLASHCKPT_CUDA_LOAD", "staged").strip().lower()
+    return mode if mode in ("staged", "register", "pageable") else "staged"
 
 
 def _bytes_of(t: torch.Tensor, nbytes: int, byte_offset: int = 0) -> torch.Tensor:
@@ -112,3 +120,64 @@ def copy_to_device(items: list[tuple[torch.UntypedStorage, int, int, int]]) -> N
         devices.add(st.device)
     for d in devices:
         torch.cuda.current_stream(d).synchronize()
+
+
+STAGE_BYTES = 64 << 20
+_STAGES = 3
+
+
+def copy_to_device_staged(items: list[tuple[torch.UntypedStorage, int, int, int]],
+                          read: Callable[[list[tuple[int, int, int]]], None]) -> None:
+    """Copies ``(CUDA storage, byte offset in it, source, nbytes)`` host-to-device through pinned staging
+    buffers: ``read([(buffer address, source, nbytes), ...])`` fills a buffer (the copy threads), then its
+    DMA is queued on the current stream of each device it feeds while the next buffer is filled. Returns
+    once every copy is done."""
+    total = sum(n for *_, n in items)
+    size = min(STAGE_BYTES, -(-total // 4096) * 4096)
+    bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(min(_STAGES, -(-total // size)))]
+    pending: list[list[torch.cuda.Event]] = [[] for _ in bufs]
+    chunk: list[tuple[torch.UntypedStorage, int, int, int]] = []
+    filled = 0
+    k = 0
+
+    def flush() -> None:
+        nonlocal chunk, filled, k
+        b = k % len(bufs)
+        for ev in pending[b]:
+            ev.synchronize()  # the buffer's previous DMA is done: it may be refilled
+        buf = bufs[b]
+        base = buf.data_ptr()
+        tasks, pos = [], 0
+        for _st, _off, src, n in chunk:
+            tasks.append((base + pos, src, n))
+            pos += n
+        read(tasks)
+        devices = set()
+        pos = 0
+        for st, off, _src, n in chunk:
+            dst = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, off, (n,), (1,))
+            dst.copy_(buf[pos:pos + n], non_blocking=True)
+            devices.add(st.device)
+            pos += n
+        events = []
+        for d in devices:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(d))
+            events.append(ev)
+        pending[b] = events
+        chunk, filled, k = [], 0, k + 1
+
+    for st, off, src, n in items:
+        pos = 0
+        while pos < n:
+            take = min(n - pos, size - filled)
+            chunk.append((st, off + pos, src + pos, take))
+            filled += take
+            pos += take
+            if filled == size:
+                flush()
+    if chunk:
+        flush()
+    for events in pending:
+        for ev in events:
+            ev.synchronize()

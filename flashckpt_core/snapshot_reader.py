@@ -150,7 +150,7 @@ def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int |
     else:
         copier.run(tasks, op=file_reader(fd))
     if device_tasks:
-        _read_to_device(seg, slot, h, device_tasks)
+        _read_to_device(seg, slot, h, copier, fd, device_tasks)
     blob_off = seg.data_off(slot) + h.tensor_bytes
     blob = seg.mm[blob_off: blob_off + h.blob_len]
     h2 = seg.header(slot)
@@ -183,13 +183,21 @@ _CPU = torch.device("cpu")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a subclass (a DTensor's shape is not its local shard's)
 
 
-def _read_to_device(seg: Segment, slot: int, h: SlotHeader,
+def _read_to_device(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int | None,
                     tasks: list[tuple[torch.UntypedStorage, int, int, int]]) -> None:
-    """Copies slot ``slot``'s regions host-to-device straight from the mapping, page-locking the slot's data
-    for the copies where ``FLASHCKPT_CUDA_LOAD_PIN`` allows (``_cuda``); returns when they are done."""
+    """Copies slot ``slot``'s regions host-to-device as ``FLASHCKPT_CUDA_LOAD`` says (``_cuda``); the sources
+    are offsets in the segment. Returns when the copies are done."""
+    mode = _cuda.load_mode()
+    if mode == "staged":
+        if fd is not None:
+            _cuda.copy_to_device_staged(tasks, lambda t: copier.run(t, op=file_reader(fd)))
+        else:
+            seg.populate(slot, h.tensor_bytes)
+            _cuda.copy_to_device_staged(tasks, lambda t: copier.run([(d, seg.base + s, n) for d, s, n in t]))
+        return
     seg.populate(slot, h.tensor_bytes)
     start = seg.data_off(slot)
-    pinned = _cuda.load_pinned() and _cuda.register(seg.base + start, _page_up(h.tensor_bytes))
+    pinned = mode == "register" and _cuda.register(seg.base + start, _page_up(h.tensor_bytes))
     try:
         _cuda.copy_to_device([(st, off, seg.base + src, n) for st, off, src, n in tasks])
     finally:

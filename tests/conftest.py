@@ -151,8 +151,9 @@ def _deepspeed_lock_hygiene(request):
 def _env_hygiene():
     """Fails a test that leaves environment variables changed (set up first, checked last)."""
     # pytest itself updates PYTEST_CURRENT_TEST around every phase; torch's inductor sets its cache dir
-    # once, on first use (AdamW's compiled paths import it), in every process.
-    ignored = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+    # once, on first use (AdamW's compiled paths import it), in every process; Intel's OpenMP runtime, where
+    # a library brings it (seen with transformers on a GPU machine), sets its KMP_ variables at import.
+    ignored = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
 
     def env():
         return {k: v for k, v in os.environ.items() if k not in ignored}

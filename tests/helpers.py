@@ -118,7 +118,7 @@ def tree_digest(*trees: Any) -> str:
             x = x.local_tensor()
         if isinstance(x, torch.Tensor):
             h.update(str((x.dtype, tuple(x.shape))).encode())
-            h.update(x.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         elif isinstance(x, dict):
             for k in sorted(x, key=str):
                 h.update(str(k).encode())

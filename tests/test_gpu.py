@@ -71,11 +71,13 @@ def test_cuda_tensors_snapshot_and_load_bit_exact(make_engine, ckpt_dir):
     handler = eng._handler  # the writer's record of registered slots; no public accessor for it
     assert handler._cuda_registered and all(handler._cuda_registered.values()), \
         "the slot was not registered as pinned memory"
+    eng.close()
 
 
-@pytest.mark.parametrize("pin", ["1", "0"])
-def test_load_into_cuda_tensors_in_place(make_engine, monkeypatch, pin):
-    monkeypatch.setenv("FLASHCKPT_CUDA_LOAD_PIN", pin)
+@pytest.mark.parametrize("mode", ["staged", "register", "pageable"])
+def test_load_into_cuda_tensors_in_place(make_engine, monkeypatch, mode):
+    monkeypatch.setenv("FLASHCKPT_CUDA_LOAD", mode)
+    monkeypatch.setattr("flashckpt._cuda.STAGE_BYTES", 1 << 20)  # several staging rounds for a 4 MB tensor
     eng = make_engine()
     sd = _cuda_state(1)
     eng.save(1, sd, storage_type=MEMORY)
@@ -93,6 +95,7 @@ def test_load_into_cuda_tensors_in_place(make_engine, monkeypatch, pin):
     target = {"x": torch.zeros(1000, dtype=torch.float64, device="cuda")}
     out = eng.load(into=target)
     assert out["x"] is target["x"] and torch.equal(target["x"].cpu(), torch.arange(1000, dtype=torch.float64))
+    eng.close()
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -108,6 +111,7 @@ def test_snapshot_is_ordered_after_queued_kernels(make_engine, overlap):
     big.add_(1.0)  # after wait_snapshot the snapshot no longer reads the tensor
     got = eng.load_memory(3)
     assert torch.equal(got["big"], torch.full_like(big, 200.0))
+    eng.close()
 
 
 def test_overlapped_training_snapshots_equal_the_state_at_save(make_engine):
@@ -132,6 +136,7 @@ def test_overlapped_training_snapshots_equal_the_state_at_save(make_engine):
     assert tree_digest(eng.load_memory(5)) == expected[5]
     on_disk = torch.load(eng.step_path(3), map_location="cuda", weights_only=True)
     assert tree_digest(on_disk) == expected[3]
+    eng.close()
 
 
 def test_registration_is_per_slot_and_undone_at_close(make_engine):
