@@ -5,6 +5,7 @@ a resume that reads shared memory when the snapshot is there (storage otherwise)
     python examples/megatron_train.py --ckpt /tmp/mg --iters 20 --crash-at 13   # dies after iteration 13
     python examples/megatron_train.py --ckpt /tmp/mg --iters 20                 # resumes at 13, from memory
     torchrun --nproc_per_node 2 examples/megatron_train.py --ckpt /tmp/mg2 --iters 20
+    torchrun --nproc_per_node 2 examples/megatron_train.py --ckpt /tmp/mg3 --iters 20 --distributed-optimizer
 
 (Restarted under ``torchrun``, keep the job's identity so the restart finds the node's snapshots: the same
 ``--rdzv-id``, or ``FLASHCKPT_JOB_ID``; ``flashckpt-run`` keeps it across its own restarts.)
@@ -15,22 +16,36 @@ a resume that reads shared memory when the snapshot is there (storage otherwise)
 the node's saver also persists it as "last words" a moment after the process died.)
 
 Megatron-LM users do not need this file: they import ``save_checkpoint`` / ``load_checkpoint`` from
-``flashckpt.patches.megatron`` (see docs/megatron.md). This example uses megatron-core alone (what is on PyPI);
-the optimizer is a torch ``AdamW`` kept in the common state (megatron-core's own optimizers need CUDA).
+``flashckpt.patches.megatron`` (see docs/megatron.md). This example uses megatron-core alone (what is on PyPI).
+By default the optimizer is a torch ``AdamW`` kept in the common state, the gradients averaged by hand.
+
+``--distributed-optimizer``: megatron-core's own ``DistributedDataParallel`` (gradient buffers, a
+reduce-scatter of the gradients, an all-gather of the parameters) and distributed optimizer
+(``get_megatron_optimizer(OptimizerConfig(optimizer="adam", use_distributed_optimizer=True))``: each rank
+holds its own shard of Adam's state). Its state is saved as Megatron-LM saves it, as sharded state
+(``optimizer.sharded_state_dict(model_sd, metadata={"distrib_optim_sharding_type": "dp_reshardable", ...})``),
+so each rank snapshots its own shard (``__<rank>_*.distcp``). megatron-core builds these on the CUDA device
+and checks for CUDA tensor types; on a CPU the example runs it under ``cuda_calls_on_cpu`` (shims, see
+there), and works around two slips of megatron-core 0.16.1 with torch's own Adam (no TE/apex, the CPU
+case) in ``load_training_state``. Nothing in flashckpt changes for it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import sys
 import time
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,6 +75,142 @@ def build_model():
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=128, max_sequence_length=32)
 
 
+# ------------------------------------------------------------------------------------------ the distributed optimizer
+# What Megatron-LM passes to ``sharded_state_dict`` (core_v0.16.1's ``get_sharded_sd_metadata``, defaults):
+# the distributed optimizer's state as ``dp_reshardable``, each rank's contiguous shard of every bucket
+# saved by that rank. (The other types in 0.16.1: ``fully_sharded_model_space`` is refused by
+# megatron-core itself, "ShardedTensor.flattened_range is not supported"; ``fully_reshardable`` and
+# ``dp_zero_gather_scatter`` gather the state on one rank through ``Tensor.cuda()``.)
+OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+                  "chained_optim_avoid_prefix": True}
+
+
+def _is_cuda(device: Any) -> bool:
+    return device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda")
+
+
+class _CudaCallsOnCpu(TorchFunctionMode):
+    """megatron-core's DDP and distributed optimizer assume CUDA in calls that have no CPU meaning here:
+    scalars made with ``device='cuda'`` (the overflow buffer and unit scale of
+    ``MixedPrecisionOptimizer.__init__``, the norm buffers of ``clip_grads.get_grad_norm_fp32``) and type
+    checks ``param.type() == 'torch.cuda.FloatTensor'`` (``DistributedOptimizer._build_model_and_main_param_groups``,
+    ``clip_grad_by_total_norm_fp32``). Inside this mode a ``device='cuda'`` argument means the CPU and a
+    CPU float tensor's ``type()`` names its CUDA twin. The arithmetic is unchanged."""
+
+    _TYPES = {"torch.FloatTensor", "torch.HalfTensor", "torch.BFloat16Tensor"}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and out in self._TYPES:
+            return out.replace("torch.", "torch.cuda.", 1)
+        return out
+
+
+@contextlib.contextmanager
+def cuda_calls_on_cpu() -> Iterator[None]:
+    """Shims for megatron-core's DDP and distributed optimizer on a CPU (this example only; on a GPU they
+    run as they are): ``torch.cuda.current_device()`` (the device of the parameter and gradient buffers)
+    answers "cpu" and ``torch.cuda.synchronize()`` does nothing, for the process; inside the context,
+    ``_CudaCallsOnCpu``. No effect where CUDA is available."""
+    if torch.cuda.is_available():
+        yield
+        return
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    torch.cuda.synchronize = lambda *a, **k: None
+    with _CudaCallsOnCpu():
+        yield
+
+
+def build_distributed_optimizer(model) -> tuple[Any, Any]:
+    """megatron-core's ``DistributedDataParallel`` around ``model`` and its distributed Adam (AdamW, as the
+    default path; megatron-core's defaults otherwise: weight decay 0.01, gradient clipping at 1.0)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    with cuda_calls_on_cpu():
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                      model)
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True),
+                                     [ddp])
+    return ddp, opt
+
+
+def train_step(model, opt, ddp, it: int, rank: int, world: int) -> torch.Tensor:
+    """One iteration: the default path (torch AdamW, gradients averaged by hand) when ``ddp`` is None,
+    else megatron-core's (gradients reduce-scattered into each rank's shard, parameters all-gathered)."""
+    tokens, pos, mask, labels = batch(it, rank)
+    if ddp is None:
+        loss = model(tokens, pos, mask, labels=labels).mean()
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():  # data parallel: average the gradients
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        opt.step()
+        return loss
+    from megatron.core.distributed import finalize_model_grads
+
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    loss = ddp(tokens, pos, mask, labels=labels).mean()
+    loss.backward()
+    finalize_model_grads([ddp])
+    with cuda_calls_on_cpu():
+        opt.step()
+    return loss
+
+
+def training_state(model, opt, ddp, it: int | None) -> dict[str, Any]:
+    """The sharded state dict to save (``it``) or to load into (None): the model's shards, the optimizer
+    (the default path's ``state_dict()`` as a common value; the distributed optimizer's own shards) and the
+    iteration."""
+    if ddp is None:
+        sd: dict[str, Any] = {"model": model.sharded_state_dict()}
+        if it is not None:
+            sd.update(optimizer=opt.state_dict(), iteration=it)
+        return sd
+    model_sd = model.sharded_state_dict(metadata=OPTIM_METADATA)
+    with cuda_calls_on_cpu():
+        if it is None:
+            # A fresh torch Adam has no state yet, and megatron-core's state_dict() needs its "step"
+            # (HAVE_APEX_OR_TE is False): megatron-core's own helper makes it (a step with zero gradients;
+            # everything it touches is then loaded)
+            for o in opt.chained_optimizers:
+                if not o.optimizer.state:
+                    o._init_optimizer_states_with_dummy_values()
+        optim_sd = opt.sharded_state_dict(model_sd, is_loading=it is None, metadata=OPTIM_METADATA)
+    sd = {"model": model_sd, "optimizer": optim_sd}
+    if it is not None:
+        sd["iteration"] = it
+    return sd
+
+
+def load_training_state(model, opt, ddp, state: dict[str, Any]) -> int:
+    """Puts a loaded ``training_state`` into the model and the optimizer; returns its iteration."""
+    model.load_state_dict(state["model"])
+    if ddp is None:
+        opt.load_state_dict(state["optimizer"])
+        return int(state["iteration"])
+    # no_grad: in fp32, the distributed optimizer's main parameters are views of the model's parameters,
+    # which megatron-core 0.16.1 copies into (_set_main_param_and_optimizer_states) with autograd on
+    with torch.no_grad(), cuda_calls_on_cpu():
+        opt.load_state_dict(state["optimizer"])
+    # With torch's Adam (no TE/apex: a "step" tensor per parameter), megatron-core 0.16.1 saves the step in
+    # the param groups, then (DistributedOptimizer.load_state_dict) gives every parameter's state one
+    # shared "step" tensor, which the dp_reshardable load overwrites with the step the optimizer had
+    # before the load: each parameter's step becomes the saved one, a tensor of its own, as torch keeps it
+    for o in opt.chained_optimizers:
+        for group in o.optimizer.param_groups:
+            for p in group["params"]:
+                if isinstance(o.optimizer.state.get(p, {}).get("step"), torch.Tensor) and "step" in group:
+                    o.optimizer.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+    return int(state["iteration"])
+
+
 def batch(iteration: int, rank: int, seq: int = 32):
     g = torch.Generator().manual_seed(1000 * iteration + rank)
     tokens = torch.randint(0, 128, (4, seq + 1), generator=g)
@@ -87,6 +238,8 @@ def main() -> None:
     ap.add_argument("--metrics", default="", help="append JSON lines of events (resume, save, first_step, end)")
     ap.add_argument("--metrics_all_ranks", action="store_true", help="every rank appends to --metrics")
     ap.add_argument("--step_sleep", type=float, default=0.0, help="sleep this many seconds after every iteration")
+    ap.add_argument("--distributed-optimizer", "--distributed_optimizer", action="store_true",
+                    help="megatron-core's DistributedDataParallel and distributed optimizer (each rank saves its shard)")
     opts = ap.parse_args()
     warnings.filterwarnings("ignore")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -104,16 +257,20 @@ def main() -> None:
 
     parallel_state.initialize_model_parallel(1, 1)  # data parallel over all ranks
     model = build_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ddp: Any = None
+    if opts.distributed_optimizer:
+        ddp, opt = build_distributed_optimizer(model)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ckpt = MegatronCheckpointer(opts.ckpt)
 
     t0 = time.perf_counter()
-    state = load({"model": model.sharded_state_dict()}, checkpointer=ckpt)
+    state = None
+    if ddp is None or ckpt.locate().step is not None:  # (the distributed optimizer's load makes its state first)
+        state = load(training_state(model, opt, ddp, None), checkpointer=ckpt)
     start = 1
     if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        start = state["iteration"] + 1
+        start = load_training_state(model, opt, ddp, state) + 1
     info = ckpt.last_load
     emit(event="resume", step=start - 1 if state is not None else None,
          source=info.source if info is not None and state is not None else "none", seconds=time.perf_counter() - t0)
@@ -125,20 +282,12 @@ def main() -> None:
 
     pauses: dict[StorageType, list[float]] = {StorageType.MEMORY: [], StorageType.DISK: []}
     for it in range(start, opts.iters + 1):
-        tokens, pos, mask, labels = batch(it, rank)
-        loss = model(tokens, pos, mask, labels=labels).mean()
-        opt.zero_grad()
-        loss.backward()
-        for p in model.parameters():  # data parallel: average the gradients
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad /= world
-        opt.step()
+        loss = train_step(model, opt, ddp, it, rank, world)
 
         kind = StorageType.DISK if it % opts.save_interval == 0 else StorageType.MEMORY
         t = time.perf_counter()
-        save({"model": model.sharded_state_dict(), "optimizer": opt.state_dict(), "iteration": it},
-             iteration_dir(opts.ckpt, it), checkpointer=ckpt, step=it, storage_type=kind, tracker=True)
+        save(training_state(model, opt, ddp, it), iteration_dir(opts.ckpt, it), checkpointer=ckpt, step=it,
+             storage_type=kind, tracker=True)
         pauses[kind].append(time.perf_counter() - t)
         emit(event="save", step=it, storage=kind.value, seconds=pauses[kind][-1])
         if rank == 0:
