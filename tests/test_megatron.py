@@ -10,6 +10,13 @@
 - kill -9 after a memory-only iteration: the saver's last words commit it and only then move the tracker.
 - Bad input is refused before anything is written.
 - ``torch_save_parts`` (the legacy ``model_optim_rng.pt`` path) against ``torch.save``.
+- megatron-core's distributed optimizer (``examples/megatron_train.py --distributed-optimizer``: its
+  ``DistributedDataParallel`` and ``get_megatron_optimizer(use_distributed_optimizer=True)``, 2 ranks), its
+  sharded state (``dp_reshardable``: each rank saves its own shard of Adam's state) through ``save``: the
+  whole job killed with SIGKILL after a memory-only iteration; restarted ranks load it from memory with
+  each rank's optimizer shard and the weights bit for bit, and train on to the weights of an uninterrupted
+  run; vanilla ``dist_checkpointing.load`` of the persisted iteration (and of the last words' one) gives
+  the same.
 - Megatron-LM itself (not on PyPI, not installed): ``save_checkpoint``/``load_checkpoint`` raise a clear
   ImportError here; around a stand-in of Megatron-LM's checkpointing module (its legacy-format I/O calls,
   see ``_STANDIN``) they route the files, write the tracker at commit only and load from memory. With
@@ -20,7 +27,11 @@
 Shims (tests only): megatron-core calls CUDA-only functions on its save path that a CPU cannot answer
 (``torch.cuda.synchronize`` in ``preload_tensors`` and ``torch.cuda.current_device`` in its DCP
 finalize, used by the vanilla saves compared against here); ``_shim_cuda`` makes them CPU no-ops in the
-rank processes. flashckpt's own save and load paths call neither.
+rank processes. flashckpt's own save and load paths call neither. The distributed optimizer's tests run
+megatron-core's DDP and optimizer under the example's ``cuda_calls_on_cpu``: they allocate their buffers
+on ``torch.cuda.current_device()``, make scalars with ``device='cuda'`` and check
+``param.type() == 'torch.cuda.FloatTensor'``, CUDA calls with no CPU meaning here; the shims map them to
+the CPU and leave the arithmetic and the collectives (gloo's reduce-scatter and all-gather) as they are.
 """
 
 from __future__ import annotations
@@ -300,6 +311,152 @@ def test_one_rank_kill9_last_words_then_restart_from_memory(tmp_path):
     loaded = run_ranks(restart_worker, 1, str(tmp_path / "restart"), args={"root": root}, env=ENV)
     assert "digest_vanilla20" in loaded[0]
     _check_loaded(saved, loaded)
+
+
+# ------------------------------------------------------------------------------------------ distributed optimizer
+DISTOPT_ITERS = 16  # iteration 10 persisted, 13 the newest snapshot when the job is killed
+
+
+def _example():
+    """examples/megatron_train.py as a module: the model, megatron-core's DDP + distributed optimizer, the
+    training step and the state it saves, exactly as the example trains."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    return importlib.import_module("megatron_train")
+
+
+def _distopt(mt):
+    model = mt.build_model()
+    ddp, opt = mt.build_distributed_optimizer(model)
+    return model, ddp, opt
+
+
+def _optim_digest(opt) -> str:
+    """This rank's shard of the distributed optimizer: its main parameters and Adam's state, in order."""
+    h = hashlib.sha256()
+    for o in opt.chained_optimizers:
+        for group in o.optimizer.param_groups:
+            for p in group["params"]:
+                for k, v in [("param", p), *sorted(o.optimizer.state[p].items())]:  # (Adam's step: 0-dim)
+                    h.update(k.encode() + v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _train_to(mt, model, ddp, opt, start: int, end: int) -> None:
+    import torch.distributed as dist
+
+    for it in range(start, end + 1):
+        mt.train_step(model, opt, ddp, it, dist.get_rank(), dist.get_world_size())
+
+
+def distopt_crash_worker(root: str, ready: str) -> None:
+    """Trains with the distributed optimizer: a memory snapshot every iteration, iteration 10 persisted;
+    reports (``<ready>.<rank>``) after iteration 13 and waits to be killed."""
+    import threading
+
+    import torch.distributed as dist
+    from flashckpt.patches.megatron.dist_ckpt import MegatronCheckpointer, StorageType, iteration_dir, save
+
+    _setup()
+    mt = _example()
+    model, ddp, opt = _distopt(mt)
+    ck = MegatronCheckpointer(root)
+    out: dict = {}
+    for it in range(1, 14):
+        _train_to(mt, model, ddp, opt, it, it)
+        save(mt.training_state(model, opt, ddp, it), iteration_dir(root, it), checkpointer=ck, step=it,
+             storage_type=StorageType.DISK if it == 10 else StorageType.MEMORY, tracker=True)
+        if it == 10:
+            ck.wait(60)
+            out["tracker10"] = _tracker(root)
+    out["digest13"] = mt.digest(model)
+    out["optim13"] = _optim_digest(opt)
+    ready = f"{ready}.{dist.get_rank()}"
+    with open(ready + ".tmp", "w") as f:
+        json.dump(out, f)
+    os.rename(ready + ".tmp", ready)
+    threading.Event().wait(120)
+
+
+def distopt_resume_worker(root: str) -> dict:
+    """Fresh ranks: load from memory (iteration 13) and train on; vanilla megatron-core loads of the
+    persisted iterations; an uninterrupted run of the same training."""
+    from flashckpt.patches.megatron.dist_ckpt import MegatronCheckpointer, iteration_dir, load
+    from megatron.core import dist_checkpointing
+
+    _setup()
+    mt = _example()
+    out: dict = {}
+    ck = MegatronCheckpointer(root)
+    try:
+        model, ddp, opt = _distopt(mt)
+        state = load(mt.training_state(model, opt, ddp, None), checkpointer=ck)
+        out["source"] = [ck.last_load.source, ck.last_load.step]
+        start = mt.load_training_state(model, opt, ddp, state) + 1
+        out["loaded"] = [start - 1, mt.digest(model), _optim_digest(opt)]
+        _train_to(mt, model, ddp, opt, start, DISTOPT_ITERS)
+        out["resumed"] = mt.digest(model)
+    finally:
+        ck.close(release=True)
+    for it in (13, 10):  # vanilla megatron-core, from the files (13: the last words' commit)
+        model, ddp, opt = _distopt(mt)
+        sd = dist_checkpointing.load(mt.training_state(model, opt, ddp, None), iteration_dir(root, it))
+        assert mt.load_training_state(model, opt, ddp, sd) == it
+        out[f"vanilla{it}"] = [mt.digest(model), _optim_digest(opt)]
+        if it == 10:
+            _train_to(mt, model, ddp, opt, 11, DISTOPT_ITERS)
+            out["vanilla10_trained"] = mt.digest(model)
+    model, ddp, opt = _distopt(mt)
+    _train_to(mt, model, ddp, opt, 1, DISTOPT_ITERS)
+    out["uninterrupted"] = mt.digest(model)
+    return out
+
+
+def test_distributed_optimizer_job_killed_resumes_from_memory_bit_exact(tmp_path):
+    """megatron-core's distributed optimizer, 2 ranks: the whole job killed (SIGKILL) after the memory-only
+    iteration 13; restarted, each rank gets its own optimizer shard back from memory, and the run ends with
+    the weights of an uninterrupted one; vanilla loads of the persisted iterations agree."""
+    root = str(tmp_path / "ckpt")
+    ready = str(tmp_path / "ready")
+    group = launch_ranks(distopt_crash_worker, 2, str(tmp_path / "crash"), args={"root": root, "ready": ready},
+                         env=KEEP_ENV)
+    try:
+        group.wait_until(lambda: all(os.path.exists(f"{ready}.{r}") for r in range(2)), 240,
+                         "both ranks to save iteration 13")
+    finally:
+        group.kill()
+    assert [p.returncode for p in group.procs] == [-signal.SIGKILL] * 2
+    saved = []
+    for r in range(2):
+        with open(f"{ready}.{r}") as f:
+            saved.append(json.load(f))
+    # each rank holds (and snapshots) its own part of Adam's state: rank 0 the first half of the buffer
+    assert saved[0]["optim13"] != saved[1]["optim13"]
+    assert saved[0]["digest13"] == saved[1]["digest13"] and saved[0]["tracker10"] == "10"
+    files = os.listdir(os.path.join(root, "iter_0000010"))
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "common.pt", "metadata.json"} <= set(files)
+    import pickle
+
+    with open(os.path.join(root, "iter_0000010", ".metadata"), "rb") as f:
+        meta = pickle.load(f)
+    # the optimizer's state in megatron-core's dp_reshardable layout, each rank's shard in its own files
+    writers = {info.relative_path.split("_")[2] for index, info in meta.storage_data.items()
+               if index.fqn.startswith("optimizer.distributed.") and index.fqn.endswith(".exp_avg_sq")}
+    assert writers == {"0", "1"}, sorted(meta.state_dict_metadata)
+    wait_for(lambda: _tracker(root) == "13", 60, "the last-words commit of iteration 13 to move the tracker")
+
+    loaded = run_ranks(distopt_resume_worker, 2, str(tmp_path / "resume"), args={"root": root}, env=ENV,
+                       timeout=300)
+    want = loaded[0]["uninterrupted"]
+    for s, r in zip(saved, loaded):
+        assert r["source"] == ["memory", 13]
+        assert r["loaded"] == [13, s["digest13"], s["optim13"]], "the memory load gives this rank's shard back"
+        assert r["vanilla13"] == [s["digest13"], s["optim13"]]
+        assert r["uninterrupted"] == want
+        assert r["resumed"] == want, "the resumed run ends with the weights of an uninterrupted one"
+        assert r["vanilla10_trained"] == want
 
 
 # ------------------------------------------------------------------------------------------ in process
