@@ -12,7 +12,8 @@ weights of an uninterrupted one.
    (the rendezvous store outside the nodes): node 1's last words commit the newest snapshot (rank 0's shard
    from its backup), the fresh node comes first in the new ranks' order, and the job resumes from memory;
    the node-loss scenario with DeepSpeed ZeRO-2 (its optimizer partitions: sharded state) and megatron-core
-   (torch_dist checkpoints through flashckpt.patches.megatron) too;
+   (torch_dist checkpoints through flashckpt.patches.megatron) too, also with megatron-core's distributed
+   optimizer (each rank snapshots its shard of Adam's state; CPU shims in the example, see there);
 4. four nodes (``-k four_nodes``), backup pairs {0,2} {1,3}: two nodes of different pairs lost at once
    resume from memory; both nodes of one pair lost fall back to the newest committed step.
 
@@ -40,7 +41,8 @@ from _nodes import (  # noqa: F401
     reference_digest,
 )
 
-SCRIPTS = {"ddp": DDP_TRAIN, "fsdp": FSDP_TRAIN, "deepspeed": DS_TRAIN, "megatron": MEGATRON_TRAIN}
+SCRIPTS = {"ddp": DDP_TRAIN, "fsdp": FSDP_TRAIN, "deepspeed": DS_TRAIN, "megatron": MEGATRON_TRAIN,
+           "megatron-distopt": MEGATRON_TRAIN}
 STEPS = 30
 PERSIST_EVERY = 10
 KILL_AT = 15  # between two persists: memory holds a newer step than storage
@@ -52,7 +54,9 @@ DS_ARGS = ["--steps", str(STEPS), "--dim", "64", "--zero", "2", "--save_storage_
            "--step_sleep", "0.15"]
 # megatron-core (examples/megatron_train.py): torch_dist checkpoints, each rank snapshots its part
 MEGATRON_ARGS = ["--steps", str(STEPS), "--save_storage_interval", str(PERSIST_EVERY), "--step_sleep", "0.15"]
-ADAPTER_ARGS = {"deepspeed": DS_ARGS, "megatron": MEGATRON_ARGS}
+# ... with megatron-core's DistributedDataParallel and distributed optimizer (its dp_reshardable shards)
+ADAPTER_ARGS = {"deepspeed": DS_ARGS, "megatron": MEGATRON_ARGS,
+                "megatron-distopt": [*MEGATRON_ARGS, "--distributed-optimizer"]}
 # Backup groups of the 4-node scenarios: pairs, nodes i and i + N/2 (the defaults, spelled out).
 PAIRS = {"FLASHCKPT_REPLICA_GROUP_SIZE": "2", "FLASHCKPT_REPLICA_STRIDE": "2"}
 
@@ -217,9 +221,9 @@ def test_sigterm_to_an_agent_commits_the_newest_snapshot(cluster: Cluster, reque
 
 
 # ------------------------------------------------------------------------------------------ 3. a node lost
-@pytest.mark.parametrize("kind", ["fsdp", "ddp", "deepspeed", "megatron"])
+@pytest.mark.parametrize("kind", ["fsdp", "ddp", "deepspeed", "megatron", "megatron-distopt"])
 def test_node_lost_fresh_node_joins_resumes_from_memory(cluster: Cluster, tmp_path, request, kind) -> None:  # noqa: F811
-    module = {"deepspeed": "deepspeed", "megatron": "megatron.core"}.get(kind)
+    module = {"deepspeed": "deepspeed", "megatron": "megatron.core", "megatron-distopt": "megatron.core"}.get(kind)
     if module and importlib.util.find_spec(module.split(".")[0]) is None:  # not imported here: it sets env vars
         pytest.skip(f"{module} is not installed")
     args = ADAPTER_ARGS.get(kind, ARGS)
