@@ -26,8 +26,9 @@ holds its own shard of Adam's state). Its state is saved as Megatron-LM saves it
 (``optimizer.sharded_state_dict(model_sd, metadata={"distrib_optim_sharding_type": "dp_reshardable", ...})``),
 so each rank snapshots its own shard (``__<rank>_*.distcp``). megatron-core builds these on the CUDA device
 and checks for CUDA tensor types; on a CPU the example runs it under ``cuda_calls_on_cpu`` (shims, see
-there), and works around two slips of megatron-core 0.16.1 with torch's own Adam (no TE/apex, the CPU
-case) in ``load_training_state``. Nothing in flashckpt changes for it.
+there), and works around three slips of megatron-core 0.16.1 with torch's own Adam (no TE/apex, the CPU
+case) in ``training_state`` and ``load_training_state`` (docs/megatron.md, "The distributed optimizer").
+Nothing in flashckpt changes for it.
 """
 
 from __future__ import annotations
