@@ -85,9 +85,9 @@ def load_mode() -> str:
     return mode if mode in ("staged", "register", "pageable") else "staged"
 
 
-def _bytes_of(t: torch.Tensor, nbytes: int, byte_offset: int = 0) -> torch.Tensor:
-    """A flat uint8 tensor over ``nbytes`` of ``t``'s storage from ``byte_offset`` (any dtype, any device)."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), byte_offset, (nbytes,), (1,))
+def _bytes_of(st: torch.UntypedStorage, byte_offset: int, nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor over ``nbytes`` of storage ``st`` from ``byte_offset`` (any device)."""
+    return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, byte_offset, (nbytes,), (1,))
 
 
 def _host(addr: int, nbytes: int) -> torch.Tensor:
@@ -103,7 +103,7 @@ def copy_to_host(stream: torch.cuda.Stream, items: Iterable[tuple[torch.Tensor, 
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for t, addr, n in items:
-            _host(addr, n).copy_(_bytes_of(t, n), non_blocking=True)
+            _host(addr, n).copy_(_bytes_of(t.untyped_storage(), 0, n), non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)
     return done
@@ -115,8 +115,7 @@ def copy_to_device(items: list[tuple[torch.UntypedStorage, int, int, int]]) -> N
     after that)."""
     devices = set()
     for st, start, addr, n in items:
-        dst = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, start, (n,), (1,))
-        dst.copy_(_host(addr, n), non_blocking=True)
+        _bytes_of(st, start, n).copy_(_host(addr, n), non_blocking=True)
         devices.add(st.device)
     for d in devices:
         torch.cuda.current_stream(d).synchronize()
@@ -133,7 +132,7 @@ def copy_to_device_staged(items: list[tuple[torch.UntypedStorage, int, int, int]
     DMA is queued on the current stream of each device it feeds while the next buffer is filled. Returns
     once every copy is done."""
     total = sum(n for *_, n in items)
-    size = min(STAGE_BYTES, -(-total // 4096) * 4096)
+    size = min(STAGE_BYTES, total)
     bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(min(_STAGES, -(-total // size)))]
     pending: list[list[torch.cuda.Event]] = [[] for _ in bufs]
     chunk: list[tuple[torch.UntypedStorage, int, int, int]] = []
@@ -155,8 +154,7 @@ def copy_to_device_staged(items: list[tuple[torch.UntypedStorage, int, int, int]
         devices = set()
         pos = 0
         for st, off, _src, n in chunk:
-            dst = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, off, (n,), (1,))
-            dst.copy_(buf[pos:pos + n], non_blocking=True)
+            _bytes_of(st, off, n).copy_(buf[pos:pos + n], non_blocking=True)
             devices.add(st.device)
             pos += n
         events = []

@@ -588,8 +588,9 @@ class CheckpointEngine:
                 whose key path, dtype and shape match a contiguous tensor of ``into`` (a CPU tensor for a
                 CPU snapshot; a CUDA tensor for any, copied host-to-device straight from shared memory) is
                 copied straight into it (no new memory; the model's parameters are then already loaded) and
-                that tensor is returned in its place. Tensors saved from a GPU come back on that GPU. Loads from an object store fill it the same way (ranged
-                reads straight into its tensors); loads from a file system ignore it.
+                that tensor is returned in its place. Tensors saved from a GPU come back on that GPU. Loads
+                from an object store fill it the same way (ranged reads straight into its tensors); loads
+                from a file system ignore it.
 
         Returns:
             The state dict (a ``FileSet`` for sets), or ``{}`` when there is no checkpoint. ``last_load``

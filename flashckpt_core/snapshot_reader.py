@@ -42,12 +42,15 @@ from ._tree import (
 )
 from .config import Knobs, job_dir
 from .files import FILES_KEY, FileSet, is_fileset_tree
-from .segment import COMPLETE, PAGE, Segment, SlotHeader, live_snapshots, segment_paths
+from .segment import COMPLETE, Segment, SlotHeader, _page, live_snapshots, segment_paths
 
 if TYPE_CHECKING:
     from .engine import CheckpointEngine
 
 __all__ = ["SnapshotReader", "SnapshotInfo", "Snapshot", "read_snapshot", "job_in_memory"]
+
+_CPU = torch.device("cpu")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a subclass (a DTensor's shape is not its local shard's)
 
 
 @dataclass
@@ -179,10 +182,6 @@ def _device_of(device: str) -> torch.device:
     return dev
 
 
-_CPU = torch.device("cpu")
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a subclass (a DTensor's shape is not its local shard's)
-
-
 def _read_to_device(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int | None,
                     tasks: list[tuple[torch.UntypedStorage, int, int, int]]) -> None:
     """Copies slot ``slot``'s regions host-to-device as ``FLASHCKPT_CUDA_LOAD`` says (``_cuda``); the sources
@@ -197,16 +196,12 @@ def _read_to_device(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: 
         return
     seg.populate(slot, h.tensor_bytes)
     start = seg.data_off(slot)
-    pinned = mode == "register" and _cuda.register(seg.base + start, _page_up(h.tensor_bytes))
+    pinned = mode == "register" and _cuda.register(seg.base + start, _page(h.tensor_bytes))
     try:
         _cuda.copy_to_device([(st, off, seg.base + src, n) for st, off, src, n in tasks])
     finally:
         if pinned:
             _cuda.unregister(seg.base + start)
-
-
-def _page_up(n: int) -> int:
-    return -(-n // PAGE) * PAGE
 
 
 class SnapshotReader:
