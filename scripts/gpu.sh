@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# The GPU checks in one command, on a machine with a CUDA GPU: the `gpu` test tier (tests/test_gpu.py) and
-# the CUDA benchmark (benchmarks/bench_gpu.py), logs and reports into $OUT (default bench_out/gpu).
+# The checks for a lent GPU machine in one command: the `gpu` test tier (tests/test_gpu.py), the CUDA
+# benchmark (benchmarks/bench_gpu.py) and, on request, the replica's step-time runs of
+# benchmarks/bench_nodes.py (simulated nodes: root and unshare; a host with spare cores, which this VM is
+# not). Logs and reports go into $OUT (default bench_out/gpu).
 #
 # It runs under the machine's own Python and torch (a CUDA build: the project's .venv holds the CPU wheel),
 # with flashckpt laid out from the source folders on PYTHONPATH, as installed, so that it needs no package
 # registry. What it needs besides torch: xxhash, numpy, pytest, pytest-timeout; transformers for the
-# Trainer test (skipped without it). Knobs: PYTHON (default python3), GPU_BENCH_SIZES (default 1,4),
-# GPU_TEST_TIMEOUT_S (240), GPU_BENCH_TIMEOUT_S (300).
+# Trainer test (skipped without it). Knobs: PYTHON (default python3), GPU_PARTS (which parts, in this
+# order: default "tests,bench"; add "nodes" for the step-time runs), GPU_BENCH_SIZES (default 1,4),
+# GPU_TEST_TIMEOUT_S (240), GPU_BENCH_TIMEOUT_S (300), NODES_ARGS (bench_nodes flags, default
+# "--only steady,loopback --steady-steps 16"), NODES_ROUNDS (2: the step-time rows run that many times,
+# interleaved), NODES_TIMEOUT_S (420, all rounds).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 OUT="${OUT:-$ROOT/bench_out/gpu}"
+PARTS=",${GPU_PARTS:-tests,bench},"
 mkdir -p "$OUT"
 SITE="$(mktemp -d)"
 mkdir -p "$SITE/flashckpt"
@@ -22,8 +28,8 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBU
 {
   date -Is
   nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
-  "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
-  nproc; free -g | head -2; df -h /dev/shm /tmp | cat
+  "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")'
+  nproc; free -g | head -2; df -h /dev/shm /tmp | cat; uptime
 } 2>&1 | tee "$OUT/machine.txt"
 # The benchmark keeps up to ~5x the largest state in /dev/shm and pinned memory: a small /dev/shm (containers
 # often give 64 MB) is enlarged where we may (root), else FLASHCKPT_RUNTIME_DIR goes to a tmpfs of our own.
@@ -32,13 +38,32 @@ have_gb=$(df -BG --output=size /dev/shm | tail -1 | tr -dc '0-9')
 if [ "${have_gb:-0}" -lt "$need_gb" ]; then
   mount -o remount,size="${need_gb}G" /dev/shm 2>&1 | tee -a "$OUT/machine.txt" || true
 fi
-rc=0
-timeout "${GPU_TEST_TIMEOUT_S:-240}" "$PY" -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider \
-  -o addopts="-ra --strict-markers" 2>&1 | tee "$OUT/gpu_tests.log"
-rc=${PIPESTATUS[0]}
-timeout "${GPU_BENCH_TIMEOUT_S:-300}" "$PY" -m benchmarks.bench_gpu --sizes "${GPU_BENCH_SIZES:-1,4}" \
-  --out "$OUT" --work "${GPU_BENCH_WORK:-/tmp/bench_gpu_work}" 2>&1 | tee "$OUT/bench_gpu.log"
-brc=${PIPESTATUS[0]}
+status=""
+worst=0
+note() { status="$status $1: exit $2;"; [ "$2" -ne 0 ] && [ "$worst" -eq 0 ] && worst=$2; }
+if [[ "$PARTS" == *,nodes,* ]]; then
+  # Each round runs the bench's step-time rows (replica capped, uncapped, off) one after another, so a drift
+  # of the machine shows up as a difference between the rounds rather than between the rows.
+  deadline=$(( $(date +%s) + ${NODES_TIMEOUT_S:-420} ))
+  for r in $(seq 1 "${NODES_ROUNDS:-2}"); do
+    left=$(( deadline - $(date +%s) ))
+    [ "$left" -gt 30 ] || { echo "bench_nodes: no time left for round $r"; break; }
+    # shellcheck disable=SC2086
+    timeout "$left" "$PY" -m benchmarks.bench_nodes ${NODES_ARGS:---only steady,loopback --steady-steps 16} \
+      --out "$OUT/nodes-round$r.md" 2>&1 | tee "$OUT/bench_nodes-round$r.log"
+    note "bench_nodes round $r" "${PIPESTATUS[0]}"
+  done
+fi
+if [[ "$PARTS" == *,tests,* ]]; then
+  timeout "${GPU_TEST_TIMEOUT_S:-240}" "$PY" -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider \
+    -o addopts="-ra --strict-markers" 2>&1 | tee "$OUT/gpu_tests.log"
+  note "gpu tests" "${PIPESTATUS[0]}"
+fi
+if [[ "$PARTS" == *,bench,* ]]; then
+  timeout "${GPU_BENCH_TIMEOUT_S:-300}" "$PY" -m benchmarks.bench_gpu --sizes "${GPU_BENCH_SIZES:-1,4}" \
+    --out "$OUT" --work "${GPU_BENCH_WORK:-/tmp/bench_gpu_work}" 2>&1 | tee "$OUT/bench_gpu.log"
+  note "bench_gpu" "${PIPESTATUS[0]}"
+fi
 rm -rf "$SITE" "${GPU_BENCH_WORK:-/tmp/bench_gpu_work}"
-echo "gpu tests: exit $rc; bench_gpu: exit $brc"
-exit $(( rc != 0 ? rc : brc ))
+echo "gpu.sh:$status"
+exit "$worst"
