@@ -30,7 +30,9 @@ every step, a persist to storage every ``--storage-interval`` steps, ``--step-sl
 3. **Step time**: the same 2-node training without a kill, ``--steady-steps`` steps, replica at the default
    cap, uncapped, and off: the median time between two consecutive snapshots of rank 0 (a step, its
    snapshot and the step sleep; the first two steps are left out) and the median snapshot pause (the
-   example's ``save`` event: ``get_state_dict`` + ``save_checkpoint``).
+   example's ``save`` event: ``get_state_dict`` + ``save_checkpoint``). ``--rounds N`` runs the three N
+   times, each round in a rotated order, and adds each setting's spread and the replica's cost against
+   "off" of the same round (paired: a drift of the machine over the rounds cancels).
 
 The rendezvous keep-alive is 1 s x 3 (``--rdzv-conf``; torch's default, 5 s x 3, adds its own seconds to
 every node-loss restart). Machine facts and the load average are printed first: another job on the same
@@ -324,6 +326,28 @@ def _rate(pairs: list[tuple[int, float]]) -> tuple[str, str, str, str]:
             f"{agg:.2f} GB/s")
 
 
+def steady_summary(steady: list[tuple[str, str, int, dict[str, str]]], res: dict[str, dict[str, Any]],
+                   rounds: int) -> list[str]:
+    """Over the rounds: each setting's steps, and the replica's cost as paired differences (the same round)."""
+    def step(name: str, r: int) -> float | None:
+        return res.get(f"{name} #{r + 1}", {}).get("step")
+
+    off = steady[-1][0]
+    out = ["Over the rounds (each a rotated order of the three runs):", ""]
+    for name, *_ in steady:
+        steps = [x for r in range(rounds) if (x := step(name, r)) is not None]
+        if steps:
+            out.append(f"- {name}: median {_s(statistics.median(steps))} of {len(steps)} runs "
+                       f"({_s(min(steps))} - {_s(max(steps))})")
+    for name, *_ in steady[:-1]:
+        diffs = [(a / b - 1) * 100 for r in range(rounds)
+                 if (a := step(name, r)) is not None and (b := step(off, r)) is not None]
+        if diffs:
+            out.append(f"- {name} against off in the same round: median {statistics.median(diffs):+.1f} % "
+                       f"({', '.join(f'{d:+.1f} %' for d in diffs)})")
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--state-gb", type=float, default=1.0, help="model + AdamW state of the whole job, GB")
@@ -333,6 +357,8 @@ def main() -> int:
     p.add_argument("--kill-delay", type=float, default=1.0, help="seconds from that save to the kill")
     p.add_argument("--storage-interval", type=int, default=10, help="persist to storage every N steps")
     p.add_argument("--steady-steps", type=int, default=8, help="training steps of a step-time run")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds of the step-time runs, each in a rotated order (the order's drift cancels)")
     p.add_argument("--step-sleep", type=float, default=0.3, help="the example's --step_sleep")
     p.add_argument("--loopback-gb", type=float, default=1.0, help="bytes each loopback transfer moves")
     p.add_argument("--rdzv-conf", default=FAST_RDZV)
@@ -358,9 +384,13 @@ def main() -> int:
     for n in nodes:
         runs += [(f"{n} nodes replica", "loss", n, {}),
                  (f"{n} nodes storage only", "loss", n, {"FLASHCKPT_REPLICA": "off"})]
-    runs += [("steady replica (cap 1000 MB/s)", "steady", 2, {}),
-             ("steady replica uncapped", "steady", 2, {"FLASHCKPT_REPLICA_MBPS": "0"}),
-             ("steady replica off", "steady", 2, {"FLASHCKPT_REPLICA": "off"})]
+    steady: list[tuple[str, str, int, dict[str, str]]] = [
+        ("steady replica (cap 1000 MB/s)", "steady", 2, {}),
+        ("steady replica uncapped", "steady", 2, {"FLASHCKPT_REPLICA_MBPS": "0"}),
+        ("steady replica off", "steady", 2, {"FLASHCKPT_REPLICA": "off"})]
+    for k in range(args.rounds):
+        order = steady[k % len(steady):] + steady[:k % len(steady)]
+        runs += [(f"{name} #{k + 1}" if args.rounds > 1 else name, kind, n, env) for name, kind, n, env in order]
     only = [o.strip() for o in args.only.split(",") if o.strip()]
     if only:
         runs = [r for r in runs if any(o in r[0] for o in only)]
@@ -379,7 +409,10 @@ def main() -> int:
                              else run_steady(args, work, name, flags, state, env))
             except (RuntimeError, OSError) as e:
                 res[name] = {"error": str(e)[:500]}
-            log(f"{name}: {time.perf_counter() - t0:.0f} s{'; ' + res[name]['error'] if 'error' in res[name] else ''}")
+            r = res[name]
+            got = (f"; step {_s(r['step'])}, snapshot pause {r['pause'] * 1e3:.0f} ms" if r.get("step") is not None
+                   else f"; resumed {r['resumed']}, kill -> resumed {_s(r['up'])}" if "up" in r else "")
+            log(f"{name}: {time.perf_counter() - t0:.0f} s{got}{'; ' + r['error'] if 'error' in r else ''}")
     finally:
         if args.keep:
             log(f"work dir kept: {work}")
@@ -484,6 +517,8 @@ def main() -> int:
                   "", markdown_table(("run", "step (median)", "snapshot pause (median)", "job attempts"), st_rows),
                   "", "A step: from one snapshot of rank 0 to its next (compute, snapshot, step sleep); steps 1-2 "
                   "left out. \"job attempts\" > 1: the job's first attempt failed and the agents restarted it.", ""]
+        if args.rounds > 1:
+            lines += [*steady_summary(steady, res, args.rounds), ""]
     if notes:
         lines += ["Notes:", *[f"- {n}" for n in notes], ""]
     text = "\n".join(lines)

@@ -10,8 +10,7 @@
 # Trainer test (skipped without it). Knobs: PYTHON (default python3), GPU_PARTS (which parts, in this
 # order: default "tests,bench"; add "nodes" for the step-time runs), GPU_BENCH_SIZES (default 1,4),
 # GPU_TEST_TIMEOUT_S (240), GPU_BENCH_TIMEOUT_S (300), NODES_ARGS (bench_nodes flags, default
-# "--only steady,loopback --steady-steps 16"), NODES_ROUNDS (2: the step-time rows run that many times,
-# interleaved), NODES_TIMEOUT_S (420, all rounds).
+# "--only steady,loopback --steady-steps 16"), NODES_ROUNDS (2: bench_nodes --rounds), NODES_TIMEOUT_S (420).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -42,17 +41,13 @@ status=""
 worst=0
 note() { status="$status $1: exit $2;"; [ "$2" -ne 0 ] && [ "$worst" -eq 0 ] && worst=$2; }
 if [[ "$PARTS" == *,nodes,* ]]; then
-  # Each round runs the bench's step-time rows (replica capped, uncapped, off) one after another, so a drift
-  # of the machine shows up as a difference between the rounds rather than between the rows.
-  deadline=$(( $(date +%s) + ${NODES_TIMEOUT_S:-420} ))
-  for r in $(seq 1 "${NODES_ROUNDS:-2}"); do
-    left=$(( deadline - $(date +%s) ))
-    [ "$left" -gt 30 ] || { echo "bench_nodes: no time left for round $r"; break; }
-    # shellcheck disable=SC2086
-    timeout "$left" "$PY" -m benchmarks.bench_nodes ${NODES_ARGS:---only steady,loopback --steady-steps 16} \
-      --out "$OUT/nodes-round$r.md" 2>&1 | tee "$OUT/bench_nodes-round$r.log"
-    note "bench_nodes round $r" "${PIPESTATUS[0]}"
-  done
+  # The step-time rows (replica capped, uncapped, off) NODES_ROUNDS times, each round in a rotated order; the
+  # log has every run's step as it ends, so a timeout keeps the runs done.
+  # shellcheck disable=SC2086
+  timeout "${NODES_TIMEOUT_S:-420}" "$PY" -m benchmarks.bench_nodes \
+    ${NODES_ARGS:---only steady,loopback --steady-steps 16} --rounds "${NODES_ROUNDS:-2}" \
+    --out "$OUT/nodes.md" 2>&1 | tee "$OUT/bench_nodes.log"
+  note "bench_nodes" "${PIPESTATUS[0]}"
 fi
 if [[ "$PARTS" == *,tests,* ]]; then
   timeout "${GPU_TEST_TIMEOUT_S:-240}" "$PY" -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider \
