@@ -127,7 +127,13 @@ _recorded = False
 def make_modules_dir() -> str:
     """A private directory for the workers' module records (``record_modules``), named by this agent's pid.
     A launcher that is SIGKILLed cannot remove its own: the directories of agents that are gone are
-    removed here first (only this user's)."""
+    removed here first (``sweep_modules_dirs``)."""
+    sweep_modules_dirs()
+    return tempfile.mkdtemp(prefix=f"flashckpt-warm-{os.getpid()}-")
+
+
+def sweep_modules_dirs() -> None:
+    """Removes this user's module-record directories of agents that are no longer running."""
     base = tempfile.gettempdir()
     for name in os.listdir(base):
         pid = name.split("-")[2] if name.startswith("flashckpt-warm-") and name.count("-") >= 3 else ""
@@ -138,7 +144,6 @@ def make_modules_dir() -> str:
             continue
         if pid.isdigit() and ours and not pid_running(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"flashckpt-warm-{os.getpid()}-")
 
 
 def modules_file(directory: str, local_rank: int | str) -> str:

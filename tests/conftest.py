@@ -255,6 +255,14 @@ def make_engine(runtime_dir, ckpt_dir):
         pytest.fail(f"{len(left_open)} CheckpointEngine(s) left open by the test")
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Tests that SIGKILL a launcher leave its module-record directory in the temp dir (the next launcher
+    would remove it): removed here, as that launcher would (only those of agents no longer running)."""
+    from flashckpt.warm import sweep_modules_dirs
+
+    sweep_modules_dirs()
+
+
 def pytest_addoption(parser):
     """``--soak N``: run N seeded iterations of the random kill-point test (tests/test_killpoints.py)."""
     parser.addoption("--soak", type=int, default=0, metavar="N",
