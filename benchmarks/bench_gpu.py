@@ -40,6 +40,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from flashckpt._tree import tensors_by_path  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     GB,
@@ -53,6 +54,7 @@ from benchmarks._common import (  # noqa: E402
     machine_info,
     markdown_table,
     print_report,
+    rotated,
     write_json,
 )
 
@@ -88,19 +90,28 @@ def _sync_time(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _by_path(tree: Any, path: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], torch.Tensor]:
-    """Every CUDA tensor of a state-dict tree by its key path."""
-    if isinstance(tree, torch.Tensor):
-        return {path: tree} if tree.is_cuda else {}
-    out: dict[tuple[Any, ...], torch.Tensor] = {}
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else []
-    for k, v in items:
-        out.update(_by_path(v, path + (k,)))
-    return out
+def _started_and_done(start: Callable[[], Any], finish: Callable[[], Any]) -> tuple[float, float]:
+    """Seconds, from an idle GPU, until ``start()`` returned and until ``finish()`` (called next) returned."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    start()
+    t1 = time.perf_counter()
+    finish()
+    return t1 - t0, time.perf_counter() - t0
 
 
 def _flat_u8(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
+
+
+def _packed(tensors: list[torch.Tensor], buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each tensor's bytes paired with its slice of ``buf``, the tensors laid out one after another."""
+    pairs, off = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        pairs.append((_flat_u8(t), buf[off:off + n]))
+        off += n
+    return pairs
 
 
 class Case:
@@ -142,20 +153,14 @@ def limits(c: Case, rounds: int) -> None:
 
     def d2h(dst: torch.Tensor) -> float:
         def run() -> None:
-            off = 0
-            for t in c.tensors:
-                n = t.numel() * t.element_size()
-                dst[off:off + n].copy_(_flat_u8(t), non_blocking=True)
-                off += n
+            for dev, host in _packed(c.tensors, dst):
+                host.copy_(dev, non_blocking=True)
         return _sync_time(run)
 
     def h2d(src: torch.Tensor) -> float:
         def run() -> None:
-            off = 0
-            for t in c.target_tensors:
-                n = t.numel() * t.element_size()
-                _flat_u8(t).copy_(src[off:off + n], non_blocking=True)
-                off += n
+            for dev, host in _packed(c.target_tensors, src):
+                dev.copy_(host, non_blocking=True)
         return _sync_time(run)
 
     def register() -> dict[str, float]:
@@ -202,20 +207,12 @@ class Flash:
         return _sync_time(self.save)
 
     def overlapped(self) -> dict[str, float]:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        self.save(overlap=True)
-        t1 = time.perf_counter()
-        self.engine.wait_snapshot()
-        return {"returns": t1 - t0, "complete": time.perf_counter() - t0}
+        returns, complete = _started_and_done(lambda: self.save(overlap=True), self.engine.wait_snapshot)
+        return {"returns": returns, "complete": complete}
 
     def persist(self) -> dict[str, float]:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        self.save(disk=True)
-        t1 = time.perf_counter()
-        self.engine.wait()
-        return {"blocking": t1 - t0, "committed": time.perf_counter() - t0}
+        blocking, committed = _started_and_done(lambda: self.save(disk=True), self.engine.wait)
+        return {"blocking": blocking, "committed": committed}
 
     def open_reader(self) -> None:
         """Closes the writer (its page-locked slots go) and opens a new engine on the saver's memory."""
@@ -261,9 +258,10 @@ def torch_load(c: Case) -> dict[str, float]:
     sd = torch.load(path, map_location="cuda", weights_only=True)
     torch.cuda.synchronize()
     t1 = time.perf_counter()
-    loaded = _by_path(sd)
-    for key, dst in _by_path(c.target).items():
-        dst.copy_(loaded[key])
+    loaded = tensors_by_path(sd)
+    for key, dst in tensors_by_path(c.target).items():
+        if dst.is_cuda:
+            dst.copy_(loaded[key])
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     del sd
@@ -376,7 +374,7 @@ def run_case(c: Case, rounds: int, steps: int) -> None:
         load_ops = []
     for r in range(rounds):
         log(f"{c.size_gb:g} GB: save round {r + 1}/{rounds}")
-        for key, fn in ops[r % len(ops):] + ops[:r % len(ops)]:
+        for key, fn in rotated(ops, r):
             c.record(key, fn)
     log(f"{c.size_gb:g} GB: training steps")
     c.record("train", lambda: training(c, flash, steps))
@@ -390,7 +388,7 @@ def run_case(c: Case, rounds: int, steps: int) -> None:
         ("flashckpt.restore_new", flash.restore_new), ("torch.load", lambda: torch_load(c)), *load_ops]
     for r in range(rounds):
         log(f"{c.size_gb:g} GB: load round {r + 1}/{rounds}")
-        for key, fn in loads[r % len(loads):] + loads[:r % len(loads)]:
+        for key, fn in rotated(loads, r):
             c.record(key, fn)
     flash.close()
 

@@ -56,7 +56,7 @@ import threading
 import time
 from typing import Any
 
-from benchmarks._common import GB, fmt_bytes, logger, machine_info, markdown_table, print_report
+from benchmarks._common import GB, fmt_bytes, logger, machine_info, markdown_table, print_report, rotated
 from benchmarks._simnodes import REPO, SimCluster, namespace_support
 
 FSDP_TRAIN = os.path.join(REPO, "examples", "fsdp_train.py")
@@ -389,8 +389,8 @@ def main() -> int:
         ("steady replica uncapped", "steady", 2, {"FLASHCKPT_REPLICA_MBPS": "0"}),
         ("steady replica off", "steady", 2, {"FLASHCKPT_REPLICA": "off"})]
     for k in range(args.rounds):
-        order = steady[k % len(steady):] + steady[:k % len(steady)]
-        runs += [(f"{name} #{k + 1}" if args.rounds > 1 else name, kind, n, env) for name, kind, n, env in order]
+        runs += [(f"{name} #{k + 1}" if args.rounds > 1 else name, kind, n, env)
+                 for name, kind, n, env in rotated(steady, k)]
     only = [o.strip() for o in args.only.split(",") if o.strip()]
     if only:
         runs = [r for r in runs if any(o in r[0] for o in only)]
