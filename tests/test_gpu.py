@@ -52,6 +52,11 @@ def _cuda_state(seed: int) -> dict:
             "cpu_side": torch.arange(10), "step": seed}
 
 
+def _child_env(**extra: str) -> dict:
+    """The environment of a child Python process that imports flashckpt and the tests' helpers."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS_DIR, os.environ.get("PYTHONPATH", "")]), **extra)
+
+
 def _to_cpu(sd: dict) -> dict:
     return {"model": {k: v.cpu() for k, v in sd["model"].items()}, "cpu_side": sd["cpu_side"], "step": sd["step"]}
 
@@ -179,8 +184,7 @@ _TRAINER = textwrap.dedent("""
 
 def test_kill9_then_a_new_process_resumes_from_memory_into_its_cuda_model(tmp_path, runtime_dir):
     ckpt = str(tmp_path / "ckpt")
-    env = dict(os.environ, FLASHCKPT_JOB_ID="gpu-kill9", FLASHCKPT_LAST_WORDS="0",
-               PYTHONPATH=os.pathsep.join([REPO, TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+    env = _child_env(FLASHCKPT_JOB_ID="gpu-kill9", FLASHCKPT_LAST_WORDS="0")
     p = subprocess.run([sys.executable, "-c", _TRAINER, ckpt, "crash"], env=env, capture_output=True, text=True,
                        stdin=subprocess.DEVNULL, timeout=180)
     assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
@@ -265,8 +269,7 @@ def test_hf_trainer_on_gpu_kill9_resumes_from_memory(tmp_path, monkeypatch):
     ref.train()
     assert next(ref.model.parameters()).is_cuda
     ref_w = hf.weights(ref.model)
-    env = dict(os.environ, FLASHCKPT_LAST_WORDS="0", FLASHCKPT_JOB_ID="gpu-hf",
-               PYTHONPATH=os.pathsep.join([REPO, TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+    env = _child_env(FLASHCKPT_LAST_WORDS="0", FLASHCKPT_JOB_ID="gpu-hf")
     half = hf.N_STEPS // 2
     p = subprocess.run([sys.executable, os.path.join(TESTS_DIR, "test_gpu.py"), "hf-crash", out, str(half)],
                        env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=300)
