@@ -295,6 +295,10 @@ _TIER_OF_FILE = {
     "test_gpu.py": "gpu",
     # simulated nodes (mount namespaces with a private /dev/shm each), node loss (tests/_nodes.py)
     "test_multinode.py": "multiproc",
+    # issue #30, never silently wrong: values and views, rank identity, process events, dirs that move,
+    # the README's promises, starts and leftovers (generated state dicts in test_roundtrip_property.py)
+    **dict.fromkeys(("test_fidelity.py", "test_roundtrip_property.py", "test_identity.py", "test_process_events.py",
+                     "test_dir_moves.py", "test_promises.py", "test_starts_and_leftovers.py"), "multiproc"),
 }
 
 
