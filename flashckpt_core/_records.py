@@ -40,22 +40,30 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from . import errors as E
 from ._lease import held
 from .config import _DIR_FLAGS
+from .manifest import Manifest
 
-__all__ = ["META", "Placement", "place", "records_dir", "locked_parent", "bind", "read_binding", "live_jobs_at",
-           "discard", "renamed_to", "follow_or_discard", "sweep", "usable_top"]
+__all__ = ["META", "Placement", "place", "home", "records_dir", "locked_parent", "bind", "rebind", "read_binding",
+           "bound_dir", "committed_at", "committed_in", "whole_steps", "describes", "moved", "bring", "live_jobs_at", "discard",
+           "renamed_to", "retire", "settle", "sweep", "usable_top"]
 
 log = logging.getLogger(__name__)
 
 META = ".flashckpt"
 DIR_JSON = "dir.json"
+MANIFEST = "manifest.json"
 RECORDS_FORMAT = "flashckpt-records/1"
 LOCK_NAME = ".lock"
 _ASIDE = ".flashckpt-stale-"  # records moved aside, being removed
 _NEW = ".flashckpt-new-"  # records being created
+_RETIRED = ".flashckpt-retired-"  # records of a dir whose name a new dir took (it may live on elsewhere)
+_OURS = (_ASIDE, _NEW, _RETIRED)
+LEFTOVERS = (_ASIDE, _NEW)
+RETIRED = _RETIRED
 _EFFECTIVE = os.access in os.supports_effective_ids
 
 _logged: set[tuple[str, str]] = set()
@@ -101,17 +109,37 @@ def usable_top(top: str) -> bool:
 
 
 def place(root: str) -> Placement:
-    """Where the records of checkpoint dir ``root`` live (see the module docstring). Reads only."""
-    root = os.path.abspath(root)
-    parent, name = os.path.split(root)
-    inside = os.path.join(root, META)
+    """Where the records of checkpoint dir ``root`` live (see the module docstring). Symbolic links in
+    ``root`` are resolved first, so a dir reached through a link and through its real path has one
+    place. Records that exist for the dir under another name (``moved``) are used when it has none of its
+    own. Reads only."""
+    given = os.path.abspath(root)
+    real = os.path.realpath(given)
+    p = _rule(real, given)
+    if p.beside and _lstat(p.path) is None:
+        found = moved(real, given)
+        if found is not None:
+            return Placement(found[0], True, found[1])
+    return p
+
+
+def home(root: str) -> str:
+    """Where the records of ``root`` live when beside it: ``<parent>/.flashckpt/<name>`` of its real path."""
+    parent, name = os.path.split(os.path.realpath(os.path.abspath(root)))
+    return os.path.join(parent, META, name)
+
+
+def _rule(real: str, given: str) -> Placement:
+    """``place``'s rule for the dir whose real path is ``real`` (``given``: as the caller names it)."""
+    parent, name = os.path.split(real)
+    inside = os.path.join(given, META)
 
     def at_inside(why: str) -> Placement:
         return Placement(inside, False, why)
 
     if not name:
         return at_inside("the checkpoint dir is /")
-    if name in (META, LOCK_NAME) or name.startswith((_ASIDE, _NEW)):
+    if name in (META, LOCK_NAME) or name.startswith(_OURS):
         return at_inside(f"its name {name!r} is one flashckpt uses for its own entries beside checkpoint dirs")
     top = os.path.join(parent, META)
     beside = os.path.join(top, name)
@@ -127,7 +155,7 @@ def place(root: str) -> Placement:
             return at_inside(f"{beside} is not a directory")
     if _lstat(inside) is not None:
         return at_inside(f"{inside} exists (records of an older flashckpt, or kept inside before)")
-    if _other_fs(root, parent):
+    if _other_fs(real, parent):
         return at_inside(f"it is a mount point or on another file system than {parent} (a commit moves files "
                          "between the records and the checkpoint dir by rename)")
     writable = top if top_st is not None else parent
@@ -235,16 +263,7 @@ def _open_dir_at(dir_fd: int, name: str) -> int | None:
 
 
 def _read_binding_at(dir_fd: int) -> int | None:
-    try:
-        fd = os.open(DIR_JSON, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        d = json.loads(os.read(fd, 1 << 16))
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
+    d = _read_json_at(dir_fd, DIR_JSON)
     ok = isinstance(d, dict) and d.get("format") == RECORDS_FORMAT and isinstance(d.get("ino"), int)
     return int(d["ino"]) if ok else None
 
@@ -277,13 +296,15 @@ def _write_binding(dir_fd: int, root: str, ino: int) -> None:
 def bind(top_fd: int, name: str, root: str) -> bool:
     """Binds the records ``name`` in ``top_fd`` to the checkpoint dir ``root`` (its inode in
     ``dir.json``), creating them when missing: made complete under a temporary name, then renamed into
-    place. Returns True when it created them. The caller holds the parent lock."""
+    place. Records bound to another inode are bound to ``root`` again (the caller found that ``root``
+    holds their committed steps: a copy or a move with its records). Returns True when it created them.
+    The caller holds the parent lock."""
     ino = os.stat(root).st_ino
     fd = _open_dir_at(top_fd, name)
     if fd is not None:
         try:
-            if _read_binding_at(fd) is None:
-                _write_binding(fd, root, ino)
+            if _read_binding_at(fd) != ino:
+                _write_binding(fd, os.path.realpath(root), ino)
         finally:
             os.close(fd)
         return False
@@ -291,12 +312,194 @@ def bind(top_fd: int, name: str, root: str) -> bool:
     os.mkdir(tmp, 0o755, dir_fd=top_fd)
     fd = os.open(tmp, _DIR_FLAGS, dir_fd=top_fd)
     try:
-        _write_binding(fd, root, ino)
+        _write_binding(fd, os.path.realpath(root), ino)
     finally:
         os.close(fd)
     os.rename(tmp, name, src_dir_fd=top_fd, dst_dir_fd=top_fd)
     os.fsync(top_fd)
     return True
+
+
+def rebind(records: str, root: str) -> None:
+    """Binds the records dir ``records`` to ``root`` as it is now (its inode). The caller holds the parent
+    lock."""
+    fd = os.open(records, _DIR_FLAGS)
+    try:
+        _write_binding(fd, os.path.realpath(root), os.stat(root).st_ino)
+    finally:
+        os.close(fd)
+
+
+def bound_dir(records: str) -> str:
+    """The checkpoint dir that ``records``/dir.json names (its path when the records were bound); ""."""
+    top, name = os.path.split(records)
+    try:
+        fd = os.open(top, _DIR_FLAGS)
+    except OSError:
+        return ""
+    try:
+        return _dir_of(fd, name)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------ records under another name
+def _read_json_at(dir_fd: int, name: str) -> Any:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        return json.loads(os.read(fd, 1 << 16))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def committed_at(records_fd: int) -> dict[int, Manifest]:
+    """Step -> the sound manifest of each committed step in the records open at ``records_fd`` (never
+    following a symbolic link). Reads only."""
+    steps = _open_dir_at(records_fd, "steps")
+    if steps is None:
+        return {}
+    out = {}
+    try:
+        for n in os.listdir(steps):
+            d = _open_dir_at(steps, n) if n.isdigit() else None
+            if d is None:
+                continue
+            try:
+                fd = os.open(MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
+            except OSError:
+                continue
+            finally:
+                os.close(d)
+            try:
+                out[int(n)] = Manifest.from_json(_read_all(fd))
+            except (OSError, ValueError, E.CheckpointCorruptError):
+                continue
+            finally:
+                os.close(fd)
+    finally:
+        os.close(steps)
+    return out
+
+
+def committed_in(records: str) -> dict[int, Manifest]:
+    """``committed_at`` of the records dir ``records`` (not followed when it is a symbolic link)."""
+    try:
+        fd = os.open(records, _DIR_FLAGS)
+    except OSError:
+        return {}
+    try:
+        return committed_at(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def whole_steps(manifests: dict[int, Manifest], root: str) -> list[int]:
+    """The steps of ``manifests`` whose every file is in ``root`` with the size it was committed with
+    (symbolic links in ``root`` are followed: these are reads). Reads only."""
+    out = []
+    for s, m in manifests.items():
+        files = m.all_files()
+        try:
+            if files and all(os.stat(os.path.join(root, f.path)).st_size == f.size for f in files):
+                out.append(s)
+        except OSError:
+            continue
+    return sorted(out)
+
+
+def describes(records_fd: int, root: str) -> bool:
+    """Whether the records open at ``records_fd`` may be those of ``root``: they have no committed step,
+    or ``root`` holds every file of one of them (so a dir that merely got a reused inode number is not
+    taken for theirs)."""
+    manifests = committed_at(records_fd)
+    return not manifests or bool(whole_steps(manifests, root))
+
+
+def _bound_here(top: str, name: str, ino: int, root: str) -> bool:
+    """Whether ``top``/``name`` are records bound to inode ``ino`` that may be those of ``root``."""
+    try:
+        top_fd = os.open(top, _DIR_FLAGS)
+    except OSError:
+        return False
+    try:
+        fd = _open_dir_at(top_fd, name)
+    finally:
+        os.close(top_fd)
+    if fd is None:
+        return False
+    try:
+        return _read_binding_at(fd) == ino and describes(fd, root)
+    finally:
+        os.close(fd)
+
+
+def moved(real: str, given: str) -> tuple[str, str] | None:
+    """Records of the checkpoint dir whose real path is ``real``, kept under another name: (where, why),
+    or None. Looked for, when the dir has no records of its own, among the records beside it bound to its
+    inode (it was renamed in its parent, or came back there), and beside ``given`` (it is reached through
+    a symbolic link, where versions that did not resolve links kept them). Records whose committed steps
+    are not in the dir are not its (an inode number reused); several candidates are none (logged). Reads
+    only."""
+    try:
+        st = os.stat(real)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return None
+    found: list[tuple[str, str]] = []
+    lex_parent, lex_name = os.path.split(given)
+    lex_top = os.path.join(lex_parent, META)
+    if given != real and lex_name and usable_top(lex_top) and _bound_here(lex_top, lex_name, st.st_ino, real):
+        found.append((os.path.join(lex_top, lex_name), f"its records are beside {given}, the link it is reached by"))
+    parent, name = os.path.split(real)
+    top = os.path.join(parent, META)
+    if usable_top(top):
+        for n in sorted(os.listdir(top)):
+            if n in (name, LOCK_NAME) or n.startswith((_ASIDE, _NEW)):
+                continue
+            other = _lstat(os.path.join(parent, n))
+            if other is not None and other.st_ino == st.st_ino:
+                continue
+            if _bound_here(top, n, st.st_ino, real):
+                found.append((os.path.join(top, n), f"its records are in {os.path.join(top, n)}, bound to it: it "
+                              f"was named {bound_dir(os.path.join(top, n)) or n} before"))
+    if len(found) > 1:
+        key = (real, "several")
+        if key not in _logged:
+            _logged.add(key)
+            log.warning("several commit records are bound to %s: %s; using none of them (remove the wrong ones, "
+                        "or run `flashckpt adopt`)", real, [f for f, _w in found])
+        return None
+    return found[0] if found else None
+
+
+def bring(top_fd: int, top: str, src: str, name: str) -> str:
+    """Moves the records ``src`` (found by ``moved``) to ``name`` in ``top`` (open at ``top_fd``), the
+    place of their dir now; returns where they are (``src`` itself when they cannot be moved: another file
+    system, say). The caller holds the parent lock of ``top``."""
+    try:
+        if os.path.dirname(src) == top:
+            os.rename(os.path.basename(src), name, src_dir_fd=top_fd, dst_dir_fd=top_fd)
+        else:
+            os.rename(src, name, dst_dir_fd=top_fd)
+        os.fsync(top_fd)
+    except OSError as e:
+        log.warning("the commit records %s stay where they are (moving them to %s failed: %s)", src,
+                    os.path.join(top, name), e)
+        return src
+    return os.path.join(top, name)
 
 
 def live_jobs_at(top_fd: int, name: str) -> list[str]:
@@ -328,36 +531,63 @@ def discard(top_fd: int, name: str) -> None:
 
 def renamed_to(top_fd: int, parent: str, name: str) -> str | None:
     """The name of the directory in ``parent`` that the records ``name`` are bound to, when it is no
-    longer ``name`` (the checkpoint dir was renamed in ``parent``) and has no records of its own; None
-    otherwise. Reads only."""
+    longer ``name`` (the checkpoint dir was renamed in ``parent``), keeps its records beside it, has none
+    of its own and holds their committed steps (``describes``); None otherwise. Reads only."""
     fd = _open_dir_at(top_fd, name)
     if fd is None:
         return None
     try:
         ino = _read_binding_at(fd)
+        if ino is None:
+            return None
+        dev = os.stat(parent).st_dev
+        with os.scandir(parent) as it:
+            for e in it:
+                if e.name == name or e.inode() != ino:
+                    continue
+                st = e.stat(follow_symlinks=False)
+                if st.st_ino != ino or st.st_dev != dev or not stat.S_ISDIR(st.st_mode):
+                    continue
+                if not _rule(e.path, e.path).beside or _lstat(os.path.join(parent, META, e.name)) is not None:
+                    return None  # it keeps its records inside, or has records of its own
+                return e.name if describes(fd, e.path) else None
     finally:
         os.close(fd)
-    if ino is None:
-        return None
-    dev = os.stat(parent).st_dev
-    with os.scandir(parent) as it:
-        for e in it:
-            if e.name == name or e.inode() != ino or place(e.path).path != os.path.join(parent, META, e.name):
-                continue
-            st = e.stat(follow_symlinks=False)
-            if st.st_ino != ino or st.st_dev != dev or not stat.S_ISDIR(st.st_mode):
-                continue
-            try:
-                os.stat(e.name, dir_fd=top_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                return e.name  # beside it, and none there yet
-            return None
     return None
 
 
-def follow_or_discard(top_fd: int, parent: str, name: str, *, dry_run: bool = False) -> str:
-    """Moves the records ``name`` to the directory they are bound to when it was renamed (see
-    ``renamed_to``; returns its name), else removes them (``discard``; returns ""). The caller holds the
+def retire(top_fd: int, name: str) -> str:
+    """Moves the records ``name`` aside under a name of their own, kept (not removed): their directory's
+    name now belongs to another directory, and it may live on elsewhere (moved out of its parent), so
+    ``flashckpt adopt`` can still give them back to it; ``flashckpt gc`` removes them. Earlier retired
+    records of the same directory path that no live job holds are removed (one set kept per path).
+    Returns the new name. The caller holds the parent lock."""
+    path = _dir_of(top_fd, name)
+    for n in os.listdir(top_fd):
+        if n.startswith(_RETIRED) and path and _dir_of(top_fd, n) == path and not live_jobs_at(top_fd, n):
+            discard(top_fd, n)
+    to = f"{_RETIRED}{uuid.uuid4().hex}"
+    os.rename(name, to, src_dir_fd=top_fd, dst_dir_fd=top_fd)
+    os.fsync(top_fd)
+    return to
+
+
+def _dir_of(top_fd: int, name: str) -> str:
+    """The directory path the records ``name`` in ``top_fd`` were bound to ("" when unknown)."""
+    fd = _open_dir_at(top_fd, name)
+    if fd is None:
+        return ""
+    try:
+        d = _read_json_at(fd, DIR_JSON)
+    finally:
+        os.close(fd)
+    return str(d.get("dir", "")) if isinstance(d, dict) else ""
+
+
+def settle(top_fd: int, parent: str, name: str, *, keep: bool, dry_run: bool = False) -> str:
+    """Records ``name`` that are not (or no longer) those of ``<parent>/<name>``: moved to the directory
+    they are bound to when it was renamed in ``parent`` (``renamed_to``; returns its name), else retired
+    with ``keep`` (``retire``; returns ""), else removed (``discard``; returns ""). The caller holds the
     parent lock (``dry_run``: need not, and nothing changes)."""
     to = renamed_to(top_fd, parent, name)
     if dry_run:
@@ -366,26 +596,32 @@ def follow_or_discard(top_fd: int, parent: str, name: str, *, dry_run: bool = Fa
         os.rename(name, to, src_dir_fd=top_fd, dst_dir_fd=top_fd)
         os.fsync(top_fd)
         return to
-    discard(top_fd, name)
+    if keep:
+        retire(top_fd, name)
+    else:
+        discard(top_fd, name)
     return ""
 
 
-def sweep(top_fd: int, parent: str, *, dry_run: bool = False) -> list[tuple[str, str]]:
-    """Removes the orphans in ``top_fd`` (``<parent>/.flashckpt``): records whose checkpoint dir
-    ``<parent>/<name>`` no longer exists, and leftovers of interrupted creations and removals, when no
-    live job holds a lock in them; records of a dir renamed in ``parent`` follow it instead
-    (``follow_or_discard``). Entries that are not flashckpt's records (no ``dir.json`` of ours), and
-    symbolic links, are left alone. The caller holds the parent lock (``dry_run``: need not).
+def sweep(top_fd: int, parent: str, *, orphans: bool = False, dry_run: bool = False) -> list[tuple[str, str]]:
+    """Upkeep of ``top_fd`` (``<parent>/.flashckpt``), leaving alone whatever a live job holds a lock in:
+    records whose checkpoint dir ``<parent>/<name>`` no longer exists follow it when it was renamed in
+    ``parent`` (``renamed_to``); leftovers of interrupted creations and removals are removed. With
+    ``orphans`` (``flashckpt gc``) the records of directories that no longer exist and retired records
+    are removed too: the directory may have been moved out of ``parent`` (its records do not follow it
+    there), so nothing else removes them. Entries that are not flashckpt's records (no ``dir.json`` of
+    ours), and symbolic links, are left alone. The caller holds the parent lock (``dry_run``: need not).
 
     Returns:
-        (name, the name they moved to or "" when removed) of each orphan (with ``dry_run``: would be).
+        (name, the name they moved to or "" when removed) of each (with ``dry_run``: would be).
     """
     out = []
     for name in sorted(os.listdir(top_fd)):
         if name == LOCK_NAME:
             continue
         leftover = name.startswith((_ASIDE, _NEW))
-        if not leftover and os.path.lexists(os.path.join(parent, name)):
+        retired = name.startswith(_RETIRED)
+        if not (leftover or retired) and os.path.lexists(os.path.join(parent, name)):
             continue
         fd = _open_dir_at(top_fd, name)
         if fd is None:
@@ -396,7 +632,12 @@ def sweep(top_fd: int, parent: str, *, dry_run: bool = False) -> list[tuple[str,
             os.close(fd)
         if not ours or live_jobs_at(top_fd, name):
             continue
-        out.append((name, "" if leftover else follow_or_discard(top_fd, parent, name, dry_run=dry_run)))
-        if leftover and not dry_run:
-            discard(top_fd, name)
+        if leftover or (retired and orphans):
+            out.append((name, ""))
+            if not dry_run:
+                discard(top_fd, name)
+        elif not retired:
+            to = renamed_to(top_fd, parent, name)
+            if to or orphans:
+                out.append((name, settle(top_fd, parent, name, keep=False, dry_run=dry_run)))
     return out

@@ -4,6 +4,8 @@
     flashckpt verify DIR [--step N]  checks sizes and checksums against the manifests (exit 1 on damage)
     flashckpt gc [DIR] [--dry-run]   removes runtime dirs (segments, sockets, locks) of dead jobs; with DIR,
                                      also DIR's stale commit records and the records of deleted dirs beside it
+    flashckpt adopt DIR --from ORIG  DIR is a copy or a move of checkpoint dir ORIG whose commit records stayed
+                                     behind: gives DIR the committed steps of ORIG whose files it holds intact
     flashckpt native [--build]       the C++ fast path for many small tensors: built or not; build it now
 """
 
@@ -19,6 +21,7 @@ from typing import Any
 
 from . import errors as E
 from ._protocol import Client
+from .adopt import adopt, unrecorded
 from .commit import CommitLayout
 from .config import Knobs, job_key_digest
 from .locations import checkpoint_location
@@ -47,10 +50,11 @@ def _age(t: float) -> str:
 
 
 def _not_a_dir(storage: CheckpointStorage, path: str) -> str | None:
-    """Why ``path`` cannot be a checkpoint dir (missing, a file), or None."""
-    if storage.isdir(path):
-        return None
+    """Why ``path`` cannot be a checkpoint dir (missing, a file), or None. A symbolic link to a directory
+    is that directory."""
     local = storage.local_path(path)
+    if storage.isdir(path) or (local is not None and os.path.isdir(local)):
+        return None
     if local is None:
         return f"{path} holds nothing"
     if not os.path.lexists(local):
@@ -151,6 +155,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
                          "in progress, or left by a crash"))
     # Which ranks' snapshots of each step this node holds in memory, its own and backups of other nodes'.
     table: list[tuple[Any, ...]] = [(*r[:4], _memory_column(memory.get(r[0])), r[4]) for r in rows]
+    note = None if committed else unrecorded(layout)
+    if note:
+        print(note, file=sys.stderr)
     if args.json:
         print(json.dumps([dict(zip(("step", "state", "size", "age", "memory", "files"), r)) for r in table], indent=1))
         return 0
@@ -226,6 +233,17 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_adopt(args: argparse.Namespace) -> int:
+    try:
+        lines = adopt(args.dir, args.src, dry_run=args.dry_run)
+    except E.FlashCheckpointError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    for line in lines:
+        print(line)
+    return 0
+
+
 def _gc_runtime(dry_run: bool) -> int:
     """Removes (or, ``dry_run``, lists) the runtime dirs of jobs whose saver is gone; returns how many."""
     from .saver import lock_job
@@ -287,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("dir", nargs="?", help="a checkpoint dir")
     g.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
     g.set_defaults(fn=cmd_gc)
+    a = sub.add_parser("adopt", help="give a copied or moved checkpoint dir the committed steps of the dir it came "
+                                     "from (its commit records stayed behind), each file checked first")
+    a.add_argument("dir", help="the copy (or the dir moved)")
+    a.add_argument("--from", dest="src", required=True, help="the checkpoint dir it was copied or moved from")
+    a.add_argument("--dry-run", action="store_true", help="say what would be adopted; change nothing")
+    a.set_defaults(fn=cmd_adopt)
     n = sub.add_parser("native", help="the C++ fast path for many small tensors: its state; --build builds it now")
     n.add_argument("--build", action="store_true", help="compile it now (needs a C++ compiler and ninja)")
     n.set_defaults(fn=cmd_native)

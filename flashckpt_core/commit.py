@@ -338,7 +338,8 @@ class CommitLayout:
         the manifest, the tracker and the framework tracker files, in that order.
 
         Raises:
-            PersistError: a rank reported a failure.
+            PersistError: a rank reported a failure, or the step's files are gone from the checkpoint dir
+                (``RecordsHome.before_commit``).
             CheckpointTimeoutError: markers missing after ``timeout`` seconds.
 
         ``waiting(missing ranks, seconds waited)`` is called while ranks are missing; it may raise to give up
@@ -389,6 +390,7 @@ class CommitLayout:
                     f = replace(f, staged="")
                 kept.append(f)
             files[r] = kept
+        self.home.before_commit(self, step, [f for fs in files.values() for f in fs])
         # Older steps listing a path this step wrote (a fixed path reused across steps): the file holds
         # this step's data now, so they stop counting as committed once this manifest is written.
         mine = {f.path for fs in files.values() for f in fs}

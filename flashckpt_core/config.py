@@ -113,8 +113,11 @@ def runtime_root() -> str:
 
 
 def job_key_digest(checkpoint_dir: str) -> str:
-    """The part of every job key of ``checkpoint_dir`` that names the dir (a hash of its absolute path)."""
-    return hashlib.sha256(os.path.abspath(checkpoint_dir).encode()).hexdigest()[:_DIGEST_LEN]
+    """The part of every job key of ``checkpoint_dir`` that names the dir: a hash of its absolute path,
+    with symbolic links resolved for a local dir (a dir reached through a link and through its real path
+    is one job's, with one saver and one memory)."""
+    path = checkpoint_dir if "://" in checkpoint_dir else os.path.realpath(checkpoint_dir)
+    return hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:_DIGEST_LEN]
 
 
 def job_key(checkpoint_dir: str) -> str:

@@ -21,6 +21,7 @@ from . import messages as M
 from ._copy import Copier
 from ._protocol import process_cpu_seconds
 from ._tree import gc_paused
+from .adopt import unrecorded
 from .agreement import agree, all_ranks, memory_across_nodes, multi_node, newer_in_memory, verified_step
 from .commit import CommitLayout, commit_spec
 from .config import Knobs, RankInfo, StorageType, job_dir
@@ -50,6 +51,7 @@ class LoadResult:
     source: str
     seconds: float
     nbytes: int
+    note: str = ""  # with source "none": why files the checkpoint dir holds were not used (``adopt.unrecorded``)
 
 
 @dataclass(frozen=True)
@@ -623,7 +625,7 @@ class CheckpointEngine:
             if loc.source == "memory":
                 return self.load_memory(loc.step, into=into, _t0=t0)
             if loc.source != "storage" or loc.step is None:
-                self._loaded(None, "none", t0, 0)
+                self._loaded(None, "none", t0, 0, note=unrecorded(self.layout) or "")
                 return {}
             try:
                 sd, nbytes = self._loader.load_step(loc.step, into=into), self._loader.last_bytes
@@ -662,8 +664,10 @@ class CheckpointEngine:
         """Rank 0's file (or ``FileSet`` directory) of committed ``step``; None when it has none."""
         return self._loader.path_of(step, rank=0)
 
-    def _loaded(self, step: int | None, source: str, t0: float, nbytes: int) -> None:
-        self.last_load = LoadResult(step, source, time.perf_counter() - t0, nbytes)
+    def _loaded(self, step: int | None, source: str, t0: float, nbytes: int, *, note: str = "") -> None:
+        self.last_load = LoadResult(step, source, time.perf_counter() - t0, nbytes, note)
+        if note:
+            log.warning("load(): %s", note)
         log.info("event=load step=%s source=%s bytes=%d seconds=%.4f", step, source, nbytes, self.last_load.seconds)
 
 

@@ -131,7 +131,7 @@ class FaultEnv:
 
     def job_dir(self, checkpoint_dir: str, job_id: str | None = None) -> str:
         """The runtime dir of the saver of ``checkpoint_dir`` for ``job_id`` (default: this test's)."""
-        digest = hashlib.sha256(os.path.abspath(checkpoint_dir).encode()).hexdigest()[:10]
+        digest = hashlib.sha256(os.path.realpath(checkpoint_dir).encode()).hexdigest()[:10]
         return os.path.join(self.runtime_dir, f"{job_id or self.job_id}-{digest}")
 
     def popen(self, argv: list[str], log_name: str, env: dict[str, str] | None = None,
