@@ -27,6 +27,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Protocol
 
 from . import _records, locations
+from . import _records_upkeep as upkeep
 from . import errors as E
 from ._lease import Lease, held
 from ._records import META
@@ -69,7 +70,8 @@ class RecordsHome(ABC):
     @abstractmethod
     def claim(self, job: str, layout: CommitLayout) -> Held | None:
         """Readies the records for a saver of ``job`` starting on the checkpoint dir and takes the job's
-        hold on them; None when it could not be taken (logged: other jobs may clean up this job's steps).
+        hold on them (with what else the backend keeps for the saver's life); None when it could not be
+        taken (logged: other jobs may clean up this job's steps).
 
         Raises:
             CheckpointDirError: the records cannot be used (the message says why)."""
@@ -263,7 +265,7 @@ class PosixRecords(RecordsHome):
         want = os.path.join(top, name)
         if self.beside and self.meta != want:
             src, why = self.meta, _records.place(self.root).why
-            self._meta = _records.bring(top_fd, top, src, name)
+            self._meta = upkeep.bring(top_fd, top, src, name)
             if self.meta == want:
                 log.warning("the commit records of %s were in %s (%s); moved to %s", self.root, src, why, want)
         return not self.beside or self.meta == want
@@ -275,22 +277,20 @@ class PosixRecords(RecordsHome):
             bound, ino = _records.read_binding(self.meta), os.stat(self.root).st_ino
             why = self.stale_reason(layout)
             if why:
-                live = _records.live_jobs_at(top_fd, name)
+                live = upkeep.live_jobs_at(top_fd, name)
                 if live:
                     log.warning("the commit records in %s look stale (%s), but jobs %s hold their locks there; "
                                 "left alone", self.meta, why, live)
                 else:
                     other = bound is not None and bound != ino  # the name now belongs to another directory
-                    to = _records.settle(top_fd, os.path.dirname(top), name, keep=other)
+                    to = upkeep.settle(top_fd, os.path.dirname(top), name, keep=other)
                     log.warning("the commit records in %s were stale (%s): %s; starting afresh", self.meta, why,
                                 f"moved to {os.path.join(top, to)}, the records of the directory they describe, "
                                 "renamed since" if to else
                                 "kept aside until `flashckpt gc`: if that directory was moved elsewhere, "
                                 f"`flashckpt adopt <its new path> --from {self.root}` gives them back to it"
                                 if other else "removed")
-                    if not self._at_home(top_fd, top, name):
-                        return False
-                    if not self.beside:
+                    if not self._at_home(top_fd, top, name) or not self.beside:
                         return False
             elif bound is not None and bound != ino:
                 log.warning("the commit records in %s were bound to another directory (%s, inode %d), but %s "
@@ -311,7 +311,7 @@ class PosixRecords(RecordsHome):
         top = os.path.dirname(_records.home(self.root))
         parent = os.path.dirname(top)
         out = []
-        for n, to in _records.sweep(top_fd, parent, orphans=orphans, dry_run=dry_run):
+        for n, to in upkeep.sweep(top_fd, parent, orphans=orphans, dry_run=dry_run):
             was = _records.bound_dir(os.path.join(top, n)) or os.path.join(parent, n)
             if to:
                 out.append(f"{os.path.join(top, n)}: the commit records of {was}, renamed to "
@@ -408,7 +408,7 @@ class PosixRecords(RecordsHome):
             why = self.stale_reason(layout) if os.path.isdir(self.meta) and self.beside and os.path.isdir(self.root) \
                 else None
             done = []
-            if why and self.meta == os.path.join(top, name) and not _records.live_jobs_at(top_fd, name):
-                to = _records.settle(top_fd, os.path.dirname(top), name, keep=False, dry_run=dry_run)
+            if why and self.meta == os.path.join(top, name) and not upkeep.live_jobs_at(top_fd, name):
+                to = upkeep.settle(top_fd, os.path.dirname(top), name, keep=False, dry_run=dry_run)
                 done.append(f"{self.meta}: stale, {why}" + (f"; moved to {os.path.join(top, to)}" if to else ""))
             return done + self._swept(top_fd, orphans=True, dry_run=dry_run)
