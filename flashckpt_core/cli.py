@@ -130,8 +130,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 2
     stale = layout.stale_reason() if layout.storage.isdir(layout.meta) else None
     if stale:
-        print(f"the commit records in {layout.meta} are stale ({stale}); a saver starting on "
-              f"{layout.root}, or `flashckpt gc {layout.root}`, removes them", file=sys.stderr)
+        print(f"the commit records in {layout.meta} are stale ({stale}); they are not used: a saver starting on "
+              f"{layout.root} sets them aside (gives them to the dir they describe when it was renamed in its "
+              f"parent), `flashckpt gc {layout.root}` removes them", file=sys.stderr)
     committed = layout.committed_steps()
     pending = layout.uncommitted_steps()
     latest = layout.tracker_step()
