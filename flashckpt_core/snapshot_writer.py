@@ -51,6 +51,7 @@ from .segment import (
     SlotRef,
     lock_path,
     segment_paths,
+    unreadable,
     writer_lease_path,
 )
 from .snapshot_reader import SnapshotReader
@@ -421,8 +422,10 @@ class SharedMemoryHandler(SnapshotReader):
             for _epoch, path in segment_paths(self.job_dir, self.local_rank):
                 try:
                     other = self._open(path)
-                except (OSError, E.FlashCheckpointError):
-                    continue
+                except (FileNotFoundError, E.FlashCheckpointError):
+                    continue  # removed since it was listed, or not a segment of ours
+                except OSError as e:  # a sequence below its snapshots' would make this save look older
+                    raise unreadable("open the shared-memory segment", path, e) from e
                 self._seq = max([self._seq] + [other.header(i).seq for i in range(other.nslots)])
         self._seq = max([self._seq] + [seg.header(i).seq for i in range(seg.nslots)]) + 1
         return self._seq
