@@ -352,6 +352,17 @@ class Segment:
         finally:
             os.close(fd)
 
+    def replaced(self) -> bool:
+        """Whether ``path`` no longer names this mapping's file: removed (a wiped runtime dir) or replaced.
+        A stat that fails otherwise cannot tell, and says no."""
+        try:
+            st = os.stat(self.path)
+        except (FileNotFoundError, NotADirectoryError):
+            return True
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) != self._inode
+
     def complete_steps(self) -> list[tuple[int, int]]:
         """(step, slot) of every live COMPLETE snapshot of this segment, oldest save first (superseded ones,
         see ``live_snapshots``, left out)."""

@@ -254,6 +254,9 @@ class SnapshotReader:
         """The segment at ``path``: a cached mapping (not prefaulted: a reader touches only the slot it
         reads)."""
         seg = self._readers.get(path)
+        if seg is not None and seg.replaced():  # a new runtime dir (the old one was wiped) reuses the name
+            self._readers.pop(path).close()
+            seg = None
         if seg is None:
             seg = self._readers[path] = Segment(path, populate=False)
         return seg
@@ -262,6 +265,10 @@ class SnapshotReader:
         names = {p for _, p in live}
         for path in [p for p in self._readers if p not in names]:
             self._readers.pop(path).close()
+
+    def forget_segments(self) -> None:
+        """Unmaps every segment mapped so far (the job's runtime dir was removed: a new one is read anew)."""
+        self._forget_removed([])
 
     def _live(self) -> list[tuple[Segment, int, SlotHeader]]:
         """``live_snapshots`` of every live segment of this local rank, newest save first."""

@@ -507,7 +507,7 @@ class SharedMemoryHandler(SnapshotReader):
         """Flags ``ref``'s slot as awaiting a persist, so no later snapshot overwrites it first."""
         seg = self._open(ref.path)
         with self._lock:
-            if not seg.hold_pending(ref.slot, ref.generation):
+            if not seg.hold_pending(ref.slot, ref.generation, ref.step):
                 raise E.FlashCheckpointError(f"step {ref.step}: its slot was overwritten before its persist")
 
     def clear_pending(self, ref: SlotRef) -> None:
@@ -524,6 +524,28 @@ class SharedMemoryHandler(SnapshotReader):
     def _unregister(self, seg: Segment) -> None:
         for key in [k for k in self._cuda_registered if k[0] == seg.path]:
             self._drop_registration(key)
+
+    def segment_gone(self) -> bool:
+        """Whether the segment this writer maps was removed or replaced under it (a wiped runtime dir): what
+        it copies there no longer reaches anyone."""
+        return self._seg is not None and self._seg.replaced()
+
+    def forget_segments(self) -> None:
+        """Drops everything bound to the job's runtime dir as it was, after it was removed: the mappings, the
+        writer lease (its file went with the dir) and the save sequence. The next save takes a new lease
+        and a new segment from the new saver."""
+        try:
+            if self._seg is not None:
+                self._unregister(self._seg)
+                self._seg.close()
+                self._seg = None
+            super().forget_segments()
+        finally:
+            self._seq = -1
+            self._warned_spare.clear()
+            if self._lease is not None:
+                self._lease.release(unlink=False)
+                self._lease = None
 
     def close(self) -> None:
         try:
