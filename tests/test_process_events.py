@@ -150,6 +150,8 @@ def test_a_wiped_runtime_dir_gets_a_new_saver_logged_once_and_training_goes_on(m
     eng.save(2, state(2), storage_type=MEMORY)
     (old,) = saver_pids(runtime_dir)
     shutil.rmtree(eng.job_dir)
+    # The saver sees its dir gone and leaves by itself (no trainer could reach it any more).
+    wait_for(lambda: not _saver_alive(old), 30, f"the saver (pid {old}) to leave the removed runtime dir")
     with caplog.at_level(logging.WARNING):
         assert eng.save(3, state(3), storage_type=MEMORY)
         eng.save(4, state(4), storage_type=DISK)
@@ -159,7 +161,6 @@ def test_a_wiped_runtime_dir_gets_a_new_saver_logged_once_and_training_goes_on(m
     assert len(lost) == 1, [r.getMessage() for r in caplog.records]
     msg = lost[0].getMessage()
     assert eng.job_dir in msg and "lost" in msg and "RemoveIPC" in msg and "new saver" in msg, msg
-    wait_for(lambda: not _saver_alive(old), 30, f"the old saver (pid {old}) to exit")
     (new,) = saver_pids(runtime_dir)
     assert new != old
     assert eng.committed_steps() == [1, 4]
@@ -171,11 +172,12 @@ def test_a_wiped_runtime_dir_gets_a_new_saver_logged_once_and_training_goes_on(m
 
 
 def test_a_load_right_after_the_wipe_finds_the_committed_step(make_engine, runtime_dir, ckpt_dir, caplog):
-    """The first call after the wipe is a load: it finds the committed step (memory is gone), says why once."""
-    eng = make_engine(max_to_keep=0)
+    """The first call after the wipe is a load, with an overlapped snapshot still in flight into the removed
+    dir: it finds the committed step (memory is gone), says why once."""
+    eng = make_engine(max_to_keep=0, overlap=True)
     eng.save(1, state(1), storage_type=DISK)
     eng.wait(60)
-    eng.save(2, state(2), storage_type=MEMORY)
+    eng.save(2, state(2), storage_type=MEMORY)  # returns before its copy is done
     shutil.rmtree(eng.job_dir)
     with caplog.at_level(logging.WARNING):
         assert eng.memory_steps() == []
