@@ -500,15 +500,22 @@ class CommitLayout:
         return [s for _q, s in self.commit_order()]
 
     def commit_order(self) -> list[tuple[int, int]]:
-        """(commit seq, step) of every step with a manifest, oldest commit first. A manifest that cannot
-        be read sorts by its step among those without a seq."""
+        """(commit seq, step) of every step with a manifest, oldest commit first. A damaged manifest sorts
+        by its step among those without a seq; one that cannot be read (an OSError other than its removal)
+        raises."""
         out = []
         base = locations.join(self.meta, "steps")
         for name in self.storage.listdir(base):
             if name.isdigit() and self.storage.exists(self.manifest_path(int(name))):
                 try:
-                    seq = int(json.loads(self.storage.read_bytes(self.manifest_path(int(name)))).get("seq", 0))
-                except (OSError, ValueError, TypeError, AttributeError):
+                    raw = self.storage.read_bytes(self.manifest_path(int(name)))
+                except FileNotFoundError:
+                    continue  # deleted since it was listed: no longer committed
+                # Any other error is raised: a seq taken for 0 would reorder the commits (EMFILE on the newest
+                # manifest made the previous step "the newest", and a load took it silently).
+                try:
+                    seq = int(json.loads(raw).get("seq", 0))
+                except (ValueError, TypeError, AttributeError):
                     seq = 0
                 out.append((seq, int(name)))
         return sorted(out)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from . import errors as E
 
 __all__ = ["StorageType", "Knobs", "RankInfo", "job_key", "runtime_root", "job_dir", "make_private_dir",
-           "open_private_dir", "is_default_runtime_dir", "is_job_key_of", "job_key_digest"]
+           "open_private_dir", "dir_identity", "is_default_runtime_dir", "is_job_key_of", "job_key_digest"]
 
 
 class StorageType(enum.Enum):
@@ -236,6 +236,17 @@ def _what_is(path: str, e: OSError) -> str:
 def is_default_runtime_dir(path: str) -> bool:
     """Whether ``path`` is the per-user root flashckpt chose itself (and so may remove when empty)."""
     return os.path.abspath(path) == os.path.abspath(runtime_root())
+
+
+def dir_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the directory at ``path``; None when there is none. A job's runtime dir removed (by
+    systemd-logind's RemoveIPC, a tmp cleaner) or replaced since it was recorded has another identity: the
+    one test, on both sides (engine and saver), that its shared memory is gone."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
 
 
 def job_dir(checkpoint_dir: str, knobs: Knobs | None = None) -> str:

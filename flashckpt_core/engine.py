@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import functools
 import logging
 import math
 import os
@@ -13,18 +14,19 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from . import errors as E
 from . import locations
 from . import messages as M
 from ._copy import Copier
+from ._guard import CallGuard
 from ._protocol import process_cpu_seconds
 from ._tree import gc_paused
 from .adopt import unrecorded
 from .agreement import agree, all_ranks, memory_across_nodes, multi_node, newer_in_memory, verified_step
 from .commit import CommitLayout, commit_spec
-from .config import Knobs, RankInfo, StorageType, job_dir
+from .config import Knobs, RankInfo, StorageType, dir_identity, job_dir
 from .files import FileSet, is_fileset_tree
 from .interval import AutoIntervals, default_failure_rates, storage_type_for
 from .loader import StorageLoader
@@ -40,6 +42,33 @@ from .warm import record_modules
 __all__ = ["CheckpointEngine", "LoadResult", "Located", "local_dir", "resolve_in"]
 
 log = logging.getLogger(__name__)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_EXIT_WAIT_S = 10.0  # at exit, how long a close waits for a call still running in another (daemon) thread
+
+
+def _engine_call(op: str, *, renew: bool = True, forked_detaches: bool = False) -> Callable[[_F], _F]:
+    """Runs a ``CheckpointEngine`` method as one call under the engine's ``CallGuard`` (``_guard``: the
+    opening process only, one call at a time, no re-entry from a signal handler). A nested call made from
+    this module (the engine calling itself) is the running call's own. The outermost call first makes sure
+    the job's runtime dir still holds this engine's shared memory (``renew``: ``_ensure_runtime``).
+    ``forked_detaches``: in a forked child the call only marks the child's copy closed (``close``)."""
+    def wrap(fn: _F) -> _F:
+        here = fn.__code__.co_filename
+
+        @functools.wraps(fn)
+        def call(self: CheckpointEngine, *args: Any, **kw: Any) -> Any:
+            if forked_detaches and not self._guard.owner():
+                self._closed = True  # a forked child's copy: only the opening process ends the engine
+                return None
+            with self._guard.call(op, internal=sys._getframe(1).f_code.co_filename == here) as outer:
+                if outer and renew and not self._closed:
+                    self._ensure_runtime(op)
+                return fn(self, *args, **kw)
+
+        return cast(_F, call)
+
+    return wrap
 
 
 @dataclass(frozen=True)
@@ -98,8 +127,16 @@ class CheckpointEngine:
             created or written.
         SaverError: the node's saver could not be started or reached.
 
-    Thread safety: one thread per engine. ``save`` must not run concurrently with a mutation of the
-    tensors it was given; once it returns they may be changed freely.
+    Thread safety: calls from several threads run one at a time (a call waits while another thread's
+    runs), so two threads saving take their snapshots one after the other. A call made on a thread that is
+    inside a call of the same engine (a signal handler interrupting it) is refused (``EngineUseError``),
+    as is any call from a process forked from the one that opened the engine (a DataLoader worker); a
+    forked child's ``close`` or exit ends nothing of the parent's. ``save`` must not run concurrently
+    with a mutation of the tensors it was given; once it returns they may be changed freely.
+
+    A runtime dir removed under a live engine (systemd-logind's RemoveIPC, a tmp cleaner) takes the memory
+    snapshots with it: the next call sees it, logs one warning, starts a new saver with new shared memory
+    and goes on (committed steps stay).
     """
 
     def __init__(self, checkpoint_dir: str, max_to_keep: int = 1, save_mem_interval: int = 0,
@@ -112,6 +149,7 @@ class CheckpointEngine:
                         ("save_storage_interval", save_storage_interval)):
             if not isinstance(v, int) or v < 0:
                 raise E.InvalidArgumentError(f"CheckpointEngine({name}={v!r}): must be an integer >= 0")
+        self._guard = CallGuard()
         self.ranks = RankInfo.current()
         self._auto = self._auto_intervals(process_mtbf_s, node_mtbf_s) if auto_save else None
         self._given_dir = checkpoint_location(checkpoint_dir)
@@ -159,6 +197,7 @@ class CheckpointEngine:
         self._loader = StorageLoader(self.layout, r.rank, weights_only=weights_only, resolve=self.resolve,
                                      cache_dir=self.job_dir)
         self._closed = False
+        self._memory_in = (self._link.runtime, self._link.attaches)  # the runtime dir of the shared memory used
         self._retention_baseline = hello.committed[-1] if hello.committed else -1  # in commit order
         self._cleaned_up = list(hello.committed)
         _open_engines.add(self)
@@ -195,6 +234,7 @@ class CheckpointEngine:
         name = "checkpoint.pt" if self.replicated else f"rank_{self.ranks.rank:05d}.pt"
         return locations.join(self.checkpoint_dir, f"step_{step}", name)
 
+    @_engine_call("save")
     def save(self, step: int, state_dict: Any, path: str | None = None,
              storage_type: StorageType | None = None, *, overlap: bool | None = None) -> bool:
         """Snapshots ``state_dict`` into shared memory and, for DISK, schedules its persist to ``path``.
@@ -290,6 +330,7 @@ class CheckpointEngine:
         record_modules()  # under flashckpt-run, once: what this rank's warm worker imports ahead
         return True
 
+    @_engine_call("wait_snapshot")
     def wait_snapshot(self) -> None:
         """Waits for the overlapped snapshot of the last ``save(overlap=True)`` to be in shared memory;
         then its tensors may change. Call it before the optimizer step (the adapters do); every other
@@ -417,11 +458,12 @@ class CheckpointEngine:
                 continue
             prev = committed[i - 1]
             try:
-                strategy.clean_up(prev, self.delete_checkpoint)
+                strategy.clean_up(prev, lambda path: self.delete_checkpoint(path))  # a call of this engine's own
             except Exception as e:  # retention never stops training; the strategy's fault is reported
                 log.error("%s.clean_up(step=%d) after the commit of step %d failed: %s: %s", type(strategy).__name__,
                           prev, step, type(e).__name__, e)
 
+    @_engine_call("delete_checkpoint")
     def delete_checkpoint(self, path: str | os.PathLike[str] | int) -> None:
         """Deletes a checkpoint's file or directory inside the checkpoint dir, safely: through the node's
         saver, in the background (after the commits queued before it; ``wait()`` waits for it), removing
@@ -451,6 +493,7 @@ class CheckpointEngine:
             raise E.CheckpointNotFoundError(errno.ENOENT, f"delete_checkpoint({os.fspath(path)!r}): no such file or directory",
                                     target)
 
+    @_engine_call("delete_steps")
     def delete_steps(self, steps: list[int], *, newest: bool = False) -> list[int]:
         """Deletes committed ``steps`` now, through the node's saver (records first, then files that no
         other committed step lists), and returns those it deleted; steps that are not committed (being
@@ -469,6 +512,7 @@ class CheckpointEngine:
         return process_cpu_seconds(pid, children=True) if pid > 0 else None
 
     # ------------------------------------------------------------------ wait / close
+    @_engine_call("wait")
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until every scheduled persist is committed; raises the first persist error.
 
@@ -486,6 +530,7 @@ class CheckpointEngine:
             if self._applied_retention == applied:
                 break
 
+    @_engine_call("close", renew=False, forked_detaches=True)
     def close(self, release: bool = True) -> None:
         """Detaches from the saver. Scheduled persists still complete in the saver.
 
@@ -497,6 +542,7 @@ class CheckpointEngine:
         """
         self._close("release" if release else "keep")
 
+    @_engine_call("close", renew=False, forked_detaches=True)
     def _close(self, intent: str) -> None:
         """``close`` with the goodbye's intent: "release" (done with the snapshots), "keep" (for a
         restart within the saver's grace) or "persist" (the saver persists what is newer than the last
@@ -524,6 +570,7 @@ class CheckpointEngine:
     def __enter__(self) -> CheckpointEngine:
         return self
 
+    @_engine_call("close", renew=False, forked_detaches=True)
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         """Without an exception, ``close()``. With one, the snapshots are kept for a restart when one is
         coming (``restart_expected``); otherwise the saver persists what is newer than the last commit
@@ -537,12 +584,38 @@ class CheckpointEngine:
         if self._closed:
             raise E.FlashCheckpointError(_closed_message(op))
 
+    def _ensure_runtime(self, op: str) -> None:
+        """Before a call uses the saver or shared memory: when the job's runtime dir is no longer the one this
+        engine's shared memory lives in (removed or replaced, ``dir_identity``; or the segment it writes was
+        removed), the snapshots there are lost. The engine then drops everything bound to it (mappings, its
+        writer lease, an overlapped snapshot not yet handed over) and attaches to a new saver, which starts
+        with new shared memory (``SaverLink.reattach``, which logs one warning); unless the link already
+        attached to a saver of the new dir (its connection broke meanwhile). Costs a ``stat`` or two."""
+        runtime, attaches = self._memory_in
+        if dir_identity(self.job_dir) == runtime and not self._handler.segment_gone():
+            return
+        pending, self._pending = self._pending, None
+        if pending is not None:  # its copy went into the lost memory: wait for it to end, hand nothing over
+            try:
+                pending[0].result()
+            except Exception as e:
+                log.debug("%s(): the overlapped snapshot into the removed runtime dir failed: %s", op, e)
+        self._handler.forget_segments()
+        if self._reader is not self._handler:
+            self._reader.forget_segments()
+        link = self._link
+        if link.attaches == attaches or link.runtime != dir_identity(self.job_dir):
+            link.reattach(op, None, runtime_lost=True)
+        self._memory_in = (link.runtime, link.attaches)
+
     # ------------------------------------------------------------------ load
+    @_engine_call("memory_steps", renew=False)
     def memory_steps(self) -> list[int]:
         """Steps this rank could load from shared memory, newest first. (``SnapshotReader(engine)`` lists
         them with the path each is persisted to, and reads them without the engine.)"""
         return self._reader.memory_steps()
 
+    @_engine_call("locate")
     def locate(self, *, memory: bool = True) -> Located:
         """Where the newest checkpoint that every rank has lives, without loading it.
 
@@ -579,6 +652,7 @@ class CheckpointEngine:
             return Located(step, "storage", self._loader.path_of(step))
         return Located(None, "none", None)
 
+    @_engine_call("load")
     def load(self, resume_path: str = "", *, into: Any = None) -> Any:
         """The newest state dict that every rank has: from memory when memory holds it, else storage.
 
@@ -640,6 +714,7 @@ class CheckpointEngine:
             log.warning("load(): step %d is damaged on a rank; falling back to the previous committed step", loc.step)
             damaged.add(loc.step)
 
+    @_engine_call("load_memory")
     def load_memory(self, step: int | None, *, into: Any = None, _t0: float | None = None) -> Any:
         """This rank's snapshot of ``step`` (the newest when None) from shared memory, without agreeing
         with other ranks (``locate`` does that). A ``FileSet`` for sets; see ``load`` for ``into``.
@@ -656,10 +731,12 @@ class CheckpointEngine:
         sd = snap.state_dict
         return FileSet.decode(sd) if is_fileset_tree(sd) else sd
 
+    @_engine_call("committed_steps", renew=False)
     def committed_steps(self) -> list[int]:
         """The committed steps on storage, ascending."""
         return self.layout.committed_steps()
 
+    @_engine_call("step_path", renew=False)
     def step_path(self, step: int) -> str | None:
         """Rank 0's file (or ``FileSet`` directory) of committed ``step``; None when it has none."""
         return self._loader.path_of(step, rank=0)
@@ -682,8 +759,13 @@ def _close_at_exit() -> None:
     exception with a restart coming, it keeps the snapshots."""
     crashed = getattr(sys, "last_value", None) is not None  # set by the uncaught-exception handler
     for eng in list(_open_engines):
+        if not eng._guard.owner():  # a forked child's exit ends nothing of its parent's engines
+            continue
         try:
-            eng._close("keep" if crashed and restart_expected() else "persist")
+            # A daemon thread still inside a call of it (a long wait()) holds it for at most this long; then
+            # the saver sees this process gone, as after a crash.
+            with eng._guard.call("close", internal=True, timeout=_EXIT_WAIT_S):
+                eng._close("keep" if crashed and restart_expected() else "persist")
         except Exception as e:  # at exit: report, never raise
             log.warning("closing a CheckpointEngine at exit: %s", e)
 

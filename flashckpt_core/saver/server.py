@@ -4,6 +4,7 @@ answers each request through a dispatch table."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import queue
 import socket
@@ -18,7 +19,7 @@ from .. import errors as E
 from .. import messages as M
 from .._protocol import peer_uid, recv_msg, send_msg
 from ..commit import CommitLayout
-from ..config import Knobs, is_default_runtime_dir, open_private_dir
+from ..config import Knobs, dir_identity, is_default_runtime_dir, open_private_dir
 from ..ipc import SharedLock
 from ..messages import parse_request
 from ..records import Held
@@ -96,6 +97,7 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
         self._sock: socket.socket | None = None
         self._persist_seen = -float("inf")  # monotonic time of the last persist activity (spare slot hold)
         self._dir_fd: int | None = None  # the job dir, checked: everything in it is reached through this fd
+        self._sock_ino = 0  # the inode of the socket this saver bound (0: not bound)
         self._rep = None  # the peer service of a multi-node job (saver/replica), from the first hello
         self.stats = _Stats()
         # Writes the files (torch's work) in a process of its own, started on demand: see _persist_worker.
@@ -137,6 +139,7 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
             os.umask(old)
         sock.listen(128)
         self._sock = sock
+        self._sock_ino = os.stat(SOCKET_NAME, dir_fd=self._dir_fd, follow_symlinks=False).st_ino
         self._spawn(self._accept_loop, "accept")
         self._spawn(self._commit_loop, "commit")
         self._spawn(self._spare_keeper, "spare")
@@ -186,6 +189,11 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
         """Runs until there is no client and no work: at once after final goodbyes, else after grace."""
         with self._cv:
             while not self._stop.is_set():
+                gone = self._runtime_gone()
+                if gone:
+                    log.warning("%s: the snapshots in it are lost and no trainer can reach this saver; exiting (the "
+                                "trainers start a new saver at their next call)", gone)
+                    break
                 if not self._clients and self._inflight == 0:
                     if self._ever_clients and self._session_final:
                         if self._persist_on_exit:
@@ -220,6 +228,23 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
             self._agent.close()
         self.shutdown()
 
+    def _runtime_gone(self) -> str:
+        """Why this saver's runtime dir is no longer its own ("" while it is): removed or replaced at its
+        path (``dir_identity``: systemd-logind's RemoveIPC, a tmp cleaner), or its socket removed or
+        replaced (no trainer can connect; a new saver may serve the dir)."""
+        if self._dir_fd is None or not self._sock_ino:
+            return ""
+        st = os.fstat(self._dir_fd)
+        if dir_identity(self.job_dir) != (st.st_dev, st.st_ino):
+            return f"the runtime dir {self.job_dir} was removed or replaced"
+        try:
+            ino = os.stat(SOCKET_NAME, dir_fd=self._dir_fd, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            ino = 0
+        except OSError:
+            return ""  # cannot tell
+        return "" if ino == self._sock_ino else f"the socket {os.path.join(self.job_dir, SOCKET_NAME)} was removed"
+
     def _holds_snapshot(self) -> bool:
         """Whether a segment holds a complete snapshot (something a restarted trainer could load)."""
         for path in list(self._segments):
@@ -248,11 +273,13 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
         self._stop_replica()
         self._worker.close()
         self.storage.close()
-        try:
-            spawn_lock: SharedLock | None = lock_job(self.job_dir)
-        except E.SaverError as e:  # the path no longer leads to a dir of ours: clean only through our fd
-            log.error("%s; removing only this saver's own files, through the job dir it checked at start", e)
-            spawn_lock = None
+        gone = self._runtime_gone()
+        spawn_lock: SharedLock | None = None
+        if not gone:
+            try:
+                spawn_lock = lock_job(self.job_dir)
+            except E.SaverError as e:  # the path no longer leads to a dir of ours: clean only through our fd
+                log.error("%s; removing only this saver's own files, through the job dir it checked at start", e)
         try:
             if self._sock is not None:
                 try:  # wakes the accept loop (a close alone leaves a blocked accept() waiting)
@@ -272,10 +299,15 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
             dir_fd = self._dir_fd if self._dir_fd is not None else open_private_dir(self.job_dir)
             self._dir_fd = None
             try:
-                for name in os.listdir(dir_fd):
+                # A dir still at its path whose socket is gone may serve a new saver already: nothing in it
+                # is removed by name. A dir removed or moved away is this saver's alone.
+                at_path = gone and dir_identity(self.job_dir) == (os.fstat(dir_fd).st_dev, os.fstat(dir_fd).st_ino)
+                for name in [] if at_path else os.listdir(dir_fd):
                     if name != _SPAWN_LOCK:
                         _remove_in(dir_fd, name)
-                os.unlink(_SPAWN_LOCK, dir_fd=dir_fd)
+                if not at_path:
+                    with contextlib.suppress(FileNotFoundError):  # a removed dir has none
+                        os.unlink(_SPAWN_LOCK, dir_fd=dir_fd)
             finally:
                 os.close(dir_fd)
             if spawn_lock is not None:
