@@ -70,6 +70,9 @@ class Knobs:
         scratch_dir: where the adapters stage a snapshot's files for a framework that reads or writes a
             directory (the HF Trainer, Lightning, DeepSpeed), unless their own ``scratch_dir`` says
             otherwise ("": /dev/shm when writable, else the system temp dir); FLASHCKPT_SCRATCH_DIR.
+        records_timeout_s: bound on waiting for the saver's start-up work on the commit records (see
+            ``saver/housekeeping``) before a load, a persist or a commit says why it cannot go on;
+            FLASHCKPT_RECORDS_TIMEOUT_S.
     """
 
     runtime_dir: str
@@ -86,6 +89,7 @@ class Knobs:
     persist_worker_idle_s: float = 30.0
     spare_hold_s: float = 60.0
     scratch_dir: str = ""
+    records_timeout_s: float = 300.0
 
     @staticmethod
     def from_env() -> Knobs:
@@ -108,6 +112,7 @@ class Knobs:
             persist_worker_idle_s=max(0.0, _env_float("FLASHCKPT_PERSIST_WORKER_IDLE_S", 30.0)),
             spare_hold_s=max(0.0, _env_float("FLASHCKPT_SPARE_HOLD_S", 60.0)),
             scratch_dir=os.environ.get("FLASHCKPT_SCRATCH_DIR", ""),
+            records_timeout_s=max(0.0, _env_float("FLASHCKPT_RECORDS_TIMEOUT_S", 300.0)),
         )
 
 
