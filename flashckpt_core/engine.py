@@ -40,6 +40,10 @@ __all__ = ["CheckpointEngine", "LoadResult", "Located", "local_dir", "resolve_in
 
 log = logging.getLogger(__name__)
 
+# How long a new engine waits for its saver to ready the commit records before it goes on without them
+# (the saver does that beside serving, so that a stalled store never holds up the start).
+_START_RECORDS_WAIT_S = 2.0
+
 
 @dataclass(frozen=True)
 class LoadResult:
@@ -159,6 +163,13 @@ class CheckpointEngine:
         self._closed = False
         if hello.records_ready:
             self._records_readied(hello.committed)
+        else:  # a store that answers has them ready within moments: take them now (bounded, never an error)
+            try:
+                self._records_readied(self._link.records(min(_START_RECORDS_WAIT_S, self.knobs.records_timeout_s)))
+            except E.FlashCheckpointError as e:
+                log.warning("CheckpointEngine(%r): the node's saver is still readying the commit records (%s); "
+                            "memory snapshots go on, and the first load or storage save waits for them",
+                            self._given_dir, e)
         _open_engines.add(self)
 
     @property
