@@ -2,7 +2,8 @@
 
     flashckpt ls DIR                 steps in DIR: committed or not, size, age, files
     flashckpt verify DIR [--step N]  checks sizes and checksums against the manifests (exit 1 on damage)
-    flashckpt gc [DIR] [--dry-run]   removes runtime dirs (segments, sockets, locks) of dead jobs; with DIR,
+    flashckpt gc [DIR] [--dry-run]   removes runtime dirs (segments, sockets, locks) of dead jobs and the
+                                     staging dirs of dead trainers (/dev/shm/flashckpt-hf-*...); with DIR,
                                      also DIR's stale commit records and the records of deleted dirs beside it
     flashckpt adopt DIR --from ORIG  DIR is a copy or a move of checkpoint dir ORIG whose commit records stayed
                                      behind: gives DIR the committed steps of ORIG whose files it holds intact
@@ -19,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from . import _owned_dirs
 from . import errors as E
 from ._protocol import Client
 from .adopt import adopt, unrecorded
@@ -229,6 +231,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             print(f"{'would remove' if args.dry_run else 'removed'} {line}")
             removed += 1
     removed += _gc_runtime(args.dry_run)
+    removed += _gc_staging(args.dry_run)
     if not removed:
         print("nothing to clean" + (" (dry run: nothing would be removed)" if args.dry_run else ""))
     return 0
@@ -276,6 +279,15 @@ def _gc_runtime(dry_run: bool) -> int:
     return removed
 
 
+def _gc_staging(dry_run: bool) -> int:
+    """Removes (or, ``dry_run``, lists) the staging dirs that processes gone since left in the default
+    scratch places (/dev/shm, the temp dir); a live process's are never touched. Returns how many."""
+    lines = [line for root in _owned_dirs.scratch_roots() for line in _owned_dirs.sweep(root, dry_run=dry_run)]
+    for line in lines:
+        print(f"{'would remove' if dry_run else 'removed'} {line}")
+    return len(lines)
+
+
 def cmd_native(args: argparse.Namespace) -> int:
     from . import _native
 
@@ -301,8 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("dir")
     v.add_argument("--step", type=int)
     v.set_defaults(fn=cmd_verify)
-    g = sub.add_parser("gc", help="remove shared memory and sockets of jobs whose saver is gone; with DIR, also "
-                                  "DIR's stale commit records and those of deleted checkpoint dirs beside it")
+    g = sub.add_parser("gc", help="remove shared memory and sockets of jobs whose saver is gone and the staging "
+                                  "dirs of dead trainers; with DIR, also DIR's stale commit records and those of "
+                                  "deleted checkpoint dirs beside it")
     g.add_argument("dir", nargs="?", help="a checkpoint dir")
     g.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
     g.set_defaults(fn=cmd_gc)

@@ -67,6 +67,12 @@ class Knobs:
             again costs a first touch of fresh shared memory (~0.8 s per GB here), so with persists
             every few steps it is kept; a full /dev/shm (an allocation that does not fit) takes it back
             at once. FLASHCKPT_SPARE_HOLD_S.
+        scratch_dir: where the adapters stage a snapshot's files for a framework that reads or writes a
+            directory (the HF Trainer, Lightning, DeepSpeed), unless their own ``scratch_dir`` says
+            otherwise ("": /dev/shm when writable, else the system temp dir); FLASHCKPT_SCRATCH_DIR.
+        records_timeout_s: bound on waiting for the saver's start-up work on the commit records (see
+            ``saver/housekeeping``) before a load, a persist or a commit says why it cannot go on;
+            FLASHCKPT_RECORDS_TIMEOUT_S.
     """
 
     runtime_dir: str
@@ -82,6 +88,8 @@ class Knobs:
     persist_nice: int = 10
     persist_worker_idle_s: float = 30.0
     spare_hold_s: float = 60.0
+    scratch_dir: str = ""
+    records_timeout_s: float = 300.0
 
     @staticmethod
     def from_env() -> Knobs:
@@ -103,6 +111,8 @@ class Knobs:
             persist_nice=max(0, min(19, _env_int("FLASHCKPT_PERSIST_NICE", 10))),
             persist_worker_idle_s=max(0.0, _env_float("FLASHCKPT_PERSIST_WORKER_IDLE_S", 30.0)),
             spare_hold_s=max(0.0, _env_float("FLASHCKPT_SPARE_HOLD_S", 60.0)),
+            scratch_dir=os.environ.get("FLASHCKPT_SCRATCH_DIR", ""),
+            records_timeout_s=max(0.0, _env_float("FLASHCKPT_RECORDS_TIMEOUT_S", 300.0)),
         )
 
 

@@ -71,6 +71,11 @@ def _engine_call(op: str, *, renew: bool = True, forked_detaches: bool = False) 
     return wrap
 
 
+# How long a new engine waits for its saver to ready the commit records before it goes on without them
+# (the saver does that beside serving, so that a stalled store never holds up the start).
+_START_RECORDS_WAIT_S = 2.0
+
+
 @dataclass(frozen=True)
 class LoadResult:
     """What the last ``load()`` found: the step, where it came from ("memory", "storage" or "none"),
@@ -182,8 +187,10 @@ class CheckpointEngine:
                                                      persists=self.persists, commit=self._commit_spec(),
                                                      agent_pid=agent_pid(), replicated=replicated))
         hello = self._link.attach()
-        # After the saver's start: it readied the commit records (CommitLayout.claim).
-        self.layout = CommitLayout(self.checkpoint_dir, self.storage)
+        # The commit records are read once the saver has readied them (CommitLayout.claim, on its records
+        # thread: a stalled store never holds up the start); until then ``layout`` waits for them.
+        self._layout: CommitLayout | None = None
+        self._storage_loader: StorageLoader | None = None
         # The rank that writes this local rank's snapshots takes its writer lease at its first save and
         # holds it until close: a second writer (another engine, another job with this job key) is refused.
         self._handler = SharedMemoryHandler(r.local_rank, self.job_dir,
@@ -194,13 +201,50 @@ class CheckpointEngine:
             self._handler if not replicated or r.local_rank == 0 else
             SnapshotReader.for_job_dir(0, self.job_dir, copier=self._copier, weights_only=weights_only))
         self._downloads = False  # a load from an object store may have left a shared download
-        self._loader = StorageLoader(self.layout, r.rank, weights_only=weights_only, resolve=self.resolve,
-                                     cache_dir=self.job_dir)
         self._closed = False
         self._memory_in = (self._link.runtime, self._link.attaches)  # the runtime dir of the shared memory used
-        self._retention_baseline = hello.committed[-1] if hello.committed else -1  # in commit order
-        self._cleaned_up = list(hello.committed)
+        if hello.records_ready:
+            self._records_readied(hello.committed)
+        else:  # a store that answers has them ready within moments: take them now (bounded, never an error)
+            try:
+                self._records_readied(self._link.records(min(_START_RECORDS_WAIT_S, self.knobs.records_timeout_s)))
+            except E.FlashCheckpointError as e:
+                log.warning("CheckpointEngine(%r): the node's saver is still readying the commit records (%s); "
+                            "memory snapshots go on, and the first load or storage save waits for them",
+                            self._given_dir, e)
         _open_engines.add(self)
+
+    @property
+    def layout(self) -> CommitLayout:
+        """The checkpoint dir's commit records. The node's saver readies them when it starts, on a thread of
+        its own; the first use waits for that (a load, a storage save), bounded by FLASHCKPT_RECORDS_TIMEOUT_S.
+
+        Raises:
+            CheckpointTimeoutError: the store has not answered the saver's start-up work within the bound.
+            CheckpointDirError: the saver's attempt failed (the message has the store's error).
+        """
+        if self._layout is None:
+            if self._closed:  # no saver is started again to ask
+                return CommitLayout(self.checkpoint_dir, self.storage)
+            self._records_readied(self._link.records(self.knobs.records_timeout_s))
+            assert self._layout is not None  # set by _records_readied
+        return self._layout
+
+    def _records_readied(self, committed: list[int]) -> None:
+        """The saver readied the commit records, with ``committed`` (in commit order) committed then: the
+        steps this engine's retention leaves alone until a newer commit (an engine that only loads never
+        deletes checkpoints)."""
+        self._layout = CommitLayout(self.checkpoint_dir, self.storage)
+        self._retention_baseline = committed[-1] if committed else -1  # in commit order
+        self._cleaned_up = list(committed)
+
+    @property
+    def _loader(self) -> StorageLoader:
+        """This rank's reader of committed files (made at the first storage load)."""
+        if self._storage_loader is None:
+            self._storage_loader = StorageLoader(self.layout, self.ranks.rank, weights_only=self.weights_only,
+                                                 resolve=self.resolve, cache_dir=self.job_dir)
+        return self._storage_loader
 
     def _auto_intervals(self, process_mtbf_s: float | None, node_mtbf_s: float | None) -> AutoIntervals:
         """``auto_save``'s interval chooser, with the default failure rates when none are given."""
@@ -426,8 +470,8 @@ class CheckpointEngine:
         """Applies the deletion strategy after a commit newer than any that existed when this engine
         started: an engine that only loads never deletes checkpoints. ``committed`` is in commit order;
         the step committed last is never deleted, whatever its number."""
-        if self.ranks.rank != 0 or self.deletion_strategy is None or not committed:
-            return
+        if self.ranks.rank != 0 or self.deletion_strategy is None or not committed or self._layout is None:
+            return  # (without the records, what existed when this engine started is not known yet)
         if uses_clean_up(self.deletion_strategy):
             self._clean_up(committed)
             return

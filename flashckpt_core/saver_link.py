@@ -101,7 +101,11 @@ class SaverLink:
             self.client = None
         self._status_req = None
         hello = self.attach()
-        committed = set(hello.committed)
+        try:  # what the new saver found committed (a persist the old one committed was not lost)
+            committed = set(hello.committed if hello.records_ready else self.records(self.knobs.records_timeout_s))
+        except E.FlashCheckpointError as e:
+            log.warning("%s(): the new saver could not tell which steps are committed: %s", op, e)
+            committed = set()
         lost = sorted(s for s in self.requested if s not in committed)
         self.requested.clear()
         lost_note = f"; the persists of steps {lost} were lost" if lost else ""
@@ -126,6 +130,11 @@ class SaverLink:
                                   "StorageType.DISK again to persist")
         assert self.client is not None  # set by attach
         return self.client
+
+    def records(self, timeout: float) -> list[int]:
+        """Waits up to ``timeout`` seconds for the saver to ready the commit records; returns the steps
+        committed then (in commit order). Raises why they are not ready (``saver/housekeeping``)."""
+        return self.call(M.AwaitRecords(timeout_s=timeout), timeout=timeout + self.knobs.rpc_timeout_s).committed
 
     def call(self, req: M.Request[RP], *, on_reattach: Callable[[], None] | None = None,
              timeout: float | None = None) -> RP:
