@@ -584,13 +584,17 @@ class CheckpointEngine:
             resume_path: load this persisted file (or ``FileSet`` directory) instead (verified against
                 its manifest when listed).
             into: a state-dict tree of existing tensors (for example ``{"model": model.state_dict()}``;
-                for a ``FileSet``, ``{file name: tree}``). On a load from memory, every snapshot tensor
-                whose key path, dtype and shape match a contiguous tensor of ``into`` (a CPU tensor for a
-                CPU snapshot; a CUDA tensor for any, copied host-to-device straight from shared memory) is
-                copied straight into it (no new memory; the model's parameters are then already loaded) and
-                that tensor is returned in its place. Tensors saved from a GPU come back on that GPU. Loads
-                from an object store fill it the same way (ranged reads straight into its tensors); loads
-                from a file system ignore it.
+                for a ``FileSet``, ``{file name: tree}``), filled by one rule whatever the source (memory,
+                a file system, an object store, ``resume_path``): a tensor of ``into`` receives the saved
+                tensor at the same key path when dtype and shape are the same and it is a plain contiguous
+                CPU or CUDA tensor (whatever device the saved one was on); it is then returned in place of
+                the saved one, so the model's parameters are loaded already. Memory copies straight from
+                shared memory (host-to-device for CUDA tensors) and an object store reads straight into
+                them where it can; other tensors go through a copy. A tensor of ``into`` that the rule
+                leaves alone (another dtype or shape, or nothing at its key path) keeps its values, the
+                returned state dict holds what the checkpoint has there, and one warning names it. Saved
+                tensors that fill nothing come back as without ``into`` (from memory, tensors saved from
+                a GPU come back on that GPU; from storage, on the CPU).
 
         Returns:
             The state dict (a ``FileSet`` for sets), or ``{}`` when there is no checkpoint. ``last_load``
@@ -611,7 +615,7 @@ class CheckpointEngine:
     def _load(self, resume_path: str, into: Any) -> Any:
         t0 = time.perf_counter()
         if resume_path:
-            sd = self._loader.load_file(self._loader.resume_target(resume_path))
+            sd = self._loader.load_file(self._loader.resume_target(resume_path), into=into)
             self._loaded(None, "storage", t0, 0)
             return sd
         # A store without local files (an object store) is verified while it is read: a step whose file
