@@ -487,18 +487,28 @@ class CheckpointEngine:
     def close(self, release: bool = True) -> None:
         """Detaches from the saver. Scheduled persists still complete in the saver.
 
+        Every end of an engine keeps the newest state, the same way: ``close()``, ``close(release=False)``,
+        the end of a ``with`` block (with or without an exception) and an exit without ``close()`` all have
+        the node's saver persist and commit the newest snapshot in memory when it is newer than the last
+        commit (last words, in the background: ``close`` does not wait for it; ``FLASHCKPT_LAST_WORDS=0``
+        turns it off), so the next run resumes from it. What differs is only how long the snapshots stay
+        in memory. To know the state is committed before going on, save with ``StorageType.DISK`` and
+        ``wait()`` first (then there is nothing newer to persist).
+
         Args:
-            release: this rank is done with its snapshots: once every rank released, the saver exits
-                (after its persists) and frees the shared memory. With False (a crash or a planned
-                restart) the saver keeps the snapshots for its grace period so a new process can load
-                them from memory.
+            release: this rank is done with its snapshots: once every rank released, the saver writes
+                its last words, finishes its persists, exits and frees the shared memory (an engine
+                opened on the same dir meanwhile waits for that). With False (a planned restart; a crash
+                or an exception with a restart coming does the same) the saver also keeps the snapshots
+                for its grace period (``FLASHCKPT_SAVER_GRACE_S``), so a new process loads them from
+                memory.
         """
         self._close("release" if release else "keep")
 
     def _close(self, intent: str) -> None:
-        """``close`` with the goodbye's intent: "release" (done with the snapshots), "keep" (for a
-        restart within the saver's grace) or "persist" (the saver persists what is newer than the last
-        commit, then exits: nothing will come back for the snapshots)."""
+        """``close`` with the goodbye's intent: "release" (``close()``) or "persist" (an exit or an
+        exception without a restart coming): the saver exits once every rank left; "keep" (for a restart
+        within the saver's grace). Each keeps the newest snapshot (see ``close``)."""
         if self._closed:
             return
         self._closed = True

@@ -78,6 +78,7 @@ class _ClientInfo:
     local_rank: int = -1
     pid: int = 0
     final: bool = False
+    said_bye: bool = False
     persists: bool = False
     commit: dict[str, Any] | None = None
 
@@ -191,7 +192,6 @@ class SaverBase:
     _persisters: dict[int, _ClientInfo]
     _last_words_lock: threading.Lock
     _signalled: bool
-    _persist_on_exit: bool
     _agent: _Watch | None
     _sock: socket.socket | None
     _persist_seen: float

@@ -91,7 +91,6 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
         self._persisters: dict[int, _ClientInfo] = {}
         self._last_words_lock = threading.Lock()
         self._signalled = False
-        self._persist_on_exit = False  # a client's goodbye asked for its snapshots to be persisted
         self._agent: _Watch | None = None  # the launcher of the job, when it has one
         self._sock: socket.socket | None = None
         self._persist_seen = -float("inf")  # monotonic time of the last persist activity (spare slot hold)
@@ -183,13 +182,17 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
             log.info("adopted segment %s (steps %s)", path, [s for s, _ in seg.complete_steps()])
 
     def serve_forever(self) -> None:
-        """Runs until there is no client and no work: at once after final goodbyes, else after grace."""
+        """Runs until there is no client and no work: at once after final goodbyes, else after grace.
+
+        Every end of a trainer keeps its newest snapshot: when every client said a final goodbye (``close()``,
+        the end of a ``with`` block, an exit without ``close()``), the saver persists what is newer than the
+        last commit (last words), then exits; a client that leaves otherwise (a crash, ``close(release=
+        False)``) has it persisted at once and the snapshots kept for the grace period (``_serve_conn``)."""
         with self._cv:
             while not self._stop.is_set():
                 if not self._clients and self._inflight == 0:
                     if self._ever_clients and self._session_final:
-                        if self._persist_on_exit:
-                            self._signalled = True  # last words, then exit
+                        self._signalled = True  # last words, then exit
                         break
                     if self._agent is not None and self._agent.gone():
                         log.info("the job's launcher (pid %d) exited: no restart can come; exiting",
@@ -361,7 +364,11 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
                 gone = self._clients.pop(cid, None)
                 if gone is not None and not gone.final:
                     self._session_final = False
-                    log.warning("client rank %d (pid %d) disconnected without goodbye", gone.rank, gone.pid)
+                    if gone.said_bye:  # close(release=False): a restart is to load the snapshots
+                        log.info("client rank %d (pid %d) left keeping its snapshots for a restart", gone.rank,
+                                 gone.pid)
+                    else:
+                        log.warning("client rank %d (pid %d) disconnected without goodbye", gone.rank, gone.pid)
                     if self.knobs.last_words and not self._stop.is_set():
                         self._inflight += 1  # keeps the saver alive until the last words are written
                         self._spawn(self._last_words_thread, "last-words")
@@ -377,7 +384,6 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
                 return False
             if not self._clients:
                 self._session_final = True  # a new session of clients begins
-                self._persist_on_exit = False
             if agent > 0 and (self._agent is None or self._agent.pid != agent):
                 if self._agent is not None:
                     self._agent.close()
@@ -474,11 +480,11 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
         return M.GiveWayReply(giving_way=idle)
 
     def _on_bye(self, req: M.Bye, info: _ClientInfo | None) -> M.Reply:
+        """A goodbye: ``final`` (released: the last words come before the saver exits) or not (kept for a
+        restart: persisted at once). Every intent keeps the newest snapshot (``serve_forever``)."""
         if info is not None:
             info.final = req.final
-            if req.intent == "persist":
-                with self._cv:
-                    self._persist_on_exit = True
+            info.said_bye = True
         return M.Ok()
 
     def _on_q_put(self, req: M.QueuePut, info: _ClientInfo | None) -> M.Reply:
