@@ -259,8 +259,8 @@ def test_memory_snapshots_never_wait_while_persists_hold_slots(make_engine, runt
     saves = _Saves(eng, [(1, DISK), (2, DISK)] + [(s, MEMORY) for s in range(3, 10)])
     try:
         saves.start()
-        wait_for(lambda: not saves.is_alive(), 60,
-                 f"the snapshots to complete while the persists of steps 1 and 2 hold their slots ({saves.done} done)")
+        wait_for(lambda: not saves.is_alive(), 60, "the snapshots to complete while the persists of steps 1 and 2 "
+                 "hold their slots")
         assert not saves.error, saves.error
         assert saves.done == list(range(1, 10))
     finally:
@@ -315,6 +315,8 @@ def test_hf_trainer_snapshots_every_step_never_wait_for_its_disk_saves(tmp_path,
     worker's start, 0.8-1.5 s each time.)"""
     pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # recorded: Accelerate's CUDA probe may set it
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK")
     monkeypatch.setenv("FLASHCKPT_PERSIST_WORKER_IDLE_S", "600")  # the worker is there to freeze at step 4
     from test_hf import _hold_last_persist, make_trainer
     from test_hf import committed as hf_committed

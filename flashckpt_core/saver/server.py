@@ -94,6 +94,7 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
         self._agent: _Watch | None = None  # the launcher of the job, when it has one
         self._sock: socket.socket | None = None
         self._persist_seen = -float("inf")  # monotonic time of the last persist activity (spare slot hold)
+        self._spares_wanted = threading.Event()  # a persist was queued: the spare keeper reserves spares
         self._dir_fd: int | None = None  # the job dir, checked: everything in it is reached through this fd
         self._rep = None  # the peer service of a multi-node job (saver/replica), from the first hello
         self.stats = _Stats()
@@ -242,6 +243,7 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
     def shutdown(self, drain_timeout: float = 60.0) -> None:
         """Finishes running persists (bounded), stops serving, removes the job's segments, locks, socket."""
         self._stop.set()
+        self._spares_wanted.set()  # the spare keeper sees the stop now
         with self._cv:
             deadline = time.monotonic() + drain_timeout
             while self._inflight > 0 and time.monotonic() < deadline:
