@@ -449,13 +449,13 @@ class SharedMemoryHandler(SnapshotReader):
         the one holding the newest COMPLETE snapshot; a reserved one first (empty, else the oldest), else a
         spare, reserved now. When none is left (every slot held: more persists in flight than spares, or
         /dev/shm cannot hold a spare) it waits, bounded, and logs the wait (``_wait_for_slot``)."""
-        slot, why = self._claim(seg, spares=True)
-        return slot if slot is not None else self._wait_for_slot(seg, step, why)
+        slot, why, refused = self._claim(seg, spares=True)
+        return slot if slot is not None else self._wait_for_slot(seg, step, why, spares=not refused)
 
-    def _claim(self, seg: Segment, *, spares: bool) -> tuple[int | None, str]:
+    def _claim(self, seg: Segment, *, spares: bool) -> tuple[int | None, str, bool]:
         """One try of ``_acquire_slot``: the slot claimed (WRITING, with a new generation and the next save
-        sequence number), or None and why no slot could be taken (the slots' holders, or /dev/shm's refusal
-        of a spare). ``spares``: reserving a spare may be tried."""
+        sequence number), or None and why no slot could be taken (what held the slots, or /dev/shm's refusal
+        of a spare); and whether /dev/shm refused a spare. ``spares``: reserving a spare may be tried."""
         with self._lock:
             hs = [seg.header(i) for i in range(seg.nslots)]
             newest = max((i for i, h in enumerate(hs) if h.state == COMPLETE),
@@ -472,18 +472,17 @@ class SharedMemoryHandler(SnapshotReader):
                         seg.reserve(i)
                     except OSError as e:  # the other spares would not fit either
                         return None, (f"/dev/shm cannot hold another slot ({seg.slot_size} bytes: {e}); "
-                                      f"held: {_holders(hs, newest)}")
+                                      f"held: {_holders(hs, newest)}"), True
                 seq = self._next_seq(seg)
                 seg.write_header(i, SlotHeader(WRITING, 0, h.step, h.generation + 1, 0, 0, 0, 0, 0.0, seq))
-                return i, ""
-            return None, f"every slot was held: {_holders(hs, newest)}"
+                return i, "", False
+            return None, f"every slot was held: {_holders(hs, newest)}", False
 
-    def _wait_for_slot(self, seg: Segment, step: int, why: str) -> int:
+    def _wait_for_slot(self, seg: Segment, step: int, why: str, *, spares: bool) -> int:
         """Waits (bounded by ``slot_wait_timeout``) until a slot is free, claims it, and logs the wait once,
-        at WARNING: its step, how long it took and what held the slots when it began. A snapshot is never
-        skipped. Once /dev/shm refused a spare, only reserved slots are tried."""
+        at WARNING: its step, how long it took and ``why`` (what held the slots when it began). A snapshot is
+        never skipped. ``spares`` False (/dev/shm refused one): only reserved slots are tried."""
         t0 = time.monotonic()
-        spares = not why.startswith("/dev/shm")
         delay = 0.0005
         while True:
             if time.monotonic() - t0 >= self.slot_wait_timeout:
@@ -493,7 +492,7 @@ class SharedMemoryHandler(SnapshotReader):
                     "Persist less often, or check that the saver is alive (flashckpt ls).")
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
-            slot, _ = self._claim(seg, spares=spares)
+            slot, _, _ = self._claim(seg, spares=spares)
             if slot is not None:
                 log.warning("save(step %d): waited %.3f s for a snapshot slot of local rank %d: %s. A snapshot waits "
                             "only while every slot is held (up to FLASHCKPT_SPARE_SLOTS spare slots, one per "
