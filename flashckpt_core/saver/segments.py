@@ -73,7 +73,7 @@ class SegmentsPart(SaverBase):
         period) to give way, the longest idle first, until ``need`` bytes are free. Each persists what
         is newer than its last commit, then exits and frees its shared memory. Returns the bytes free."""
         if self.knobs.shm_limit_bytes and \
-                self.knobs.shm_limit_bytes - sum(seg.size for seg in self._segments.values()) < need:
+                self.knobs.shm_limit_bytes - sum(seg.reserved_bytes() for seg in self._segments.values()) < need:
             return self._shm_free()  # this job's own limit binds: other jobs' memory would not help
         root = os.path.dirname(self.job_dir)
         idle: list[tuple[float, str, Client]] = []
