@@ -29,7 +29,7 @@ import torch
 from .errors import InvalidStateDictError
 
 __all__ = ["TensorMeta", "Flat", "flatten", "flatten_like", "unflatten", "encode_opaque", "decode_opaque", "map_tree",
-           "gc_paused"]
+           "map_tree_paths", "gc_paused"]
 
 _PLAIN = (str, int, float, bool, type(None))
 _RAW = (str, int, type(None))  # appear in the skeleton as themselves
@@ -57,22 +57,34 @@ def map_tree(tree: Any, fn: Callable[[Any], Any], leaves: tuple[type, ...] = (to
     """``tree`` with every instance of ``leaves`` in its dicts, lists and tuples (named tuples too) replaced by
     ``fn`` of it. Dicts keep their class and attributes (a state dict's ``_metadata``); a dict subclass that
     cannot be made empty becomes a plain dict."""
+    return _map(tree, lambda _path, x: fn(x), leaves, None)
+
+
+def map_tree_paths(tree: Any, fn: Callable[[tuple[Any, ...], Any], Any],
+                   leaves: tuple[type, ...] = (torch.Tensor,)) -> Any:
+    """``map_tree`` with ``fn(key path, leaf)``: the key path as ``tensors_by_path`` names it (dict keys and
+    list or tuple indices from the root)."""
+    return _map(tree, fn, leaves, ())
+
+
+def _map(tree: Any, fn: Callable[[Any, Any], Any], leaves: tuple[type, ...], path: tuple[Any, ...] | None) -> Any:
+    """``map_tree``'s walk; ``path`` None: no key paths are built (``fn`` gets None)."""
     if isinstance(tree, leaves):
-        return fn(tree)
+        return fn(path, tree)
     if isinstance(tree, dict):
         try:
             out = type(tree)()
         except TypeError:
             out = {}
         for k, v in tree.items():
-            out[k] = map_tree(v, fn, leaves)
+            out[k] = _map(v, fn, leaves, None if path is None else path + (k,))
         if hasattr(tree, "__dict__") and hasattr(out, "__dict__"):
             out.__dict__.update(tree.__dict__)
         return out
-    if isinstance(tree, list):
-        return [map_tree(v, fn, leaves) for v in tree]
-    if isinstance(tree, tuple):
-        vals = [map_tree(v, fn, leaves) for v in tree]
+    if isinstance(tree, (list, tuple)):
+        vals = [_map(v, fn, leaves, None if path is None else path + (i,)) for i, v in enumerate(tree)]
+        if isinstance(tree, list):
+            return vals
         return type(tree)(*vals) if hasattr(tree, "_fields") else type(tree)(vals)
     return tree
 

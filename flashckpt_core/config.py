@@ -46,15 +46,19 @@ class Knobs:
         shm_limit_bytes: pretend /dev/shm has at most this many free bytes (0 = real); FLASHCKPT_SHM_LIMIT_BYTES.
         grace_s: how long a saver with no clients keeps snapshots for a restarted trainer; FLASHCKPT_SAVER_GRACE_S.
         copy_threads: threads that copy tensors into shared memory; FLASHCKPT_COPY_THREADS.
-        slots: snapshot slots per segment (1 or 2); FLASHCKPT_SLOTS. Two come with a spare third slot
-            whose memory is reserved only while a persist holds one slot and the other holds the newest
-            snapshot, so a snapshot neither waits for a persist nor overwrites the newest complete one
-            (up to 3x the state in /dev/shm while a persist runs; when /dev/shm cannot hold the spare
-            the snapshot waits for the persist). One slot holds 1x: a kill mid-copy loses the snapshot.
+        slots: snapshot slots per segment (1 or 2); FLASHCKPT_SLOTS. Two come with ``spare_slots`` spare
+            slots whose memory is reserved only while persists (or backups to a partner node) hold slots:
+            one more per slot held, so that a snapshot neither waits for a persist nor overwrites the
+            newest complete one (2x the state in /dev/shm, plus 1x per persist in flight; when /dev/shm
+            cannot hold another slot, or every slot is held, the snapshot waits and logs the wait). One
+            slot holds 1x: a kill mid-copy loses the snapshot, and a snapshot waits for a persist of it.
+        spare_slots: the most spare slots of a two-slot segment (0-16, default 4): snapshots never wait
+            while fewer persists than this are in flight for the local rank; FLASHCKPT_SPARE_SLOTS.
         commit_timeout_s: how long a committing saver waits for the other ranks' files; FLASHCKPT_COMMIT_TIMEOUT_S.
         rpc_timeout_s: bound on one control round trip to the saver; FLASHCKPT_RPC_TIMEOUT_S.
         spawn_timeout_s: bound on starting the saver daemon; FLASHCKPT_SPAWN_TIMEOUT_S.
-        last_words: persist the newest snapshot when a trainer dies or on SIGTERM; FLASHCKPT_LAST_WORDS (1/0).
+        last_words: persist the newest snapshot (when newer than the last commit) when a trainer ends (a
+            crash, ``close()``, an exit) or on SIGTERM; FLASHCKPT_LAST_WORDS (1/0).
         term_timeout_s: bound on the last-words persist after SIGTERM; FLASHCKPT_TERM_TIMEOUT_S.
         persist_nice: how much lower the saver's persist threads run than training (Linux nice
             increment, 0-19; 0 = the same); FLASHCKPT_PERSIST_NICE. Persisting is background work: where
@@ -62,11 +66,11 @@ class Knobs:
         persist_worker_idle_s: how long the saver's persist worker (the process that writes the files,
             and the only one that loads torch: ~250 MB) stays after its last persist; the next persist
             starts a new one (1-2 s); FLASHCKPT_PERSIST_WORKER_IDLE_S.
-        spare_hold_s: how long a segment's spare snapshot slot stays reserved after the last persist
-            that needed it held a slot (0: given back as soon as no persist holds a slot). Reserving it
+        spare_hold_s: how long a segment's spare snapshot slots stay reserved after the last persist
+            that needed them held a slot (0: given back as soon as no persist holds a slot). Reserving one
             again costs a first touch of fresh shared memory (~0.8 s per GB here), so with persists
-            every few steps it is kept; a full /dev/shm (an allocation that does not fit) takes it back
-            at once. FLASHCKPT_SPARE_HOLD_S.
+            every few steps they are kept; a full /dev/shm (an allocation that does not fit) takes them
+            back at once. FLASHCKPT_SPARE_HOLD_S.
         scratch_dir: where the adapters stage a snapshot's files for a framework that reads or writes a
             directory (the HF Trainer, Lightning, DeepSpeed), unless their own ``scratch_dir`` says
             otherwise ("": /dev/shm when writable, else the system temp dir); FLASHCKPT_SCRATCH_DIR.
@@ -90,6 +94,7 @@ class Knobs:
     spare_hold_s: float = 60.0
     scratch_dir: str = ""
     records_timeout_s: float = 300.0
+    spare_slots: int = 4
 
     @staticmethod
     def from_env() -> Knobs:
@@ -113,6 +118,7 @@ class Knobs:
             spare_hold_s=max(0.0, _env_float("FLASHCKPT_SPARE_HOLD_S", 60.0)),
             scratch_dir=os.environ.get("FLASHCKPT_SCRATCH_DIR", ""),
             records_timeout_s=max(0.0, _env_float("FLASHCKPT_RECORDS_TIMEOUT_S", 300.0)),
+            spare_slots=max(0, min(16, _env_int("FLASHCKPT_SPARE_SLOTS", 4))),
         )
 
 

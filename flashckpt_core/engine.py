@@ -578,19 +578,29 @@ class CheckpointEngine:
     def close(self, release: bool = True) -> None:
         """Detaches from the saver. Scheduled persists still complete in the saver.
 
+        Every end of an engine keeps the newest state, the same way: ``close()``, ``close(release=False)``,
+        the end of a ``with`` block (with or without an exception) and an exit without ``close()`` all have
+        the node's saver persist and commit the newest snapshot in memory when it is newer than the last
+        commit (last words, in the background: ``close`` does not wait for it; ``FLASHCKPT_LAST_WORDS=0``
+        turns it off), so the next run resumes from it. What differs is only how long the snapshots stay
+        in memory. To know the state is committed before going on, save with ``StorageType.DISK`` and
+        ``wait()`` first (then there is nothing newer to persist).
+
         Args:
-            release: this rank is done with its snapshots: once every rank released, the saver exits
-                (after its persists) and frees the shared memory. With False (a crash or a planned
-                restart) the saver keeps the snapshots for its grace period so a new process can load
-                them from memory.
+            release: this rank is done with its snapshots: once every rank released, the saver writes
+                its last words, finishes its persists, exits and frees the shared memory (an engine
+                opened on the same dir meanwhile waits for that). With False (a planned restart; a crash
+                or an exception with a restart coming does the same) the saver also keeps the snapshots
+                for its grace period (``FLASHCKPT_SAVER_GRACE_S``), so a new process loads them from
+                memory.
         """
         self._close("release" if release else "keep")
 
     @_engine_call("close", renew=False, forked_detaches=True)
     def _close(self, intent: str) -> None:
-        """``close`` with the goodbye's intent: "release" (done with the snapshots), "keep" (for a
-        restart within the saver's grace) or "persist" (the saver persists what is newer than the last
-        commit, then exits: nothing will come back for the snapshots)."""
+        """``close`` with the goodbye's intent: "release" (``close()``) or "persist" (an exit or an
+        exception without a restart coming): the saver exits once every rank left; "keep" (for a restart
+        within the saver's grace). Each keeps the newest snapshot (see ``close``)."""
         if self._closed:
             return
         self._closed = True
@@ -704,13 +714,17 @@ class CheckpointEngine:
             resume_path: load this persisted file (or ``FileSet`` directory) instead (verified against
                 its manifest when listed).
             into: a state-dict tree of existing tensors (for example ``{"model": model.state_dict()}``;
-                for a ``FileSet``, ``{file name: tree}``). On a load from memory, every snapshot tensor
-                whose key path, dtype and shape match a contiguous tensor of ``into`` (a CPU tensor for a
-                CPU snapshot; a CUDA tensor for any, copied host-to-device straight from shared memory) is
-                copied straight into it (no new memory; the model's parameters are then already loaded) and
-                that tensor is returned in its place. Tensors saved from a GPU come back on that GPU. Loads
-                from an object store fill it the same way (ranged reads straight into its tensors); loads
-                from a file system ignore it.
+                for a ``FileSet``, ``{file name: tree}``), filled by one rule whatever the source (memory,
+                a file system, an object store, ``resume_path``): a tensor of ``into`` receives the saved
+                tensor at the same key path when dtype and shape are the same and it is a plain contiguous
+                CPU or CUDA tensor (whatever device the saved one was on); it is then returned in place of
+                the saved one, so the model's parameters are loaded already. Memory copies straight from
+                shared memory (host-to-device for CUDA tensors) and an object store reads straight into
+                them where it can; other tensors go through a copy. A tensor of ``into`` that the rule
+                leaves alone (another dtype or shape, or nothing at its key path) keeps its values, the
+                returned state dict holds what the checkpoint has there, and one warning names it. Saved
+                tensors that fill nothing come back as without ``into`` (from memory, tensors saved from
+                a GPU come back on that GPU; from storage, on the CPU).
 
         Returns:
             The state dict (a ``FileSet`` for sets), or ``{}`` when there is no checkpoint. ``last_load``
@@ -731,7 +745,7 @@ class CheckpointEngine:
     def _load(self, resume_path: str, into: Any) -> Any:
         t0 = time.perf_counter()
         if resume_path:
-            sd = self._loader.load_file(self._loader.resume_target(resume_path))
+            sd = self._loader.load_file(self._loader.resume_target(resume_path), into=into)
             self._loaded(None, "storage", t0, 0)
             return sd
         # A store without local files (an object store) is verified while it is read: a step whose file

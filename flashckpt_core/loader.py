@@ -2,8 +2,9 @@
 user names, through the storage backend, verified against the manifest when it lists them.
 
 A local file is opened directly (``torch.load``). A file in a store without local paths (an object store)
-is read with ranged reads straight into the tensors' memory, or into the caller's tensors (``into``), and
-its checksum checked on the way (``remote_load``). A step every rank loads the same file of (replicated:
+is read with ranged reads straight into the tensors' memory, or into the caller's tensors, and its checksum
+checked on the way (``remote_load``). ``into`` (the caller's tensors) is filled by the same rule from every
+source (``_into``). A step every rank loads the same file of (replicated:
 DDP) is downloaded once per node, into the job's runtime dir in shared memory, and mapped by every local
 rank (``torch.load(mmap=True)``); those downloads go at the next save (``drop_downloads``)."""
 
@@ -22,6 +23,7 @@ import xxhash
 
 from . import errors as E
 from . import locations
+from ._into import Into
 from .commit import CommitLayout
 from .files import FileEntry, FileSet
 from .ipc import SharedLock
@@ -63,7 +65,7 @@ class StorageLoader:
 
     def load_step(self, step: int, *, into: Any = None) -> Any:
         """This rank's files of committed ``step`` (a ``FileSet`` for sets; ``into`` as for
-        ``CheckpointEngine.load``: filled where the store is read remotely).
+        ``CheckpointEngine.load``).
 
         Raises:
             CheckpointCorruptError: a file does not match the manifest (read from an object store; a
@@ -122,7 +124,9 @@ class StorageLoader:
         more = f" (and {len(steps) - limit} older)" if len(steps) > limit else ""
         return f"committed steps in {self.layout.root}{more}: " + "; ".join(parts)
 
-    def load_file(self, path: str) -> Any:
+    def load_file(self, path: str, *, into: Any = None) -> Any:
+        """The file (or ``FileSet`` directory) ``path`` that ``load(resume_path)`` names, verified against the
+        manifest that lists it (when one does); ``into`` as for ``CheckpointEngine.load``."""
         rel = self.layout.rel(path)
         for step in reversed(self.layout.committed_steps()):
             try:
@@ -137,14 +141,14 @@ class StorageLoader:
                         bad = [p for f in listed for p in self.mismatch(f, step)]
                         if bad:
                             raise E.CheckpointCorruptError("load(): " + "; ".join(bad))
-                        return self.load_fileset(listed)
+                        return self.load_fileset(listed, into=into)
             for f in m.all_files():
                 if f.path == rel:
                     bad = self.mismatch(f, step)
                     if bad:
                         raise E.CheckpointCorruptError("load(): " + bad[0])
-                    return self.torch_load(path)
-        return self.torch_load(path)
+                    return self.torch_load(path, into=into)
+        return self.torch_load(path, into=into)
 
     def mismatch(self, f: Any, step: int) -> list[str]:
         path = self.layout.abs(f.path)
@@ -155,26 +159,29 @@ class StorageLoader:
     def torch_load(self, path: str, *, record: FileRecord | None = None, into: Any = None,
                    shared: bool = False) -> Any:
         """``torch.load`` of ``path`` through the backend (see the module docstring); ``record``: its
-        manifest entry (size and checksum), ``shared``: the node's other ranks read it too."""
+        manifest entry (size and checksum), ``shared``: the node's other ranks read it too; ``into``: the
+        caller's tensors to fill (``CheckpointEngine.load``; the rule: ``_into``)."""
         try:
             storage = self.layout.storage  # through the backend; a local file is opened directly
             local = storage.local_path(path)
             if local is not None:
-                return torch.load(local, map_location="cpu", weights_only=self.weights_only)
-            if record is None:
+                sd = torch.load(local, map_location="cpu", weights_only=self.weights_only)
+            elif record is None:
                 with storage.open_read(path) as f:
-                    return torch.load(f, map_location="cpu", weights_only=self.weights_only)
-            cached = self._download(path, record) if shared and self.cache_dir else None
-            if cached is not None:
-                return torch.load(cached, map_location="cpu", weights_only=self.weights_only, mmap=True)
-            return load_remote(storage, path, size=record.size, xxh3=record.xxh3, weights_only=self.weights_only,
-                               into=into)
+                    sd = torch.load(f, map_location="cpu", weights_only=self.weights_only)
+            else:
+                cached = self._download(path, record) if shared and self.cache_dir else None
+                if cached is None:  # ranged reads, into the tensors of ``into`` where they can go straight
+                    return load_remote(storage, path, size=record.size, xxh3=record.xxh3,
+                                       weights_only=self.weights_only, into=into)
+                sd = torch.load(cached, map_location="cpu", weights_only=self.weights_only, mmap=True)
         except Exception as e:
             if self.weights_only and "weights_only" in str(e):
                 raise E.FlashCheckpointError(
                     f"load(): {path} holds Python objects that torch.load(weights_only=True) refuses. If the "
                     "checkpoint is trusted, construct the engine with weights_only=False.") from e
             raise
+        return Into(into).fill(sd, source=path)
 
     def _download(self, path: str, rec: FileRecord) -> str | None:
         """The node's one download of ``path`` in the job's runtime dir (the first rank downloads it under

@@ -329,7 +329,9 @@ class GiveWay(Request[GiveWayReply]):
 
 @dataclass(frozen=True)
 class Bye(Request[Ok]):
-    """The client's goodbye: ``final`` (no restart expected), ``intent`` "persist" asks for last words."""
+    """The client's goodbye: ``final`` (no restart expected: the saver exits once every client said it) or
+    not (the snapshots are kept for a restart). Either way the saver persists the newest snapshot when it
+    is newer than the last commit. ``intent`` ("release", "keep", "persist") says which end it was."""
 
     final: bool = True
     intent: str | None = None

@@ -5,8 +5,9 @@ and verified against the file's xxh3 as a whole.
 How: ``torch.load(map_location="meta")`` over ``RangeFile`` (a seekable view of the stored file that reads
 ranges on demand, with read-ahead) reads only the archive's directory and pickle: it gives the state
 dict's tree with meta tensors whose storages carry their data offsets in the file (``_checkpoint_offset``;
-tied tensors share an offset). Each storage then gets its memory: the matching tensor of ``into`` (same key
-path, dtype and shape, contiguous, owning exactly that storage) or a new one. The whole file is read once,
+tied tensors share an offset). Each storage then gets its memory: the CPU tensor of ``into`` that the rule
+of ``_into`` matches, where it owns exactly that storage's bytes, or a new one (``Into.fill`` then copies
+the tensors that fill ``into`` another way: shared storages, views, CUDA tensors). The whole file is read once,
 cut into segments in file order (the storages' bytes into their memory, the few bytes between them into a
 small buffer), by ``CheckpointStorage.read_scatter`` (object stores: a few large ranged GETs at once,
 each filling the segments it covers); the segments are hashed in order and compared with the manifest's
@@ -22,6 +23,7 @@ import torch
 import xxhash
 
 from . import errors as E
+from ._into import Into
 from ._rawio import SeekableReader
 from ._tree import map_tree, tensors_by_path
 from .storage import CheckpointStorage
@@ -73,8 +75,8 @@ def load_remote(storage: CheckpointStorage, path: str, *, size: int, xxh3: str |
 
     Args:
         size / xxh3: the file's size and checksum from its manifest (``xxh3`` None: not verified).
-        into: a tree of existing CPU tensors to fill where key path, dtype and shape match (they are
-            returned in place of new tensors).
+        into: the caller's tensors to fill (``CheckpointEngine.load``; the rule: ``_into``), returned in
+            place of new ones.
 
     Raises:
         CheckpointCorruptError: the file does not match ``size``/``xxh3``, or is not a ``torch.save`` zip.
@@ -99,16 +101,15 @@ def load_remote(storage: CheckpointStorage, path: str, *, size: int, xxh3: str |
             raise E.CheckpointCorruptError(f"{path}: torch gave no data offset for the storage of {p}")
         spans[off] = st.nbytes()
         owners.setdefault(off, []).append((p, t))
-    targets = tensors_by_path(into) if into is not None else {}
+    fill = Into(into)
     memory: dict[int, torch.UntypedStorage] = {}
     for off, nbytes in spans.items():
         mem = None
         uses = owners[off]
-        if len(uses) == 1:
+        if len(uses) == 1:  # the ranged reads go straight into a CPU tensor of ``into`` that is the whole storage
             p, t = uses[0]
-            d = targets.get(p)
-            if (d is not None and d.device.type == "cpu" and d.layout == torch.strided and d.is_contiguous()
-                    and d.dtype == t.dtype and d.shape == t.shape and d.storage_offset() == 0
+            d = fill.target(p, t.dtype, tuple(t.shape))
+            if (d is not None and d.device.type == "cpu" and d.storage_offset() == 0
                     and t.storage_offset() == 0 and t.is_contiguous()
                     and d.untyped_storage().nbytes() == nbytes == t.numel() * t.element_size()):
                 mem = d.untyped_storage()
@@ -138,7 +139,7 @@ def load_remote(storage: CheckpointStorage, path: str, *, size: int, xxh3: str |
     def real(t: torch.Tensor) -> torch.Tensor:
         off: int = getattr(t.untyped_storage(), "_checkpoint_offset")  # noqa: B009 - set by torch.load
         st = memory[off]
-        dst = targets.get(owners[off][0][0]) if len(owners[off]) == 1 else None
+        dst = fill.targets.get(owners[off][0][0]) if len(owners[off]) == 1 else None
         if dst is not None and dst.untyped_storage().data_ptr() == st.data_ptr():
             return dst  # filled in place
         out = torch.empty(0, dtype=t.dtype).set_(st, t.storage_offset(), t.shape, t.stride())
@@ -146,4 +147,4 @@ def load_remote(storage: CheckpointStorage, path: str, *, size: int, xxh3: str |
             return torch.nn.Parameter(out, requires_grad=t.requires_grad)
         return out.requires_grad_(t.requires_grad) if t.requires_grad else out
 
-    return map_tree(meta_tree, real)
+    return fill.fill(map_tree(meta_tree, real), source=path)

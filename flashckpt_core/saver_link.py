@@ -59,9 +59,11 @@ class SaverLink:
     def attach(self) -> M.HelloReply:
         """Connects to the job's saver (starting one when none runs) and says hello; returns its reply."""
         # The job's saver may be exiting at this very moment (an engine of this job just said its final
-        # goodbye): it then refuses the hello or drops the connection (SaverError). Retry, bounded, until
-        # a live saver accepts us, or the new one ensure_saver starts once the old one has cleaned up.
-        deadline = time.monotonic() + self.knobs.spawn_timeout_s
+        # goodbye): it then refuses the hello or drops the connection (SaverError), while it persists its
+        # last words (bounded by term_timeout_s) and cleans up. Retry, bounded, until a live saver accepts
+        # us, or the new one ensure_saver starts once the old one is gone.
+        deadline = time.monotonic() + self.knobs.spawn_timeout_s + self.knobs.term_timeout_s
+        delay = 0.01
         while True:
             client = ensure_saver(self.job_dir, self.checkpoint_dir, self.knobs, storage=self._storage,
                                   storage_options=self._storage_options)
@@ -72,7 +74,8 @@ class SaverLink:
                 client.close()
                 if time.monotonic() >= deadline:
                     raise
-                time.sleep(0.01)
+                time.sleep(delay)
+                delay = min(delay * 2, 0.2)
         self.client = client
         self.cursor = hello.cursor or 0  # errors before we attached belong to an earlier run
         self.saver_pid = hello.pid

@@ -21,11 +21,12 @@ starts a new timeline): readers see only the live ones, ``live_snapshots``.
 A trainer never writes the slot holding the newest COMPLETE snapshot (with two or more slots), nor a
 slot pinned by the saver (a persist reading it) or pending (a persist requested but not started): so a
 kill at any point of a copy leaves the newest complete snapshot intact. The default segment has two
-slots plus a spare (``FLAG_UNRESERVED``): its header page exists but its memory is reserved only when
-a snapshot finds every other slot busy (one persisting, the other the newest), and given back by the
-saver once no persist holds a slot (``Segment.release``); so a snapshot never waits for a persist and
-the third slot's memory is held only while a persist runs. When /dev/shm cannot hold it, the snapshot
-waits (bounded) for the persist instead and says so in the log. Readers accept a slot only when it is
+slots plus spares (``FLAG_UNRESERVED``, ``FLASHCKPT_SPARE_SLOTS``, 4): their header pages exist but their
+memory is reserved only while persists hold slots (one spare per slot held, reserved by the saver as a
+persist is queued, or by a snapshot that finds no other slot), and given back by the saver once no
+persist holds a slot (``Segment.release``); so a snapshot never waits for a persist, and the spares'
+memory is held only while persists run. When /dev/shm cannot hold another slot, or every slot is held,
+the snapshot waits (bounded) for a persist instead and logs how long. Readers accept a slot only when it is
 COMPLETE and its generation is unchanged after the read. Slot flags change only under the segment's
 SharedLock.
 """

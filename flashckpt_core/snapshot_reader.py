@@ -28,16 +28,16 @@ import torch
 from . import _cuda, locations
 from . import errors as E
 from ._copy import Copier, file_reader
+from ._into import Into
 from ._tree import (
     TensorMeta,
     build_tensor,
     contiguous_strides,
     decode_opaque,
-    dtype_name,
+    dtype_from_name,
     gc_paused,
     split_opaque,
     tensor_paths,
-    tensors_by_path,
     unflatten,
 )
 from .config import Knobs, job_dir
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 __all__ = ["SnapshotReader", "SnapshotInfo", "Snapshot", "read_snapshot", "job_in_memory"]
 
 _CPU = torch.device("cpu")
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a subclass (a DTensor's shape is not its local shard's)
 
 
 @dataclass
@@ -89,10 +88,11 @@ def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None =
                   weights_only: bool = False, into: Any = None) -> Snapshot | None:
     """Copies slot ``slot`` out of shared memory; None when it is not a COMPLETE, untorn snapshot.
 
-    With ``into`` (a state-dict tree), a snapshot tensor whose key path, dtype and shape match a
-    contiguous tensor of ``into`` (CPU for a CPU snapshot; CUDA for any) is copied straight into that
-    tensor, which is returned in its place: no new memory, one copy at memcpy (or PCIe) speed. Other
-    tensors are copied into new storages, on the GPU they were saved from where this process has it."""
+    With ``into`` (a state-dict tree), the tensors of ``into`` that the rule of ``_into`` matches (same key
+    path, dtype and shape; a plain contiguous CPU or CUDA tensor) are filled and returned in place of the
+    snapshot's, most straight from the slot (no new memory, one copy at memcpy or PCIe speed); the others
+    are left alone (one warning names them). Snapshot tensors that fill nothing are copied into new
+    storages, on the GPU they were saved from where this process has it."""
     h = seg.header(slot)
     if h.state != COMPLETE or (step is not None and h.step != step):
         return None
@@ -109,28 +109,28 @@ def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int |
     tasks = []
     # (CUDA storage, byte offset in it, offset in the segment, bytes): copied host-to-device from the mapping
     device_tasks: list[tuple[torch.UntypedStorage, int, int, int]] = []
-    if into is not None:
-        targets = tensors_by_path(into)
+    fill = Into(into)
+    if fill:
         paths = tensor_paths(meta["tree"])
         if paths and all(len(p) >= 3 and p[0] == FILES_KEY and p[2] == "d" for p in paths):
-            paths = [(p[1], *p[3:]) for p in paths]  # a FileSet: ``into`` is {file name: tree}
+            fill = Into(FileSet.encode_into(into))  # a FileSet: ``into`` is {file name: tree}
+        # Straight from the slot into the tensors ``into`` gives (the rule: ``_into``) where the snapshot
+        # tensor is laid out contiguously: a CPU tensor takes the bytes by a host copy, a CUDA tensor
+        # host-to-device, whatever device the snapshot came from. ``fill.fill`` copies the other matches.
         for i, (m, path) in enumerate(zip(metas, paths)):
-            t = targets.get(path)
-            # A CPU tensor takes a CPU snapshot's bytes; a CUDA tensor any snapshot's (host-to-device).
-            if (t is not None and type(t) in _PLAIN and t.layout == torch.strided and t.is_contiguous()
-                    and (t.is_cuda or (t.device.type == "cpu" and m.device == "cpu"))
-                    and tuple(t.shape) == m.shape and dtype_name(t.dtype) == m.dtype
-                    and m.stride == contiguous_strides(m.shape)):
-                n = t.numel() * t.element_size()
-                start = m.storage_offset * t.element_size()
-                if start + n > m.nbytes:
-                    continue  # not a view inside its region (cannot happen for a valid snapshot)
-                if n and t.is_cuda:
-                    device_tasks.append((t.untyped_storage(), int(t.storage_offset()) * t.element_size(),
-                                         data + m.offset + start, n))
-                elif n:
-                    tasks.append((t.data_ptr(), data + m.offset + start, n))
-                direct[i] = t
+            t = fill.target(path, dtype_from_name(m.dtype), m.shape)
+            if t is None or m.stride != contiguous_strides(m.shape):
+                continue
+            n = t.numel() * t.element_size()
+            start = m.storage_offset * t.element_size()
+            if start + n > m.nbytes:
+                continue  # not a view inside its region (cannot happen for a valid snapshot)
+            if n and t.is_cuda:
+                device_tasks.append((t.untyped_storage(), int(t.storage_offset()) * t.element_size(),
+                                     data + m.offset + start, n))
+            elif n:
+                tasks.append((t.data_ptr(), data + m.offset + start, n))
+            direct[i] = t
     regions: dict[tuple[int, int], torch.UntypedStorage] = {}
     for i, m in enumerate(metas):
         key = (m.offset, m.nbytes)
@@ -168,7 +168,8 @@ def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int |
             tensors.append(direct[i])
             continue
         tensors.append(build_tensor(regions[(m.offset, m.nbytes)], m))
-    return Snapshot(h.step, unflatten(meta["tree"], tensors, opaque), meta.get("name", ""), h.tensor_bytes)
+    state = fill.fill(unflatten(meta["tree"], tensors, opaque), source=f"memory (step {h.step})")
+    return Snapshot(h.step, state, meta.get("name", ""), h.tensor_bytes)
 
 
 def _device_of(device: str) -> torch.device:

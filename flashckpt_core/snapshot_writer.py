@@ -43,6 +43,9 @@ from .ipc import SharedLock
 from .segment import (
     COMPLETE,
     EMPTY,
+    FLAG_PENDING,
+    FLAG_PINNED,
+    FLAG_SENDING,
     FLAG_UNRESERVED,
     FLAGS_BUSY,
     WRITING,
@@ -203,6 +206,21 @@ def _take_writer_lease(job_dir: str, local_rank: int, info: dict[str, Any]) -> L
         "the other CheckpointEngine first, or give each job its own FLASHCKPT_JOB_ID or checkpoint dir.")
 
 
+def _holders(hs: list[SlotHeader], newest: int | None) -> str:
+    """What holds a segment's slots, for a log line: "step 1 (being persisted), step 3 (the newest snapshot)"."""
+    out = []
+    for i, h in enumerate(hs):
+        what = ["being persisted" if h.flags & FLAG_PINNED else "queued to persist"] \
+            if h.flags & (FLAG_PINNED | FLAG_PENDING) else []
+        if h.flags & FLAG_SENDING:
+            what.append("being sent to a partner node")
+        if i == newest:
+            what.append("the newest snapshot")
+        if what:
+            out.append(f"step {h.step} ({', '.join(what)})")
+    return ", ".join(out) or "none"
+
+
 class SharedMemoryHandler(SnapshotReader):
     """The trainer's side of one local rank's segment: writes snapshots, reads them back (as a
     ``SnapshotReader``; a handler without an allocator is one, made from a runtime dir).
@@ -215,7 +233,7 @@ class SharedMemoryHandler(SnapshotReader):
             writer lease until ``close`` (released by the kernel if the process dies), and a second
             writer's save is refused. Reading takes no lease.
         copier: the thread pool that copies bytes (one is made when None).
-        slot_wait_timeout: bound on waiting for a free slot while both are busy persisting.
+        slot_wait_timeout: bound on waiting for a free slot while every slot is held for persists.
         weights_only: decode opaque leaves of loaded snapshots only into the types
             ``torch.load(weights_only=True)`` accepts; a writer then refuses, before writing anything, a
             state dict holding a leaf that would not load back under those rules.
@@ -245,7 +263,6 @@ class SharedMemoryHandler(SnapshotReader):
         self._stream: Any = None
         self.slot_wait_timeout = slot_wait_timeout
         self._seq = -1  # the highest save sequence number seen; -1 until the live segments were read
-        self._warned_spare: set[str] = set()
         self._loadable: set[int] = set()  # digests of opaque leaves known to load under weights_only
 
     # ------------------------------------------------------------------ write
@@ -304,7 +321,7 @@ class SharedMemoryHandler(SnapshotReader):
             seg = self._segment_for(len(meta), plan.tensor_bytes + len(blob))
             if self._cuda_registered:
                 self._release_stale_registrations(seg)
-            slot = self._acquire_slot(seg)
+            slot = self._acquire_slot(seg, step)
             try:
                 device_done = self._copy_cuda(seg, slot, [(flat.tensors[i], off, n) for i, off, n in plan.device_copies]) \
                     if plan.device_copies else None
@@ -430,49 +447,62 @@ class SharedMemoryHandler(SnapshotReader):
         self._seq = max([self._seq] + [seg.header(i).seq for i in range(seg.nslots)]) + 1
         return self._seq
 
-    def _acquire_slot(self, seg: Segment) -> int:
-        """Claims a slot to write: never one pinned or pending for a persist, never (with two or more
-        slots) the one holding the newest COMPLETE snapshot; an empty or the oldest reserved slot first,
-        else the spare, reserved now. Waits (bounded) when none is left: every slot busy persisting, or
-        /dev/shm cannot hold the spare."""
-        deadline = time.monotonic() + self.slot_wait_timeout
+    def _acquire_slot(self, seg: Segment, step: int) -> int:
+        """Claims a slot to write: never one held for a persist (or a backup), never (with two or more slots)
+        the one holding the newest COMPLETE snapshot; a reserved one first (empty, else the oldest), else a
+        spare, reserved now. When none is left (every slot held: more persists in flight than spares, or
+        /dev/shm cannot hold a spare) it waits, bounded, and logs the wait (``_wait_for_slot``)."""
+        slot, why, refused = self._claim(seg, spares=True)
+        return slot if slot is not None else self._wait_for_slot(seg, step, why, spares=not refused)
+
+    def _claim(self, seg: Segment, *, spares: bool) -> tuple[int | None, str, bool]:
+        """One try of ``_acquire_slot``: the slot claimed (WRITING, with a new generation and the next save
+        sequence number), or None and why no slot could be taken (what held the slots, or /dev/shm's refusal
+        of a spare); and whether /dev/shm refused a spare. ``spares``: reserving a spare may be tried."""
+        with self._lock:
+            hs = [seg.header(i) for i in range(seg.nslots)]
+            newest = max((i for i, h in enumerate(hs) if h.state == COMPLETE),
+                         key=lambda i: (hs[i].seq, i), default=None)
+            free = [i for i, h in enumerate(hs) if not h.flags & FLAGS_BUSY and (i != newest or seg.nslots == 1)]
+            free.sort(key=lambda i: (bool(hs[i].flags & FLAG_UNRESERVED), hs[i].state == COMPLETE, hs[i].seq))
+            for i in free:
+                h = hs[i]
+                if h.flags & FLAG_UNRESERVED:
+                    if not spares:
+                        break
+                    self._drop_registration((seg.path, i))  # it pins the pages the saver gave back
+                    try:
+                        seg.reserve(i)
+                    except OSError as e:  # the other spares would not fit either
+                        return None, (f"/dev/shm cannot hold another slot ({seg.slot_size} bytes: {e}); "
+                                      f"held: {_holders(hs, newest)}"), True
+                seq = self._next_seq(seg)
+                seg.write_header(i, SlotHeader(WRITING, 0, h.step, h.generation + 1, 0, 0, 0, 0, 0.0, seq))
+                return i, "", False
+            return None, f"every slot was held: {_holders(hs, newest)}", False
+
+    def _wait_for_slot(self, seg: Segment, step: int, why: str, *, spares: bool) -> int:
+        """Waits (bounded by ``slot_wait_timeout``) until a slot is free, claims it, and logs the wait once,
+        at WARNING: its step, how long it took and ``why`` (what held the slots when it began). A snapshot is
+        never skipped. ``spares`` False (/dev/shm refused one): only reserved slots are tried."""
+        t0 = time.monotonic()
         delay = 0.0005
-        spare_failed = False
         while True:
-            with self._lock:
-                hs = [seg.header(i) for i in range(seg.nslots)]
-                newest = max((i for i, h in enumerate(hs) if h.state == COMPLETE),
-                             key=lambda i: (hs[i].seq, i), default=None)
-                free = [i for i, h in enumerate(hs) if not h.flags & FLAGS_BUSY and (i != newest or seg.nslots == 1)]
-                free.sort(key=lambda i: (bool(hs[i].flags & FLAG_UNRESERVED), hs[i].state == COMPLETE, hs[i].seq))
-                for i in free:
-                    h = hs[i]
-                    if h.flags & FLAG_UNRESERVED:
-                        if spare_failed:
-                            continue
-                        self._drop_registration((seg.path, i))  # it pins the pages the saver gave back
-                        try:
-                            seg.reserve(i)
-                        except OSError as e:
-                            spare_failed = True
-                            if seg.path not in self._warned_spare:
-                                self._warned_spare.add(seg.path)
-                                log.warning(
-                                    "save(step): /dev/shm cannot hold the spare snapshot slot of local rank %d "
-                                    "(%d bytes: %s) while a persist holds the other; this and later snapshots "
-                                    "wait for the persist (up to %.0f s) instead. Enlarge /dev/shm to avoid "
-                                    "the wait.", self.local_rank, seg.slot_size, e, self.slot_wait_timeout)
-                            continue
-                    seq = self._next_seq(seg)
-                    seg.write_header(i, SlotHeader(WRITING, 0, h.step, h.generation + 1, 0, 0, 0, 0, 0.0, seq))
-                    return i
-            if time.monotonic() >= deadline:
+            if time.monotonic() - t0 >= self.slot_wait_timeout:
                 raise E.CheckpointTimeoutError(
-                    f"save(): every shared-memory slot of local rank {self.local_rank} stayed busy persisting "
-                    f"for {self.slot_wait_timeout:.0f} s; storage is slower than the persist interval. "
+                    f"save(step {step}): no shared-memory slot of local rank {self.local_rank} became free within "
+                    f"{self.slot_wait_timeout:.0f} s ({why}); storage is slower than the persist interval. "
                     "Persist less often, or check that the saver is alive (flashckpt ls).")
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
+            slot, _, _ = self._claim(seg, spares=spares)
+            if slot is not None:
+                log.warning("save(step %d): waited %.3f s for a snapshot slot of local rank %d: %s. A snapshot waits "
+                            "only while every slot is held (up to FLASHCKPT_SPARE_SLOTS spare slots, one per "
+                            "persist in flight) or /dev/shm cannot hold another: persist less often, enlarge "
+                            "/dev/shm or raise FLASHCKPT_SPARE_SLOTS", step, time.monotonic() - t0,
+                            self.local_rank, why)
+                return slot
 
     def _set_state(self, seg: Segment, slot: int, state: int) -> None:
         with self._lock:
@@ -542,7 +572,6 @@ class SharedMemoryHandler(SnapshotReader):
             super().forget_segments()
         finally:
             self._seq = -1
-            self._warned_spare.clear()
             if self._lease is not None:
                 self._lease.release(unlink=False)
                 self._lease = None

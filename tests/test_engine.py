@@ -271,16 +271,16 @@ def test_load_falls_back_to_storage_when_memory_is_empty(make_engine, ckpt_dir, 
     first = make_engine(max_to_keep=0)
     first.save(1, model_sd(1), storage_type=DISK)
     first.save(2, model_sd(2), storage_type=DISK)
-    first.save(3, model_sd(3), storage_type=MEMORY)  # memory only: gone with the saver
+    first.save(3, model_sd(3), storage_type=MEMORY)  # memory only: persisted by the saver's last words
     first.close(release=True)  # no wait(): scheduled persists still complete before the saver exits
     wait_savers_gone(runtime_dir)
     assert leftovers(runtime_dir) == [], "the snapshots outlived a final close"
-    assert committed(ckpt_dir) == [1, 2]
+    assert committed(ckpt_dir) == [1, 2, 3]  # close() keeps the newest snapshot, as an exit does
 
     second = make_engine(max_to_keep=0)
     assert second.memory_steps() == []
-    assert_same_tree(model_sd(2), second.load())
-    assert (second.last_load.source, second.last_load.step) == ("storage", 2)
+    assert_same_tree(model_sd(3), second.load())
+    assert (second.last_load.source, second.last_load.step) == ("storage", 3)
     second.close()
 
 

@@ -198,26 +198,28 @@ def test_accelerate_state_in_s3(s3: Any, tmp_path: Any) -> None:
         assert (loc.source, loc.step) == ("memory", 3)
         assert_weights_equal(saved[3][0], weights(model))
         ck.wait()
-    assert _committed(s3.url) == [1, 2]
     names = sorted(k.rsplit("/", 1)[1] for k in s3.keys("run/step_2/"))
     assert names == sorted(os.listdir(tmp_path / "vanilla"))
 
     step()
-    with AcceleratorCheckpointer(acc, s3.url) as ck:  # memory released: from the store
+    # Memory released: from the store, where the end of the `with` block committed step 3 (memory only until
+    # then: the saver's last words; the checkpointer attaches once they are done).
+    with AcceleratorCheckpointer(acc, s3.url) as ck:
+        assert _committed(s3.url) == [1, 2, 3]
         loc = ck.load_state()
-        assert (loc.source, loc.step, loc.path) == ("storage", 2, f"{s3.url}/step_2")
-        assert_weights_equal(saved[2][0], weights(model))
-        assert state()[1] == saved[2][1]
+        assert (loc.source, loc.step, loc.path) == ("storage", 3, f"{s3.url}/step_3")
+        assert_weights_equal(saved[3][0], weights(model))
+        assert state()[1] == saved[3][1]
         ck.load_state(f"{s3.url}/step_1")  # an explicit committed checkpoint
         assert_weights_equal(saved[1][0], weights(model))
-        _damage(s3, "run/step_2/model.safetensors")
+        _damage(s3, "run/step_3/model.safetensors")
         loc = ck.load_state()  # falls back to the previous committed step
-        assert (loc.source, loc.step) == ("storage", 1)
-        assert_weights_equal(saved[1][0], weights(model))
-        with pytest.raises(CheckpointCorruptError, match="step_2/model.safetensors"):
-            ck.load_state(f"{s3.url}/step_2")
-        with pytest.raises(ValueError, match="not a committed checkpoint"):
+        assert (loc.source, loc.step) == ("storage", 2)
+        assert_weights_equal(saved[2][0], weights(model))
+        with pytest.raises(CheckpointCorruptError, match="step_3/model.safetensors"):
             ck.load_state(f"{s3.url}/step_3")
+        with pytest.raises(ValueError, match="not a committed checkpoint"):
+            ck.load_state(f"{s3.url}/step_4")
 
     step()
     acc.load_state(_download(s3, "run/step_1", str(tmp_path / "dl")))  # vanilla Accelerate reads a download

@@ -212,9 +212,11 @@ def test_an_exiting_saver_refuses_new_clients(make_engine, runtime_dir):
     finally:
         spawn_lock.release()
     wait_for(lambda: not saver_pids(runtime_dir), 30, "the saver to exit")
-    # The next engine starts a new saver; nothing of the old one is left to confuse it.
+    # The next engine starts a new saver; nothing of the old one is left in memory to confuse it (the old
+    # one's last words committed the memory-only step 1, which loads from storage).
     again = make_engine()
-    assert again.memory_steps() == [] and again.load() == {}
+    assert again.memory_steps() == []
+    assert torch.equal(again.load()["w"], torch.zeros(4)) and again.last_load.source == "storage"
     again.close()
 
 

@@ -102,7 +102,8 @@ def test_save_commit_retention_and_load_through_a_store_without_rename(store: St
         assert len(lease) == 1 and lease[0].endswith(".lease")  # the saver's hold on the records
         body = json.loads(store.storage().read_bytes(f"lobj://bucket/{lease[0]}"))
         assert body["pid"] > 0 and body["expires"] > 0
-        engine.save(4, make_state(4, MB), storage_type=StorageType.MEMORY)
+        states[4] = make_state(4, MB)
+        engine.save(4, states[4], storage_type=StorageType.MEMORY)  # committed by close()'s last words
         assert_state_of(engine.load(), 4, MB)
         assert engine.last_load is not None and engine.last_load.source == "memory"
     finally:
@@ -111,26 +112,26 @@ def test_save_commit_retention_and_load_through_a_store_without_rename(store: St
     assert "run/step_3/rank_00000.pt" in keys and not any(k.startswith("run/step_1/") for k in keys)
     assert not any(k.startswith("run/.flashckpt/jobs/") for k in keys)  # the lease went with the saver
     layout = store.layout()
-    assert layout.committed_steps() == [2, 3] and layout.tracker_step() == 3 and layout.verify(3) == []
+    assert layout.committed_steps() == [2, 3, 4] and layout.tracker_step() == 4 and layout.verify(4) == []
     again = CheckpointEngine(store.url)  # memory released: from storage, read through the backend
     try:
-        assert_bit_equal(again.load(), states[3])
+        assert_bit_equal(again.load(), states[4])
         assert again.last_load is not None and again.last_load.source == "storage"
         assert_bit_equal(again.load(resume_path="step_2/rank_00000.pt"), states[2])
         assert_bit_equal(again.load(resume_path=f"{store.url}/step_2/rank_00000.pt"), states[2])
     finally:
         close_and_wait(again)
     ls = _cli(fault_env, "ls", store.url)
-    assert ls.returncode == 0 and "committed (latest)" in ls.stdout and "step_3/rank_00000.pt" in ls.stdout, ls
+    assert ls.returncode == 0 and "committed (latest)" in ls.stdout and "step_4/rank_00000.pt" in ls.stdout, ls
     ok = _cli(fault_env, "verify", store.url)
-    assert ok.returncode == 0 and "step 3: ok" in ok.stdout, ok
+    assert ok.returncode == 0 and "step 4: ok" in ok.stdout, ok
     s = store.storage()
-    s.write_bytes(f"{store.url}/step_3/rank_00000.pt", b"damaged")
+    s.write_bytes(f"{store.url}/step_4/rank_00000.pt", b"damaged")
     bad = _cli(fault_env, "verify", store.url)
-    assert bad.returncode == 1 and "step 3: DAMAGED" in bad.stdout, bad
+    assert bad.returncode == 1 and "step 4: DAMAGED" in bad.stdout, bad
     fallback = CheckpointEngine(store.url)
     try:
-        assert_bit_equal(fallback.load(), states[2])  # damage found by checksum: the previous step
+        assert_bit_equal(fallback.load(), states[3])  # damage found by checksum: the previous step
     finally:
         close_and_wait(fallback)
 

@@ -7,8 +7,9 @@ in several ranged reads.
 For each adapter, in one pair of rank processes:
 
 - saves to the store (two committed steps) and a memory-only step; resumes from memory, bit for bit;
-- the checkpointer closed and its saver gone (the memory released), loads the newest committed step from the
-  store, bit for bit;
+- the checkpointer closed and its saver gone (the memory released; DDP, FSDP: the close committed the
+  memory-only step, as every end of an engine does), loads the newest committed step from the store, bit for
+  bit;
 - the framework without flashckpt reads the persisted checkpoint after a plain download (boto3): ``torch.load``
   (DDP), ``dcp.load`` with a ``FileSystemReader`` (FSDP), DeepSpeed's own ``load_checkpoint``, megatron-core's
   ``dist_checkpointing.load``;
@@ -156,15 +157,15 @@ def ddp_worker(url: str, out_dir: str) -> dict:
     finally:
         ck.close()
     _released()
-    with DdpCheckpointer(url) as ck:
-        out["storage"] = _source_after(ck, ck.load_checkpoint(), want[2])
+    with DdpCheckpointer(url) as ck:  # step 3, memory only, was committed by close()'s last words
+        out["storage"] = _source_after(ck, ck.load_checkpoint(), want[3])
         out["committed"] = ck.engine.committed_steps()
     local = os.path.join(out_dir, "ddp")
     out["listed"] = _download(f"{url}/step_2", local)
     out["vanilla"] = tree_digest(torch.load(os.path.join(local, "checkpoint.pt"), weights_only=True)) == want[2]
-    _damage(f"{url}/step_2/checkpoint.pt")
+    _damage(f"{url}/step_3/checkpoint.pt")
     with DdpCheckpointer(url) as ck:
-        out["fallback"] = _source_after(ck, ck.load_checkpoint(), want[1])
+        out["fallback"] = _source_after(ck, ck.load_checkpoint(), want[2])
     return out
 
 
@@ -179,10 +180,10 @@ def test_ddp_on_s3(s3: Any, tmp_path: Any) -> None:
     results = run_ranks(ddp_worker, 2, str(tmp_path / "ranks"), args={"url": s3.url, "out_dir": str(tmp_path)})
     for r in results:
         assert r["memory"] == ["memory", 3, True]
-        assert r["storage"] == ["storage", 2, True] and r["committed"] == [1, 2]
+        assert r["storage"] == ["storage", 3, True] and r["committed"] == [1, 2, 3]
         assert r["listed"] == ["checkpoint.pt"] and r["vanilla"] is True
-        assert r["fallback"] == ["storage", 1, True]
-    assert not any(k.startswith("run/step_3/") for k in s3.keys("run/")), "the memory-only step reached the store"
+        assert r["fallback"] == ["storage", 2, True]
+    assert "run/step_3/checkpoint.pt" in s3.keys("run/"), "close() dropped the memory-only step"
     assert s3.multipart_uploads() == []
 
 
@@ -231,7 +232,7 @@ def fsdp_worker(url: str, out_dir: str) -> dict:
                 ck.wait_latest_checkpoint(120)
         out["memory"] = resumed(ck)
     _released()
-    with FsdpShardCheckpointer(url) as ck:
+    with FsdpShardCheckpointer(url) as ck:  # step 3, memory only, was committed by the `with` block's end
         out["storage"] = resumed(ck)
         out["reader"] = type(ck.get_storage_reader()).__name__
         out["committed"] = ck.engine.committed_steps()
@@ -248,7 +249,7 @@ def fsdp_worker(url: str, out_dir: str) -> dict:
     dcp.load(sd, storage_reader=dcp.FileSystemReader(local))  # vanilla DCP on the downloaded copy
     set_state_dict(m, o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     out["vanilla"] = [sd["step"], local_digest(m, o) == digests[2]]
-    _damage(f"{url}/step_2/__1_0.distcp")  # rank 1's file only: rank 0's verifies, yet both fall back
+    _damage(f"{url}/step_3/__1_0.distcp")  # rank 1's file only: rank 0's verifies, yet both fall back
     with FsdpShardCheckpointer(url) as ck:
         out["fallback"] = resumed(ck)
     return out
@@ -259,12 +260,12 @@ def test_fsdp_on_s3(s3: Any, tmp_path: Any) -> None:
                         timeout=300)
     for r in results:
         assert r["memory"] == ["memory", 3, 3, True]
-        assert r["storage"] == ["storage", 2, 2, True] and r["committed"] == [1, 2]
+        assert r["storage"] == ["storage", 3, 3, True] and r["committed"] == [1, 2, 3]
         assert r["reader"] == "BackendStorageReader"
         assert r["dcp_reader"] == [1, True]
         assert r["listed"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
         assert r["vanilla"] == [2, True]
-        assert r["fallback"] == ["storage", 1, 1, True]
+        assert r["fallback"] == ["storage", 2, 2, True]
     sizes = {k: len(s3.read(k)) for k in ("run/step_1/__0_0.distcp", "run/step_1/__1_0.distcp")}
     assert all(n > 5 << 20 for n in sizes.values()), f"each rank's file should span two parts: {sizes}"
     assert s3.multipart_uploads() == []

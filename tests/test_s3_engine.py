@@ -65,7 +65,8 @@ def test_save_commit_retain_and_load_on_s3(s3: Any, fault_env: FaultEnv) -> None
             engine.save(step, states[step], storage_type=StorageType.DISK)
             engine.wait(timeout=120)
         assert engine.committed_steps() == [2, 3]
-        engine.save(4, make_state(4, MB), storage_type=StorageType.MEMORY)
+        states[4] = make_state(4, MB)
+        engine.save(4, states[4], storage_type=StorageType.MEMORY)  # committed by close()'s last words
         assert_state_of(engine.load(), 4, MB)
         assert engine.last_load is not None and engine.last_load.source == "memory"
     finally:
@@ -76,26 +77,26 @@ def test_save_commit_retain_and_load_on_s3(s3: Any, fault_env: FaultEnv) -> None
     assert s3.multipart_uploads() == []
     layout, st = _layout(s3.url)
     try:
-        assert layout.committed_steps() == [2, 3] and layout.tracker_step() == 3 and layout.verify(3) == []
+        assert layout.committed_steps() == [2, 3, 4] and layout.tracker_step() == 4 and layout.verify(4) == []
     finally:
         st.close()
     again = CheckpointEngine(s3.url)
     try:
-        assert_bit_equal(again.load(), states[3])
+        assert_bit_equal(again.load(), states[4])
         assert again.last_load is not None and again.last_load.source == "storage"
     finally:
         close_and_wait(again)
     ls = _cli(fault_env, s3, "ls", s3.url)
-    assert ls.returncode == 0 and "committed (latest)" in ls.stdout and "step_3/rank_00000.pt" in ls.stdout, ls
+    assert ls.returncode == 0 and "committed (latest)" in ls.stdout and "step_4/rank_00000.pt" in ls.stdout, ls
     ok = _cli(fault_env, s3, "verify", s3.url)
-    assert ok.returncode == 0 and "step 3: ok" in ok.stdout, ok
+    assert ok.returncode == 0 and "step 4: ok" in ok.stdout, ok
     c = s3.client()
-    c.put_object(Bucket=s3.bucket, Key="run/step_3/rank_00000.pt", Body=b"damaged")
+    c.put_object(Bucket=s3.bucket, Key="run/step_4/rank_00000.pt", Body=b"damaged")
     bad = _cli(fault_env, s3, "verify", s3.url)
-    assert bad.returncode == 1 and "step 3: DAMAGED" in bad.stdout, bad
+    assert bad.returncode == 1 and "step 4: DAMAGED" in bad.stdout, bad
     fallback = CheckpointEngine(s3.url)
     try:
-        assert_bit_equal(fallback.load(), states[2])  # the damaged step falls back to the previous one
+        assert_bit_equal(fallback.load(), states[3])  # the damaged step falls back to the previous one
     finally:
         close_and_wait(fallback)
 

@@ -3,9 +3,10 @@
 One saver runs per node and job. It is started by a launcher (``flashckpt-run``) or, under plain
 ``torchrun``/``python``, as a detached daemon by the first engine of the node (``ensure_saver``). It
 serves trainers over a Unix socket in the job's 0700 runtime dir, persists on one thread per local
-rank, commits on one thread, and exits once it has no clients and no work: at once when every client
-said a final goodbye, else after a grace period that lets a restarted trainer re-attach. Trainers that
-vanish without a goodbye (a crash) trigger the last-words persist of the newest complete snapshot.
+rank, commits on one thread, and exits once it has no clients and no work: when every client said a final
+goodbye, at once after persisting the newest complete snapshot when it is newer than the last commit (last
+words); else after a grace period that lets a restarted trainer re-attach. Trainers that vanish without a
+goodbye (a crash) or keep their snapshots for a restart trigger the last words at once.
 
 Its parts: ``daemon`` (start, ``main``), ``server`` (``CheckpointSaver``: life and dispatch), ``segments``,
 ``persist``, ``lastwords``, ``committer``; ``_base`` holds the state and names they share. This package

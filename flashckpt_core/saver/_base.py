@@ -78,6 +78,7 @@ class _ClientInfo:
     local_rank: int = -1
     pid: int = 0
     final: bool = False
+    said_bye: bool = False
     persists: bool = False
     commit: dict[str, Any] | None = None
 
@@ -196,10 +197,10 @@ class SaverBase:
     _persisters: dict[int, _ClientInfo]
     _last_words_lock: threading.Lock
     _signalled: bool
-    _persist_on_exit: bool
     _agent: _Watch | None
     _sock: socket.socket | None
     _persist_seen: float
+    _spares_wanted: threading.Event
     _dir_fd: int | None
     _worker: PersistWorker
     _rep: Any  # saver/replica's _Replica: the peer service of a multi-node job, None before (and without) one
@@ -207,8 +208,8 @@ class SaverBase:
     if TYPE_CHECKING:  # the methods one part calls on another, declared for the type checker
         def _spawn(self, target: Any, name: str, *args: Any) -> threading.Thread: ...  # server
         def _segment(self, path: str) -> Segment: ...  # segments
-        def _prepare_spare(self, seg: Segment) -> None: ...  # segments
-        def _release_spare(self, seg: Segment, *, blocking: bool = True, force: bool = False) -> None: ...
+        def _prepare_spares(self, seg: Segment) -> None: ...  # segments
+        def _release_spares(self, seg: Segment, *, blocking: bool = True, force: bool = False) -> None: ...
         def _enqueue(self, req: Persist) -> None: ...  # persist
         def _work_done(self) -> None: ...  # lastwords
         def _step_done(self, step: int) -> bool: ...  # lastwords

@@ -40,6 +40,7 @@ class PersistPart(SaverBase):
                 q = self._persist_q[job.local_rank] = queue.Queue()
                 self._spawn(self._persist_loop, f"persist{job.local_rank}", q)
         q.put(job)
+        self._spares_wanted.set()  # its slot is held from now on: the next snapshots need a spare each
 
     def _persist_loop(self, q: queue.Queue[Persist | None]) -> None:
         # The files are written by the persist worker, whose threads run knobs.persist_nice lower.
@@ -74,7 +75,7 @@ class PersistPart(SaverBase):
                 raise E.PersistError(f"the snapshot of step {job.step} was overwritten before it was persisted")
             seg.set_flags(job.slot, h.flags | FLAG_PINNED)
         self._persist_seen = time.monotonic()
-        self._prepare_spare(seg)
+        self._prepare_spares(seg)
         try:
             self.layout.clear_markers(job.step, job.rank)  # an earlier save's of the same step
             # The worker writes the intent and the files (it maps the segment read-only); then the done marker.
@@ -88,9 +89,9 @@ class PersistPart(SaverBase):
                     seg.set_flags(job.slot, h2.flags & ~(FLAG_PINNED | FLAG_PENDING))
             self._persist_seen = time.monotonic()
             try:
-                self._release_spare(seg)
+                self._release_spares(seg)
             except (OSError, E.FlashCheckpointError) as e:
-                log.warning("giving back the spare slot of %s: %s", seg.path, e)
+                log.warning("giving back the spare slots of %s: %s", seg.path, e)
         dt = time.perf_counter() - t0
         size = sum(r.size for r in recs)
         with self._cv:

@@ -1,5 +1,5 @@
 """The saver's shared memory: allocating segments (``posix_fallocate``: a full /dev/shm is an error at
-allocation, never a SIGBUS), making room, the spare slot of two-slot segments, reaping old segments."""
+allocation, never a SIGBUS), making room, the spare slots of two-slot segments, reaping old segments."""
 
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ class SegmentsPart(SaverBase):
     def _alloc_locked(self, local_rank: int, meta_cap: int, data_cap: int, nslots: int) -> str:
         existing = segment_paths(self.job_dir, local_rank)
         epoch = existing[-1][0] + 1 if existing else 0
-        # Two slots come with a spare: its memory is reserved only while a persist holds a slot and the
-        # other holds the newest snapshot (see shm), so only its header page is needed now.
-        spare = 1 if nslots == 2 else 0
+        # Two slots come with spares: their memory is reserved only while persists hold slots (one per slot
+        # held, see _prepare_spares), so only their header pages are needed now.
+        spare = self.knobs.spare_slots if nslots == 2 else 0
         need = 4096 + nslots * (4096 + _page(meta_cap) + _page(data_cap)) + spare * 4096
         free = self._shm_free()
         if need > free:  # first this job's own spare slots, then other jobs' idle savers
@@ -64,7 +64,7 @@ class SegmentsPart(SaverBase):
         Segment.create(path, local_rank=local_rank, epoch=epoch, nslots=nslots + spare,
                        meta_cap=meta_cap, data_cap=data_cap, spare=spare)
         self._segments[path] = Segment(path, populate=False)
-        log.info("allocated %s: %d slot(s), %d bytes", path, nslots, need)
+        log.info("allocated %s: %d slot(s) and %d spare(s), %d bytes", path, nslots, spare, need)
         self._reap_segments(local_rank)
         return path
 
@@ -73,7 +73,7 @@ class SegmentsPart(SaverBase):
         period) to give way, the longest idle first, until ``need`` bytes are free. Each persists what
         is newer than its last commit, then exits and frees its shared memory. Returns the bytes free."""
         if self.knobs.shm_limit_bytes and \
-                self.knobs.shm_limit_bytes - sum(seg.size for seg in self._segments.values()) < need:
+                self.knobs.shm_limit_bytes - sum(seg.reserved_bytes() for seg in self._segments.values()) < need:
             return self._shm_free()  # this job's own limit binds: other jobs' memory would not help
         root = os.path.dirname(self.job_dir)
         idle: list[tuple[float, str, Client]] = []
@@ -152,33 +152,41 @@ class SegmentsPart(SaverBase):
                 os.unlink(path)
                 self._segments.pop(path).close()
 
-    def _prepare_spare(self, seg: Segment) -> None:
-        """Reserves and faults in a segment's spare slot as a persist begins, off the trainer's pause: a
-        snapshot taken while the persist runs may need it, and first-touching fresh shared memory (the
-        kernel zeroes each page) costs ~0.8 s per GB. Best effort: when /dev/shm cannot hold it, the
-        snapshot that needs it waits for this persist instead (see shm)."""
-        spares = [i for i in range(seg.nslots) if seg.header(i).flags & FLAG_UNRESERVED]
-        if not spares:
+    def _prepare_spares(self, seg: Segment) -> None:
+        """Reserves and faults in spare slots while persists (or backups) hold slots, off the trainer's pause,
+        so that two reserved slots are always free of them: one holds the newest snapshot, the next snapshot
+        goes into the other, and so a snapshot never waits for a persist. Called as a persist is queued
+        (through the spare keeper) and as it begins; the trainer reserves a spare itself when this has not
+        run yet (first-touching fresh shared memory costs ~0.8 s per GB). Best effort: when /dev/shm cannot
+        hold one, the snapshot that finds no slot waits for a persist (and logs the wait)."""
+        if seg.nslots < 3:
             return
-        try:
-            seg.reserve(spares[0], clear_flag=False)  # no lock held: fallocate is idempotent
-        except OSError as e:
-            log.warning("could not reserve the spare snapshot slot of %s (%d bytes): %s; a snapshot taken "
-                        "during this persist will wait for it", seg.path, seg.slot_size, e)
-            return
-        with SharedLock(lock_path(self.job_dir, seg.local_rank)):
-            h = seg.header(spares[0])
-            if h.flags & FLAG_UNRESERVED and not h.flags & FLAG_PINNED:
-                seg.set_flags(spares[0], h.flags & ~FLAG_UNRESERVED)
+        for _ in range(seg.nslots):
+            hs = [seg.header(i) for i in range(seg.nslots)]
+            free = sum(1 for h in hs if not h.flags & (FLAGS_BUSY | FLAG_UNRESERVED))
+            spares = [i for i, h in enumerate(hs) if h.flags & FLAG_UNRESERVED and not h.flags & FLAG_PINNED]
+            if free >= 2 or not spares:
+                return
+            i = min(spares, key=lambda i: (hs[i].seq, i))  # the one a snapshot would take first
+            try:
+                seg.reserve(i, clear_flag=False)  # no lock held: fallocate is idempotent
+            except OSError as e:
+                log.warning("could not reserve a spare snapshot slot of %s (%d bytes): %s; a snapshot taken "
+                            "while persists hold the other slots will wait for one", seg.path, seg.slot_size, e)
+                return
+            with SharedLock(lock_path(self.job_dir, seg.local_rank)):
+                h = seg.header(i)
+                if h.flags & FLAG_UNRESERVED and not h.flags & FLAG_PINNED:
+                    seg.set_flags(i, h.flags & ~FLAG_UNRESERVED)
 
-    def _release_spare(self, seg: Segment, *, blocking: bool = True, force: bool = False) -> None:
-        """Gives back the memory of one slot of a segment with a spare once all its slots are reserved and
-        none is held for a persist: the spare is needed only while a persist runs. It is kept for
-        ``FLASHCKPT_SPARE_HOLD_S`` after the last persist (reserving it again costs a first touch of
-        fresh memory, which the next snapshot during a persist would pay), unless ``force`` (/dev/shm is
-        short). The slot given back is the oldest that is neither being written nor the newest complete
-        one. Without ``blocking`` it does nothing while the segment's lock is taken (a request handler
-        never waits on a trainer)."""
+    def _release_spares(self, seg: Segment, *, blocking: bool = True, force: bool = False) -> None:
+        """Gives back the memory of a segment's reserved slots beyond two once none is held for a persist (or
+        a backup): the spares are needed only while persists run. They are kept for
+        ``FLASHCKPT_SPARE_HOLD_S`` after the last persist (reserving one again costs a first touch of fresh
+        memory, which the next snapshot during a persist would pay), unless ``force`` (/dev/shm is short).
+        The slots given back are the oldest that are neither being written nor the newest complete one
+        (empty ones first). Without ``blocking`` it does nothing while the segment's lock is taken (a
+        request handler never waits on a trainer)."""
         if seg.nslots < 3:
             return
         if not force and time.monotonic() - self._persist_seen < self.knobs.spare_hold_s:
@@ -188,45 +196,52 @@ class SegmentsPart(SaverBase):
             return
         try:
             hs = [seg.header(i) for i in range(seg.nslots)]
-            if any(h.flags & (FLAGS_BUSY | FLAG_UNRESERVED) for h in hs):
+            if any(h.flags & FLAGS_BUSY for h in hs):
                 return
-            newest = max((i for i, h in enumerate(hs) if h.state == COMPLETE), key=lambda i: (hs[i].seq, i),
-                         default=None)
-            idle = [i for i, h in enumerate(hs) if i != newest and h.state != WRITING]
-            if not idle:
-                return
-            i = min(idle, key=lambda i: (hs[i].state == COMPLETE, hs[i].seq))
-            h = hs[i]
-            seg.write_header(i, SlotHeader(EMPTY, FLAG_UNRESERVED | FLAG_PINNED, -1, h.generation + 1,
-                                           0, 0, 0, 0, 0.0, h.seq))
+            reserved = [i for i, h in enumerate(hs) if not h.flags & FLAG_UNRESERVED]
+            newest = max((i for i in reserved if hs[i].state == COMPLETE), key=lambda i: (hs[i].seq, i), default=None)
+            idle = sorted((i for i in reserved if i != newest and hs[i].state != WRITING),
+                          key=lambda i: (hs[i].state == COMPLETE, hs[i].seq))
+            gone = idle[:max(0, len(reserved) - 2)]
+            for i in gone:
+                h = hs[i]
+                seg.write_header(i, SlotHeader(EMPTY, FLAG_UNRESERVED | FLAG_PINNED, -1, h.generation + 1,
+                                               0, 0, 0, 0, 0.0, h.seq))
         finally:
             lock.release()
-        seg.release(i)  # outside the lock: FLAG_PINNED keeps writers away meanwhile
-        with SharedLock(lock_path(self.job_dir, seg.local_rank)):
-            seg.set_flags(i, seg.header(i).flags & ~FLAG_PINNED)
+        for i in gone:
+            seg.release(i)  # outside the lock: FLAG_PINNED keeps writers away meanwhile
+        if gone:
+            with SharedLock(lock_path(self.job_dir, seg.local_rank)):
+                for i in gone:
+                    seg.set_flags(i, seg.header(i).flags & ~FLAG_PINNED)
 
     def _spare_keeper(self) -> None:
-        """Gives the spare slots back once no persist has held a slot for the hold period."""
-        while not self._stop.wait(1.0):
-            if time.monotonic() - self._persist_seen < self.knobs.spare_hold_s:
-                continue
+        """Reserves spare slots as soon as persists are queued (``_spares_wanted``, set by ``_enqueue``) or
+        held, and gives them back once no persist has held a slot for the hold period."""
+        while not self._stop.is_set():
+            self._spares_wanted.wait(1.0)
+            self._spares_wanted.clear()
             try:
                 segs = list(self._segments.values())
             except RuntimeError:  # changed size meanwhile: next round
                 continue
             for seg in segs:
                 try:
-                    self._release_spare(seg, blocking=False)
+                    if any(seg.header(i).flags & FLAGS_BUSY for i in range(seg.nslots)):
+                        self._prepare_spares(seg)
+                    else:
+                        self._release_spares(seg, blocking=False)
                 except (OSError, ValueError, E.FlashCheckpointError) as e:  # ValueError: unmapped meanwhile
-                    log.debug("giving back the spare slot of %s: %s", seg.path, e)
+                    log.debug("the spare slots of %s: %s", seg.path, e)
 
     def _release_spares_now(self) -> None:
         """/dev/shm is short: every spare slot not held for a persist gives its memory back at once."""
         for seg in list(self._segments.values()):
             try:
-                self._release_spare(seg, force=True)
+                self._release_spares(seg, force=True)
             except (OSError, ValueError, E.FlashCheckpointError) as e:
-                log.warning("giving back the spare slot of %s: %s", seg.path, e)
+                log.warning("giving back the spare slots of %s: %s", seg.path, e)
 
     def _reap_quietly(self, local_rank: int) -> None:
         """Reaps outgrown segments after a snapshot (see ``_reap_segments``), never failing the request.
@@ -238,7 +253,7 @@ class SegmentsPart(SaverBase):
             self._reap_segments(local_rank)
             paths = segment_paths(self.job_dir, local_rank)
             if paths:
-                self._release_spare(self._segment(paths[-1][1]), blocking=False)
+                self._release_spares(self._segment(paths[-1][1]), blocking=False)
         except (OSError, E.FlashCheckpointError) as e:
             log.warning("freeing outgrown segments of local rank %d: %s", local_rank, e)
 

@@ -98,10 +98,10 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
         self._persisters: dict[int, _ClientInfo] = {}
         self._last_words_lock = threading.Lock()
         self._signalled = False
-        self._persist_on_exit = False  # a client's goodbye asked for its snapshots to be persisted
         self._agent: _Watch | None = None  # the launcher of the job, when it has one
         self._sock: socket.socket | None = None
         self._persist_seen = -float("inf")  # monotonic time of the last persist activity (spare slot hold)
+        self._spares_wanted = threading.Event()  # a persist was queued: the spare keeper reserves spares
         self._dir_fd: int | None = None  # the job dir, checked: everything in it is reached through this fd
         self._sock_ino = 0  # the inode of the socket this saver bound (0: not bound)
         self._rep = None  # the peer service of a multi-node job (saver/replica), from the first hello
@@ -164,7 +164,12 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
             log.info("adopted segment %s (steps %s)", path, [s for s, _ in seg.complete_steps()])
 
     def serve_forever(self) -> None:
-        """Runs until there is no client and no work: at once after final goodbyes, else after grace."""
+        """Runs until there is no client and no work: at once after final goodbyes, else after grace.
+
+        Every end of a trainer keeps its newest snapshot: when every client said a final goodbye (``close()``,
+        the end of a ``with`` block, an exit without ``close()``), the saver persists what is newer than the
+        last commit (last words), then exits; a client that leaves otherwise (a crash, ``close(release=
+        False)``) has it persisted at once and the snapshots kept for the grace period (``_serve_conn``)."""
         with self._cv:
             while not self._stop.is_set():
                 gone = self._runtime_gone()
@@ -174,8 +179,7 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
                     break
                 if not self._clients and self._inflight == 0:
                     if self._ever_clients and self._session_final:
-                        if self._persist_on_exit:
-                            self._signalled = True  # last words, then exit
+                        self._signalled = True  # last words, then exit
                         break
                     if self._agent is not None and self._agent.gone():
                         log.info("the job's launcher (pid %d) exited: no restart can come; exiting",
@@ -242,6 +246,7 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
     def shutdown(self, drain_timeout: float = 60.0) -> None:
         """Finishes running persists (bounded), stops serving, removes the job's segments, locks, socket."""
         self._stop.set()
+        self._spares_wanted.set()  # the spare keeper sees the stop now
         with self._cv:
             deadline = time.monotonic() + drain_timeout
             while self._inflight > 0 and time.monotonic() < deadline:
@@ -374,7 +379,11 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
                 gone = self._clients.pop(cid, None)
                 if gone is not None and not gone.final:
                     self._session_final = False
-                    log.warning("client rank %d (pid %d) disconnected without goodbye", gone.rank, gone.pid)
+                    if gone.said_bye:  # close(release=False): a restart is to load the snapshots
+                        log.info("client rank %d (pid %d) left keeping its snapshots for a restart", gone.rank,
+                                 gone.pid)
+                    else:
+                        log.warning("client rank %d (pid %d) disconnected without goodbye", gone.rank, gone.pid)
                     if self.knobs.last_words and not self._stop.is_set():
                         self._inflight += 1  # keeps the saver alive until the last words are written
                         self._spawn(self._last_words_thread, "last-words")
@@ -390,7 +399,6 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
                 return False
             if not self._clients:
                 self._session_final = True  # a new session of clients begins
-                self._persist_on_exit = False
             if agent > 0 and (self._agent is None or self._agent.pid != agent):
                 if self._agent is not None:
                     self._agent.close()
@@ -492,11 +500,11 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
         return M.GiveWayReply(giving_way=idle)
 
     def _on_bye(self, req: M.Bye, info: _ClientInfo | None) -> M.Reply:
+        """A goodbye: ``final`` (released: the last words come before the saver exits) or not (kept for a
+        restart: persisted at once). Every intent keeps the newest snapshot (``serve_forever``)."""
         if info is not None:
             info.final = req.final
-            if req.intent == "persist":
-                with self._cv:
-                    self._persist_on_exit = True
+            info.said_bye = True
         return M.Ok()
 
     def _on_q_put(self, req: M.QueuePut, info: _ClientInfo | None) -> M.Reply:
