@@ -93,10 +93,12 @@ def test_threads_saving_on_one_engine_never_tear_a_snapshot_or_a_commit(make_eng
     eng.close()
 
 
-def test_close_from_another_thread_waits_for_a_running_save_and_refuses_the_next(make_engine, ckpt_dir):
+def test_close_from_another_thread_waits_for_a_running_save_and_refuses_the_next(make_engine, ckpt_dir, monkeypatch):
     """Defect: close() from another thread ran in the middle of a save: it unmapped the segment the save was
     using (the save failed with 'mmap closed', or worse, wrote into memory no longer mapped). Now close()
-    waits for the running save, and the next save is refused with the closed-engine error."""
+    waits for the running save, and the next save is refused with the closed-engine error. (One spare slot,
+    so that two held persists make the fourth save wait for a slot, surely inside the save.)"""
+    monkeypatch.setenv("FLASHCKPT_SPARE_SLOTS", "1")
     eng = make_engine(max_to_keep=0)
     holds = [hold_persist(eng.default_path(s)) for s in (1, 2)]  # their persists block, their slots held
     saved: list[int] = []
