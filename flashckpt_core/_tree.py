@@ -29,7 +29,7 @@ import torch
 from .errors import InvalidStateDictError
 
 __all__ = ["TensorMeta", "Flat", "flatten", "flatten_like", "unflatten", "encode_opaque", "decode_opaque", "map_tree",
-           "gc_paused"]
+           "gc_paused", "check_tensor"]
 
 _PLAIN = (str, int, float, bool, type(None))
 _RAW = (str, int, type(None))  # appear in the skeleton as themselves
@@ -102,6 +102,9 @@ class TensorMeta:
         device: the device the tensor came from (``"cpu"``, ``"cuda:0"``).
         requires_grad: whether the tensor required grad.
         parameter: whether the tensor was an ``nn.Parameter``.
+        conj: the tensor's conjugate bit (``z.conj()``: a lazy conjugate of the bytes it views).
+        neg: the tensor's negative bit (``z.conj().imag``: a lazy negation of the bytes it views).
+            Both change its values as ``torch.save`` keeps them (``torch._utils.get_tensor_metadata``).
     """
 
     shape: tuple[int, ...]
@@ -113,14 +116,18 @@ class TensorMeta:
     device: str = "cpu"
     requires_grad: bool = False
     parameter: bool = False
+    conj: bool = False
+    neg: bool = False
 
     def to_json(self) -> list[Any]:
-        return [list(self.shape), self.dtype, self.offset, self.nbytes, list(self.stride),
-                self.storage_offset, self.device, self.requires_grad, self.parameter]
+        out = [list(self.shape), self.dtype, self.offset, self.nbytes, list(self.stride),
+               self.storage_offset, self.device, self.requires_grad, self.parameter]
+        return out + [self.conj, self.neg] if self.conj or self.neg else out
 
     @staticmethod
     def from_json(v: list[Any]) -> TensorMeta:
-        return TensorMeta(tuple(v[0]), v[1], v[2], v[3], tuple(v[4]), v[5], v[6], v[7], v[8])
+        bits = (bool(v[9]), bool(v[10])) if len(v) > 10 else (False, False)  # older snapshots: no bits
+        return TensorMeta(tuple(v[0]), v[1], v[2], v[3], tuple(v[4]), v[5], v[6], v[7], v[8], *bits)
 
 
 @dataclass
@@ -142,7 +149,8 @@ def flatten(obj: Any, *, check_tensors: bool = True) -> Flat:
     Hot path (once per save): no per-item bookkeeping; where a leaf cannot be stored the walk stops and
     ``_path_to`` finds its key for the message. ``check_tensors=False`` leaves the per-tensor checks
     (layout, meta, quantized) to the caller (the native scan does them in C++); tensor subclasses are
-    refused either way.
+    refused either way. Nested and zero tensors are left to the caller (``check_tensor``): they fail the
+    first read of their shape or storage.
 
     Raises:
         InvalidStateDictError: a sparse, meta, quantized or otherwise unstorable tensor, naming its key.
@@ -298,6 +306,22 @@ def _path_to(root: Any, target: Any) -> list[Any]:
         elif tx is list or tx is tuple:
             stack.extend((v, path + [i]) for i, v in enumerate(x))
     return []
+
+
+def check_tensor(t: torch.Tensor, path: list[Any]) -> None:
+    """Raises InvalidStateDictError, naming ``path``, when ``t`` is a tensor flashckpt cannot store as
+    ``torch.save`` would: not dense and strided, on the meta device, quantized, nested, a zero tensor, or
+    a tensor subclass. Not the hot path: the snapshot makes the cheap checks itself and calls this for
+    the message (``_check_tensor`` makes the common ones)."""
+    _check_tensor(t, path)
+    where = _key_str(path)
+    if t.is_nested:
+        raise InvalidStateDictError(
+            f"save(): tensor at {where} is a nested tensor; store its components (t.unbind()) as a list of tensors.")
+    if t._is_zerotensor():
+        raise InvalidStateDictError(
+            f"save(): tensor at {where} is a zero tensor without storage (torch.save cannot write it either); "
+            "store torch.zeros(t.shape, dtype=t.dtype) instead.")
 
 
 def _check_tensor(t: torch.Tensor, path: list[Any]) -> None:
@@ -456,6 +480,20 @@ def tensors_by_path(tree: Any) -> dict[tuple[Any, ...], torch.Tensor]:
     return out
 
 
+def value_bits(t: torch.Tensor) -> tuple[bool, bool]:
+    """``t``'s conjugate and negative bits: lazy operations on the bytes it views, part of its values."""
+    return t.is_conj(), t.is_neg()
+
+
+def set_value_bits(t: torch.Tensor, *, conj: bool, neg: bool) -> None:
+    """Sets those of ``t``'s conjugate and negative bits that are True, as ``torch.load`` does
+    (``torch._utils.set_tensor_metadata``; it takes only the bits that are set, as ``get_tensor_metadata``
+    gives them: a False bit in the dict is not a clear)."""
+    bits = {k: True for k, on in (("conj", conj), ("neg", neg)) if on}
+    if bits:
+        torch._utils.set_tensor_metadata(t, bits)
+
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
     for n in reversed(shape):
@@ -465,9 +503,11 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def build_tensor(storage: torch.UntypedStorage, meta: TensorMeta) -> torch.Tensor:
-    """A tensor of ``meta``'s dtype, shape and strides over ``storage`` (no copy)."""
+    """A tensor of ``meta``'s dtype, shape, strides and conjugate/negative bits over ``storage`` (no copy)."""
     t = torch.empty(0, dtype=dtype_from_name(meta.dtype), device=storage.device)
     t.set_(storage, meta.storage_offset, meta.shape, meta.stride)
+    if meta.conj or meta.neg:
+        set_value_bits(t, conj=meta.conj, neg=meta.neg)
     if meta.parameter:
         return torch.nn.Parameter(t, requires_grad=meta.requires_grad)
     if meta.requires_grad:

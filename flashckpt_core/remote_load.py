@@ -23,7 +23,7 @@ import xxhash
 
 from . import errors as E
 from ._rawio import SeekableReader
-from ._tree import map_tree, tensors_by_path
+from ._tree import map_tree, set_value_bits, tensors_by_path, value_bits
 from .storage import CheckpointStorage
 
 __all__ = ["RangeFile", "load_remote"]
@@ -109,6 +109,7 @@ def load_remote(storage: CheckpointStorage, path: str, *, size: int, xxh3: str |
             d = targets.get(p)
             if (d is not None and d.device.type == "cpu" and d.layout == torch.strided and d.is_contiguous()
                     and d.dtype == t.dtype and d.shape == t.shape and d.storage_offset() == 0
+                    and value_bits(d) == value_bits(t)
                     and t.storage_offset() == 0 and t.is_contiguous()
                     and d.untyped_storage().nbytes() == nbytes == t.numel() * t.element_size()):
                 mem = d.untyped_storage()
@@ -142,6 +143,9 @@ def load_remote(storage: CheckpointStorage, path: str, *, size: int, xxh3: str |
         if dst is not None and dst.untyped_storage().data_ptr() == st.data_ptr():
             return dst  # filled in place
         out = torch.empty(0, dtype=t.dtype).set_(st, t.storage_offset(), t.shape, t.stride())
+        conj, neg = value_bits(t)
+        if conj or neg:
+            set_value_bits(out, conj=conj, neg=neg)
         if isinstance(t, torch.nn.Parameter):
             return torch.nn.Parameter(out, requires_grad=t.requires_grad)
         return out.requires_grad_(t.requires_grad) if t.requires_grad else out

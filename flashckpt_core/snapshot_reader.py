@@ -39,6 +39,7 @@ from ._tree import (
     tensor_paths,
     tensors_by_path,
     unflatten,
+    value_bits,
 )
 from .config import Knobs, job_dir
 from .files import FILES_KEY, FileSet, is_fileset_tree
@@ -116,11 +117,12 @@ def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int |
             paths = [(p[1], *p[3:]) for p in paths]  # a FileSet: ``into`` is {file name: tree}
         for i, (m, path) in enumerate(zip(metas, paths)):
             t = targets.get(path)
-            # A CPU tensor takes a CPU snapshot's bytes; a CUDA tensor any snapshot's (host-to-device).
+            # A CPU tensor takes a CPU snapshot's bytes; a CUDA tensor any snapshot's (host-to-device). The
+            # bytes mean the same values only under the same conjugate and negative bits.
             if (t is not None and type(t) in _PLAIN and t.layout == torch.strided and t.is_contiguous()
                     and (t.is_cuda or (t.device.type == "cpu" and m.device == "cpu"))
                     and tuple(t.shape) == m.shape and dtype_name(t.dtype) == m.dtype
-                    and m.stride == contiguous_strides(m.shape)):
+                    and m.stride == contiguous_strides(m.shape) and value_bits(t) == (m.conj, m.neg)):
                 n = t.numel() * t.element_size()
                 start = m.storage_offset * t.element_size()
                 if start + n > m.nbytes:

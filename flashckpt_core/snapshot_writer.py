@@ -33,11 +33,14 @@ from ._tree import (
     TensorMeta,
     _key_str,
     _path_to,
+    check_tensor,
     dtype_name,
     encode_opaque,
     flatten,
     flatten_like,
     gc_paused,
+    tensor_paths,
+    value_bits,
 )
 from .ipc import SharedLock
 from .segment import (
@@ -103,12 +106,18 @@ class SnapshotPlan:
 
 def signature_of(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], list[int]]:
     """The structure of a tensor list (equal signatures reuse one plan) and each tensor's storage address.
+    The conjugate and negative bits are part of it (they change the values the bytes stand for).
 
-    Hot path: about ten cheap attribute reads per tensor, nothing that formats strings."""
+    Hot path: about ten cheap attribute reads per tensor, nothing that formats strings.
+
+    Raises:
+        RuntimeError: a tensor without the storage or sizes of a strided tensor (nested, zero tensors):
+            the caller names it (``check_tensor``)."""
     seen: dict[tuple[int, int], int] = {}
     sig: list[Any] = []
     ptrs: list[int] = []
     param = torch.nn.Parameter
+    bits = torch._C._get_tensor_metadata  # type: ignore[attr-defined]  # {} unless a conjugate/negative bit is set
     for t in tensors:
         st = t.untyped_storage()
         n = st.nbytes()
@@ -120,33 +129,42 @@ def signature_of(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], list[int
             group = -1
         ptrs.append(ptr)
         sig.append((t.dtype, t.shape, t.stride(), t.storage_offset(), n, group, dev,
-                    t.requires_grad, type(t) is param))
+                    t.requires_grad, type(t) is param, bits(t)))
     return tuple(sig), ptrs
 
 
 def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...], *,
-                  native_signature: bytes = b"") -> SnapshotPlan:
-    """Lay out every distinct storage once, 64-byte aligned, in traversal order."""
+                  native_signature: bytes = b"", key_of: Callable[[int], str] = str) -> SnapshotPlan:
+    """Lay out every distinct storage once, 64-byte aligned, in traversal order.
+
+    Raises:
+        InvalidStateDictError: two tensors view one storage as types ``torch.save`` cannot write together
+            (``key_of(i)`` names tensor ``i``); the plan is made before anything is written.
+    """
     regions: list[tuple[int, int]] = []
     group_region: dict[int, int] = {}
+    group_first: dict[int, int] = {}  # the first tensor of each storage, for the types check
     tensor_region: list[int] = []
     metas: list[TensorMeta] = []
+    as_bytes = torch.storage._new_dtypes()
     off = 0
-    for t, s in zip(tensors, signature):
+    for i, (t, s) in enumerate(zip(tensors, signature)):
         n, group = s[4], s[5]
         if group >= 0 and group in group_region:
             ri = group_region[group]
+            _check_one_storage_type(tensors, group_first[group], i, as_bytes, key_of)
         else:
             ri = len(regions)
             regions.append((off, n))
             off = _align(off + n)
             if group >= 0:
                 group_region[group] = ri
+                group_first[group] = i
         tensor_region.append(ri)
         r_off, r_n = regions[ri]
         metas.append(TensorMeta(tuple(t.shape), dtype_name(t.dtype), r_off, r_n, tuple(t.stride()),
                                 int(t.storage_offset()), str(t.device), bool(t.requires_grad),
-                                type(t) is torch.nn.Parameter))
+                                type(t) is torch.nn.Parameter, *value_bits(t)))
     metas_json = json.dumps([m.to_json() for m in metas], separators=(",", ":"))
     copies: list[tuple[int, int, int]] = []
     device_copies: list[tuple[int, int, int]] = []
@@ -162,6 +180,21 @@ def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...], *,
     work = sum(c[2] + 4096 for c in small_list)
     return SnapshotPlan(signature, tuple(regions), tuple(tensor_region), tuple(metas), off, metas_json,
                         tuple(copies), tuple(device_copies), native_signature, small.tobytes(), large, work)
+
+
+def _check_one_storage_type(tensors: list[torch.Tensor], first: int, i: int, as_bytes: set[torch.dtype],
+                            key_of: Callable[[int], str]) -> None:
+    """Refuses tensors ``first`` and ``i``, views of one storage, when ``torch.save`` would refuse them: it
+    writes a storage once, as one type (the tensor's dtype, or bytes for the dtypes it writes untyped:
+    float8, complex32, uint16-64), and refuses "multiple tensors or storages that view the same data as
+    different types"."""
+    a, b = tensors[first].dtype, tensors[i].dtype
+    if a == b or (a in as_bytes or a == torch.uint8) and (b in as_bytes or b == torch.uint8):
+        return
+    raise E.InvalidStateDictError(
+        f"save(): the tensors at {key_of(i)} ({b}) and {key_of(first)} ({a}) view one storage as different "
+        "types, which torch.save cannot write (a persist would fail). Nothing was saved. Save a copy of one of "
+        "them (.clone()), or both as one type.")
 
 
 Allocator = Callable[[int, int, int], str]
@@ -200,6 +233,12 @@ def _take_writer_lease(job_dir: str, local_rank: int, info: dict[str, Any]) -> L
         f"local rank {local_rank}'s shared-memory snapshots in {job_dir} are already written by {who}"
         f"{' (' + extra + ')' if extra else ''}; two writers would tear each other's checkpoints. Close "
         "the other CheckpointEngine first, or give each job its own FLASHCKPT_JOB_ID or checkpoint dir.")
+
+
+def _refuse(root: Any, t: torch.Tensor) -> None:
+    """Raises the InvalidStateDictError for tensor ``t`` of ``root``, which the native scan found unstorable."""
+    check_tensor(t, _path_to(root, t))
+    raise E.InvalidStateDictError(f"save(): the tensor at {_key_str(_path_to(root, t))} cannot be stored")
 
 
 class SharedMemoryHandler(SnapshotReader):
@@ -281,20 +320,29 @@ class SharedMemoryHandler(SnapshotReader):
                 flat = flatten_like(state_dict, cached[1], check_tensors=native is None) if cached else None
             if flat is None:
                 flat = flatten(state_dict, check_tensors=native is None)
+            tree = flat.skeleton
+
+            def key_of(i: int) -> str:
+                return _key_str(list(tensor_paths(tree)[i]))
+
             if native is not None:
                 # One C++ call for the signature and storage addresses (and the tensor checks).
                 nsig, nptrs, bad = native.scan(flat.tensors, torch.nn.Parameter)
                 if bad >= 0:
-                    flatten(state_dict)  # raises, naming the key
-                    raise E.InvalidStateDictError(f"save(): tensor {bad} of the state dict cannot be stored")
+                    _refuse(state_dict, flat.tensors[bad])
                 plan = self._plan
                 if plan is None or plan.native_signature != nsig:
                     sig, _ = signature_of(flat.tensors)
-                    plan = self._plan = plan_snapshot(flat.tensors, sig, native_signature=nsig)
+                    plan = self._plan = plan_snapshot(flat.tensors, sig, native_signature=nsig, key_of=key_of)
             else:
-                sig, ptrs = signature_of(flat.tensors)
+                try:
+                    sig, ptrs = signature_of(flat.tensors)
+                except RuntimeError:
+                    for t in flat.tensors:
+                        check_tensor(t, _path_to(state_dict, t))  # raises, naming the key
+                    raise
                 if self._plan is None or self._plan.signature != sig:
-                    self._plan = plan_snapshot(flat.tensors, sig)
+                    self._plan = plan_snapshot(flat.tensors, sig, key_of=key_of)
                 plan = self._plan
             blob, lengths = encode_opaque(flat.opaque)
             if self.weights_only and flat.opaque:

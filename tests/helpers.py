@@ -64,6 +64,8 @@ def assert_bit_identical(a: Any, b: Any, where: str = "") -> None:
     assert a.stride() == b.stride(), f"{where}: strides {b.stride()} instead of {a.stride()}"
     assert a.storage_offset() == b.storage_offset(), f"{where}: storage offset differs"
     assert a.requires_grad == b.requires_grad, f"{where}: requires_grad differs"
+    assert (a.is_conj(), a.is_neg()) == (b.is_conj(), b.is_neg()), \
+        f"{where}: conjugate/negative bits {(b.is_conj(), b.is_neg())} instead of {(a.is_conj(), a.is_neg())}"
     assert b.device.type == "cpu", f"{where}: restored on {b.device}"
     assert torch.equal(storage_bytes(a), storage_bytes(b)), f"{where}: the bytes differ"
 

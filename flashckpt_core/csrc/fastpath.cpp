@@ -25,10 +25,11 @@ struct PairHash {
 
 }  // namespace
 
-// For each tensor: dtype, device index (-1: CPU), requires_grad, is-Parameter, storage offset, storage
-// bytes, storage sharing group (-1: empty storage), ndim, sizes, strides; packed as int64s. Returns
-// (signature bytes, storage data pointers as int64 bytes, index of the first tensor flashckpt cannot
-// store or -1). Two lists with equal signatures lay out alike in a snapshot.
+// For each tensor: dtype, device index (-1: CPU), flags (requires_grad 1, conjugate bit 2, negative bit 4:
+// the bits change the values its bytes stand for), is-Parameter, storage offset, storage bytes, storage
+// sharing group (-1: empty storage), ndim, sizes, strides; packed as int64s. Returns (signature bytes,
+// storage data pointers as int64 bytes, index of the first tensor flashckpt cannot store or -1). Two lists
+// with equal signatures lay out alike in a snapshot.
 py::tuple scan(const py::list& tensors, const py::handle& parameter_type) {
   const auto n = static_cast<int64_t>(tensors.size());
   std::string sig;
@@ -45,8 +46,8 @@ py::tuple scan(const py::list& tensors, const py::handle& parameter_type) {
       return py::make_tuple(py::bytes(), py::bytes(), i);
     }
     const at::Tensor& t = THPVariable_Unpack(obj);
-    if (t.layout() != at::kStrided || t.is_meta() || t.is_quantized()) {
-      return py::make_tuple(py::bytes(), py::bytes(), i);
+    if (t.layout() != at::kStrided || t.is_meta() || t.is_quantized() || t.is_nested() || t._is_zerotensor()) {
+      return py::make_tuple(py::bytes(), py::bytes(), i);  // (nested and zero tensors have no plain storage)
     }
     const auto& st = t.storage();
     const auto nbytes = static_cast<int64_t>(st.nbytes());
@@ -59,7 +60,7 @@ py::tuple scan(const py::list& tensors, const py::handle& parameter_type) {
     put(ptrs, ptr);
     put(sig, static_cast<int64_t>(t.scalar_type()));
     put(sig, dev);
-    put(sig, t.requires_grad() ? 1 : 0);
+    put(sig, (t.requires_grad() ? 1 : 0) | (t.is_conj() ? 2 : 0) | (t.is_neg() ? 4 : 0));
     put(sig, is_param ? 1 : 0);
     put(sig, t.storage_offset());
     put(sig, nbytes);
