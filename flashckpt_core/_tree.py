@@ -8,10 +8,16 @@ appear as themselves; bools and floats are tagged so that equal skeletons are eq
     ["l", [v, ...]]              list          ["t", [v, ...]]               tuple
     ["T", i]                     tensors[i]    ["o", i]                      opaque[i]
     ["b", base64]  bytes   ["c", re, im]  complex   ["dt", name]  torch.dtype   ["sz", [...]]  torch.Size
-    ["dev", "cuda:0"] torch.device   ["B", true] bool   ["f", "0x1.0p-10"] float (exact, via float.hex)
+    ["dev", "cuda:0"] torch.device   ["B", true] bool   ["f", "0x1.0p-10"] float   ["I", "-1f"] int (hex)
+
+Floats are exact: ``float.hex``, and a NaN as ``"nan:"`` and its 8 bytes (``float.hex`` drops a NaN's sign and
+payload); complex numbers hold two such strings. Ints outside int64 are tagged, in hex (JSON readers and
+Python's int-to-decimal limit stop at large ints; hex has no limit). Older snapshots held complex parts and
+big ints as JSON numbers; they still decode.
 
 Opaque leaves (anything else) are pickled by the trainer into a blob that only a trainer decodes; the
-saver never unpickles them (it embeds them in persisted files as ``pickle.loads(raw)``).
+saver never unpickles them (its persist worker splices each pickle, unread, into the file it writes:
+``torchfile``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import base64
 import gc
 import pickle
+import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +39,9 @@ __all__ = ["TensorMeta", "Flat", "flatten", "flatten_like", "unflatten", "encode
            "gc_paused", "check_tensor"]
 
 _PLAIN = (str, int, float, bool, type(None))
-_RAW = (str, int, type(None))  # appear in the skeleton as themselves
+_RAW = (str, int, type(None))  # appear in the skeleton as themselves (ints only inside int64)
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+_LONG1_BYTES = 256  # pickle writes longer ints as LONG4, which torch.load(weights_only=True) refuses
 
 
 class gc_paused:  # noqa: N801 (used like a function: ``with gc_paused():``)
@@ -143,23 +152,25 @@ def _key_str(path: list[Any]) -> str:
     return "".join(f"[{p!r}]" for p in path) or "<root>"
 
 
-def flatten(obj: Any, *, check_tensors: bool = True) -> Flat:
+def flatten(obj: Any, *, check_tensors: bool = True, weights_only: bool = False) -> Flat:
     """Split a state dict into a JSON skeleton, its tensors and its opaque leaves.
 
     Hot path (once per save): no per-item bookkeeping; where a leaf cannot be stored the walk stops and
     ``_path_to`` finds its key for the message. ``check_tensors=False`` leaves the per-tensor checks
     (layout, meta, quantized) to the caller (the native scan does them in C++); tensor subclasses are
     refused either way. Nested and zero tensors are left to the caller (``check_tensor``): they fail the
-    first read of their shape or storage.
+    first read of their shape or storage. ``weights_only``: refuse the plain values that
+    ``torch.load(weights_only=True)`` cannot read back from the persisted file (ints over 255 bytes).
 
     Raises:
-        InvalidStateDictError: a sparse, meta, quantized or otherwise unstorable tensor, naming its key.
+        InvalidStateDictError: a sparse, meta, quantized or otherwise unstorable tensor, or (with
+            ``weights_only``) an int too large to load, naming its key.
     """
     tensors: list[torch.Tensor] = []
     opaque: list[Any] = []
     add_tensor = tensors.append
     tensor_t, param_t, strided = torch.Tensor, torch.nn.Parameter, torch.strided
-    raw = _RAW
+    str_t, int_t, lo, hi = str, int, _I64_MIN, _I64_MAX
 
     def enc(x: Any) -> Any:
         tx = type(x)
@@ -168,10 +179,13 @@ def flatten(obj: Any, *, check_tensors: bool = True) -> Flat:
                 _check_tensor(x, _path_to(obj, x))
             add_tensor(x)
             return ["T", len(tensors) - 1]
-        if tx in raw:
+        if tx is str_t or x is None:
             return x
+        if tx is int_t:
+            return x if lo <= x <= hi else big_int(x)
         if tx is dict or tx is OrderedDict:
-            items = [[k if type(k) in raw else enc_key(k), enc(v)] for k, v in x.items()]
+            items = [[k if type(k) is str_t or (type(k) is int_t and lo <= k <= hi) else enc_key(k), enc(v)]
+                     for k, v in x.items()]
             if tx is OrderedDict:
                 # nn.Module.state_dict() attaches per-module versions as ``_metadata``; torch.save keeps it.
                 md = getattr(x, "_metadata", None)
@@ -182,7 +196,7 @@ def flatten(obj: Any, *, check_tensors: bool = True) -> Flat:
         if tx is list or tx is tuple:
             return ["l" if tx is list else "t", [enc(v) for v in x]]
         if tx is float:
-            return ["f", x.hex()]
+            return ["f", x.hex() if x == x else nan_code(x)]
         if tx is bool:
             return ["B", x]
         if isinstance(x, torch.Tensor):
@@ -190,34 +204,60 @@ def flatten(obj: Any, *, check_tensors: bool = True) -> Flat:
         if tx is bytes:
             return ["b", base64.b64encode(x).decode("ascii")]
         if tx is complex:
-            return ["c", x.real, x.imag]
+            return ["c", float_code(x.real), float_code(x.imag)]
         if tx is torch.dtype:
             return ["dt", dtype_name(x)]
         if tx is torch.Size:
             return ["sz", list(x)]
         if tx is torch.device:
             return ["dev", str(x)]
-        _check_opaque(x, obj)
-        opaque.append(x)
+        opaque.append(x)  # pickled by encode_opaque, which refuses what cannot be
         return ["o", len(opaque) - 1]
 
+    def big_int(x: int) -> list[Any]:
+        if weights_only and len(pickle.encode_long(x)) >= _LONG1_BYTES:
+            raise InvalidStateDictError(
+                f"save(): the int at {_key_str(_path_to(obj, x))} ({x.bit_length()} bits) would not load back: "
+                "torch.load(weights_only=True), the default, reads ints of up to 255 bytes. Nothing was saved. "
+                "Store it another way (for example hex(x), read back with int(s, 16)), or, for checkpoints you "
+                "trust, construct the engine / checkpointer with weights_only=False.")
+        return ["I", format(x, "x")]
+
     def enc_key(k: Any) -> Any:
-        if type(k) in raw:
-            return k
+        if type(k) in _RAW:
+            return k if type(k) is not int or lo <= k <= hi else big_int(k)
         if type(k) is float:
-            return ["f", k.hex()]
+            return ["f", float_code(k)]
         if type(k) is bool:
             return ["B", k]
         if type(k) is tuple:
             return ["t", [enc_key(v) for v in k]]
         if type(k) is bytes:
             return ["b", base64.b64encode(k).decode("ascii")]
-        _check_opaque(k, obj)
         opaque.append(k)
         return ["o", len(opaque) - 1]
 
+    nan_code, float_code = _nan_code, _float_code
     skeleton = enc(obj)
     return Flat(skeleton, tensors, opaque)
+
+
+def _nan_code(x: float) -> str:
+    """A NaN in a skeleton: ``float.hex`` gives "nan" whatever its sign and payload; its bytes keep them."""
+    return "nan:" + struct.pack(">d", x).hex()
+
+
+def _float_code(x: float) -> str:
+    return x.hex() if x == x else _nan_code(x)
+
+
+def _float_of(code: Any) -> float:
+    """A float from its skeleton code (older snapshots held complex parts as JSON numbers)."""
+    if type(code) is not str:
+        return float(code)
+    if code.startswith("nan:"):
+        return float(struct.unpack(">d", bytes.fromhex(code[4:]))[0])
+    return float.fromhex(code)
 
 
 def flatten_like(obj: Any, skeleton: Any, *, check_tensors: bool = True) -> Flat | None:
@@ -276,7 +316,7 @@ def flatten_like(obj: Any, skeleton: Any, *, check_tensors: bool = True) -> Flat
                     return False
             return True
         if tx is float:
-            return sk[0] == "f" and sk[1] == x.hex()
+            return sk[0] == "f" and sk[1] == (x.hex() if x == x else _nan_code(x))
         if tx is bool:
             return sk[0] == "B" and sk[1] is x
         return False  # bytes, dtypes, opaque leaves, ...: the full walk
@@ -347,20 +387,23 @@ def _check_tensor(t: torch.Tensor, path: list[Any]) -> None:
         "(DTensor.to_local()) or use the sharded checkpointer (flashckpt.integrations.fsdp.FsdpShardCheckpointer).")
 
 
-def _check_opaque(x: Any, root: Any) -> None:
-    try:
-        pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as e:
-        raise InvalidStateDictError(
-            f"save(): the value at {_key_str(_path_to(root, x))} of type {type(x).__qualname__} can be neither stored "
-            f"natively nor pickled ({e}); replace it with plain types or tensors.") from e
+def encode_opaque(opaque: list[Any], root: Any = None) -> tuple[bytes, list[int]]:
+    """Pickle each opaque leaf separately (of the tree ``root``, for messages); returns the concatenation
+    and the lengths. These pickles are what a persisted file holds (``_rawpickle``): protocol 2, as
+    ``torch.save`` uses (torch's weights-only unpickler, which decodes them on a load with
+    ``weights_only=True``, does not take the framing opcodes of protocols 4 and 5).
 
-
-def encode_opaque(opaque: list[Any]) -> tuple[bytes, list[int]]:
-    """Pickle each opaque leaf separately; returns the concatenation and the lengths."""
-    # Protocol 2, as torch.save uses: torch's weights-only unpickler (which decodes these on a load with
-    # weights_only=True) does not take the framing opcodes of protocols 4 and 5.
-    parts = [pickle.dumps(x, protocol=2) for x in opaque]
+    Raises:
+        InvalidStateDictError: a leaf cannot be pickled, naming its key.
+    """
+    parts = []
+    for x in opaque:
+        try:
+            parts.append(pickle.dumps(x, protocol=2))
+        except Exception as e:
+            raise InvalidStateDictError(
+                f"save(): the value at {_key_str(_path_to(root, x))} of type {type(x).__qualname__} can be neither "
+                f"stored natively nor pickled ({e}); replace it with plain types or tensors.") from e
     return b"".join(parts), [len(p) for p in parts]
 
 
@@ -393,8 +436,9 @@ def split_opaque(blob: bytes | memoryview, lengths: list[int]) -> list[bytes]:
     return out
 
 
-def unflatten(skeleton: Any, tensors: list[Any], opaque: list[Any]) -> Any:
-    """Rebuild the tree from its skeleton; ``tensors`` and ``opaque`` are indexed by the skeleton."""
+def unflatten(skeleton: Any, tensors: list[Any], opaque: list[Any], *, empty_bytes: Any = b"") -> Any:
+    """Rebuild the tree from its skeleton; ``tensors`` and ``opaque`` are indexed by the skeleton.
+    ``empty_bytes``: what stands for ``b""`` (the persist worker's stand-in pickles as a file must hold it)."""
 
     def dec(x: Any) -> Any:
         if type(x) is not list:
@@ -416,13 +460,15 @@ def unflatten(skeleton: Any, tensors: list[Any], opaque: list[Any]) -> Any:
         if tag == "o":
             return opaque[x[1]]
         if tag == "f":
-            return float.fromhex(x[1])
+            return _float_of(x[1])
+        if tag == "I":
+            return int(x[1], 16)
         if tag == "B":
             return bool(x[1])
         if tag == "b":
-            return base64.b64decode(x[1])
+            return base64.b64decode(x[1]) if x[1] else empty_bytes
         if tag == "c":
-            return complex(x[1], x[2])
+            return complex(_float_of(x[1]), _float_of(x[2]))
         if tag == "dt":
             return dtype_from_name(x[1])
         if tag == "sz":

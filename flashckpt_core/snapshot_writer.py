@@ -39,7 +39,6 @@ from ._tree import (
     flatten,
     flatten_like,
     gc_paused,
-    tensor_paths,
     value_bits,
 )
 from .ipc import SharedLock
@@ -319,11 +318,11 @@ class SharedMemoryHandler(SnapshotReader):
             else:
                 flat = flatten_like(state_dict, cached[1], check_tensors=native is None) if cached else None
             if flat is None:
-                flat = flatten(state_dict, check_tensors=native is None)
-            tree = flat.skeleton
+                flat = flatten(state_dict, check_tensors=native is None, weights_only=self.weights_only)
+            tensors = flat.tensors
 
             def key_of(i: int) -> str:
-                return _key_str(list(tensor_paths(tree)[i]))
+                return _key_str(_path_to(state_dict, tensors[i]))
 
             if native is not None:
                 # One C++ call for the signature and storage addresses (and the tensor checks).
@@ -344,7 +343,7 @@ class SharedMemoryHandler(SnapshotReader):
                 if self._plan is None or self._plan.signature != sig:
                     self._plan = plan_snapshot(flat.tensors, sig, key_of=key_of)
                 plan = self._plan
-            blob, lengths = encode_opaque(flat.opaque)
+            blob, lengths = encode_opaque(flat.opaque, state_dict)
             if self.weights_only and flat.opaque:
                 self._check_loadable(state_dict, flat.opaque, blob, lengths)
             meta = self._meta_json(step, ckpt_name, flat, plan, lengths)

@@ -6,6 +6,9 @@
 // logic in Python wherever this cannot be built.
 #include <torch/extension.h>
 
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <unordered_map>
@@ -127,6 +130,14 @@ class Matcher {
     }
     if (tx == &PyFloat_Type) {
       if (!is(tag, "f")) return 0;
+      const double d = PyFloat_AS_DOUBLE(x);
+      if (std::isnan(d)) {  // "nan:" and its 8 bytes, big-endian (_tree._nan_code): float.hex drops them
+        uint64_t u;
+        std::memcpy(&u, &d, sizeof(u));
+        char code[32];
+        std::snprintf(code, sizeof(code), "nan:%016llx", static_cast<unsigned long long>(u));
+        return PyUnicode_CheckExact(body) && PyUnicode_CompareWithASCIIString(body, code) == 0 ? 1 : 0;
+      }
       PyObject* hex = PyObject_CallMethod(x, "hex", nullptr);
       if (hex == nullptr) return -1;
       const int r = PyObject_RichCompareBool(body, hex, Py_EQ);
