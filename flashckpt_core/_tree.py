@@ -149,7 +149,15 @@ class Flat:
 
 
 def _key_str(path: list[Any]) -> str:
-    return "".join(f"[{p!r}]" for p in path) or "<root>"
+    return "".join(f"[{_key_repr(p)}]" for p in path) or "<root>"
+
+
+def _key_repr(k: Any) -> str:
+    """``repr(k)``, or a short name for an int too long for Python to print (``sys.set_int_max_str_digits``)."""
+    try:
+        return repr(k)
+    except ValueError:
+        return f"<int of {k.bit_length()} bits: {format(k, 'x')[:16]}...>" if type(k) is int else f"<{type(k).__name__}>"
 
 
 def flatten(obj: Any, *, check_tensors: bool = True, weights_only: bool = False) -> Flat:
@@ -499,13 +507,24 @@ def tensor_paths(skeleton: Any) -> list[tuple[Any, ...]]:
             out[x[1]] = path
         elif tag in ("d", "od"):
             for k, v in x[1]:
-                walk(v, path + (unflatten(k, [], []) if type(k) is list else k,))
+                walk(v, path + (_path_key(k) if type(k) is list else k,))
         elif tag in ("l", "t"):
             for i, v in enumerate(x[1]):
                 walk(v, path + (i,))
 
     walk(skeleton, ())
     return [out[i] for i in range(len(out))]
+
+
+_OPAQUE_KEY = object()  # in a path, a key that was pickled: equal to no key of any tree
+
+
+def _path_key(k: list[Any]) -> Any:
+    """A tagged key of a skeleton, decoded for a path (its pickled parts are not decoded here)."""
+    try:
+        return unflatten(k, [], [])
+    except IndexError:
+        return _OPAQUE_KEY
 
 
 def tensors_by_path(tree: Any) -> dict[tuple[Any, ...], torch.Tensor]:

@@ -10,12 +10,15 @@ and marks the slot COMPLETE. It reads snapshots back as a ``SnapshotReader`` doe
 from __future__ import annotations
 
 import array
+import functools
+import io
 import json
 import logging
 import os
 import re
 import struct
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -159,6 +162,16 @@ def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...], *,
             if group >= 0:
                 group_region[group] = ri
                 group_first[group] = i
+        if t.dtype in _QUANTIZED:
+            raise E.InvalidStateDictError(
+                f"save(): the tensor at {key_of(i)} has the quantized dtype {t.dtype} but no quantizer (a view of "
+                "integer data); torch.save cannot write its rebuilt form. Nothing was saved. Save it as its integer "
+                "type (t.view(torch.int8) / torch.uint8 / torch.int32), or as a quantized tensor.")
+        if t.requires_grad and t.dtype in as_bytes and type(t) is not torch.nn.Parameter and not _grad_loads(t.dtype):
+            raise E.InvalidStateDictError(
+                f"save(): the tensor at {key_of(i)} ({t.dtype}, requires_grad=True) would not load back: torch.load "
+                f"{torch.__version__} cannot rebuild a {t.dtype} tensor that requires grad (torch.save writes it). "
+                "Nothing was saved. Save it as an nn.Parameter, or t.detach() (and set requires_grad after loading).")
         tensor_region.append(ri)
         r_off, r_n = regions[ri]
         metas.append(TensorMeta(tuple(t.shape), dtype_name(t.dtype), r_off, r_n, tuple(t.stride()),
@@ -179,6 +192,26 @@ def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...], *,
     work = sum(c[2] + 4096 for c in small_list)
     return SnapshotPlan(signature, tuple(regions), tuple(tensor_region), tuple(metas), off, metas_json,
                         tuple(copies), tuple(device_copies), native_signature, small.tobytes(), large, work)
+
+
+_QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)}
+
+
+@functools.cache
+def _grad_loads(dtype: torch.dtype) -> bool:
+    """Whether ``torch.load`` reads back a tensor of ``dtype`` (one ``torch.save`` writes untyped) that
+    requires grad: torch 2.13's ``_rebuild_tensor_v3`` makes it requiring grad, then ``set_``s its storage,
+    which autograd refuses. Asked of this torch once per dtype."""
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch warns that some of these dtypes are experimental)
+        torch.save(torch.empty(1, dtype=dtype).requires_grad_(), buf)
+        buf.seek(0)
+        try:
+            torch.load(buf, weights_only=True)
+        except RuntimeError:
+            return False
+    return True
 
 
 def _check_one_storage_type(tensors: list[torch.Tensor], first: int, i: int, as_bytes: set[torch.dtype],

@@ -24,9 +24,10 @@ import warnings
 import pytest
 import torch
 import xxhash
-from flashckpt import FlashCheckpointError, InvalidStateDictError, StorageType
+from flashckpt import FlashCheckpointError, InvalidStateDictError, StorageType, _native
 from flashckpt.commit import CommitLayout
 from flashckpt.remote_load import load_remote
+from flashckpt.snapshot_writer import _grad_loads
 from flashckpt.storage import PosixDiskStorage
 from helpers import assert_same_tree, wait_savers_gone
 
@@ -134,14 +135,27 @@ def test_views_torch_save_writes_as_bytes_may_share_a_storage(make_engine, ckpt_
     saved_and_loaded_everywhere(make_engine, ckpt_dir, sd)
 
 
-@pytest.mark.parametrize("kind", ["zero", "nested"])
-def test_tensors_torch_save_cannot_write_are_refused_at_save_naming_the_key(make_engine, ckpt_dir, kind):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("kind", ["zero", "nested", "quantized_dtype", "float8_requires_grad"])
+def test_tensors_torch_save_cannot_write_are_refused_at_save_naming_the_key(make_engine, ckpt_dir, monkeypatch,
+                                                                            kind, native):
+    if not native:
+        monkeypatch.setattr(_native, "get", lambda: None)  # the Python walk and signature
     if kind == "zero":
         t = torch._efficientzerotensor(3)
-    else:
+    elif kind == "nested":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (nested tensors are a prototype, torch warns once)
             t = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    elif kind == "quantized_dtype":
+        t = torch.arange(4, dtype=torch.uint8).view(torch.quint8)  # no quantizer: torch.save cannot write it
+    else:
+        # torch.save writes it, but torch.load (2.13) cannot rebuild a float8 tensor that requires grad; a
+        # torch that can gets it back.
+        t = torch.zeros(4, dtype=torch.float8_e4m3fn).requires_grad_()
+        if _grad_loads(torch.float8_e4m3fn):  # (asks this torch)
+            saved_and_loaded_everywhere(make_engine, ckpt_dir, {"model": {"t": t}})
+            return
     refused_naming(make_engine, ckpt_dir, {"model": {"t": t}}, "t")
 
 
@@ -208,6 +222,8 @@ def test_big_ints_round_trip_or_are_refused_naming_the_key(make_engine, ckpt_dir
     saved_and_loaded_everywhere(make_engine, ckpt_dir, fits)
     refused_naming(make_engine, ckpt_dir, {"x": {"big": 10**700}}, "big", also="weights_only")
     refused_naming(make_engine, ckpt_dir, {"x": {"huge": 10**5000}}, "huge", also="weights_only")
+    # A key too long for Python to print is named by its size (the message itself must not fail).
+    refused_naming(make_engine, ckpt_dir, {"k": {10**5000: 1}}, "k", also=f"<int of {(10**5000).bit_length()} bits")
 
 
 def test_huge_ints_round_trip_without_weights_only(make_engine, ckpt_dir):
