@@ -140,8 +140,10 @@ def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...], *,
     """Lay out every distinct storage once, 64-byte aligned, in traversal order.
 
     Raises:
-        InvalidStateDictError: two tensors view one storage as types ``torch.save`` cannot write together
-            (``key_of(i)`` names tensor ``i``); the plan is made before anything is written.
+        InvalidStateDictError: a tensor whose file would not load back (``key_of(i)`` names tensor ``i``;
+            the plan is made before anything is written): two tensors view one storage as types
+            ``torch.save`` cannot write together, a quantized dtype without a quantizer, or a tensor that
+            requires grad of a dtype this torch's ``torch.load`` cannot rebuild so (``_grad_loads``).
     """
     regions: list[tuple[int, int]] = []
     group_region: dict[int, int] = {}
