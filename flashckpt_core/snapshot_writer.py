@@ -119,7 +119,6 @@ def signature_of(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], list[int
     sig: list[Any] = []
     ptrs: list[int] = []
     param = torch.nn.Parameter
-    bits = torch._C._get_tensor_metadata  # type: ignore[attr-defined]  # {} unless a conjugate/negative bit is set
     for t in tensors:
         st = t.untyped_storage()
         n = st.nbytes()
@@ -131,7 +130,7 @@ def signature_of(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], list[int
             group = -1
         ptrs.append(ptr)
         sig.append((t.dtype, t.shape, t.stride(), t.storage_offset(), n, group, dev,
-                    t.requires_grad, type(t) is param, bits(t)))
+                    t.requires_grad, type(t) is param, t.is_conj(), t.is_neg()))
     return tuple(sig), ptrs
 
 

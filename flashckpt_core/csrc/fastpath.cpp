@@ -26,6 +26,11 @@ struct PairHash {
   }
 };
 
+// The dispatch keys of the tensors scan refuses (nested, zero tensors) or flags (conjugate and negative bits).
+constexpr c10::DispatchKeySet kUnusual =
+    c10::DispatchKeySet(c10::DispatchKey::Conjugate) | c10::DispatchKeySet(c10::DispatchKey::Negative) |
+    c10::DispatchKeySet(c10::DispatchKey::ZeroTensor) | c10::DispatchKeySet(c10::DispatchKey::NestedTensor);
+
 }  // namespace
 
 // For each tensor: dtype, device index (-1: CPU), flags (requires_grad 1, conjugate bit 2, negative bit 4:
@@ -49,8 +54,15 @@ py::tuple scan(const py::list& tensors, const py::handle& parameter_type) {
       return py::make_tuple(py::bytes(), py::bytes(), i);
     }
     const at::Tensor& t = THPVariable_Unpack(obj);
-    if (t.layout() != at::kStrided || t.is_meta() || t.is_quantized() || t.is_nested() || t._is_zerotensor()) {
-      return py::make_tuple(py::bytes(), py::bytes(), i);  // (nested and zero tensors have no plain storage)
+    if (t.layout() != at::kStrided || t.is_meta() || t.is_quantized()) {
+      return py::make_tuple(py::bytes(), py::bytes(), i);
+    }
+    int64_t flags = t.requires_grad() ? 1 : 0;
+    if (t.key_set().has_any(kUnusual)) {  // one test for what ordinary tensors never carry
+      if (t.is_nested() || t._is_zerotensor()) {
+        return py::make_tuple(py::bytes(), py::bytes(), i);  // no plain storage
+      }
+      flags |= (t.is_conj() ? 2 : 0) | (t.is_neg() ? 4 : 0);
     }
     const auto& st = t.storage();
     const auto nbytes = static_cast<int64_t>(st.nbytes());
@@ -63,7 +75,7 @@ py::tuple scan(const py::list& tensors, const py::handle& parameter_type) {
     put(ptrs, ptr);
     put(sig, static_cast<int64_t>(t.scalar_type()));
     put(sig, dev);
-    put(sig, (t.requires_grad() ? 1 : 0) | (t.is_conj() ? 2 : 0) | (t.is_neg() ? 4 : 0));
+    put(sig, flags);
     put(sig, is_param ? 1 : 0);
     put(sig, t.storage_offset());
     put(sig, nbytes);
