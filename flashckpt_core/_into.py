@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._tree import _key_str, dtype_name, map_tree_paths, tensors_by_path
+from ._tree import _key_str, dtype_name, map_tree_paths, tensors_by_path, value_bits
 
 __all__ = ["Into", "fits"]
 
@@ -66,10 +66,14 @@ class Into:
     def __bool__(self) -> bool:
         return bool(self.targets)
 
-    def target(self, path: tuple[Any, ...], dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
-        """The tensor of ``into`` that a saved tensor at ``path`` of ``dtype`` and ``shape`` fills, or None."""
+    def target(self, path: tuple[Any, ...], dtype: torch.dtype, shape: tuple[int, ...],
+               bits: tuple[bool, bool] = (False, False)) -> torch.Tensor | None:
+        """The tensor of ``into`` that a saved tensor at ``path`` of ``dtype`` and ``shape`` fills straight
+        from the saved bytes, or None. ``bits``: the saved tensor's conjugate and negative bits
+        (``_tree.value_bits``): bytes go straight only into a tensor with the same bits (``fill`` copies the
+        others by value)."""
         t = self.targets.get(path)
-        return t if t is not None and fits(t, dtype, shape) else None
+        return t if t is not None and fits(t, dtype, shape) and value_bits(t) == bits else None
 
     def fill(self, tree: Any, *, source: str) -> Any:
         """``tree`` (a loaded state dict, new memory or already filled in part) with every tensor that

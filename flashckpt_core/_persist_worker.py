@@ -47,12 +47,13 @@ import torch
 from . import errors as E
 from . import locations
 from ._protocol import read_frame, write_frame
+from ._rawpickle import EMPTY_BYTES, RawPickle
 from ._tree import TensorMeta, build_tensor, split_opaque, unflatten
 from .commit import CommitLayout
 from .files import FileSet, is_fileset_tree
 from .segment import COMPLETE, Segment
 from .storage import CheckpointStorage, FileRecord, HashingWriter, options_from_env, storage_from_spec
-from .torchfile import torch_save_parts, zip_crc_slots
+from .torchfile import SPLICING_MODULE, torch_save_parts, zip_crc_slots
 
 __all__ = ["main", "WORKER_MODULE"]
 
@@ -62,18 +63,6 @@ WORKER_MODULE = __spec__.name  # flashckpt._persist_worker, also when run with -
 
 
 # ---------------------------------------------------------------------- the worker's end
-class _Opaque:
-    """An opaque leaf inside a persisted file: unpickles to the trainer's object with pickle.loads."""
-
-    __slots__ = ("raw",)
-
-    def __init__(self, raw: bytes) -> None:
-        self.raw = raw
-
-    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
-        return (pickle.loads, (self.raw,))
-
-
 @dataclasses.dataclass
 class _Job:
     step: int
@@ -96,25 +85,25 @@ class _Writer:
             h = seg.header(slot)  # pinned by the saver: it stays this snapshot until unpinned
             if h.state != COMPLETE or h.generation != generation or h.step != job.step:
                 raise E.PersistError(f"the snapshot of step {job.step} was overwritten before it was persisted")
-            tree = _zero_copy_tree(seg, slot, h)
+            tree, raw = _zero_copy_tree(seg, slot, h)
             is_set = is_fileset_tree(tree)
             if is_set:
-                recs = self._persist_fileset(job, FileSet.decode(tree))
+                recs = self._persist_fileset(job, FileSet.decode(tree), raw)
             else:
                 self.layout.check_target(job.step, job.path)
                 self.layout.write_intent(job.step, job.rank, [job.path])
                 staged = self._staging(job, job.path, 0)
-                rec = _torch_save(self.storage, staged or job.path, tree)
+                rec = _torch_save(self.storage, staged or job.path, tree, raw_pickles=raw)
                 recs = [FileRecord(job.path, rec.size, rec.xxh3, staged=staged)]
             del tree  # drop the views of the segment before it is unmapped
             return recs, is_set
         finally:
             seg.close()
 
-    def _persist_fileset(self, job: _Job, fs: FileSet) -> list[FileRecord]:
+    def _persist_fileset(self, job: _Job, fs: FileSet, raw: bool) -> list[FileRecord]:
         """Writes a rank's file set: plain files in place; commit-time and tracker files staged for the
         commit. The intent names every final path a crash could leave behind (not trackers: they are
-        only written once the step is committed)."""
+        only written once the step is committed). ``raw``: the set holds ``RawPickle`` leaves."""
         targets = {}
         for i, (name, e) in enumerate(sorted(fs.items())):
             final = self.layout.abs(name) if e.kind == "tracker" else locations.join(job.path, *name.split("/"))
@@ -127,7 +116,7 @@ class _Writer:
         recs = []
         for name, e in sorted(fs.items()):
             final, staged = targets[name]
-            rec = (_torch_save(self.storage, staged or final, e.data) if e.format == "torch"
+            rec = (_torch_save(self.storage, staged or final, e.data, raw_pickles=raw) if e.format == "torch"
                    else self.storage.write_parts(staged or final, e.data))
             recs.append(FileRecord(final, rec.size, rec.xxh3, e.format, name, e.kind, staged))
         return recs
@@ -142,8 +131,10 @@ class _Writer:
         return self.layout.staged_path(job.step, job.rank, index)
 
 
-def _zero_copy_tree(seg: Segment, slot: int, h: Any) -> Any:
-    """The snapshot's tree with tensors viewing the segment (no copy) and opaque leaves embedded."""
+def _zero_copy_tree(seg: Segment, slot: int, h: Any) -> tuple[Any, bool]:
+    """The snapshot's tree with tensors viewing the segment (no copy), its opaque leaves as the trainer's
+    pickles (``RawPickle``: never unpickled here) and ``b""`` as ``EMPTY_BYTES``; and whether it holds
+    opaque leaves."""
     meta = seg.read_meta(slot, h)
     data_off = seg.data_off(slot)
     storages: dict[tuple[int, int], torch.UntypedStorage] = {}
@@ -159,33 +150,34 @@ def _zero_copy_tree(seg: Segment, slot: int, h: Any) -> Any:
         tensors.append(build_tensor(st, m))
     blob_off = data_off + h.tensor_bytes
     blob = seg.mm[blob_off: blob_off + h.blob_len]
-    opaque = [_Opaque(b) for b in split_opaque(blob, meta["opaque"])]
-    return unflatten(meta["tree"], tensors, opaque)
+    opaque = [RawPickle(b) for b in split_opaque(blob, meta["opaque"])]
+    return unflatten(meta["tree"], tensors, opaque, empty_bytes=EMPTY_BYTES), bool(opaque)
 
 
-def _torch_save(storage: CheckpointStorage, path: str, tree: Any) -> FileRecord:
+def _torch_save(storage: CheckpointStorage, path: str, tree: Any, *, raw_pickles: bool) -> FileRecord:
     """Writes ``torch.save(tree)``'s file to ``path`` through ``storage``; returns its record.
 
     The file is split into its ``torch.save`` bytes and the storages' data (``torch_save_parts``) and
     streamed by the backend (``write_parts``: direct I/O on disk, a multipart upload to an object store),
     the zip CRC-32s filled in on the way when torch's CRC option is on (its default). A torch whose
-    archive layout the split does not recognize gets a plain ``torch.save`` instead (``_torch_save_plain``)."""
+    archive layout the split does not recognize gets a plain ``torch.save`` instead (``_torch_save_plain``).
+    ``raw_pickles``: ``tree`` holds ``RawPickle`` leaves, written as they are (``torchfile``)."""
     try:
-        parts = torch_save_parts(tree)
+        parts = torch_save_parts(tree, raw_pickles=raw_pickles)
         slots = zip_crc_slots(parts) if torch.serialization.get_crc32_options() else None
     except E.FlashCheckpointError as e:
         global _warned_plain
         if not _warned_plain:
             _warned_plain = True
             log.warning("%s; persisting with torch.save instead", e)
-        return storage.write_file(path, functools.partial(_torch_save_plain, tree))
+        return storage.write_file(path, functools.partial(_torch_save_plain, tree, raw_pickles=raw_pickles))
     return storage.write_parts(path, parts, crc_slots=slots)
 
 
 _warned_plain = False
 
 
-def _torch_save_plain(tree: Any, path: str) -> tuple[int, str]:
+def _torch_save_plain(tree: Any, path: str, *, raw_pickles: bool = False) -> tuple[int, str]:
     """``torch.save`` through a Python file object that checksums as it writes; returns (size, xxh3).
 
     Writing through a file object also makes a failing write surface as its OSError: given a path,
@@ -196,7 +188,7 @@ def _torch_save_plain(tree: Any, path: str) -> tuple[int, str]:
     with open(path, "wb") as f:
         w = HashingWriter(f)
         try:
-            torch.save(tree, w)  # type: ignore[arg-type]
+            torch.save(tree, w, pickle_module=SPLICING_MODULE if raw_pickles else pickle)  # type: ignore[arg-type]
         except RuntimeError as e:
             if isinstance(e.__context__, OSError):
                 raise e.__context__ from e

@@ -8,10 +8,16 @@ appear as themselves; bools and floats are tagged so that equal skeletons are eq
     ["l", [v, ...]]              list          ["t", [v, ...]]               tuple
     ["T", i]                     tensors[i]    ["o", i]                      opaque[i]
     ["b", base64]  bytes   ["c", re, im]  complex   ["dt", name]  torch.dtype   ["sz", [...]]  torch.Size
-    ["dev", "cuda:0"] torch.device   ["B", true] bool   ["f", "0x1.0p-10"] float (exact, via float.hex)
+    ["dev", "cuda:0"] torch.device   ["B", true] bool   ["f", "0x1.0p-10"] float   ["I", "-1f"] int (hex)
+
+Floats are exact: ``float.hex``, and a NaN as ``"nan:"`` and its 8 bytes (``float.hex`` drops a NaN's sign and
+payload); complex numbers hold two such strings. Ints outside int64 are tagged, in hex (JSON readers and
+Python's int-to-decimal limit stop at large ints; hex has no limit). Older snapshots held complex parts and
+big ints as JSON numbers; they still decode.
 
 Opaque leaves (anything else) are pickled by the trainer into a blob that only a trainer decodes; the
-saver never unpickles them (it embeds them in persisted files as ``pickle.loads(raw)``).
+saver never unpickles them (its persist worker splices each pickle, unread, into the file it writes:
+``torchfile``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import base64
 import gc
 import pickle
+import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,10 +36,12 @@ import torch
 from .errors import InvalidStateDictError
 
 __all__ = ["TensorMeta", "Flat", "flatten", "flatten_like", "unflatten", "encode_opaque", "decode_opaque", "map_tree",
-           "map_tree_paths", "gc_paused"]
+           "map_tree_paths", "gc_paused", "check_tensor"]
 
 _PLAIN = (str, int, float, bool, type(None))
-_RAW = (str, int, type(None))  # appear in the skeleton as themselves
+_RAW = (str, int, type(None))  # appear in the skeleton as themselves (ints only inside int64)
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+_LONG1_BYTES = 256  # pickle writes longer ints as LONG4, which torch.load(weights_only=True) refuses
 
 
 class gc_paused:  # noqa: N801 (used like a function: ``with gc_paused():``)
@@ -114,6 +123,9 @@ class TensorMeta:
         device: the device the tensor came from (``"cpu"``, ``"cuda:0"``).
         requires_grad: whether the tensor required grad.
         parameter: whether the tensor was an ``nn.Parameter``.
+        conj: the tensor's conjugate bit (``z.conj()``: a lazy conjugate of the bytes it views).
+        neg: the tensor's negative bit (``z.conj().imag``: a lazy negation of the bytes it views).
+            Both change its values as ``torch.save`` keeps them (``torch._utils.get_tensor_metadata``).
     """
 
     shape: tuple[int, ...]
@@ -125,14 +137,18 @@ class TensorMeta:
     device: str = "cpu"
     requires_grad: bool = False
     parameter: bool = False
+    conj: bool = False
+    neg: bool = False
 
     def to_json(self) -> list[Any]:
-        return [list(self.shape), self.dtype, self.offset, self.nbytes, list(self.stride),
-                self.storage_offset, self.device, self.requires_grad, self.parameter]
+        out = [list(self.shape), self.dtype, self.offset, self.nbytes, list(self.stride),
+               self.storage_offset, self.device, self.requires_grad, self.parameter]
+        return out + [self.conj, self.neg] if self.conj or self.neg else out
 
     @staticmethod
     def from_json(v: list[Any]) -> TensorMeta:
-        return TensorMeta(tuple(v[0]), v[1], v[2], v[3], tuple(v[4]), v[5], v[6], v[7], v[8])
+        bits = (bool(v[9]), bool(v[10])) if len(v) > 10 else (False, False)  # older snapshots: no bits
+        return TensorMeta(tuple(v[0]), v[1], v[2], v[3], tuple(v[4]), v[5], v[6], v[7], v[8], *bits)
 
 
 @dataclass
@@ -145,25 +161,36 @@ class Flat:
 
 
 def _key_str(path: list[Any]) -> str:
-    return "".join(f"[{p!r}]" for p in path) or "<root>"
+    return "".join(f"[{_key_repr(p)}]" for p in path) or "<root>"
 
 
-def flatten(obj: Any, *, check_tensors: bool = True) -> Flat:
+def _key_repr(k: Any) -> str:
+    """``repr(k)``, or a short name for an int too long for Python to print (``sys.set_int_max_str_digits``)."""
+    try:
+        return repr(k)
+    except ValueError:
+        return f"<int of {k.bit_length()} bits: {format(k, 'x')[:16]}...>" if type(k) is int else f"<{type(k).__name__}>"
+
+
+def flatten(obj: Any, *, check_tensors: bool = True, weights_only: bool = False) -> Flat:
     """Split a state dict into a JSON skeleton, its tensors and its opaque leaves.
 
     Hot path (once per save): no per-item bookkeeping; where a leaf cannot be stored the walk stops and
     ``_path_to`` finds its key for the message. ``check_tensors=False`` leaves the per-tensor checks
     (layout, meta, quantized) to the caller (the native scan does them in C++); tensor subclasses are
-    refused either way.
+    refused either way. Nested and zero tensors are left to the caller (``check_tensor``): they fail the
+    first read of their shape or storage. ``weights_only``: refuse the plain values that
+    ``torch.load(weights_only=True)`` cannot read back from the persisted file (ints over 255 bytes).
 
     Raises:
-        InvalidStateDictError: a sparse, meta, quantized or otherwise unstorable tensor, naming its key.
+        InvalidStateDictError: a sparse, meta, quantized or otherwise unstorable tensor, or (with
+            ``weights_only``) an int too large to load, naming its key.
     """
     tensors: list[torch.Tensor] = []
     opaque: list[Any] = []
     add_tensor = tensors.append
     tensor_t, param_t, strided = torch.Tensor, torch.nn.Parameter, torch.strided
-    raw = _RAW
+    str_t, int_t, lo, hi = str, int, _I64_MIN, _I64_MAX
 
     def enc(x: Any) -> Any:
         tx = type(x)
@@ -172,10 +199,13 @@ def flatten(obj: Any, *, check_tensors: bool = True) -> Flat:
                 _check_tensor(x, _path_to(obj, x))
             add_tensor(x)
             return ["T", len(tensors) - 1]
-        if tx in raw:
+        if tx is str_t or x is None:
             return x
+        if tx is int_t:
+            return x if lo <= x <= hi else big_int(x)
         if tx is dict or tx is OrderedDict:
-            items = [[k if type(k) in raw else enc_key(k), enc(v)] for k, v in x.items()]
+            items = [[k if type(k) is str_t or (type(k) is int_t and lo <= k <= hi) else enc_key(k), enc(v)]
+                     for k, v in x.items()]
             if tx is OrderedDict:
                 # nn.Module.state_dict() attaches per-module versions as ``_metadata``; torch.save keeps it.
                 md = getattr(x, "_metadata", None)
@@ -186,7 +216,7 @@ def flatten(obj: Any, *, check_tensors: bool = True) -> Flat:
         if tx is list or tx is tuple:
             return ["l" if tx is list else "t", [enc(v) for v in x]]
         if tx is float:
-            return ["f", x.hex()]
+            return ["f", x.hex() if x == x else nan_code(x)]
         if tx is bool:
             return ["B", x]
         if isinstance(x, torch.Tensor):
@@ -194,34 +224,60 @@ def flatten(obj: Any, *, check_tensors: bool = True) -> Flat:
         if tx is bytes:
             return ["b", base64.b64encode(x).decode("ascii")]
         if tx is complex:
-            return ["c", x.real, x.imag]
+            return ["c", float_code(x.real), float_code(x.imag)]
         if tx is torch.dtype:
             return ["dt", dtype_name(x)]
         if tx is torch.Size:
             return ["sz", list(x)]
         if tx is torch.device:
             return ["dev", str(x)]
-        _check_opaque(x, obj)
-        opaque.append(x)
+        opaque.append(x)  # pickled by encode_opaque, which refuses what cannot be
         return ["o", len(opaque) - 1]
 
+    def big_int(x: int) -> list[Any]:
+        if weights_only and len(pickle.encode_long(x)) >= _LONG1_BYTES:
+            raise InvalidStateDictError(
+                f"save(): the int at {_key_str(_path_to(obj, x))} ({x.bit_length()} bits) would not load back: "
+                "torch.load(weights_only=True), the default, reads ints of up to 255 bytes. Nothing was saved. "
+                "Store it another way (for example hex(x), read back with int(s, 16)), or, for checkpoints you "
+                "trust, construct the engine / checkpointer with weights_only=False.")
+        return ["I", format(x, "x")]
+
     def enc_key(k: Any) -> Any:
-        if type(k) in raw:
-            return k
+        if type(k) in _RAW:
+            return k if type(k) is not int or lo <= k <= hi else big_int(k)
         if type(k) is float:
-            return ["f", k.hex()]
+            return ["f", float_code(k)]
         if type(k) is bool:
             return ["B", k]
         if type(k) is tuple:
             return ["t", [enc_key(v) for v in k]]
         if type(k) is bytes:
             return ["b", base64.b64encode(k).decode("ascii")]
-        _check_opaque(k, obj)
         opaque.append(k)
         return ["o", len(opaque) - 1]
 
+    nan_code, float_code = _nan_code, _float_code
     skeleton = enc(obj)
     return Flat(skeleton, tensors, opaque)
+
+
+def _nan_code(x: float) -> str:
+    """A NaN in a skeleton: ``float.hex`` gives "nan" whatever its sign and payload; its bytes keep them."""
+    return "nan:" + struct.pack(">d", x).hex()
+
+
+def _float_code(x: float) -> str:
+    return x.hex() if x == x else _nan_code(x)
+
+
+def _float_of(code: Any) -> float:
+    """A float from its skeleton code (older snapshots held complex parts as JSON numbers)."""
+    if type(code) is not str:
+        return float(code)
+    if code.startswith("nan:"):
+        return float(struct.unpack(">d", bytes.fromhex(code[4:]))[0])
+    return float.fromhex(code)
 
 
 def flatten_like(obj: Any, skeleton: Any, *, check_tensors: bool = True) -> Flat | None:
@@ -280,7 +336,7 @@ def flatten_like(obj: Any, skeleton: Any, *, check_tensors: bool = True) -> Flat
                     return False
             return True
         if tx is float:
-            return sk[0] == "f" and sk[1] == x.hex()
+            return sk[0] == "f" and sk[1] == (x.hex() if x == x else _nan_code(x))
         if tx is bool:
             return sk[0] == "B" and sk[1] is x
         return False  # bytes, dtypes, opaque leaves, ...: the full walk
@@ -312,6 +368,22 @@ def _path_to(root: Any, target: Any) -> list[Any]:
     return []
 
 
+def check_tensor(t: torch.Tensor, path: list[Any]) -> None:
+    """Raises InvalidStateDictError, naming ``path``, when ``t`` is a tensor flashckpt cannot store as
+    ``torch.save`` would: not dense and strided, on the meta device, quantized, nested, a zero tensor, or
+    a tensor subclass. Not the hot path: the snapshot makes the cheap checks itself and calls this for
+    the message (``_check_tensor`` makes the common ones)."""
+    _check_tensor(t, path)
+    where = _key_str(path)
+    if t.is_nested:
+        raise InvalidStateDictError(
+            f"save(): tensor at {where} is a nested tensor; store its components (t.unbind()) as a list of tensors.")
+    if t._is_zerotensor():
+        raise InvalidStateDictError(
+            f"save(): tensor at {where} is a zero tensor without storage (torch.save cannot write it either); "
+            "store torch.zeros(t.shape, dtype=t.dtype) instead.")
+
+
 def _check_tensor(t: torch.Tensor, path: list[Any]) -> None:
     # Hot path (once per tensor per save): cheap attribute checks; messages are built only on error.
     # (torch is looked up here, not at import: the saver daemon imports this module without torch.)
@@ -335,20 +407,23 @@ def _check_tensor(t: torch.Tensor, path: list[Any]) -> None:
         "(DTensor.to_local()) or use the sharded checkpointer (flashckpt.integrations.fsdp.FsdpShardCheckpointer).")
 
 
-def _check_opaque(x: Any, root: Any) -> None:
-    try:
-        pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as e:
-        raise InvalidStateDictError(
-            f"save(): the value at {_key_str(_path_to(root, x))} of type {type(x).__qualname__} can be neither stored "
-            f"natively nor pickled ({e}); replace it with plain types or tensors.") from e
+def encode_opaque(opaque: list[Any], root: Any = None) -> tuple[bytes, list[int]]:
+    """Pickle each opaque leaf separately (of the tree ``root``, for messages); returns the concatenation
+    and the lengths. These pickles are what a persisted file holds (``_rawpickle``): protocol 2, as
+    ``torch.save`` uses (torch's weights-only unpickler, which decodes them on a load with
+    ``weights_only=True``, does not take the framing opcodes of protocols 4 and 5).
 
-
-def encode_opaque(opaque: list[Any]) -> tuple[bytes, list[int]]:
-    """Pickle each opaque leaf separately; returns the concatenation and the lengths."""
-    # Protocol 2, as torch.save uses: torch's weights-only unpickler (which decodes these on a load with
-    # weights_only=True) does not take the framing opcodes of protocols 4 and 5.
-    parts = [pickle.dumps(x, protocol=2) for x in opaque]
+    Raises:
+        InvalidStateDictError: a leaf cannot be pickled, naming its key.
+    """
+    parts = []
+    for x in opaque:
+        try:
+            parts.append(pickle.dumps(x, protocol=2))
+        except Exception as e:
+            raise InvalidStateDictError(
+                f"save(): the value at {_key_str(_path_to(root, x))} of type {type(x).__qualname__} can be neither "
+                f"stored natively nor pickled ({e}); replace it with plain types or tensors.") from e
     return b"".join(parts), [len(p) for p in parts]
 
 
@@ -381,8 +456,9 @@ def split_opaque(blob: bytes | memoryview, lengths: list[int]) -> list[bytes]:
     return out
 
 
-def unflatten(skeleton: Any, tensors: list[Any], opaque: list[Any]) -> Any:
-    """Rebuild the tree from its skeleton; ``tensors`` and ``opaque`` are indexed by the skeleton."""
+def unflatten(skeleton: Any, tensors: list[Any], opaque: list[Any], *, empty_bytes: Any = b"") -> Any:
+    """Rebuild the tree from its skeleton; ``tensors`` and ``opaque`` are indexed by the skeleton.
+    ``empty_bytes``: what stands for ``b""`` (the persist worker's stand-in pickles as a file must hold it)."""
 
     def dec(x: Any) -> Any:
         if type(x) is not list:
@@ -404,13 +480,15 @@ def unflatten(skeleton: Any, tensors: list[Any], opaque: list[Any]) -> Any:
         if tag == "o":
             return opaque[x[1]]
         if tag == "f":
-            return float.fromhex(x[1])
+            return _float_of(x[1])
+        if tag == "I":
+            return int(x[1], 16)
         if tag == "B":
             return bool(x[1])
         if tag == "b":
-            return base64.b64decode(x[1])
+            return base64.b64decode(x[1]) if x[1] else empty_bytes
         if tag == "c":
-            return complex(x[1], x[2])
+            return complex(_float_of(x[1]), _float_of(x[2]))
         if tag == "dt":
             return dtype_from_name(x[1])
         if tag == "sz":
@@ -441,13 +519,24 @@ def tensor_paths(skeleton: Any) -> list[tuple[Any, ...]]:
             out[x[1]] = path
         elif tag in ("d", "od"):
             for k, v in x[1]:
-                walk(v, path + (unflatten(k, [], []) if type(k) is list else k,))
+                walk(v, path + (_path_key(k) if type(k) is list else k,))
         elif tag in ("l", "t"):
             for i, v in enumerate(x[1]):
                 walk(v, path + (i,))
 
     walk(skeleton, ())
     return [out[i] for i in range(len(out))]
+
+
+_OPAQUE_KEY = object()  # in a path, a key that was pickled: equal to no key of any tree
+
+
+def _path_key(k: list[Any]) -> Any:
+    """A tagged key of a skeleton, decoded for a path (its pickled parts are not decoded here)."""
+    try:
+        return unflatten(k, [], [])
+    except IndexError:
+        return _OPAQUE_KEY
 
 
 def tensors_by_path(tree: Any) -> dict[tuple[Any, ...], torch.Tensor]:
@@ -468,6 +557,20 @@ def tensors_by_path(tree: Any) -> dict[tuple[Any, ...], torch.Tensor]:
     return out
 
 
+def value_bits(t: torch.Tensor) -> tuple[bool, bool]:
+    """``t``'s conjugate and negative bits: lazy operations on the bytes it views, part of its values."""
+    return t.is_conj(), t.is_neg()
+
+
+def set_value_bits(t: torch.Tensor, *, conj: bool, neg: bool) -> None:
+    """Sets those of ``t``'s conjugate and negative bits that are True, as ``torch.load`` does
+    (``torch._utils.set_tensor_metadata``; it takes only the bits that are set, as ``get_tensor_metadata``
+    gives them: a False bit in the dict is not a clear)."""
+    bits = {k: True for k, on in (("conj", conj), ("neg", neg)) if on}
+    if bits:
+        torch._utils.set_tensor_metadata(t, bits)
+
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
     for n in reversed(shape):
@@ -477,9 +580,11 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def build_tensor(storage: torch.UntypedStorage, meta: TensorMeta) -> torch.Tensor:
-    """A tensor of ``meta``'s dtype, shape and strides over ``storage`` (no copy)."""
+    """A tensor of ``meta``'s dtype, shape, strides and conjugate/negative bits over ``storage`` (no copy)."""
     t = torch.empty(0, dtype=dtype_from_name(meta.dtype), device=storage.device)
     t.set_(storage, meta.storage_offset, meta.shape, meta.stride)
+    if meta.conj or meta.neg:
+        set_value_bits(t, conj=meta.conj, neg=meta.neg)
     if meta.parameter:
         return torch.nn.Parameter(t, requires_grad=meta.requires_grad)
     if meta.requires_grad:

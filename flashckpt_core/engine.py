@@ -759,13 +759,22 @@ class CheckpointEngine:
             if loc.source != "storage" or loc.step is None:
                 self._loaded(None, "none", t0, 0, note=unrecorded(self.layout) or "")
                 return {}
+            failed: BaseException | None = None
             try:
                 sd, nbytes = self._loader.load_step(loc.step, into=into), self._loader.last_bytes
                 ok = True
             except E.CheckpointCorruptError as e:
                 log.warning("load(): step %d is damaged on this rank (%s)", loc.step, e)
                 ok = False
+            except Exception as e:  # raised on every rank below, never a rank left waiting for the others
+                failed, ok = e, False
             self._downloads = True
+            if not all_ranks(failed is None, self.process_group):
+                if failed is not None:
+                    raise failed
+                raise E.FlashCheckpointError(
+                    f"load(): step {loc.step} could not be loaded on another rank (its error says why); nothing "
+                    "was loaded")
             if all_ranks(ok, self.process_group):
                 self._loaded(loc.step, "storage", t0, nbytes)
                 return sd

@@ -175,12 +175,10 @@ class StorageLoader:
                     return load_remote(storage, path, size=record.size, xxh3=record.xxh3,
                                        weights_only=self.weights_only, into=into)
                 sd = torch.load(cached, map_location="cpu", weights_only=self.weights_only, mmap=True)
+        except (OSError, MemoryError, E.FlashCheckpointError):
+            raise  # the machine's (a read, memory) or already said
         except Exception as e:
-            if self.weights_only and "weights_only" in str(e):
-                raise E.FlashCheckpointError(
-                    f"load(): {path} holds Python objects that torch.load(weights_only=True) refuses. If the "
-                    "checkpoint is trusted, construct the engine with weights_only=False.") from e
-            raise
+            raise _load_failure(path, e, weights_only=self.weights_only) from e
         return Into(into).fill(sd, source=path)
 
     def _download(self, path: str, rec: FileRecord) -> str | None:
@@ -239,3 +237,27 @@ class StorageLoader:
 
 
 _DOWNLOAD = "dl-"  # names of the shared downloads in the job's runtime dir
+
+# What torch.load(weights_only=True) says when its rules, not the file, refuse what a file holds.
+_REFUSED = ("Unsupported global", "unsupported GLOBAL", "allowlisted", "must be imported to load")
+
+
+def _load_failure(path: str, e: Exception, *, weights_only: bool) -> E.FlashCheckpointError:
+    """What a failed ``torch.load`` of ``path`` means. The loader's rules refusing an object (weights-only
+    loading, or a class this process cannot import) are the same for every step that holds it: an error
+    that says how to load it, never a step back. Anything else means the file is not what a ``torch.save``
+    wrote (it matched its manifest, so it was written so): a damaged step, which ``load()`` passes over for
+    the previous one (``CheckpointCorruptError``)."""
+    msg = str(e)
+    if weights_only and any(s in msg for s in _REFUSED):
+        cause = next((line.strip() for line in msg.splitlines() if any(s in line for s in _REFUSED)), "")
+        return E.FlashCheckpointError(
+            f"load(): {path} holds Python objects that torch.load(weights_only=True) refuses ({cause}). Allow "
+            "them before loading (torch.serialization.add_safe_globals, as when they were saved) or, if the "
+            "checkpoint is trusted, construct the engine with weights_only=False.")
+    if isinstance(e, (ImportError, AttributeError)):
+        return E.FlashCheckpointError(
+            f"load(): {path} holds a Python object whose class this process cannot find ({type(e).__name__}: {e}); "
+            "import the module that defines it before loading.")
+    return E.CheckpointCorruptError(f"load(): {path} matches its manifest but torch.load cannot read it "
+                                    f"({type(e).__name__}: {msg.splitlines()[0] if msg else ''})")

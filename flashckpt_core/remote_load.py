@@ -25,7 +25,7 @@ import xxhash
 from . import errors as E
 from ._into import Into
 from ._rawio import SeekableReader
-from ._tree import map_tree, tensors_by_path
+from ._tree import map_tree, set_value_bits, tensors_by_path, value_bits
 from .storage import CheckpointStorage
 
 __all__ = ["RangeFile", "load_remote"]
@@ -108,7 +108,7 @@ def load_remote(storage: CheckpointStorage, path: str, *, size: int, xxh3: str |
         uses = owners[off]
         if len(uses) == 1:  # the ranged reads go straight into a CPU tensor of ``into`` that is the whole storage
             p, t = uses[0]
-            d = fill.target(p, t.dtype, tuple(t.shape))
+            d = fill.target(p, t.dtype, tuple(t.shape), value_bits(t))
             if (d is not None and d.device.type == "cpu" and d.storage_offset() == 0
                     and t.storage_offset() == 0 and t.is_contiguous()
                     and d.untyped_storage().nbytes() == nbytes == t.numel() * t.element_size()):
@@ -143,6 +143,9 @@ def load_remote(storage: CheckpointStorage, path: str, *, size: int, xxh3: str |
         if dst is not None and dst.untyped_storage().data_ptr() == st.data_ptr():
             return dst  # filled in place
         out = torch.empty(0, dtype=t.dtype).set_(st, t.storage_offset(), t.shape, t.stride())
+        conj, neg = value_bits(t)
+        if conj or neg:
+            set_value_bits(out, conj=conj, neg=neg)
         if isinstance(t, torch.nn.Parameter):
             return torch.nn.Parameter(out, requires_grad=t.requires_grad)
         return out.requires_grad_(t.requires_grad) if t.requires_grad else out

@@ -118,7 +118,7 @@ def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int |
         # tensor is laid out contiguously: a CPU tensor takes the bytes by a host copy, a CUDA tensor
         # host-to-device, whatever device the snapshot came from. ``fill.fill`` copies the other matches.
         for i, (m, path) in enumerate(zip(metas, paths)):
-            t = fill.target(path, dtype_from_name(m.dtype), m.shape)
+            t = fill.target(path, dtype_from_name(m.dtype), m.shape, (m.conj, m.neg))
             if t is None or m.stride != contiguous_strides(m.shape):
                 continue
             n = t.numel() * t.element_size()

@@ -10,12 +10,15 @@ and marks the slot COMPLETE. It reads snapshots back as a ``SnapshotReader`` doe
 from __future__ import annotations
 
 import array
+import functools
+import io
 import json
 import logging
 import os
 import re
 import struct
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,11 +36,13 @@ from ._tree import (
     TensorMeta,
     _key_str,
     _path_to,
+    check_tensor,
     dtype_name,
     encode_opaque,
     flatten,
     flatten_like,
     gc_paused,
+    value_bits,
 )
 from .ipc import SharedLock
 from .segment import (
@@ -107,8 +112,13 @@ class SnapshotPlan:
 
 def signature_of(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], list[int]]:
     """The structure of a tensor list (equal signatures reuse one plan) and each tensor's storage address.
+    The conjugate and negative bits are part of it (they change the values the bytes stand for).
 
-    Hot path: about ten cheap attribute reads per tensor, nothing that formats strings."""
+    Hot path: about ten cheap attribute reads per tensor, nothing that formats strings.
+
+    Raises:
+        RuntimeError: a tensor without the storage or sizes of a strided tensor (nested, zero tensors):
+            the caller names it (``check_tensor``)."""
     seen: dict[tuple[int, int], int] = {}
     sig: list[Any] = []
     ptrs: list[int] = []
@@ -124,33 +134,54 @@ def signature_of(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], list[int
             group = -1
         ptrs.append(ptr)
         sig.append((t.dtype, t.shape, t.stride(), t.storage_offset(), n, group, dev,
-                    t.requires_grad, type(t) is param))
+                    t.requires_grad, type(t) is param, t.is_conj(), t.is_neg()))
     return tuple(sig), ptrs
 
 
 def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...], *,
-                  native_signature: bytes = b"") -> SnapshotPlan:
-    """Lay out every distinct storage once, 64-byte aligned, in traversal order."""
+                  native_signature: bytes = b"", key_of: Callable[[int], str] = str) -> SnapshotPlan:
+    """Lay out every distinct storage once, 64-byte aligned, in traversal order.
+
+    Raises:
+        InvalidStateDictError: a tensor whose file would not load back (``key_of(i)`` names tensor ``i``;
+            the plan is made before anything is written): two tensors view one storage as types
+            ``torch.save`` cannot write together, a quantized dtype without a quantizer, or a tensor that
+            requires grad of a dtype this torch's ``torch.load`` cannot rebuild so (``_grad_loads``).
+    """
     regions: list[tuple[int, int]] = []
     group_region: dict[int, int] = {}
+    group_first: dict[int, int] = {}  # the first tensor of each storage, for the types check
     tensor_region: list[int] = []
     metas: list[TensorMeta] = []
+    as_bytes = torch.storage._new_dtypes()
     off = 0
-    for t, s in zip(tensors, signature):
+    for i, (t, s) in enumerate(zip(tensors, signature)):
         n, group = s[4], s[5]
         if group >= 0 and group in group_region:
             ri = group_region[group]
+            _check_one_storage_type(tensors, group_first[group], i, as_bytes, key_of)
         else:
             ri = len(regions)
             regions.append((off, n))
             off = _align(off + n)
             if group >= 0:
                 group_region[group] = ri
+                group_first[group] = i
+        if t.dtype in _QUANTIZED:
+            raise E.InvalidStateDictError(
+                f"save(): the tensor at {key_of(i)} has the quantized dtype {t.dtype} but no quantizer (a view of "
+                "integer data); torch.save cannot write its rebuilt form. Nothing was saved. Save it as its integer "
+                "type (t.view(torch.int8) / torch.uint8 / torch.int32), or as a quantized tensor.")
+        if t.requires_grad and t.dtype in as_bytes and type(t) is not torch.nn.Parameter and not _grad_loads(t.dtype):
+            raise E.InvalidStateDictError(
+                f"save(): the tensor at {key_of(i)} ({t.dtype}, requires_grad=True) would not load back: torch.load "
+                f"{torch.__version__} cannot rebuild a {t.dtype} tensor that requires grad (torch.save writes it). "
+                "Nothing was saved. Save it as an nn.Parameter, or t.detach() (and set requires_grad after loading).")
         tensor_region.append(ri)
         r_off, r_n = regions[ri]
         metas.append(TensorMeta(tuple(t.shape), dtype_name(t.dtype), r_off, r_n, tuple(t.stride()),
                                 int(t.storage_offset()), str(t.device), bool(t.requires_grad),
-                                type(t) is torch.nn.Parameter))
+                                type(t) is torch.nn.Parameter, *value_bits(t)))
     metas_json = json.dumps([m.to_json() for m in metas], separators=(",", ":"))
     copies: list[tuple[int, int, int]] = []
     device_copies: list[tuple[int, int, int]] = []
@@ -166,6 +197,41 @@ def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...], *,
     work = sum(c[2] + 4096 for c in small_list)
     return SnapshotPlan(signature, tuple(regions), tuple(tensor_region), tuple(metas), off, metas_json,
                         tuple(copies), tuple(device_copies), native_signature, small.tobytes(), large, work)
+
+
+_QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)}
+
+
+@functools.cache
+def _grad_loads(dtype: torch.dtype) -> bool:
+    """Whether ``torch.load`` reads back a tensor of ``dtype`` (one ``torch.save`` writes untyped) that
+    requires grad: torch 2.13's ``_rebuild_tensor_v3`` makes it requiring grad, then ``set_``s its storage,
+    which autograd refuses. Asked of this torch once per dtype."""
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch warns that some of these dtypes are experimental)
+        torch.save(torch.empty(1, dtype=dtype).requires_grad_(), buf)
+        buf.seek(0)
+        try:
+            torch.load(buf, weights_only=True)
+        except RuntimeError:
+            return False
+    return True
+
+
+def _check_one_storage_type(tensors: list[torch.Tensor], first: int, i: int, as_bytes: set[torch.dtype],
+                            key_of: Callable[[int], str]) -> None:
+    """Refuses tensors ``first`` and ``i``, views of one storage, when ``torch.save`` would refuse them: it
+    writes a storage once, as one type (the tensor's dtype, or bytes for the dtypes it writes untyped:
+    float8, complex32, uint16-64), and refuses "multiple tensors or storages that view the same data as
+    different types"."""
+    a, b = tensors[first].dtype, tensors[i].dtype
+    if a == b or (a in as_bytes or a == torch.uint8) and (b in as_bytes or b == torch.uint8):
+        return
+    raise E.InvalidStateDictError(
+        f"save(): the tensors at {key_of(i)} ({b}) and {key_of(first)} ({a}) view one storage as different "
+        "types, which torch.save cannot write (a persist would fail). Nothing was saved. Save a copy of one of "
+        "them (.clone()), or both as one type.")
 
 
 Allocator = Callable[[int, int, int], str]
@@ -219,6 +285,12 @@ def _holders(hs: list[SlotHeader], newest: int | None) -> str:
         if what:
             out.append(f"step {h.step} ({', '.join(what)})")
     return ", ".join(out) or "none"
+
+
+def _refuse(root: Any, t: torch.Tensor) -> None:
+    """Raises the InvalidStateDictError for tensor ``t`` of ``root``, which the native scan found unstorable."""
+    check_tensor(t, _path_to(root, t))
+    raise E.InvalidStateDictError(f"save(): the tensor at {_key_str(_path_to(root, t))} cannot be stored")
 
 
 class SharedMemoryHandler(SnapshotReader):
@@ -298,23 +370,32 @@ class SharedMemoryHandler(SnapshotReader):
             else:
                 flat = flatten_like(state_dict, cached[1], check_tensors=native is None) if cached else None
             if flat is None:
-                flat = flatten(state_dict, check_tensors=native is None)
+                flat = flatten(state_dict, check_tensors=native is None, weights_only=self.weights_only)
+            tensors = flat.tensors
+
+            def key_of(i: int) -> str:
+                return _key_str(_path_to(state_dict, tensors[i]))
+
             if native is not None:
                 # One C++ call for the signature and storage addresses (and the tensor checks).
                 nsig, nptrs, bad = native.scan(flat.tensors, torch.nn.Parameter)
                 if bad >= 0:
-                    flatten(state_dict)  # raises, naming the key
-                    raise E.InvalidStateDictError(f"save(): tensor {bad} of the state dict cannot be stored")
+                    _refuse(state_dict, flat.tensors[bad])
                 plan = self._plan
                 if plan is None or plan.native_signature != nsig:
                     sig, _ = signature_of(flat.tensors)
-                    plan = self._plan = plan_snapshot(flat.tensors, sig, native_signature=nsig)
+                    plan = self._plan = plan_snapshot(flat.tensors, sig, native_signature=nsig, key_of=key_of)
             else:
-                sig, ptrs = signature_of(flat.tensors)
+                try:
+                    sig, ptrs = signature_of(flat.tensors)
+                except RuntimeError:
+                    for t in flat.tensors:
+                        check_tensor(t, _path_to(state_dict, t))  # raises, naming the key
+                    raise
                 if self._plan is None or self._plan.signature != sig:
-                    self._plan = plan_snapshot(flat.tensors, sig)
+                    self._plan = plan_snapshot(flat.tensors, sig, key_of=key_of)
                 plan = self._plan
-            blob, lengths = encode_opaque(flat.opaque)
+            blob, lengths = encode_opaque(flat.opaque, state_dict)
             if self.weights_only and flat.opaque:
                 self._check_loadable(state_dict, flat.opaque, blob, lengths)
             meta = self._meta_json(step, ckpt_name, flat, plan, lengths)

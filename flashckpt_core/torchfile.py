@@ -14,6 +14,10 @@ A ``torch.save`` to a path names the archive's records after the file (``model_o
 to a buffer ``archive/...``; ``torch.load`` reads both.
 
 ``PartsReader`` reads such parts back with ``torch.load`` without joining them first.
+
+A tree holding ``RawPickle`` leaves (Python objects as a trainer pickled them: ``_rawpickle``) is written
+with ``raw_pickles=True``: pickled by the pure-Python ``SplicingPickler``, which writes those pickles into the
+stream unread; every other tree by the C pickler.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import torch
 
 from . import errors as E
 from ._rawio import ViewsReader, part_view
+from ._rawpickle import RawPickle, SplicingPickler
 from .errors import FlashCheckpointError
 
-__all__ = ["torch_save_parts", "parts_size", "PartsReader", "load_parts", "zip_crc_slots"]
+__all__ = ["torch_save_parts", "parts_size", "PartsReader", "load_parts", "zip_crc_slots", "SPLICING_MODULE"]
 
 
 class _Sink:
@@ -76,6 +81,8 @@ def _storages_in_save_order(obj: Any) -> list[torch.UntypedStorage]:
     class _Walker(pickle.Pickler):
         def persistent_id(self, o: Any) -> Any:
             st: Any
+            if type(o) is RawPickle:
+                return ("raw",)  # holds no storage (and is not picklable as an object)
             if isinstance(o, torch.storage.TypedStorage):
                 st = o._untyped_storage
             elif torch.is_storage(o):
@@ -95,37 +102,57 @@ def _u8(st: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
 
 
+def _record_storages(pickler: Any) -> Any:
+    """The wrapper of ``pickler``'s ``persistent_id`` (torch's, bound: torch's pickler subclasses ours and
+    overrides the method) that records each storage it saves, in torch's key order (first appearance,
+    deduplicated by storage), in ``_recording.storages``."""
+    inner = pickler.persistent_id
+    rec: dict[int, torch.UntypedStorage] = {}
+    _recording.storages = rec
+
+    def persistent_id(o: Any) -> Any:
+        r = inner(o)
+        if r is not None:
+            st = o._untyped_storage if isinstance(o, torch.storage.TypedStorage) else o
+            rec.setdefault(st._cdata, st)
+        return r
+
+    return persistent_id
+
+
 class _RecordingPickler(pickle.Pickler):
     """The base of ``torch.save``'s pickler (through ``pickle_module``): records each storage its
-    ``persistent_id`` saves, in torch's key order (first appearance, deduplicated by storage)."""
+    ``persistent_id`` saves (``_record_storages``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        inner = self.persistent_id  # torch's, bound: it subclasses this class and overrides the method
-        rec: dict[int, torch.UntypedStorage] = {}
-        _recording.storages = rec
+        pickle.Pickler.persistent_id.__set__(self, _record_storages(self))  # type: ignore[attr-defined]
 
-        def persistent_id(o: Any) -> Any:
-            r = inner(o)
-            if r is not None:
-                st = o._untyped_storage if isinstance(o, torch.storage.TypedStorage) else o
-                rec.setdefault(st._cdata, st)
-            return r
 
-        pickle.Pickler.persistent_id.__set__(self, persistent_id)  # type: ignore[attr-defined]
+class _SplicingRecordingPickler(SplicingPickler):
+    """``_RecordingPickler`` for trees with ``RawPickle`` leaves: the pure-Python pickler, which looks
+    ``persistent_id`` up on the instance."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.persistent_id = _record_storages(self)
 
 
 _recording = threading.local()
 _RECORDING_MODULE = types.SimpleNamespace(__name__="pickle", Pickler=_RecordingPickler,
                                           Unpickler=pickle.Unpickler)
+_SPLICING_RECORDING_MODULE = types.SimpleNamespace(__name__="pickle", Pickler=_SplicingRecordingPickler,
+                                                   Unpickler=pickle.Unpickler)
+SPLICING_MODULE = types.SimpleNamespace(__name__="pickle", Pickler=SplicingPickler, Unpickler=pickle.Unpickler)
+"""``torch.save(obj, f, pickle_module=SPLICING_MODULE)`` writes a tree with ``RawPickle`` leaves."""
 
 
-def _save_recording_storages(obj: Any, sink: Any) -> list[torch.UntypedStorage] | None:
+def _save_recording_storages(obj: Any, sink: Any, *, raw_pickles: bool) -> list[torch.UntypedStorage] | None:
     """``torch.save(obj, sink)`` that also returns the storages it saved, in key order, from the same
     pickling pass; None where this Python's pickler does not allow it (the caller walks ``obj`` then)."""
     _recording.storages = None
     try:
-        torch.save(obj, sink, pickle_module=_RECORDING_MODULE)
+        torch.save(obj, sink, pickle_module=_SPLICING_RECORDING_MODULE if raw_pickles else _RECORDING_MODULE)
     except (AttributeError, TypeError) as e:
         if "persistent_id" not in str(e):
             raise
@@ -135,22 +162,23 @@ def _save_recording_storages(obj: Any, sink: Any) -> list[torch.UntypedStorage] 
     return None if rec is None else list(rec.values())
 
 
-def torch_save_parts(obj: Any) -> list[Any]:
+def torch_save_parts(obj: Any, *, raw_pickles: bool = False) -> list[Any]:
     """``torch.save(obj, buffer)`` as parts: bytes, and uint8 views of the storages (any device, no copy)
     where their data goes. ``b"".join`` of the parts' bytes is a ``torch.save`` file of ``obj``.
 
     The views alias ``obj``'s tensors: snapshot them (``CheckpointEngine.save``) before those change.
+    ``raw_pickles``: ``obj`` holds ``RawPickle`` leaves (see the module docstring).
 
     Raises:
         FlashCheckpointError: this torch writes ``torch.save`` files in a way the split does not expect.
     """
     sink = _Sink()
     with torch.serialization.skip_data():
-        storages = _save_recording_storages(obj, sink)
+        storages = _save_recording_storages(obj, sink, raw_pickles=raw_pickles)
         if storages is None:
             sink = _Sink()
             storages = _storages_in_save_order(obj)
-            torch.save(obj, sink)  # type: ignore[arg-type]  # a file-like object: only write/seek/tell/flush
+            torch.save(obj, sink, pickle_module=SPLICING_MODULE if raw_pickles else pickle)  # type: ignore[arg-type]
     filled = iter([st for st in storages if st.nbytes() > 0])
     parts: list[Any] = []
     pending = bytearray()

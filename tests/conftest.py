@@ -264,9 +264,13 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_addoption(parser):
-    """``--soak N``: run N seeded iterations of the random kill-point test (tests/test_killpoints.py)."""
+    """``--soak N``: run N seeded iterations of the random kill-point test (tests/test_killpoints.py).
+    ``--hypothesis-examples N``: N random examples per property test (tests/test_roundtrip_property.py)."""
     parser.addoption("--soak", type=int, default=0, metavar="N",
                      help="random kill-point iterations to run (default: a few; FLASHCKPT_SOAK=N does the same)")
+    parser.addoption("--hypothesis-examples", type=int, default=0, metavar="N",
+                     help="random examples per property test (default: a bounded, derandomized set; "
+                          "FLASHCKPT_PROPERTY_EXAMPLES=N does the same)")
 
 
 # ------------------------------------------------------------------------------------------ test tiers

@@ -64,27 +64,43 @@ def assert_bit_identical(a: Any, b: Any, where: str = "") -> None:
     assert a.stride() == b.stride(), f"{where}: strides {b.stride()} instead of {a.stride()}"
     assert a.storage_offset() == b.storage_offset(), f"{where}: storage offset differs"
     assert a.requires_grad == b.requires_grad, f"{where}: requires_grad differs"
+    assert (a.is_conj(), a.is_neg()) == (b.is_conj(), b.is_neg()), \
+        f"{where}: conjugate/negative bits {(b.is_conj(), b.is_neg())} instead of {(a.is_conj(), a.is_neg())}"
     assert b.device.type == "cpu", f"{where}: restored on {b.device}"
     assert torch.equal(storage_bytes(a), storage_bytes(b)), f"{where}: the bytes differ"
 
 
+def _float_bits(x: float) -> bytes:
+    import struct
+
+    return struct.pack("<d", x)
+
+
+def short_repr(x: Any) -> str:
+    """``repr(x)`` for messages, also for ints too long for Python to print."""
+    try:
+        return repr(x)
+    except ValueError:
+        return f"<{type(x).__name__} of {x.bit_length()} bits>"
+
+
 def assert_same_tree(a: Any, b: Any, where: str = "<root>") -> None:
     """``b`` equals ``a`` with every container and leaf of the same type (dict key types and order too);
-    tensors are compared bit for bit, floats treat NaN as equal to NaN and keep the sign of zero."""
-    import math
+    tensors are compared bit for bit (with their conjugate and negative bits), floats and complex numbers
+    by their bits (NaN payloads and the sign of zero included)."""
     from collections import OrderedDict
 
     import torch
 
-    assert type(a) is type(b), f"{where}: {type(b).__name__} {b!r:.80} instead of {type(a).__name__} {a!r:.80}"
+    assert type(a) is type(b), f"{where}: {type(b).__name__} {short_repr(b):.80} instead of {type(a).__name__} {short_repr(a):.80}"
     if isinstance(a, torch.Tensor):
         assert_bit_identical(a, b, where)
     elif type(a) in (dict, OrderedDict):
         ka, kb = list(a), list(b)
-        assert ka == kb, f"{where}: keys {kb} instead of {ka}"
+        assert len(ka) == len(kb) and all(_same_key(x, y) for x, y in zip(ka, kb)), \
+            f"{where}: keys {short_repr(kb):.300} instead of {short_repr(ka):.300}"
         for x, y in zip(ka, kb, strict=True):
-            assert type(x) is type(y), f"{where}: key {y!r} is a {type(y).__name__}, not a {type(x).__name__}"
-            assert_same_tree(a[x], b[y], f"{where}[{x!r}]")
+            assert_same_tree(a[x], b[y], f"{where}[{short_repr(x)}]")
     elif type(a) in (list, tuple):
         assert len(a) == len(b), f"{where}: length {len(b)} instead of {len(a)}"
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
@@ -94,12 +110,24 @@ def assert_same_tree(a: Any, b: Any, where: str = "<root>") -> None:
 
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), f"{where}: {b!r} instead of {a!r}"
     elif type(a) is float:
-        if math.isnan(a):
-            assert math.isnan(b), f"{where}: {b!r} instead of nan"
-        else:
-            assert a == b and math.copysign(1, a) == math.copysign(1, b), f"{where}: {b!r} instead of {a!r}"
+        assert _float_bits(a) == _float_bits(b), f"{where}: {b!r} ({_float_bits(b).hex()}) instead of {a!r} " \
+            f"({_float_bits(a).hex()})"
+    elif type(a) is complex:
+        assert _float_bits(a.real) + _float_bits(a.imag) == _float_bits(b.real) + _float_bits(b.imag), \
+            f"{where}: {b!r} instead of {a!r} (bits differ)"
     else:
-        assert a == b, f"{where}: {b!r:.200} instead of {a!r:.200}"
+        assert a == b, f"{where}: {short_repr(b):.200} instead of {short_repr(a):.200}"
+
+
+def _same_key(x: Any, y: Any) -> bool:
+    """Dict keys ``x`` and ``y`` are the same key: of one type, equal (floats by their bits)."""
+    if type(x) is not type(y):
+        return False
+    if type(x) is float:
+        return _float_bits(x) == _float_bits(y)
+    if type(x) is tuple:
+        return len(x) == len(y) and all(_same_key(p, q) for p, q in zip(x, y))
+    return bool(x == y)
 
 
 def tree_digest(*trees: Any) -> str:

@@ -21,7 +21,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-from flashckpt import CheckpointEngine, FlashCheckpointError, StorageType
+from flashckpt import CheckpointEngine, FlashCheckpointError, InvalidStateDictError, StorageType
 from flashckpt._tree import Flat, flatten, flatten_like, unflatten
 from flashckpt.snapshot_writer import ALIGN, plan_snapshot, signature_of
 from helpers import assert_bit_identical, assert_same_tree, leftovers, wait_savers_gone
@@ -224,7 +224,7 @@ def test_flatten_like_reuses_the_skeleton_exactly_when_nothing_but_tensors_chang
 def test_plan_stores_shared_storage_once_and_aligns_regions():
     a = torch.randn(100)
     b = torch.randn(7, dtype=torch.float64)
-    tensors = [a, a, a[10:20], b, a.view(torch.int32)]
+    tensors = [a, a, a[10:20], b, a.view(4, 25)]
     plan = plan_snapshot(tensors, signature_of(tensors)[0])
     assert len(plan.regions) == 2
     assert plan.tensor_region == (0, 0, 0, 1, 0)
@@ -232,6 +232,10 @@ def test_plan_stores_shared_storage_once_and_aligns_regions():
     assert plan.regions[0][1] == a.untyped_storage().nbytes() and plan.regions[1][1] == b.nbytes
     assert plan.tensor_bytes == -(-400 // ALIGN) * ALIGN + -(-56 // ALIGN) * ALIGN
     assert plan.metas[2].storage_offset == 10 and plan.metas[2].offset == plan.metas[0].offset
+    # A view of the same storage as another type is refused, as torch.save refuses it (test_fidelity.py).
+    mixed = [a, a.view(torch.int32)]
+    with pytest.raises(InvalidStateDictError, match="view one storage as different types"):
+        plan_snapshot(mixed, signature_of(mixed)[0])
 
 
 def test_plan_signature_changes_exactly_when_the_structure_does():

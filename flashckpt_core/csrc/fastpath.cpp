@@ -6,6 +6,9 @@
 // logic in Python wherever this cannot be built.
 #include <torch/extension.h>
 
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <unordered_map>
@@ -23,12 +26,18 @@ struct PairHash {
   }
 };
 
+// The dispatch keys of the tensors scan refuses (nested, zero tensors) or flags (conjugate and negative bits).
+constexpr c10::DispatchKeySet kUnusual =
+    c10::DispatchKeySet(c10::DispatchKey::Conjugate) | c10::DispatchKeySet(c10::DispatchKey::Negative) |
+    c10::DispatchKeySet(c10::DispatchKey::ZeroTensor) | c10::DispatchKeySet(c10::DispatchKey::NestedTensor);
+
 }  // namespace
 
-// For each tensor: dtype, device index (-1: CPU), requires_grad, is-Parameter, storage offset, storage
-// bytes, storage sharing group (-1: empty storage), ndim, sizes, strides; packed as int64s. Returns
-// (signature bytes, storage data pointers as int64 bytes, index of the first tensor flashckpt cannot
-// store or -1). Two lists with equal signatures lay out alike in a snapshot.
+// For each tensor: dtype, device index (-1: CPU), flags (requires_grad 1, conjugate bit 2, negative bit 4:
+// the bits change the values its bytes stand for), is-Parameter, storage offset, storage bytes, storage
+// sharing group (-1: empty storage), ndim, sizes, strides; packed as int64s. Returns (signature bytes,
+// storage data pointers as int64 bytes, index of the first tensor flashckpt cannot store or -1). Two lists
+// with equal signatures lay out alike in a snapshot.
 py::tuple scan(const py::list& tensors, const py::handle& parameter_type) {
   const auto n = static_cast<int64_t>(tensors.size());
   std::string sig;
@@ -48,6 +57,13 @@ py::tuple scan(const py::list& tensors, const py::handle& parameter_type) {
     if (t.layout() != at::kStrided || t.is_meta() || t.is_quantized()) {
       return py::make_tuple(py::bytes(), py::bytes(), i);
     }
+    int64_t flags = t.requires_grad() ? 1 : 0;
+    if (t.key_set().has_any(kUnusual)) {  // one test for what ordinary tensors never carry
+      if (t.is_nested() || t._is_zerotensor()) {
+        return py::make_tuple(py::bytes(), py::bytes(), i);  // no plain storage
+      }
+      flags |= (t.is_conj() ? 2 : 0) | (t.is_neg() ? 4 : 0);
+    }
     const auto& st = t.storage();
     const auto nbytes = static_cast<int64_t>(st.nbytes());
     const auto ptr = reinterpret_cast<int64_t>(st.data());
@@ -59,7 +75,7 @@ py::tuple scan(const py::list& tensors, const py::handle& parameter_type) {
     put(ptrs, ptr);
     put(sig, static_cast<int64_t>(t.scalar_type()));
     put(sig, dev);
-    put(sig, t.requires_grad() ? 1 : 0);
+    put(sig, flags);
     put(sig, is_param ? 1 : 0);
     put(sig, t.storage_offset());
     put(sig, nbytes);
@@ -126,6 +142,14 @@ class Matcher {
     }
     if (tx == &PyFloat_Type) {
       if (!is(tag, "f")) return 0;
+      const double d = PyFloat_AS_DOUBLE(x);
+      if (std::isnan(d)) {  // "nan:" and its 8 bytes, big-endian (_tree._nan_code): float.hex drops them
+        uint64_t u;
+        std::memcpy(&u, &d, sizeof(u));
+        char code[32];
+        std::snprintf(code, sizeof(code), "nan:%016llx", static_cast<unsigned long long>(u));
+        return PyUnicode_CheckExact(body) && PyUnicode_CompareWithASCIIString(body, code) == 0 ? 1 : 0;
+      }
       PyObject* hex = PyObject_CallMethod(x, "hex", nullptr);
       if (hex == nullptr) return -1;
       const int r = PyObject_RichCompareBool(body, hex, Py_EQ);
