@@ -96,7 +96,7 @@ def _check_filled(out: dict[str, Any], into: dict[str, Any], saved: dict[str, An
 
 
 @pytest.mark.parametrize("source", ["memory", "file system", "resume_path"])
-def test_load_into_fills_the_given_tensors_from_every_source(source, make_engine, ckpt_dir, caplog):
+def test_load_into_fills_the_given_tensors_from_every_source(source, make_engine, ckpt_dir, runtime_dir, caplog):
     """One rule for every source: a resume from disk lands in the model's own tensors, as one from memory."""
     saved = _saved_state()
     eng = make_engine(max_to_keep=0)
@@ -104,7 +104,9 @@ def test_load_into_fills_the_given_tensors_from_every_source(source, make_engine
     if source != "memory":
         eng.wait(60)
         eng.close()
-        eng = make_engine(max_to_keep=0)  # a restarted process: memory is gone, the step is on storage
+        # A restarted process: memory is gone (the saver freed it as it exited), the step is on storage.
+        wait_for(lambda: not saver_pids(runtime_dir), 60, "the saver to exit")
+        eng = make_engine(max_to_keep=0)
     into = _into()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="flashckpt"):
