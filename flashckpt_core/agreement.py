@@ -154,7 +154,7 @@ def memory_across_nodes(inventory: Callable[[], dict[str, Any]], fetch: Callable
         except (E.CheckpointCorruptError, TypeError, ValueError):
             saved_at = {}
     plan = across_nodes(rows, members, replicated=replicated, saved_at=saved_at,
-                        newest_committed=committed[-1] if committed else -1)
+                        newest_committed=committed[-1] if committed else -1, world_size=ranks.world_size)
     if plan.step is None:
         if plan.partial is not None and ranks.rank == members[0]:
             log.warning("load(): memory holds step %d on some nodes, but ranks %s have no copy left (their node "

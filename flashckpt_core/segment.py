@@ -9,7 +9,8 @@ Segment file (one per local rank and allocation epoch, created 0600 by the saver
     [0, 4096)            segment header: magic, version, nslots, slot_size, meta_cap, data_cap, local_rank
     slot i at 4096 + i * slot_size:
       [0, 4096)          slot header: state, flags, step, generation, meta_len, meta_xxh64,
-                         tensor_bytes, blob_len, wall_time, seq, owner (the global rank + 1)
+                         tensor_bytes, blob_len, wall_time, seq, owner (the global rank + 1),
+                         world (the number of ranks of the job that saved it)
       [4096, +meta_cap)  metadata (JSON, no pickle)
       [.., +data_cap)    tensor storages (each 64-byte aligned), then the opaque blob
 
@@ -56,14 +57,14 @@ from . import errors as E
 
 __all__ = ["Segment", "SlotHeader", "SlotRef", "EMPTY", "WRITING", "COMPLETE", "FLAG_PINNED", "FLAG_PENDING",
            "FLAG_UNRESERVED", "FLAG_SENDING", "FLAG_FETCHED", "FLAGS_BUSY", "PAGE", "live_snapshots", "segment_paths",
-           "segment_path", "lock_path", "writer_lease_path", "advise_huge_pages"]
+           "segment_path", "local_ranks", "lock_path", "writer_lease_path", "advise_huge_pages"]
 
 log = logging.getLogger(__name__)
 
 SEG_MAGIC = b"FLCKSEG1"
 SEG_VERSION = 1
 _SEG_HDR = struct.Struct("<8sIIQQQiq")
-_SLOT_HDR = struct.Struct("<IIqQQQQQdQq")  # zeros past wall_time read as seq 0, owner 0 (older segments)
+_SLOT_HDR = struct.Struct("<IIqQQQQQdQqq")  # zeros past wall_time read as seq 0, owner 0, world 0 (older segments)
 PAGE = 4096
 EMPTY, WRITING, COMPLETE = 0, 1, 2
 FLAG_PINNED = 1   # the saver is reading this slot
@@ -93,6 +94,15 @@ def segment_paths(job_dir: str, local_rank: int) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+def local_ranks(job_dir: str) -> list[int]:
+    """The local ranks that have segments in ``job_dir``, ascending."""
+    try:
+        names = os.listdir(job_dir)
+    except FileNotFoundError:
+        return []
+    return sorted({int(m.group(1)) for n in names if (m := _SEG_RE.fullmatch(n))})
+
+
 def segment_path(job_dir: str, local_rank: int, epoch: int) -> str:
     return os.path.join(job_dir, f"seg-r{local_rank:03d}-e{epoch:06d}.shm")
 
@@ -119,11 +129,17 @@ class SlotHeader:
     wall_time: float
     seq: int = 0
     owner: int = 0  # the global rank that saved it, plus one (0: not recorded, an older segment)
+    world: int = 0  # the number of ranks of the job that saved it (0: not recorded)
 
     @property
     def rank(self) -> int | None:
         """The global rank whose snapshot this is; None where the segment predates the field."""
         return self.owner - 1 if self.owner > 0 else None
+
+    @property
+    def world_size(self) -> int | None:
+        """The number of ranks of the job that saved it; None where not recorded."""
+        return self.world if self.world > 0 else None
 
 
 @dataclass(frozen=True)
@@ -214,7 +230,7 @@ class Segment:
             os.pwrite(fd, hdr, 0)
             for i in range(nslots):
                 flags = FLAG_UNRESERVED if i >= nslots - spare else 0
-                os.pwrite(fd, _SLOT_HDR.pack(EMPTY, flags, -1, 0, 0, 0, 0, 0, 0.0, 0, 0), PAGE + i * slot_size)
+                os.pwrite(fd, _SLOT_HDR.pack(EMPTY, flags, -1, 0, 0, 0, 0, 0, 0.0, 0, 0, 0), PAGE + i * slot_size)
         except BaseException:
             os.close(fd)
             os.unlink(tmp)
@@ -268,7 +284,8 @@ class Segment:
         # Fields first, state last: a reader never sees COMPLETE with stale fields.
         off = self.slot_off(i)
         _SLOT_HDR.pack_into(self.mm, off, WRITING if h.state == COMPLETE else h.state, h.flags, h.step,
-                            h.generation, h.meta_len, h.meta_xxh, h.tensor_bytes, h.blob_len, h.wall_time, h.seq, h.owner)
+                            h.generation, h.meta_len, h.meta_xxh, h.tensor_bytes, h.blob_len, h.wall_time, h.seq, h.owner,
+                            h.world)
         if h.state == COMPLETE:
             struct.pack_into("<I", self.mm, off, COMPLETE)
 
