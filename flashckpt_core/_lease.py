@@ -26,7 +26,7 @@ import time
 import weakref
 from typing import Any
 
-__all__ = ["Lease", "held", "read_holder", "pid_running"]
+__all__ = ["Lease", "held", "live_holder", "read_holder", "pid_running"]
 
 _live: weakref.WeakSet[Lease] = weakref.WeakSet()
 _live_lock = threading.Lock()
@@ -140,6 +140,35 @@ def held(path: str, *, dir_fd: int | None = None) -> bool:
     finally:
         os.close(fd)  # closing drops the probe's lock
     return False
+
+
+def live_holder(path: str) -> dict[str, Any] | None:
+    """What the holder of the exclusive lease ``path`` wrote about itself (``{}`` when nothing readable), when
+    a live process other than this one holds it; None when nobody holds it, this process does, or only a
+    process that outlived the holder it names does (a child the holder forked without closing its copy).
+
+    The probe takes a shared lock for an instant, never blocking: probes never exclude one another, and a
+    writer that tries to take the lease at that instant retries for a moment (``snapshot_writer``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        return None  # a symbolic link is never a lease of ours
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None  # no exclusive holder
+    except BlockingIOError:
+        pass
+    finally:
+        os.close(fd)  # closing drops the probe's lock
+    holder = read_holder(path)
+    pid = holder.get("pid")
+    if pid == os.getpid() or (isinstance(pid, int) and not pid_running(pid)):
+        return None
+    return holder
 
 
 def read_holder(path: str) -> dict[str, Any]:

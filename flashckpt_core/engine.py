@@ -146,16 +146,24 @@ class CheckpointEngine:
         self.layout = CommitLayout(self.checkpoint_dir, self.storage)
         # The rank that writes this local rank's snapshots takes its writer lease at its first save and
         # holds it until close: a second writer (another engine, another job with this job key) is refused.
+        # It reads back only what this process may resume from: its rank's own snapshots (wherever they are on
+        # this node), saved by a job of its number of ranks (replicated state: any copy), and none that another
+        # live process writes (another training on this job key; the reader says so in the log).
         self._handler = SharedMemoryHandler(r.local_rank, self.job_dir,
                                             allocate=self._allocate if self.snapshots else None,
                                             copier=self._copier, weights_only=weights_only,
-                                            writer_info={"rank": r.rank, "checkpoint_dir": self.checkpoint_dir})
+                                            writer_info={"rank": r.rank, "world_size": r.world_size,
+                                                         "checkpoint_dir": self.checkpoint_dir},
+                                            rank=None if replicated else r.rank,
+                                            world_size=None if replicated else r.world_size, own_only=True)
+        # Replicated, local ranks > 0 read local rank 0's segments, which a live sibling of this run writes:
+        # the agreement with local rank 0 (which checks who writes them) decides whether memory serves.
         self._reader: SnapshotReader = (
             self._handler if not replicated or r.local_rank == 0 else
             SnapshotReader.for_job_dir(0, self.job_dir, copier=self._copier, weights_only=weights_only))
         self._downloads = False  # a load from an object store may have left a shared download
         self._loader = StorageLoader(self.layout, r.rank, weights_only=weights_only, resolve=self.resolve,
-                                     cache_dir=self.job_dir)
+                                     cache_dir=self.job_dir, world_size=r.world_size)
         self._closed = False
         self._retention_baseline = hello.committed[-1] if hello.committed else -1  # in commit order
         self._cleaned_up = list(hello.committed)
@@ -556,6 +564,9 @@ class CheckpointEngine:
         """``locate``; ``deep=False`` verifies storage steps by size only (for a load that checks the
         checksums while it reads), ``exclude``: steps found damaged by such a load."""
         committed = self.layout.committed_steps()
+        if memory and multi_node(self.ranks, self.process_group) and \
+                not all_ranks(self._reader.written_by_another() is None, self.process_group):
+            memory = False  # a rank's segments are another live training's (logged by its reader)
         if memory and multi_node(self.ranks, self.process_group):
             # Across nodes: a rank's snapshot may be on a peer (a backup of a lost node's, or ranks that moved).
             found = memory_across_nodes(
