@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         InvalidStateDictError,
         PersistError,
         ProtocolError,
+        RankStateNotFoundError,
         SaverError,
         SharedMemoryError,
         TrackerUpdateError,
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 # CheckpointSaver, ...) stay importable from their modules.
 _ERRORS = ("AlreadyExistsError", "CheckpointCorruptError", "CheckpointDirError", "CheckpointNotFoundError", "CheckpointTimeoutError",
            "FlashCheckpointError", "InvalidArgumentError", "InvalidArgumentTypeError", "InvalidStateDictError",
-           "PersistError", "ProtocolError", "SaverError", "SharedMemoryError", "TrackerUpdateError",
+           "PersistError", "ProtocolError", "RankStateNotFoundError", "SaverError", "SharedMemoryError", "TrackerUpdateError",
            "UnsupportedStrategyError", "WriteRefusedError")
 _WHERE = {
     "StorageType": "config", "CheckpointEngine": "engine", "LoadResult": "engine", "FileSet": "files",
@@ -78,5 +79,5 @@ __all__ = [
     "FlashCheckpointError", "InvalidStateDictError", "InvalidArgumentError", "InvalidArgumentTypeError",
     "CheckpointDirError", "CheckpointNotFoundError", "SharedMemoryError", "SaverError", "PersistError",
     "TrackerUpdateError", "CheckpointCorruptError", "CheckpointTimeoutError", "ProtocolError",
-    "UnsupportedStrategyError", "AlreadyExistsError", "WriteRefusedError", "__version__",
+    "UnsupportedStrategyError", "AlreadyExistsError", "WriteRefusedError", "RankStateNotFoundError", "__version__",
 ]

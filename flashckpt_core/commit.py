@@ -527,10 +527,17 @@ class CommitLayout:
             raise E.CheckpointCorruptError(f"the manifest of step {step} is damaged: {e}") from None
 
     def base(self, step: int, rank: int = 0) -> str | None:
-        """The absolute directory of rank ``rank``'s file set in committed ``step`` (None for single files)."""
+        """The absolute directory of rank ``rank``'s file set in committed ``step`` (None for single files).
+        For a rank the step holds no files of (saved by fewer ranks): the one directory every rank of the step
+        wrote into (a DCP checkpoint, a Trainer's ``checkpoint-N``; adapters that reshard read it), else None:
+        never another rank's own."""
         m = self.read_manifest(step)
         bases = m.extra.get("bases", {})
-        b = bases.get(str(0 if m.replicated else rank)) or bases.get("0")
+        b = bases.get(str(0 if m.replicated else rank))
+        if b is None and not m.replicated and rank not in m.files:
+            shared = set(bases.values())
+            if len(shared) == 1 and set(bases) == {str(r) for r in m.files}:
+                b = shared.pop()
         return self.abs(b) if b else None
 
     def tracker_step(self) -> int | None:
@@ -551,7 +558,10 @@ class CommitLayout:
         except E.CheckpointCorruptError as e:
             return [str(e)]
         problems = []
-        for f in (m.all_files() if rank is None else m.files_for(rank)):
+        # A rank the step holds no files of (saved by fewer ranks) reads other ranks' if it loads at all
+        # (an adapter that reshards): all of them.
+        mine = rank is not None and (m.replicated or rank in m.files)
+        for f in (m.files_for(rank) if mine and rank is not None else m.all_files()):
             try:
                 path = self.abs(f.path)
             except E.CheckpointCorruptError as e:
