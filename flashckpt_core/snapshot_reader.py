@@ -332,6 +332,10 @@ class SnapshotReader:
     def _wanted(self, h: SlotHeader) -> bool:
         """Whether the snapshot of header ``h`` is one this reader serves (``rank``, ``world_size``)."""
         if self.rank is not None and h.rank != self.rank:
+            if h.rank is None and ("unrecorded",) not in self._said:
+                self._said.add(("unrecorded",))
+                log.info("rank %d: this node's memory holds snapshots whose rank was not recorded (saved by an "
+                         "older version, step %d the newest): not loaded; storage decides", self.rank, h.step)
             return False
         if self.world_size is not None and h.world_size != self.world_size:
             key = ("world", h.world_size)
