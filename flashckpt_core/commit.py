@@ -549,19 +549,23 @@ class CommitLayout:
         step = d.get("step") if isinstance(d, dict) else None
         return step if isinstance(step, int) and not isinstance(step, bool) else None
 
-    def verify(self, step: int, rank: int | None = None, *, deep: bool = True) -> list[str]:
+    def verify(self, step: int, rank: int | None = None, *, deep: bool = True,
+               world_size: int | None = None) -> list[str]:
         """Problems found in step ``step`` (all ranks' files, or those ``rank`` loads); [] when sound.
         ``deep=False`` checks that the files exist with their sizes only (a loader that verifies checksums
-        while it reads, as from an object store, spares a second download)."""
+        while it reads, as from an object store, spares a second download). ``world_size``: ``rank`` is one
+        of a job of that many ranks, and also verifies the files of the step's ranks it lacks (saved by more
+        ranks: rank + k * world_size), which an adapter that reshards reads: every file is some rank's to
+        verify."""
         try:
             m = self.read_manifest(step)
         except E.CheckpointCorruptError as e:
             return [str(e)]
         problems = []
-        # A rank the step holds no files of (saved by fewer ranks) reads other ranks' if it loads at all
-        # (an adapter that reshards): all of them.
-        mine = rank is not None and (m.replicated or rank in m.files)
-        for f in (m.files_for(rank) if mine and rank is not None else m.all_files()):
+        ranks = [rank] if rank is not None else sorted(m.files)
+        if rank is not None and world_size and not m.replicated:
+            ranks += [r for r in sorted(m.files) if r >= world_size and r % world_size == rank]
+        for f in (f for r in ranks for f in m.files_for(r)):
             try:
                 path = self.abs(f.path)
             except E.CheckpointCorruptError as e:

@@ -584,7 +584,7 @@ class CheckpointEngine:
             return Located(step, "memory", self._reader.snapshot_name(step) or None)
         if source == "storage":
             step = verified_step(self.layout, self.ranks.rank, committed, step, self.process_group, deep=deep,
-                                 exclude=exclude)
+                                 exclude=exclude, world_size=self.ranks.world_size)
             return Located(step, "storage", self._loader.path_of(step))
         return Located(None, "none", None)
 
@@ -603,11 +603,17 @@ class CheckpointEngine:
                 from an object store fill it the same way (ranged reads straight into its tensors); loads
                 from a file system ignore it.
 
+        Memory serves only this rank's own snapshots (wherever on this node: a restart may number the
+        node's ranks otherwise), saved by a job of this number of ranks (replicated: any copy), and none
+        that another live process writes (another training on this job key: logged, storage decides).
+
         Returns:
             The state dict (a ``FileSet`` for sets), or ``{}`` when there is no checkpoint. ``last_load``
             tells where it came from.
 
         Raises:
+            RankStateNotFoundError: the newest committed step holds no state of some rank of this job (saved
+                by fewer ranks), on every rank alike; a rank is never handed another rank's state.
             CheckpointCorruptError: ``resume_path`` does not match its manifest.
             CheckpointDirError: ``resume_path`` lies outside the checkpoint dir.
             FileNotFoundError: ``resume_path`` does not exist (the message lists the committed steps).

@@ -166,6 +166,28 @@ def test_memory_snapshots_of_another_number_of_ranks_are_never_used(ckpt_dir, tm
     assert one["source"] == ["storage", 3] and one["got"] == [0, 3, True], one
 
 
+def test_a_step_of_more_ranks_is_verified_whole_by_the_fewer_ranks_loading_it(ckpt_dir, tmp_path, caplog):
+    """Two ranks commit steps 3 and 5; rank 1's file of step 5 is damaged. One rank restarts: no rank of
+    this job owns that file, yet an adapter that reshards would read it: rank 0 verifies it too, and step 5
+    is passed over as damaged (its own state of step 3 loads)."""
+    from flashckpt import CheckpointEngine
+
+    run_ranks(save_worker, 2, str(tmp_path / "two"), args={"ckpt_dir": ckpt_dir, "plan": [[3, "disk"], [5, "disk"]],
+                                                            "release": True})
+    damaged = os.path.join(ckpt_dir, "step_5", "rank_00001.pt")
+    with open(damaged, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 8)
+    eng = CheckpointEngine(ckpt_dir, max_to_keep=0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="flashckpt"):
+            sd = eng.load()
+        assert _whose(sd) == [0, 3, True], f"got {_whose(sd)} from {eng.last_load}"
+        assert any(damaged in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        eng.close()
+
+
 def test_swapped_local_ranks_each_load_their_own_snapshot(ckpt_dir, tmp_path):
     """Two ranks on one node snapshot step 7 (after committing step 3) and restart with the local ranks the
     other way round: each rank finds its own snapshot, in the other local rank's segment, and loads it."""
