@@ -29,7 +29,7 @@ import torch
 from . import _cuda, locations
 from . import errors as E
 from ._copy import Copier, file_reader
-from ._lease import live_holder
+from ._lease import describe_holder, live_holder
 from ._tree import (
     TensorMeta,
     build_tensor,
@@ -349,21 +349,20 @@ class SnapshotReader:
         return True
 
     def written_by_another(self, local_rank: int | None = None) -> dict[str, Any] | None:
-        """What the live process other than this one that writes ``local_rank``'s segments (this reader's
-        by default) says about itself (its writer lease's holder: pid, rank, checkpoint dir), or None when
-        no such process does; always None unless ``own_only``. Logs the first time it finds one."""
+        """What the process other than this one that holds the writer lease of ``local_rank``'s segments
+        (this reader's by default) says about itself (pid, rank, checkpoint dir), or None when none does
+        (free: its writer closed its engine or died); always None unless ``own_only``. Logs the first time
+        it finds one."""
         lr = self.local_rank if local_rank is None else local_rank
         if not self._own_only or self._holds_lease(lr):
             return None
         holder = live_holder(writer_lease_path(self.job_dir, lr))
         if holder is not None and ("writer", lr, holder.get("pid")) not in self._said:
             self._said.add(("writer", lr, holder.get("pid")))
-            who = f"pid {holder['pid']}" if isinstance(holder.get("pid"), int) else "another process"
-            extra = ", ".join(f"{k} {holder[k]}" for k in ("rank", "checkpoint_dir") if k in holder)
-            log.warning("local rank %d's snapshots in %s are written by %s%s, a live process: they are its state, "
-                        "not one this process saved, and are not loaded (storage decides). Give each training its "
-                        "own FLASHCKPT_JOB_ID or checkpoint dir; to read them deliberately, use a SnapshotReader",
-                        lr, self.job_dir, who, f" ({extra})" if extra else "")
+            log.warning("local rank %d's snapshots in %s are written by %s, which holds their writer lease: they "
+                        "are its state, not one this process saved, and are not loaded (storage decides). Give each "
+                        "training its own FLASHCKPT_JOB_ID or checkpoint dir; to read them deliberately, use a "
+                        "SnapshotReader", lr, self.job_dir, describe_holder(holder))
         return holder
 
     def _holds_lease(self, local_rank: int) -> bool:

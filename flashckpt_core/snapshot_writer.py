@@ -27,7 +27,7 @@ import xxhash
 from . import _cuda, _native
 from . import errors as E
 from ._copy import SMALL_COPY, Copier
-from ._lease import Lease, pid_running, read_holder
+from ._lease import Lease, describe_holder, pid_running, read_holder
 from ._tree import (
     Flat,
     TensorMeta,
@@ -190,18 +190,9 @@ def _take_writer_lease(job_dir: str, local_rank: int, info: dict[str, Any]) -> L
         ok = lease.try_acquire({"local_rank": local_rank, **info}, timeout=_DEAD_HOLDER_WAIT_S)
     if ok:
         return lease
-    if not pid:
-        who = "another process"
-    elif pid == os.getpid():
-        who = f"this process (pid {pid})"
-    elif isinstance(pid, int) and not pid_running(pid):
-        who = f"a process that pid {pid} (exited) forked and that still holds its lease"
-    else:
-        who = f"pid {pid}"
-    extra = ", ".join(f"{k} {holder[k]}" for k in ("rank", "checkpoint_dir") if k in holder)
     raise E.SharedMemoryError(
-        f"local rank {local_rank}'s shared-memory snapshots in {job_dir} are already written by {who}"
-        f"{' (' + extra + ')' if extra else ''}; two writers would tear each other's checkpoints. Close "
+        f"local rank {local_rank}'s shared-memory snapshots in {job_dir} are already written by "
+        f"{describe_holder(holder)}; two writers would tear each other's checkpoints. Close "
         "the other CheckpointEngine first, or give each job its own FLASHCKPT_JOB_ID or checkpoint dir.")
 
 
