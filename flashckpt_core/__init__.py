@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         CheckpointDirError,
         CheckpointNotFoundError,
         CheckpointTimeoutError,
+        EngineUseError,
         FlashCheckpointError,
         InvalidArgumentError,
         InvalidArgumentTypeError,
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 # These are the names a user calls; the building blocks (CommitLayout, Manifest, PosixDiskStorage,
 # CheckpointSaver, ...) stay importable from their modules.
 _ERRORS = ("AlreadyExistsError", "CheckpointCorruptError", "CheckpointDirError", "CheckpointNotFoundError", "CheckpointTimeoutError",
-           "FlashCheckpointError", "InvalidArgumentError", "InvalidArgumentTypeError", "InvalidStateDictError",
+           "EngineUseError", "FlashCheckpointError", "InvalidArgumentError", "InvalidArgumentTypeError", "InvalidStateDictError",
            "PersistError", "ProtocolError", "RankStateNotFoundError", "SaverError", "SharedMemoryError", "TrackerUpdateError",
            "UnsupportedStrategyError", "WriteRefusedError")
 _WHERE = {
@@ -79,5 +80,6 @@ __all__ = [
     "FlashCheckpointError", "InvalidStateDictError", "InvalidArgumentError", "InvalidArgumentTypeError",
     "CheckpointDirError", "CheckpointNotFoundError", "SharedMemoryError", "SaverError", "PersistError",
     "TrackerUpdateError", "CheckpointCorruptError", "CheckpointTimeoutError", "ProtocolError",
-    "UnsupportedStrategyError", "AlreadyExistsError", "WriteRefusedError", "RankStateNotFoundError", "__version__",
+    "UnsupportedStrategyError", "AlreadyExistsError", "WriteRefusedError", "EngineUseError", "RankStateNotFoundError",
+    "__version__",
 ]

@@ -1,28 +1,38 @@
-"""Where a checkpoint dir's commit records live, and their upkeep: binding, stale records, orphans.
+"""Where a checkpoint dir's commit records live, and their upkeep: binding, stale records, moves, orphans.
 
-The records of checkpoint dir ``D`` live beside it, in ``<parent(D)>/.flashckpt/<basename(D)>/``, so
-``D`` holds exactly what the user's framework writes there, and on the same file system (a manifest
-is written by a rename). They stay inside, in ``D/.flashckpt/``, when:
+The records of checkpoint dir ``D`` live beside it, in ``<parent(D)>/.flashckpt/<basename(D)>/`` of
+``D``'s real path (symbolic links resolved: a dir reached through a link and through its real path has
+one set of records), so ``D`` holds exactly what the user's framework writes there, and on the same
+file system (a manifest is written by a rename). They stay inside, in ``D/.flashckpt/``, when:
 
 - ``D/.flashckpt`` exists (a checkpoint dir written by an older flashckpt keeps its records);
-- ``D`` is a mount point or on another file system than its parent (a symbolic link to one), or ``/``:
-  a commit moves staged files from the records into ``D`` by rename;
+- ``D`` is a mount point or on another file system than its parent, or ``/``: a commit moves staged
+  files from the records into ``D`` by rename;
 - the parent is not writable by this user, or its ``.flashckpt`` is not a real directory of this user
   (a symbolic link, a file, another user's: never followed nor shared);
 - ``D``'s name is one flashckpt uses for its own entries beside checkpoint dirs.
 
-Records that exist beside ``D`` are used first. The choice depends only on facts of the shared storage,
-so every process of every node of a job picks the same place (``place``).
+Records that exist beside ``D`` are used first; when there are none, records bound to ``D``'s inode
+under another name are ``D``'s (``moved``: ``D`` was renamed in its parent, or is reached through a link
+beside which an older version kept them), provided ``D`` holds every file of one of their committed
+steps. The choice depends only on facts of the shared storage, so every process of every node of a job
+picks the same place (``place``).
 
 Beside records are bound to their directory: ``dir.json`` holds ``D``'s inode number (``st_ino`` only:
-``st_dev`` differs between NFS clients), written as the records are created. A saver starting on ``D``
-(``CommitLayout.claim``) finds them stale when ``D``'s inode differs (``D`` was deleted and made again)
-or when no file of any committed step exists; with no job lock held in them, it moves them aside (a
-rename to a hidden name in ``<parent>/.flashckpt``) and removes them, then starts afresh. Creating
-records sweeps orphans: records whose checkpoint dir no longer exists and whose job locks nobody holds.
-Records whose directory was renamed in the same parent (a sibling has the bound inode and no records
-of its own) move to its new name instead of being removed.
-``<parent>/.flashckpt`` goes once it is empty. Claims and sweeps of one parent take turns on the lock
+``st_dev`` differs between NFS clients) and its path. A saver starting on ``D`` (``CommitLayout.claim``)
+moves records found under another name to ``D``'s name (``bring``), and finds records stale when
+``D``'s inode differs and ``D`` does not hold their committed steps (``D`` was deleted, or moved away,
+and another directory took its name), or when no file of any committed step exists. With no job lock
+held in them, stale records go to the directory they are bound to when it was renamed in the parent
+(``renamed_to``); else those bound to another directory are retired (``retire``: kept aside under a
+hidden name, for ``flashckpt adopt``, until ``flashckpt gc``), since that directory may live on
+elsewhere, and those whose files are gone are removed (moved aside by one rename, so readers see them
+whole or not at all, then removed); the run starts afresh. Records bound to another inode whose
+committed steps ``D`` holds whole are ``D``'s (a copy, a move or a restore with its records): bound to
+``D`` again. Creating records moves those of sibling dirs renamed since; records whose directory no
+longer exists are never removed by a claim (it may have been moved out of the parent, where its
+records cannot follow it), only by ``flashckpt gc`` (``sweep(orphans=True)``). ``<parent>/.flashckpt``
+goes once it is empty. Claims and sweeps of one parent take turns on the lock
 ``<parent>/.flashckpt/.lock``; everything there is reached through a checked ``O_NOFOLLOW`` fd, so no
 symbolic link is ever followed.
 """
@@ -34,7 +44,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import stat
 import time
 import uuid
@@ -42,22 +51,36 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from . import errors as E
-from ._lease import held
+from ._records_read import (
+    ASIDE,
+    DIR_JSON,
+    LEFTOVERS,
+    LOCK_NAME,
+    MANIFEST,
+    META,
+    NEW,
+    OURS,
+    RECORDS_FORMAT,
+    RETIRED,
+    _lstat,
+    _open_dir_at,
+    _read_binding_at,
+    bound_dir,
+    committed_at,
+    committed_in,
+    describes,
+    read_binding,
+    whole_steps,
+)
 from .config import _DIR_FLAGS
 
-__all__ = ["META", "Placement", "place", "records_dir", "locked_parent", "bind", "read_binding", "live_jobs_at",
-           "discard", "renamed_to", "follow_or_discard", "sweep", "usable_top"]
+__all__ = ["META", "DIR_JSON", "MANIFEST", "RECORDS_FORMAT", "LOCK_NAME", "LEFTOVERS", "RETIRED", "ASIDE",
+           "Placement", "place", "home", "records_dir", "locked_parent", "bind", "rebind", "read_binding", "bound_dir",
+           "committed_at", "committed_in", "whole_steps", "describes", "moved", "usable_top"]
 
 log = logging.getLogger(__name__)
 
-META = ".flashckpt"
-DIR_JSON = "dir.json"
-RECORDS_FORMAT = "flashckpt-records/1"
-LOCK_NAME = ".lock"
-_ASIDE = ".flashckpt-stale-"  # records moved aside, being removed
-_NEW = ".flashckpt-new-"  # records being created
 _EFFECTIVE = os.access in os.supports_effective_ids
-
 _logged: set[tuple[str, str]] = set()
 
 
@@ -68,13 +91,6 @@ class Placement:
     path: str
     beside: bool
     why: str
-
-
-def _lstat(path: str) -> os.stat_result | None:
-    try:
-        return os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
 
 
 def _unusable(top: str, st: os.stat_result) -> str:
@@ -101,17 +117,37 @@ def usable_top(top: str) -> bool:
 
 
 def place(root: str) -> Placement:
-    """Where the records of checkpoint dir ``root`` live (see the module docstring). Reads only."""
-    root = os.path.abspath(root)
-    parent, name = os.path.split(root)
-    inside = os.path.join(root, META)
+    """Where the records of checkpoint dir ``root`` live (see the module docstring). Symbolic links in
+    ``root`` are resolved first, so a dir reached through a link and through its real path has one
+    place. Records that exist for the dir under another name (``moved``) are used when it has none of its
+    own. Reads only."""
+    given = os.path.abspath(root)
+    real = os.path.realpath(given)
+    p = _rule(real, given)
+    if p.beside and _lstat(p.path) is None:
+        found = moved(real, given)
+        if found is not None:
+            return Placement(found[0], True, found[1])
+    return p
+
+
+def home(root: str) -> str:
+    """Where the records of ``root`` live when beside it: ``<parent>/.flashckpt/<name>`` of its real path."""
+    parent, name = os.path.split(os.path.realpath(os.path.abspath(root)))
+    return os.path.join(parent, META, name)
+
+
+def _rule(real: str, given: str) -> Placement:
+    """``place``'s rule for the dir whose real path is ``real`` (``given``: as the caller names it)."""
+    parent, name = os.path.split(real)
+    inside = os.path.join(given, META)
 
     def at_inside(why: str) -> Placement:
         return Placement(inside, False, why)
 
     if not name:
         return at_inside("the checkpoint dir is /")
-    if name in (META, LOCK_NAME) or name.startswith((_ASIDE, _NEW)):
+    if name in (META, LOCK_NAME) or name.startswith(OURS):
         return at_inside(f"its name {name!r} is one flashckpt uses for its own entries beside checkpoint dirs")
     top = os.path.join(parent, META)
     beside = os.path.join(top, name)
@@ -127,7 +163,7 @@ def place(root: str) -> Placement:
             return at_inside(f"{beside} is not a directory")
     if _lstat(inside) is not None:
         return at_inside(f"{inside} exists (records of an older flashckpt, or kept inside before)")
-    if _other_fs(root, parent):
+    if _other_fs(real, parent):
         return at_inside(f"it is a mount point or on another file system than {parent} (a commit moves files "
                          "between the records and the checkpoint dir by rename)")
     writable = top if top_st is not None else parent
@@ -227,40 +263,6 @@ def locked_parent(top: str, *, timeout: float = 60.0, lock: bool = True) -> Iter
         os.close(fd)
 
 
-def _open_dir_at(dir_fd: int, name: str) -> int | None:
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    except OSError:  # missing, a symbolic link (ELOOP), not a directory
-        return None
-
-
-def _read_binding_at(dir_fd: int) -> int | None:
-    try:
-        fd = os.open(DIR_JSON, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        d = json.loads(os.read(fd, 1 << 16))
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
-    ok = isinstance(d, dict) and d.get("format") == RECORDS_FORMAT and isinstance(d.get("ino"), int)
-    return int(d["ino"]) if ok else None
-
-
-def read_binding(records: str) -> int | None:
-    """The inode number ``records``/dir.json binds them to; None when missing or unreadable."""
-    try:
-        fd = os.open(records, _DIR_FLAGS)
-    except OSError:
-        return None
-    try:
-        return _read_binding_at(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_binding(dir_fd: int, root: str, ino: int) -> None:
     body = json.dumps({"format": RECORDS_FORMAT, "dir": root, "ino": ino, "time": time.time()}).encode()
     tmp = f"{DIR_JSON}.{uuid.uuid4().hex}.tmp"
@@ -277,21 +279,23 @@ def _write_binding(dir_fd: int, root: str, ino: int) -> None:
 def bind(top_fd: int, name: str, root: str) -> bool:
     """Binds the records ``name`` in ``top_fd`` to the checkpoint dir ``root`` (its inode in
     ``dir.json``), creating them when missing: made complete under a temporary name, then renamed into
-    place. Returns True when it created them. The caller holds the parent lock."""
+    place. Records bound to another inode are bound to ``root`` again (the caller found that ``root``
+    holds their committed steps: a copy or a move with its records). Returns True when it created them.
+    The caller holds the parent lock."""
     ino = os.stat(root).st_ino
     fd = _open_dir_at(top_fd, name)
     if fd is not None:
         try:
-            if _read_binding_at(fd) is None:
-                _write_binding(fd, root, ino)
+            if _read_binding_at(fd) != ino:
+                _write_binding(fd, os.path.realpath(root), ino)
         finally:
             os.close(fd)
         return False
-    tmp = f"{_NEW}{uuid.uuid4().hex}"
+    tmp = f"{NEW}{uuid.uuid4().hex}"
     os.mkdir(tmp, 0o755, dir_fd=top_fd)
     fd = os.open(tmp, _DIR_FLAGS, dir_fd=top_fd)
     try:
-        _write_binding(fd, root, ino)
+        _write_binding(fd, os.path.realpath(root), ino)
     finally:
         os.close(fd)
     os.rename(tmp, name, src_dir_fd=top_fd, dst_dir_fd=top_fd)
@@ -299,104 +303,70 @@ def bind(top_fd: int, name: str, root: str) -> bool:
     return True
 
 
-def live_jobs_at(top_fd: int, name: str) -> list[str]:
-    """The jobs whose locks in the records ``name`` (in ``top_fd``) are held by a live saver."""
-    fd = _open_dir_at(top_fd, name)
-    if fd is None:
-        return []
+def rebind(records: str, root: str) -> None:
+    """Binds the records dir ``records`` to ``root`` as it is now (its inode). The caller holds the parent
+    lock."""
+    fd = os.open(records, _DIR_FLAGS)
     try:
-        jobs = _open_dir_at(fd, "jobs")
+        _write_binding(fd, os.path.realpath(root), os.stat(root).st_ino)
     finally:
         os.close(fd)
-    if jobs is None:
-        return []
+
+
+def _bound_here(top: str, name: str, ino: int, root: str) -> bool:
+    """Whether ``top``/``name`` are records bound to inode ``ino`` that may be those of ``root``."""
     try:
-        return sorted(n[:-5] for n in os.listdir(jobs) if n.endswith(".lock") and held(n, dir_fd=jobs))
-    finally:
-        os.close(jobs)
-
-
-def discard(top_fd: int, name: str) -> None:
-    """Moves the records ``name`` aside (one rename: readers see them whole or not at all), then removes
-    them, never following a symbolic link."""
-    aside = name if name.startswith(_ASIDE) else f"{_ASIDE}{uuid.uuid4().hex}"
-    if aside != name:
-        os.rename(name, aside, src_dir_fd=top_fd, dst_dir_fd=top_fd)
-        os.fsync(top_fd)
-    shutil.rmtree(aside, dir_fd=top_fd, ignore_errors=True)
-
-
-def renamed_to(top_fd: int, parent: str, name: str) -> str | None:
-    """The name of the directory in ``parent`` that the records ``name`` are bound to, when it is no
-    longer ``name`` (the checkpoint dir was renamed in ``parent``) and has no records of its own; None
-    otherwise. Reads only."""
-    fd = _open_dir_at(top_fd, name)
-    if fd is None:
-        return None
+        top_fd = os.open(top, _DIR_FLAGS)
+    except OSError:
+        return False
     try:
-        ino = _read_binding_at(fd)
-    finally:
-        os.close(fd)
-    if ino is None:
-        return None
-    dev = os.stat(parent).st_dev
-    with os.scandir(parent) as it:
-        for e in it:
-            if e.name == name or e.inode() != ino or place(e.path).path != os.path.join(parent, META, e.name):
-                continue
-            st = e.stat(follow_symlinks=False)
-            if st.st_ino != ino or st.st_dev != dev or not stat.S_ISDIR(st.st_mode):
-                continue
-            try:
-                os.stat(e.name, dir_fd=top_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                return e.name  # beside it, and none there yet
-            return None
-    return None
-
-
-def follow_or_discard(top_fd: int, parent: str, name: str, *, dry_run: bool = False) -> str:
-    """Moves the records ``name`` to the directory they are bound to when it was renamed (see
-    ``renamed_to``; returns its name), else removes them (``discard``; returns ""). The caller holds the
-    parent lock (``dry_run``: need not, and nothing changes)."""
-    to = renamed_to(top_fd, parent, name)
-    if dry_run:
-        return to or ""
-    if to:
-        os.rename(name, to, src_dir_fd=top_fd, dst_dir_fd=top_fd)
-        os.fsync(top_fd)
-        return to
-    discard(top_fd, name)
-    return ""
-
-
-def sweep(top_fd: int, parent: str, *, dry_run: bool = False) -> list[tuple[str, str]]:
-    """Removes the orphans in ``top_fd`` (``<parent>/.flashckpt``): records whose checkpoint dir
-    ``<parent>/<name>`` no longer exists, and leftovers of interrupted creations and removals, when no
-    live job holds a lock in them; records of a dir renamed in ``parent`` follow it instead
-    (``follow_or_discard``). Entries that are not flashckpt's records (no ``dir.json`` of ours), and
-    symbolic links, are left alone. The caller holds the parent lock (``dry_run``: need not).
-
-    Returns:
-        (name, the name they moved to or "" when removed) of each orphan (with ``dry_run``: would be).
-    """
-    out = []
-    for name in sorted(os.listdir(top_fd)):
-        if name == LOCK_NAME:
-            continue
-        leftover = name.startswith((_ASIDE, _NEW))
-        if not leftover and os.path.lexists(os.path.join(parent, name)):
-            continue
         fd = _open_dir_at(top_fd, name)
-        if fd is None:
-            continue
-        try:
-            ours = leftover or _read_binding_at(fd) is not None
-        finally:
-            os.close(fd)
-        if not ours or live_jobs_at(top_fd, name):
-            continue
-        out.append((name, "" if leftover else follow_or_discard(top_fd, parent, name, dry_run=dry_run)))
-        if leftover and not dry_run:
-            discard(top_fd, name)
-    return out
+    finally:
+        os.close(top_fd)
+    if fd is None:
+        return False
+    try:
+        return _read_binding_at(fd) == ino and describes(fd, root)
+    finally:
+        os.close(fd)
+
+
+def moved(real: str, given: str) -> tuple[str, str] | None:
+    """Records of the checkpoint dir whose real path is ``real``, kept under another name: (where, why),
+    or None. Looked for, when the dir has no records of its own, among the records beside it bound to its
+    inode (it was renamed in its parent, or came back there), and beside ``given`` (it is reached through
+    a symbolic link, where versions that did not resolve links kept them). Records whose committed steps
+    are not in the dir are not its (an inode number reused); several candidates are none (logged). Reads
+    only."""
+    try:
+        st = os.stat(real)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return None
+    found: list[tuple[str, str]] = []
+    lex_parent, lex_name = os.path.split(given)
+    lex_top = os.path.join(lex_parent, META)
+    if given != real and lex_name and usable_top(lex_top) and _bound_here(lex_top, lex_name, st.st_ino, real):
+        found.append((os.path.join(lex_top, lex_name), f"its records are beside {given}, the link it is reached by"))
+    parent, name = os.path.split(real)
+    top = os.path.join(parent, META)
+    if usable_top(top):
+        for n in sorted(os.listdir(top)):
+            if n in (name, LOCK_NAME) or n.startswith(LEFTOVERS):
+                continue
+            other = _lstat(os.path.join(parent, n))
+            if other is not None and other.st_ino == st.st_ino:
+                continue
+            if _bound_here(top, n, st.st_ino, real):
+                found.append((os.path.join(top, n), f"its records are in {os.path.join(top, n)}, bound to it: it "
+                              f"was named {bound_dir(os.path.join(top, n)) or n} before"))
+    if len(found) > 1:
+        key = (real, "several")
+        if key not in _logged:
+            _logged.add(key)
+            log.warning("several commit records are bound to %s: %s; using none of them (remove the wrong ones, "
+                        "or run `flashckpt adopt`)", real, [f for f, _w in found])
+        return None
+    return found[0] if found else None
+

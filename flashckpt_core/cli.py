@@ -2,8 +2,11 @@
 
     flashckpt ls DIR                 steps in DIR: committed or not, size, age, files
     flashckpt verify DIR [--step N]  checks sizes and checksums against the manifests (exit 1 on damage)
-    flashckpt gc [DIR] [--dry-run]   removes runtime dirs (segments, sockets, locks) of dead jobs; with DIR,
+    flashckpt gc [DIR] [--dry-run]   removes runtime dirs (segments, sockets, locks) of dead jobs and the
+                                     staging dirs of dead trainers (/dev/shm/flashckpt-hf-*...); with DIR,
                                      also DIR's stale commit records and the records of deleted dirs beside it
+    flashckpt adopt DIR --from ORIG  DIR is a copy or a move of checkpoint dir ORIG whose commit records stayed
+                                     behind: gives DIR the committed steps of ORIG whose files it holds intact
     flashckpt native [--build]       the C++ fast path for many small tensors: built or not; build it now
 """
 
@@ -17,8 +20,10 @@ import sys
 import time
 from typing import Any
 
+from . import _owned_dirs
 from . import errors as E
 from ._protocol import Client
+from .adopt import adopt, unrecorded
 from .commit import CommitLayout
 from .config import Knobs, job_key_digest
 from .locations import checkpoint_location
@@ -47,10 +52,11 @@ def _age(t: float) -> str:
 
 
 def _not_a_dir(storage: CheckpointStorage, path: str) -> str | None:
-    """Why ``path`` cannot be a checkpoint dir (missing, a file), or None."""
-    if storage.isdir(path):
-        return None
+    """Why ``path`` cannot be a checkpoint dir (missing, a file), or None. A symbolic link to a directory
+    is that directory."""
     local = storage.local_path(path)
+    if storage.isdir(path) or (local is not None and os.path.isdir(local)):
+        return None
     if local is None:
         return f"{path} holds nothing"
     if not os.path.lexists(local):
@@ -126,8 +132,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 2
     stale = layout.stale_reason() if layout.storage.isdir(layout.meta) else None
     if stale:
-        print(f"the commit records in {layout.meta} are stale ({stale}); a saver starting on "
-              f"{layout.root}, or `flashckpt gc {layout.root}`, removes them", file=sys.stderr)
+        print(f"the commit records in {layout.meta} are stale ({stale}); they are not used: a saver starting on "
+              f"{layout.root} sets them aside (gives them to the dir they describe when it was renamed in its "
+              f"parent), `flashckpt gc {layout.root}` removes them", file=sys.stderr)
     committed = layout.committed_steps()
     pending = layout.uncommitted_steps()
     latest = layout.tracker_step()
@@ -151,6 +158,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
                          "in progress, or left by a crash"))
     # Which ranks' snapshots of each step this node holds in memory, its own and backups of other nodes'.
     table: list[tuple[Any, ...]] = [(*r[:4], _memory_column(memory.get(r[0])), r[4]) for r in rows]
+    note = None if committed else unrecorded(layout)
+    if note:
+        print(note, file=sys.stderr)
     if args.json:
         print(json.dumps([dict(zip(("step", "state", "size", "age", "memory", "files"), r)) for r in table], indent=1))
         return 0
@@ -221,8 +231,20 @@ def cmd_gc(args: argparse.Namespace) -> int:
             print(f"{'would remove' if args.dry_run else 'removed'} {line}")
             removed += 1
     removed += _gc_runtime(args.dry_run)
+    removed += _gc_staging(args.dry_run)
     if not removed:
         print("nothing to clean" + (" (dry run: nothing would be removed)" if args.dry_run else ""))
+    return 0
+
+
+def cmd_adopt(args: argparse.Namespace) -> int:
+    try:
+        lines = adopt(args.dir, args.src, dry_run=args.dry_run)
+    except E.FlashCheckpointError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    for line in lines:
+        print(line)
     return 0
 
 
@@ -257,6 +279,15 @@ def _gc_runtime(dry_run: bool) -> int:
     return removed
 
 
+def _gc_staging(dry_run: bool) -> int:
+    """Removes (or, ``dry_run``, lists) the staging dirs that processes gone since left in the default
+    scratch places (/dev/shm, the temp dir); a live process's are never touched. Returns how many."""
+    lines = [line for root in _owned_dirs.scratch_roots() for line in _owned_dirs.sweep(root, dry_run=dry_run)]
+    for line in lines:
+        print(f"{'would remove' if dry_run else 'removed'} {line}")
+    return len(lines)
+
+
 def cmd_native(args: argparse.Namespace) -> int:
     from . import _native
 
@@ -282,11 +313,18 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("dir")
     v.add_argument("--step", type=int)
     v.set_defaults(fn=cmd_verify)
-    g = sub.add_parser("gc", help="remove shared memory and sockets of jobs whose saver is gone; with DIR, also "
-                                  "DIR's stale commit records and those of deleted checkpoint dirs beside it")
+    g = sub.add_parser("gc", help="remove shared memory and sockets of jobs whose saver is gone and the staging "
+                                  "dirs of dead trainers; with DIR, also DIR's stale commit records and those of "
+                                  "deleted checkpoint dirs beside it")
     g.add_argument("dir", nargs="?", help="a checkpoint dir")
     g.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
     g.set_defaults(fn=cmd_gc)
+    a = sub.add_parser("adopt", help="give a copied or moved checkpoint dir the committed steps of the dir it came "
+                                     "from (its commit records stayed behind), each file checked first")
+    a.add_argument("dir", help="the copy (or the dir moved)")
+    a.add_argument("--from", dest="src", required=True, help="the checkpoint dir it was copied or moved from")
+    a.add_argument("--dry-run", action="store_true", help="say what would be adopted; change nothing")
+    a.set_defaults(fn=cmd_adopt)
     n = sub.add_parser("native", help="the C++ fast path for many small tensors: its state; --build builds it now")
     n.add_argument("--build", action="store_true", help="compile it now (needs a C++ compiler and ninja)")
     n.set_defaults(fn=cmd_native)

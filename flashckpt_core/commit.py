@@ -338,7 +338,8 @@ class CommitLayout:
         the manifest, the tracker and the framework tracker files, in that order.
 
         Raises:
-            PersistError: a rank reported a failure.
+            PersistError: a rank reported a failure, or the step's files are gone from the checkpoint dir
+                (``RecordsHome.before_commit``).
             CheckpointTimeoutError: markers missing after ``timeout`` seconds.
 
         ``waiting(missing ranks, seconds waited)`` is called while ranks are missing; it may raise to give up
@@ -389,6 +390,7 @@ class CommitLayout:
                     f = replace(f, staged="")
                 kept.append(f)
             files[r] = kept
+        self.home.before_commit(self, step, [f for fs in files.values() for f in fs])
         # Older steps listing a path this step wrote (a fixed path reused across steps): the file holds
         # this step's data now, so they stop counting as committed once this manifest is written.
         mine = {f.path for fs in files.values() for f in fs}
@@ -498,15 +500,22 @@ class CommitLayout:
         return [s for _q, s in self.commit_order()]
 
     def commit_order(self) -> list[tuple[int, int]]:
-        """(commit seq, step) of every step with a manifest, oldest commit first. A manifest that cannot
-        be read sorts by its step among those without a seq."""
+        """(commit seq, step) of every step with a manifest, oldest commit first. A damaged manifest sorts
+        by its step among those without a seq; one that cannot be read (an OSError other than its removal)
+        raises."""
         out = []
         base = locations.join(self.meta, "steps")
         for name in self.storage.listdir(base):
             if name.isdigit() and self.storage.exists(self.manifest_path(int(name))):
                 try:
-                    seq = int(json.loads(self.storage.read_bytes(self.manifest_path(int(name)))).get("seq", 0))
-                except (OSError, ValueError, TypeError, AttributeError):
+                    raw = self.storage.read_bytes(self.manifest_path(int(name)))
+                except FileNotFoundError:
+                    continue  # deleted since it was listed: no longer committed
+                # Any other error is raised: a seq taken for 0 would reorder the commits (EMFILE on the newest
+                # manifest made the previous step "the newest", and a load took it silently).
+                try:
+                    seq = int(json.loads(raw).get("seq", 0))
+                except (ValueError, TypeError, AttributeError):
                     seq = 0
                 out.append((seq, int(name)))
         return sorted(out)

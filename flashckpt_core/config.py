@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from . import errors as E
 
 __all__ = ["StorageType", "Knobs", "RankInfo", "job_key", "runtime_root", "job_dir", "make_private_dir",
-           "open_private_dir", "is_default_runtime_dir", "is_job_key_of", "job_key_digest"]
+           "open_private_dir", "dir_identity", "is_default_runtime_dir", "is_job_key_of", "job_key_digest"]
 
 
 class StorageType(enum.Enum):
@@ -67,6 +67,12 @@ class Knobs:
             again costs a first touch of fresh shared memory (~0.8 s per GB here), so with persists
             every few steps it is kept; a full /dev/shm (an allocation that does not fit) takes it back
             at once. FLASHCKPT_SPARE_HOLD_S.
+        scratch_dir: where the adapters stage a snapshot's files for a framework that reads or writes a
+            directory (the HF Trainer, Lightning, DeepSpeed), unless their own ``scratch_dir`` says
+            otherwise ("": /dev/shm when writable, else the system temp dir); FLASHCKPT_SCRATCH_DIR.
+        records_timeout_s: bound on waiting for the saver's start-up work on the commit records (see
+            ``saver/housekeeping``) before a load, a persist or a commit says why it cannot go on;
+            FLASHCKPT_RECORDS_TIMEOUT_S.
     """
 
     runtime_dir: str
@@ -82,6 +88,8 @@ class Knobs:
     persist_nice: int = 10
     persist_worker_idle_s: float = 30.0
     spare_hold_s: float = 60.0
+    scratch_dir: str = ""
+    records_timeout_s: float = 300.0
 
     @staticmethod
     def from_env() -> Knobs:
@@ -103,6 +111,8 @@ class Knobs:
             persist_nice=max(0, min(19, _env_int("FLASHCKPT_PERSIST_NICE", 10))),
             persist_worker_idle_s=max(0.0, _env_float("FLASHCKPT_PERSIST_WORKER_IDLE_S", 30.0)),
             spare_hold_s=max(0.0, _env_float("FLASHCKPT_SPARE_HOLD_S", 60.0)),
+            scratch_dir=os.environ.get("FLASHCKPT_SCRATCH_DIR", ""),
+            records_timeout_s=max(0.0, _env_float("FLASHCKPT_RECORDS_TIMEOUT_S", 300.0)),
         )
 
 
@@ -113,8 +123,11 @@ def runtime_root() -> str:
 
 
 def job_key_digest(checkpoint_dir: str) -> str:
-    """The part of every job key of ``checkpoint_dir`` that names the dir (a hash of its absolute path)."""
-    return hashlib.sha256(os.path.abspath(checkpoint_dir).encode()).hexdigest()[:_DIGEST_LEN]
+    """The part of every job key of ``checkpoint_dir`` that names the dir: a hash of its absolute path,
+    with symbolic links resolved for a local dir (a dir reached through a link and through its real path
+    is one job's, with one saver and one memory)."""
+    path = checkpoint_dir if "://" in checkpoint_dir else os.path.realpath(checkpoint_dir)
+    return hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:_DIGEST_LEN]
 
 
 def job_key(checkpoint_dir: str) -> str:
@@ -233,6 +246,17 @@ def _what_is(path: str, e: OSError) -> str:
 def is_default_runtime_dir(path: str) -> bool:
     """Whether ``path`` is the per-user root flashckpt chose itself (and so may remove when empty)."""
     return os.path.abspath(path) == os.path.abspath(runtime_root())
+
+
+def dir_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the directory at ``path``; None when there is none. A job's runtime dir removed (by
+    systemd-logind's RemoveIPC, a tmp cleaner) or replaced since it was recorded has another identity: the
+    one test, on both sides (engine and saver), that its shared memory is gone."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
 
 
 def job_dir(checkpoint_dir: str, knobs: Knobs | None = None) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import functools
 import logging
 import math
 import os
@@ -13,17 +14,19 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from . import errors as E
 from . import locations
 from . import messages as M
 from ._copy import Copier
+from ._guard import CallGuard
 from ._protocol import process_cpu_seconds
 from ._tree import gc_paused
+from .adopt import unrecorded
 from .agreement import agree, all_ranks, memory_across_nodes, multi_node, newer_in_memory, verified_step
 from .commit import CommitLayout, commit_spec
-from .config import Knobs, RankInfo, StorageType, job_dir
+from .config import Knobs, RankInfo, StorageType, dir_identity, job_dir
 from .files import FileSet, is_fileset_tree
 from .interval import AutoIntervals, default_failure_rates, storage_type_for
 from .loader import StorageLoader
@@ -40,6 +43,38 @@ __all__ = ["CheckpointEngine", "LoadResult", "Located", "local_dir", "resolve_in
 
 log = logging.getLogger(__name__)
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+_EXIT_WAIT_S = 10.0  # at exit, how long a close waits for a call still running in another (daemon) thread
+
+
+def _engine_call(op: str, *, renew: bool = True, forked_detaches: bool = False) -> Callable[[_F], _F]:
+    """Runs a ``CheckpointEngine`` method as one call under the engine's ``CallGuard`` (``_guard``: the
+    opening process only, one call at a time, no re-entry from a signal handler). A nested call made from
+    this module (the engine calling itself) is the running call's own. The outermost call first makes sure
+    the job's runtime dir still holds this engine's shared memory (``renew``: ``_ensure_runtime``).
+    ``forked_detaches``: in a forked child the call only marks the child's copy closed (``close``)."""
+    def wrap(fn: _F) -> _F:
+        here = fn.__code__.co_filename
+
+        @functools.wraps(fn)
+        def call(self: CheckpointEngine, *args: Any, **kw: Any) -> Any:
+            if forked_detaches and not self._guard.owner():
+                self._closed = True  # a forked child's copy: only the opening process ends the engine
+                return None
+            with self._guard.call(op, internal=sys._getframe(1).f_code.co_filename == here) as outer:
+                if outer and renew and not self._closed:
+                    self._ensure_runtime(op)
+                return fn(self, *args, **kw)
+
+        return cast(_F, call)
+
+    return wrap
+
+
+# How long a new engine waits for its saver to ready the commit records before it goes on without them
+# (the saver does that beside serving, so that a stalled store never holds up the start).
+_START_RECORDS_WAIT_S = 2.0
+
 
 @dataclass(frozen=True)
 class LoadResult:
@@ -50,6 +85,7 @@ class LoadResult:
     source: str
     seconds: float
     nbytes: int
+    note: str = ""  # with source "none": why files the checkpoint dir holds were not used (``adopt.unrecorded``)
 
 
 @dataclass(frozen=True)
@@ -96,8 +132,16 @@ class CheckpointEngine:
             created or written.
         SaverError: the node's saver could not be started or reached.
 
-    Thread safety: one thread per engine. ``save`` must not run concurrently with a mutation of the
-    tensors it was given; once it returns they may be changed freely.
+    Thread safety: calls from several threads run one at a time (a call waits while another thread's
+    runs), so two threads saving take their snapshots one after the other. A call made on a thread that is
+    inside a call of the same engine (a signal handler interrupting it) is refused (``EngineUseError``),
+    as is any call from a process forked from the one that opened the engine (a DataLoader worker); a
+    forked child's ``close`` or exit ends nothing of the parent's. ``save`` must not run concurrently
+    with a mutation of the tensors it was given; once it returns they may be changed freely.
+
+    A runtime dir removed under a live engine (systemd-logind's RemoveIPC, a tmp cleaner) takes the memory
+    snapshots with it: the next call sees it, logs one warning, starts a new saver with new shared memory
+    and goes on (committed steps stay).
     """
 
     def __init__(self, checkpoint_dir: str, max_to_keep: int = 1, save_mem_interval: int = 0,
@@ -110,6 +154,7 @@ class CheckpointEngine:
                         ("save_storage_interval", save_storage_interval)):
             if not isinstance(v, int) or v < 0:
                 raise E.InvalidArgumentError(f"CheckpointEngine({name}={v!r}): must be an integer >= 0")
+        self._guard = CallGuard()
         self.ranks = RankInfo.current()
         self._auto = self._auto_intervals(process_mtbf_s, node_mtbf_s) if auto_save else None
         self._given_dir = checkpoint_location(checkpoint_dir)
@@ -142,8 +187,10 @@ class CheckpointEngine:
                                                      persists=self.persists, commit=self._commit_spec(),
                                                      agent_pid=agent_pid(), replicated=replicated))
         hello = self._link.attach()
-        # After the saver's start: it readied the commit records (CommitLayout.claim).
-        self.layout = CommitLayout(self.checkpoint_dir, self.storage)
+        # The commit records are read once the saver has readied them (CommitLayout.claim, on its records
+        # thread: a stalled store never holds up the start); until then ``layout`` waits for them.
+        self._layout: CommitLayout | None = None
+        self._storage_loader: StorageLoader | None = None
         # The rank that writes this local rank's snapshots takes its writer lease at its first save and
         # holds it until close: a second writer (another engine, another job with this job key) is refused.
         # It reads back only what this process may resume from: its rank's own snapshots (wherever they are on
@@ -162,12 +209,51 @@ class CheckpointEngine:
             self._handler if not replicated or r.local_rank == 0 else
             SnapshotReader.for_job_dir(0, self.job_dir, copier=self._copier, weights_only=weights_only))
         self._downloads = False  # a load from an object store may have left a shared download
-        self._loader = StorageLoader(self.layout, r.rank, weights_only=weights_only, resolve=self.resolve,
-                                     cache_dir=self.job_dir, world_size=r.world_size)
         self._closed = False
-        self._retention_baseline = hello.committed[-1] if hello.committed else -1  # in commit order
-        self._cleaned_up = list(hello.committed)
+        self._memory_in = (self._link.runtime, self._link.attaches)  # the runtime dir of the shared memory used
+        if hello.records_ready:
+            self._records_readied(hello.committed)
+        else:  # a store that answers has them ready within moments: take them now (bounded, never an error)
+            try:
+                self._records_readied(self._link.records(min(_START_RECORDS_WAIT_S, self.knobs.records_timeout_s)))
+            except E.FlashCheckpointError as e:
+                log.warning("CheckpointEngine(%r): the node's saver is still readying the commit records (%s); "
+                            "memory snapshots go on, and the first load or storage save waits for them",
+                            self._given_dir, e)
         _open_engines.add(self)
+
+    @property
+    def layout(self) -> CommitLayout:
+        """The checkpoint dir's commit records. The node's saver readies them when it starts, on a thread of
+        its own; the first use waits for that (a load, a storage save), bounded by FLASHCKPT_RECORDS_TIMEOUT_S.
+
+        Raises:
+            CheckpointTimeoutError: the store has not answered the saver's start-up work within the bound.
+            CheckpointDirError: the saver's attempt failed (the message has the store's error).
+        """
+        if self._layout is None:
+            if self._closed:  # no saver is started again to ask
+                return CommitLayout(self.checkpoint_dir, self.storage)
+            self._records_readied(self._link.records(self.knobs.records_timeout_s))
+            assert self._layout is not None  # set by _records_readied
+        return self._layout
+
+    def _records_readied(self, committed: list[int]) -> None:
+        """The saver readied the commit records, with ``committed`` (in commit order) committed then: the
+        steps this engine's retention leaves alone until a newer commit (an engine that only loads never
+        deletes checkpoints)."""
+        self._layout = CommitLayout(self.checkpoint_dir, self.storage)
+        self._retention_baseline = committed[-1] if committed else -1  # in commit order
+        self._cleaned_up = list(committed)
+
+    @property
+    def _loader(self) -> StorageLoader:
+        """This rank's reader of committed files (made at the first storage load)."""
+        if self._storage_loader is None:
+            self._storage_loader = StorageLoader(self.layout, self.ranks.rank, weights_only=self.weights_only,
+                                                 resolve=self.resolve, cache_dir=self.job_dir,
+                                                 world_size=self.ranks.world_size)
+        return self._storage_loader
 
     def _auto_intervals(self, process_mtbf_s: float | None, node_mtbf_s: float | None) -> AutoIntervals:
         """``auto_save``'s interval chooser, with the default failure rates when none are given."""
@@ -201,6 +287,7 @@ class CheckpointEngine:
         name = "checkpoint.pt" if self.replicated else f"rank_{self.ranks.rank:05d}.pt"
         return locations.join(self.checkpoint_dir, f"step_{step}", name)
 
+    @_engine_call("save")
     def save(self, step: int, state_dict: Any, path: str | None = None,
              storage_type: StorageType | None = None, *, overlap: bool | None = None) -> bool:
         """Snapshots ``state_dict`` into shared memory and, for DISK, schedules its persist to ``path``.
@@ -296,6 +383,7 @@ class CheckpointEngine:
         record_modules()  # under flashckpt-run, once: what this rank's warm worker imports ahead
         return True
 
+    @_engine_call("wait_snapshot")
     def wait_snapshot(self) -> None:
         """Waits for the overlapped snapshot of the last ``save(overlap=True)`` to be in shared memory;
         then its tensors may change. Call it before the optimizer step (the adapters do); every other
@@ -391,8 +479,8 @@ class CheckpointEngine:
         """Applies the deletion strategy after a commit newer than any that existed when this engine
         started: an engine that only loads never deletes checkpoints. ``committed`` is in commit order;
         the step committed last is never deleted, whatever its number."""
-        if self.ranks.rank != 0 or self.deletion_strategy is None or not committed:
-            return
+        if self.ranks.rank != 0 or self.deletion_strategy is None or not committed or self._layout is None:
+            return  # (without the records, what existed when this engine started is not known yet)
         if uses_clean_up(self.deletion_strategy):
             self._clean_up(committed)
             return
@@ -423,11 +511,12 @@ class CheckpointEngine:
                 continue
             prev = committed[i - 1]
             try:
-                strategy.clean_up(prev, self.delete_checkpoint)
+                strategy.clean_up(prev, lambda path: self.delete_checkpoint(path))  # a call of this engine's own
             except Exception as e:  # retention never stops training; the strategy's fault is reported
                 log.error("%s.clean_up(step=%d) after the commit of step %d failed: %s: %s", type(strategy).__name__,
                           prev, step, type(e).__name__, e)
 
+    @_engine_call("delete_checkpoint")
     def delete_checkpoint(self, path: str | os.PathLike[str] | int) -> None:
         """Deletes a checkpoint's file or directory inside the checkpoint dir, safely: through the node's
         saver, in the background (after the commits queued before it; ``wait()`` waits for it), removing
@@ -457,6 +546,7 @@ class CheckpointEngine:
             raise E.CheckpointNotFoundError(errno.ENOENT, f"delete_checkpoint({os.fspath(path)!r}): no such file or directory",
                                     target)
 
+    @_engine_call("delete_steps")
     def delete_steps(self, steps: list[int], *, newest: bool = False) -> list[int]:
         """Deletes committed ``steps`` now, through the node's saver (records first, then files that no
         other committed step lists), and returns those it deleted; steps that are not committed (being
@@ -475,6 +565,7 @@ class CheckpointEngine:
         return process_cpu_seconds(pid, children=True) if pid > 0 else None
 
     # ------------------------------------------------------------------ wait / close
+    @_engine_call("wait")
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until every scheduled persist is committed; raises the first persist error.
 
@@ -492,6 +583,7 @@ class CheckpointEngine:
             if self._applied_retention == applied:
                 break
 
+    @_engine_call("close", renew=False, forked_detaches=True)
     def close(self, release: bool = True) -> None:
         """Detaches from the saver. Scheduled persists still complete in the saver.
 
@@ -503,6 +595,7 @@ class CheckpointEngine:
         """
         self._close("release" if release else "keep")
 
+    @_engine_call("close", renew=False, forked_detaches=True)
     def _close(self, intent: str) -> None:
         """``close`` with the goodbye's intent: "release" (done with the snapshots), "keep" (for a
         restart within the saver's grace) or "persist" (the saver persists what is newer than the last
@@ -530,6 +623,7 @@ class CheckpointEngine:
     def __enter__(self) -> CheckpointEngine:
         return self
 
+    @_engine_call("close", renew=False, forked_detaches=True)
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         """Without an exception, ``close()``. With one, the snapshots are kept for a restart when one is
         coming (``restart_expected``); otherwise the saver persists what is newer than the last commit
@@ -543,12 +637,38 @@ class CheckpointEngine:
         if self._closed:
             raise E.FlashCheckpointError(_closed_message(op))
 
+    def _ensure_runtime(self, op: str) -> None:
+        """Before a call uses the saver or shared memory: when the job's runtime dir is no longer the one this
+        engine's shared memory lives in (removed or replaced, ``dir_identity``; or the segment it writes was
+        removed), the snapshots there are lost. The engine then drops everything bound to it (mappings, its
+        writer lease, an overlapped snapshot not yet handed over) and attaches to a new saver, which starts
+        with new shared memory (``SaverLink.reattach``, which logs one warning); unless the link already
+        attached to a saver of the new dir (its connection broke meanwhile). Costs a ``stat`` or two."""
+        runtime, attaches = self._memory_in
+        if dir_identity(self.job_dir) == runtime and not self._handler.segment_gone():
+            return
+        pending, self._pending = self._pending, None
+        if pending is not None:  # its copy went into the lost memory: wait for it to end, hand nothing over
+            try:
+                pending[0].result()
+            except Exception as e:
+                log.debug("%s(): the overlapped snapshot into the removed runtime dir failed: %s", op, e)
+        self._handler.forget_segments()
+        if self._reader is not self._handler:
+            self._reader.forget_segments()
+        link = self._link
+        if link.attaches == attaches or link.runtime != dir_identity(self.job_dir):
+            link.reattach(op, None, runtime_lost=True)
+        self._memory_in = (link.runtime, link.attaches)
+
     # ------------------------------------------------------------------ load
+    @_engine_call("memory_steps", renew=False)
     def memory_steps(self) -> list[int]:
         """Steps this rank could load from shared memory, newest first. (``SnapshotReader(engine)`` lists
         them with the path each is persisted to, and reads them without the engine.)"""
         return self._reader.memory_steps()
 
+    @_engine_call("locate")
     def locate(self, *, memory: bool = True) -> Located:
         """Where the newest checkpoint that every rank has lives, without loading it.
 
@@ -588,6 +708,7 @@ class CheckpointEngine:
             return Located(step, "storage", self._loader.path_of(step))
         return Located(None, "none", None)
 
+    @_engine_call("load")
     def load(self, resume_path: str = "", *, into: Any = None) -> Any:
         """The newest state dict that every rank has: from memory when memory holds it, else storage.
 
@@ -640,7 +761,7 @@ class CheckpointEngine:
             if loc.source == "memory":
                 return self.load_memory(loc.step, into=into, _t0=t0)
             if loc.source != "storage" or loc.step is None:
-                self._loaded(None, "none", t0, 0)
+                self._loaded(None, "none", t0, 0, note=unrecorded(self.layout) or "")
                 return {}
             try:
                 sd, nbytes = self._loader.load_step(loc.step, into=into), self._loader.last_bytes
@@ -655,6 +776,7 @@ class CheckpointEngine:
             log.warning("load(): step %d is damaged on a rank; falling back to the previous committed step", loc.step)
             damaged.add(loc.step)
 
+    @_engine_call("load_memory")
     def load_memory(self, step: int | None, *, into: Any = None, _t0: float | None = None) -> Any:
         """This rank's snapshot of ``step`` (the newest when None) from shared memory, without agreeing
         with other ranks (``locate`` does that). A ``FileSet`` for sets; see ``load`` for ``into``.
@@ -671,16 +793,20 @@ class CheckpointEngine:
         sd = snap.state_dict
         return FileSet.decode(sd) if is_fileset_tree(sd) else sd
 
+    @_engine_call("committed_steps", renew=False)
     def committed_steps(self) -> list[int]:
         """The committed steps on storage, ascending."""
         return self.layout.committed_steps()
 
+    @_engine_call("step_path", renew=False)
     def step_path(self, step: int) -> str | None:
         """Rank 0's file (or ``FileSet`` directory) of committed ``step``; None when it has none."""
         return self._loader.path_of(step, rank=0)
 
-    def _loaded(self, step: int | None, source: str, t0: float, nbytes: int) -> None:
-        self.last_load = LoadResult(step, source, time.perf_counter() - t0, nbytes)
+    def _loaded(self, step: int | None, source: str, t0: float, nbytes: int, *, note: str = "") -> None:
+        self.last_load = LoadResult(step, source, time.perf_counter() - t0, nbytes, note)
+        if note:
+            log.warning("load(): %s", note)
         log.info("event=load step=%s source=%s bytes=%d seconds=%.4f", step, source, nbytes, self.last_load.seconds)
 
 
@@ -695,8 +821,13 @@ def _close_at_exit() -> None:
     exception with a restart coming, it keeps the snapshots."""
     crashed = getattr(sys, "last_value", None) is not None  # set by the uncaught-exception handler
     for eng in list(_open_engines):
+        if not eng._guard.owner():  # a forked child's exit ends nothing of its parent's engines
+            continue
         try:
-            eng._close("keep" if crashed and restart_expected() else "persist")
+            # A daemon thread still inside a call of it (a long wait()) holds it for at most this long; then
+            # the saver sees this process gone, as after a crash.
+            with eng._guard.call("close", internal=True, timeout=_EXIT_WAIT_S):
+                eng._close("keep" if crashed and restart_expected() else "persist")
         except Exception as e:  # at exit: report, never raise
             log.warning("closing a CheckpointEngine at exit: %s", e)
 

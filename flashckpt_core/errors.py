@@ -27,6 +27,7 @@ __all__ = [
     "TrackerUpdateError",
     "UnsupportedStrategyError",
     "WriteRefusedError",
+    "EngineUseError",
 ]
 
 
@@ -68,6 +69,12 @@ class WriteRefusedError(FlashCheckpointError, PermissionError):
 class UnsupportedStrategyError(FlashCheckpointError, TypeError):
     """A framework's distributed strategy or configuration that the adapter does not serve (the message names
     what to use instead)."""
+
+
+class EngineUseError(FlashCheckpointError, RuntimeError):
+    """A ``CheckpointEngine`` called from where it cannot serve: a process forked from the one that opened
+    it, or a signal handler that interrupted a call of the same engine on its thread (raised before
+    anything is done; the message says what to do instead)."""
 
 
 class CheckpointDirError(FlashCheckpointError, OSError):

@@ -7,7 +7,15 @@ rendezvous and its ``LocalElasticAgent``), plus:
   exhausted), it first has the node's savers persist and commit the newest snapshot every rank holds,
   when that is newer than the last commit; restarted workers then load it from memory;
 - on SIGTERM/SIGINT it does the same within ``--term-timeout`` seconds, then exits;
-- ``--no-last-words`` turns both off (and the savers' own last words after a trainer crash).
+- ``--no-last-words`` turns both off (and the savers' own last words after a trainer crash);
+- every restart round comes up: with torchrun's static rendezvous (``--master_port``, no
+  ``--rdzv-backend``) torch hands each round the store the previous round's workers wrote into, and a
+  restarted gloo group then reads dead peers' addresses (``Gloo connectFullMesh failed ... Connection
+  refused``, or a hang); from the first restart on, each round's workers get a store of their own
+  (``_store_of_round``);
+- its workers never outlive it: they (and the warm workers) are started with ``PR_SET_PDEATHSIG``
+  (``flashckpt._pdeathsig``), so a launcher killed with SIGKILL takes them with it, where torchrun leaves
+  them running as orphans.
 
 Before a restart the last words run beside it, not before it: the restarted workers load the newest
 snapshot from memory whether or not its commit has finished, so the restart need not wait for the
@@ -145,8 +153,13 @@ def _flash_agent_class(base: type, job_id: str, timeout: float, enabled: bool) -
             else:
                 _say_last_words(job_id, timeout)
 
+        _rounds = 0  # rendezvous rounds so far (the first starts the workers, each later one restarts them)
+        _round_store: Any = None  # the TCPStore of this round's workers, when this agent hosts one
+
         def _rendezvous(self, worker_group: Any) -> None:
             super()._rendezvous(worker_group)
+            self._round_store = _store_of_round(worker_group, self._rounds, self._round_store)
+            self._rounds += 1
             launch_event("rendezvous_done")
 
         def _start_workers(self, worker_group: Any) -> Any:
@@ -155,6 +168,44 @@ def _flash_agent_class(base: type, job_id: str, timeout: float, enabled: bool) -
             return ids
 
     return FlashElasticAgent
+
+
+def _store_of_round(worker_group: Any, round_: int, previous: Any) -> Any:
+    """Gives the workers of a restart round a store of their own (returns the one this agent hosts).
+
+    Where the workers use the agent's store (``use_agent_store``: the static rendezvous of ``torchrun
+    --master_port P``, without ``--standalone`` or ``--rdzv-backend``), torch hands every round the same
+    TCPStore, still holding the keys the previous round's workers wrote: gloo's pair addresses among
+    them, so a restarted rank reads a dead peer's address and fails with ``Gloo connectFullMesh failed
+    ... Connection refused``, or hangs (2 restarts in 3 under plain torchrun). From the first restart on,
+    the agent of group rank 0 hosts a new TCPStore on a port the kernel picks (no race for a free port)
+    and the workers get its port as MASTER_PORT; the previous round's store closes with it. Other nodes
+    read the port from the rendezvous store (the key names the round: a static rendezvous restarts every
+    node once per failure). The first round is torchrun's. A dynamic rendezvous (``c10d``) gives each
+    round a store of its own already (flashckpt-run sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1); one that
+    shares its store across nodes (set to 0) keeps torch's behaviour: its nodes count rounds apart."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    handler = worker_group.spec.rdzv_handler
+    if round_ == 0 or not handler.use_agent_store:
+        return previous
+    if worker_group.group_world_size > 1 and handler.get_backend() != "static":
+        return previous
+    key = f"flashckpt/round_{round_}/worker_store_port"
+    store = None
+    if worker_group.group_rank == 0:
+        store = TCPStore(worker_group.master_addr, 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=900), multi_tenant=True)
+        port = int(store.port)
+        if worker_group.group_world_size > 1:
+            worker_group.store.set(key, str(port))
+    else:
+        port = int(worker_group.store.get(key).decode())
+    log.info("restart round %d: the workers use a new store at %s:%d", round_, worker_group.master_addr, port)
+    worker_group.master_port = port
+    return store
 
 
 def _job_id_of(args: Any) -> str:
@@ -256,16 +307,17 @@ def main(argv: list[str] | None = None) -> int:
     launcher_api.LocalElasticAgent = agent_class  # type: ignore[misc,assignment]
     _poll_rendezvous_every(_rendezvous_poll(args))
     _rendezvous_keep_alive(args)
+    import torch.distributed.elastic.multiprocessing.api as mp_api
+
+    from .warm import MODULES_DIR_ENV, WarmPool, handler_factory, make_modules_dir
+
     pool = None
     if not args.no_warm_workers and os.environ.get("FLASHCKPT_WARM_WORKERS", "1") not in ("0", "false", "off"):
-        import torch.distributed.elastic.multiprocessing.api as mp_api
-
-        from .warm import MODULES_DIR_ENV, WarmPool, handler_factory, make_modules_dir
-
         modules_dir = make_modules_dir()  # the workers record their imports here
         os.environ[MODULES_DIR_ENV] = modules_dir
         pool = WarmPool(float(os.environ.get("FLASHCKPT_WARM_DELAY_S", "5")), modules_dir=modules_dir)
-        mp_api.get_subprocess_handler = handler_factory(pool)
+    # Every worker dies with this launcher (a SIGKILL included); with a pool, restarted ones start warm.
+    mp_api.get_subprocess_handler = handler_factory(pool)
     try:
         try:
             tdr.run(args)

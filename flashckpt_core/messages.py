@@ -26,7 +26,7 @@ __all__ = [
     "Bye", "QueuePut", "QueueGet", "QueueSize", "DictUpdate", "DictGet", "REQUESTS", "parse_request",
     "Reply", "Ok", "StatusReply", "HelloReply", "LastWordsReply", "AllocReply", "DeleteStepsReply", "DeletePathReply",
     "GiveWayReply", "QueueGetReply", "QueueSizeReply", "DictGetReply", "Inventory", "InventoryReply", "Fetch",
-    "FetchReply",
+    "FetchReply", "AwaitRecords", "RecordsReply",
 ]
 
 R = TypeVar("R", bound="Request[Any]")
@@ -83,6 +83,7 @@ class StatusReply(Reply):
     errors: list[dict[str, Any]] = field(default_factory=list)  # persist/commit failures since the cursor
     inflight: int | None = None  # persists, commits and deletions in flight; None: not told
     last_persist_s: float = 0.0
+    records_ready: bool = True  # the saver's start-up work on the commit records is done (``committed`` known)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,13 @@ class HelloReply(StatusReply):
 @dataclass(frozen=True)
 class LastWordsReply(StatusReply):
     step: int | None = None  # the step persisted, if any
+
+
+@dataclass(frozen=True)
+class RecordsReply(Reply):
+    """The commit records are ready: ``committed`` are the steps committed when they became so."""
+
+    committed: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -280,6 +288,14 @@ class Wait(Request[StatusReply]):
 
 
 @dataclass(frozen=True)
+class AwaitRecords(Request[RecordsReply]):
+    """Wait up to ``timeout_s`` for the saver's start-up work on the commit records (an error says why they
+    are not ready)."""
+
+    timeout_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class LastWords(Request[LastWordsReply]):
     """Persist and commit the newest snapshot every persisting local rank holds (the launcher's request)."""
 
@@ -365,7 +381,7 @@ class DictGet(Request[DictGetReply], op="d_get"):
 
 REQUESTS: dict[str, type[Request]] = {cls.OP: cls for cls in (
     Hello, Alloc, Persist, Status, Wait, LastWords, DeleteSteps, DeletePath, GiveWay, Bye, QueuePut, QueueGet,
-    QueueSize, DictUpdate, DictGet, Inventory, Fetch)}
+    QueueSize, DictUpdate, DictGet, Inventory, Fetch, AwaitRecords)}
 
 
 def parse_request(msg: dict[str, Any]) -> Request:

@@ -27,13 +27,14 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Protocol
 
 from . import _records, locations
+from . import _records_upkeep as upkeep
 from . import errors as E
 from ._lease import Lease, held
 from ._records import META
 
 if TYPE_CHECKING:
     from .commit import CommitLayout
-    from .storage import CheckpointStorage
+    from .storage import CheckpointStorage, FileRecord
 
 __all__ = ["RecordsHome", "PosixRecords", "InsideRecords", "ObjectLease", "Held", "META"]
 
@@ -69,7 +70,8 @@ class RecordsHome(ABC):
     @abstractmethod
     def claim(self, job: str, layout: CommitLayout) -> Held | None:
         """Readies the records for a saver of ``job`` starting on the checkpoint dir and takes the job's
-        hold on them; None when it could not be taken (logged: other jobs may clean up this job's steps).
+        hold on them (with what else the backend keeps for the saver's life); None when it could not be
+        taken (logged: other jobs may clean up this job's steps).
 
         Raises:
             CheckpointDirError: the records cannot be used (the message says why)."""
@@ -91,6 +93,11 @@ class RecordsHome(ABC):
         paths = [f.path for m in manifests.values() for f in m.all_files()]
         if paths and not any(self.storage.exists(locations.join(self.root, p)) for p in paths):
             return f"no file of their committed steps {sorted(manifests)} exists in {self.root}"
+        return None
+
+    def before_commit(self, layout: CommitLayout, step: int, files: list[FileRecord]) -> None:
+        """Called by a commit of ``step`` with its files (all ranks', staged ones in place) just before its
+        manifest is written; may raise ``PersistError`` (the step is not committed). Nothing by default."""
         return None
 
     def tidy(self, layout: CommitLayout, *, dry_run: bool = False) -> list[str]:
@@ -186,6 +193,23 @@ class InsideRecords(RecordsHome):
 
 
 # ------------------------------------------------------------------------------------------ file systems
+class _Hold:
+    """A saver's hold on beside records: its job lock, and an fd of the checkpoint dir, which keeps the
+    dir's inode number from being reused while the saver lives (a dir deleted and made again always gets
+    another one, so ``before_commit`` always tells)."""
+
+    def __init__(self, lock: Lease | None, dir_fd: int | None) -> None:
+        self.lock, self.dir_fd = lock, dir_fd
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+        if self.dir_fd is not None:
+            os.close(self.dir_fd)
+            self.dir_fd = None
+
+
 class PosixRecords(RecordsHome):
     """Records beside the checkpoint dir where possible, bound to it (see ``_records``), with ``flock``
     job locks held shared by every live saver of a job."""
@@ -193,6 +217,7 @@ class PosixRecords(RecordsHome):
     def __init__(self, storage: CheckpointStorage, root: str) -> None:
         super().__init__(storage, root)
         self._meta = _records.records_dir(root)
+        self._hold: _Hold | None = None
 
     @property
     def meta(self) -> str:
@@ -210,10 +235,12 @@ class PosixRecords(RecordsHome):
             return False
 
     def claim(self, job: str, layout: CommitLayout) -> Held | None:
-        """Beside the checkpoint dir, under the parent's lock: stale records (``stale_reason``) that no
-        live job holds a lock in are moved aside and removed; the records are bound to the checkpoint
-        dir (``dir.json``); creating them sweeps the parent's orphans. The records dir is chosen again
-        here, so ``meta`` may change.
+        """Beside the checkpoint dir, under the parent's lock: records found under another name (the dir
+        was renamed in its parent, or is reached through a symbolic link) are moved to its name; stale
+        records (``stale_reason``) that no live job holds a lock in are set aside (retired when the dir's
+        name now belongs to another directory, removed when their files are gone) and the run starts
+        afresh; the records are bound to the checkpoint dir (``dir.json``); creating them moves the records
+        of sibling dirs renamed since. The records dir is chosen again here, so ``meta`` may change.
 
         Raises:
             CheckpointDirError: ``<parent>/.flashckpt`` cannot be used (a symbolic link, another
@@ -225,44 +252,89 @@ class PosixRecords(RecordsHome):
             raise E.CheckpointDirError(f"cannot create the checkpoint dir {self.root}: {e}") from e
         self._meta = _records.records_dir(self.root)
         if self.beside:
-            top, name = os.path.split(self.meta)
+            top, name = os.path.split(_records.home(self.root))
             with _records.locked_parent(top) as top_fd:
-                self._meta = _records.records_dir(self.root)  # again, under the lock
-                if self.beside and self._renew(top_fd, name, layout):
-                    return self._take_job_lock(job)  # before the parent lock goes: the records are in use
-        return self._take_job_lock(job)
+                if self._at_home(top_fd, top, name) and self._renew(top_fd, top, name, layout):
+                    return self._take_hold(job)  # before the parent lock goes: the records are in use
+        return self._take_hold(job)
 
-    def _renew(self, top_fd: int, name: str, layout: CommitLayout) -> bool:
-        """Removes stale records, binds (or creates) them; False when, the stale ones gone, the rule
+    def _at_home(self, top_fd: int, top: str, name: str) -> bool:
+        """Chooses the records dir again (under the parent lock) and moves records found under another
+        name (``_records.moved``) to ``name``. False when they stay elsewhere (they could not be moved)."""
+        self._meta = _records.records_dir(self.root)
+        want = os.path.join(top, name)
+        if self.beside and self.meta != want:
+            src, why = self.meta, _records.place(self.root).why
+            self._meta = upkeep.bring(top_fd, top, src, name)
+            if self.meta == want:
+                log.warning("the commit records of %s were in %s (%s); moved to %s", self.root, src, why, want)
+        return not self.beside or self.meta == want
+
+    def _renew(self, top_fd: int, top: str, name: str, layout: CommitLayout) -> bool:
+        """Sets stale records aside, binds (or creates) them; False when, the stale ones gone, the rule
         now keeps the records inside (``meta`` changed)."""
         if os.path.isdir(self.meta):
+            bound, ino = _records.read_binding(self.meta), os.stat(self.root).st_ino
             why = self.stale_reason(layout)
             if why:
-                live = _records.live_jobs_at(top_fd, name)
+                live = upkeep.live_jobs_at(top_fd, name)
                 if live:
                     log.warning("the commit records in %s look stale (%s), but jobs %s hold their locks there; "
                                 "left alone", self.meta, why, live)
                 else:
-                    to = _records.follow_or_discard(top_fd, os.path.dirname(self.root), name)
+                    other = bound is not None and bound != ino  # the name now belongs to another directory
+                    to = upkeep.settle(top_fd, os.path.dirname(top), name, keep=other)
                     log.warning("the commit records in %s were stale (%s): %s; starting afresh", self.meta, why,
-                                f"moved to {os.path.join(os.path.dirname(self.meta), to)}, the records of the "
-                                "directory they describe, renamed since" if to else "removed")
-                    self._meta = _records.records_dir(self.root)
-                    if not self.beside:
+                                f"moved to {os.path.join(top, to)}, the records of the directory they describe, "
+                                "renamed since" if to else
+                                "kept aside until `flashckpt gc`: if that directory was moved elsewhere, "
+                                f"`flashckpt adopt <its new path> --from {self.root}` gives them back to it"
+                                if other else "removed")
+                    if not self._at_home(top_fd, top, name) or not self.beside:
                         return False
+            elif bound is not None and bound != ino:
+                log.warning("the commit records in %s were bound to another directory (%s, inode %d), but %s "
+                            "(inode %d) holds the files of their committed steps %s: it is a copy or a move of "
+                            "that directory with its records; they are bound to %s now", self.meta,
+                            _records.bound_dir(self.meta) or "?", bound, self.root, ino, self._whole(layout),
+                            self.root)
         if _records.bind(top_fd, name, self.root):
             for line in self._swept(top_fd):
                 log.info("%s", line)
         return True
 
-    def _swept(self, top_fd: int, *, dry_run: bool = False) -> list[str]:
-        parent = os.path.dirname(self.root)
-        top = os.path.join(parent, META)
-        return [f"{os.path.join(top, n)}: the commit records of {os.path.join(parent, n)}, which no longer exists" +
-                (f"; moved to {os.path.join(top, to)} (that directory was renamed to {to})" if to else "")
-                for n, to in _records.sweep(top_fd, parent, dry_run=dry_run)]
+    def _whole(self, layout: CommitLayout) -> list[int]:
+        """The committed steps whose every file the checkpoint dir holds with its committed size."""
+        return _records.whole_steps(layout._committed_manifests(), os.path.realpath(self.root))
 
-    def _take_job_lock(self, job: str) -> Held | None:
+    def _swept(self, top_fd: int, *, orphans: bool = False, dry_run: bool = False) -> list[str]:
+        top = os.path.dirname(_records.home(self.root))
+        parent = os.path.dirname(top)
+        out = []
+        for n, to in upkeep.sweep(top_fd, parent, orphans=orphans, dry_run=dry_run):
+            was = _records.bound_dir(os.path.join(top, n)) or os.path.join(parent, n)
+            if to:
+                out.append(f"{os.path.join(top, n)}: the commit records of {was}, renamed to "
+                           f"{os.path.join(parent, to)}; moved to {os.path.join(top, to)}")
+            elif n.startswith(_records.LEFTOVERS):
+                out.append(f"{os.path.join(top, n)}: left by an interrupted creation or removal of commit records")
+            else:
+                out.append(f"{os.path.join(top, n)}: the commit records of {was}, which " +
+                           ("a new directory replaced" if n.startswith(_records.RETIRED) else "no longer exists") +
+                           f" (if it was moved or copied elsewhere, `flashckpt adopt <its new path> --from {was}` "
+                           "gives it its steps first)")
+        return out
+
+    def _take_hold(self, job: str) -> Held | None:
+        lock = self._take_job_lock(job)
+        try:
+            fd: int | None = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if self.beside else None
+        except OSError:
+            fd = None
+        self._hold = _Hold(lock, fd)
+        return self._hold
+
+    def _take_job_lock(self, job: str) -> Lease | None:
         path = self.job_lock_path(job)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -276,7 +348,9 @@ class PosixRecords(RecordsHome):
 
     def stale_reason(self, layout: CommitLayout) -> str | None:
         """Why the records beside the checkpoint dir describe an earlier directory of its name (it was
-        deleted and made again, or all its checkpoint files are gone), or None. Reads only."""
+        deleted and made again, or all its checkpoint files are gone), or None. Records bound to another
+        directory whose committed steps the checkpoint dir holds whole are its (a copy, or a move, with its
+        records): not stale. Reads only."""
         if not self.beside:
             return None
         try:
@@ -284,25 +358,57 @@ class PosixRecords(RecordsHome):
         except OSError:
             return f"the checkpoint dir {self.root} does not exist"
         bound = _records.read_binding(self.meta)
-        if bound is not None and bound != ino:
+        if bound is not None and bound != ino and not self._whole(layout):
             return (f"they were written for an earlier directory {self.root} (inode {bound}; now {ino}), "
-                    "which was deleted")
+                    "which was deleted (or moved elsewhere)")
         return super().stale_reason(layout)
 
+    def before_commit(self, layout: CommitLayout, step: int, files: list[FileRecord]) -> None:
+        """Checks, before ``step``'s manifest is written, that its files are in the checkpoint dir, and
+        that the records are still bound to it. A checkpoint dir deleted under this job (and made again by
+        its persists, or by a user) leaves the records bound to the deleted one: they are bound to the dir
+        as it is now, and the committed steps whose files went with the deleted dir are dropped, so the
+        step is loadable after this process.
+
+        Raises:
+            PersistError: a file of the step is gone (the dir was deleted after it was written)."""
+        missing = [f.path for f in files if not os.path.exists(os.path.join(self.root, f.path))]
+        if missing:
+            raise E.PersistError(f"step {step}: {len(missing)} of its files are gone from {self.root} (for example "
+                                 f"{missing[0]}): was the checkpoint dir deleted while the step was persisted? The "
+                                 "step is not committed; save it again")
+        if not self.beside or _records.read_binding(self.meta) == os.stat(self.root).st_ino:
+            return
+        top, name = os.path.split(self.meta)
+        with _records.locked_parent(top):
+            bound, ino = _records.read_binding(self.meta), os.stat(self.root).st_ino
+            if bound == ino:
+                return
+            gone = [s for s in layout._committed_manifests() if s != step and s not in self._whole(layout)]
+            for s in gone:
+                self.storage.remove_tree(layout.step_dir(s))  # their files went with the deleted dir
+            _records.rebind(self.meta, self.root)
+            if self._hold is not None:
+                if self._hold.dir_fd is not None:
+                    os.close(self._hold.dir_fd)
+                self._hold.dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        log.warning("the checkpoint dir %s was deleted and made again while this job saved to it (its commit "
+                    "records were bound to the deleted one, inode %s): they describe the new one (inode %d) now; "
+                    "committed steps %s, whose files went with the deleted dir, no longer count", self.root, bound,
+                    ino, gone)
+
     def tidy(self, layout: CommitLayout, *, dry_run: bool = False) -> list[str]:
-        """Removes this checkpoint dir's stale records and the orphans beside it (records of sibling dirs
-        that no longer exist), when no live job holds a lock in them."""
-        parent = os.path.dirname(self.root)
-        top = os.path.join(parent, META)
+        """Removes this checkpoint dir's stale records (records of a renamed dir move to its new name), the
+        records of sibling dirs that no longer exist and retired records, when no live job holds a lock in
+        them."""
+        top, name = os.path.split(_records.home(self.root))
         if not _records.usable_top(top):
             return []
         with _records.locked_parent(top, lock=not dry_run) as top_fd:
-            name = os.path.basename(self.root)
             why = self.stale_reason(layout) if os.path.isdir(self.meta) and self.beside and os.path.isdir(self.root) \
                 else None
             done = []
-            if why and not _records.live_jobs_at(top_fd, name):
-                to = _records.follow_or_discard(top_fd, parent, name, dry_run=dry_run)
+            if why and self.meta == os.path.join(top, name) and not upkeep.live_jobs_at(top_fd, name):
+                to = upkeep.settle(top_fd, os.path.dirname(top), name, keep=False, dry_run=dry_run)
                 done.append(f"{self.meta}: stale, {why}" + (f"; moved to {os.path.join(top, to)}" if to else ""))
-            return done + self._swept(top_fd, dry_run=dry_run)
-
+            return done + self._swept(top_fd, orphans=True, dry_run=dry_run)

@@ -13,7 +13,7 @@ from typing import Any
 from . import errors as E
 from . import messages as M
 from ._protocol import Client, ConnectionLost
-from .config import Knobs
+from .config import Knobs, dir_identity
 from .messages import RP
 from .saver import ensure_saver
 
@@ -53,6 +53,8 @@ class SaverLink:
         self._status_req: int | None = None  # id of the status request sent and not answered yet
         self._status_seg: str | None = None  # the segment the saver last heard of from this engine
         self.status_at = 0.0  # monotonic time of the last round trip
+        self.runtime: tuple[int, int] | None = None  # the job dir the saver attached last serves (dir_identity)
+        self.attaches = 0  # attaches so far (a new saver, or the same one again)
 
     def attach(self) -> M.HelloReply:
         """Connects to the job's saver (starting one when none runs) and says hello; returns its reply."""
@@ -74,32 +76,65 @@ class SaverLink:
         self.client = client
         self.cursor = hello.cursor or 0  # errors before we attached belong to an earlier run
         self.saver_pid = hello.pid
+        self.runtime = dir_identity(self.job_dir)
+        self.attaches += 1
         return hello
 
-    def reattach(self, op: str, cause: BaseException | None) -> Client:
-        """Attaches to a new saver after the connection to ours broke (the saver died, e.g. SIGKILL).
+    def reattach(self, op: str, cause: BaseException | None, *, runtime_lost: bool = False) -> Client:
+        """Attaches to a new saver after the connection to ours broke (the saver died, e.g. SIGKILL), or
+        (``runtime_lost``) after the job's runtime dir was removed under it.
 
-        The new saver adopts the job's shared-memory segments (the same runtime dir), so every snapshot
-        in memory stays, and this rank says hello again. Persists that were in flight in the dead saver
-        are lost: the next reply raises one PersistError saying so (``lost_persists``)."""
-        old_pid = self.saver_pid
+        A saver that died leaves its runtime dir: the new saver adopts the job's shared-memory segments, so
+        every snapshot in memory stays, and this rank says hello again. A runtime dir that was removed (or
+        is found replaced once attached) took the snapshots with it: the old saver, if alive, is told this
+        rank is done with it, the new saver starts with new shared memory, and one warning says so.
+        Persists that were in flight in the old saver are lost: the next reply raises one PersistError
+        saying so (``lost_persists``)."""
+        old_pid, old_runtime = self.saver_pid, self.runtime
         if self.client is not None:
+            if runtime_lost and not self.client.lost:
+                try:  # the old saver serves a dir that is gone: it exits once its ranks said goodbye
+                    self.client.request(M.Bye(final=True, intent="release"))
+                except E.FlashCheckpointError as e:
+                    log.debug("goodbye to the saver of the removed runtime dir: %s", e)
             self.client.close()
             self.client = None
         self._status_req = None
         hello = self.attach()
-        committed = set(hello.committed)
+        try:  # what the new saver found committed (a persist the old one committed was not lost)
+            committed = set(hello.committed if hello.records_ready else self.records(self.knobs.records_timeout_s))
+        except E.FlashCheckpointError as e:
+            log.warning("%s(): the new saver could not tell which steps are committed: %s", op, e)
+            committed = set()
         lost = sorted(s for s in self.requested if s not in committed)
         self.requested.clear()
-        log.warning("%s(): lost the saver (pid %d: %s); attached to a new saver (pid %d), which adopted the "
-                    "snapshots in shared memory%s", op, old_pid, cause or "connection closed", self.saver_pid,
-                    f"; the persists of steps {lost} were lost" if lost else "")
+        lost_note = f"; the persists of steps {lost} were lost" if lost else ""
+        if runtime_lost or (old_runtime is not None and self.runtime != old_runtime):
+            log.warning(
+                "%s(): the runtime dir %s was removed (by something outside flashckpt: systemd-logind's RemoveIPC "
+                "when the user's last session ends, a tmp cleaner, a user; or its saver, pid %d, exited on a "
+                "signal): the snapshots of this job in shared memory are lost; committed steps on storage are "
+                "intact%s. Started a new saver (pid %d) with new shared memory; training goes on. To keep "
+                "snapshots, set RemoveIPC=no in /etc/systemd/logind.conf (or run as a system user), keep tmp "
+                "cleaners away from it, or set FLASHCKPT_RUNTIME_DIR to a RAM-backed dir nothing cleans",
+                op, self.job_dir, old_pid, lost_note, self.saver_pid)
+            why = (f"the runtime dir {self.job_dir} was removed before they were committed, and the snapshots "
+                   "in memory with it")
+        else:
+            log.warning("%s(): lost the saver (pid %d: %s); attached to a new saver (pid %d), which adopted the "
+                        "snapshots in shared memory%s", op, old_pid, cause or "connection closed", self.saver_pid,
+                        lost_note)
+            why = f"the saver (pid {old_pid}) died before committing them. The snapshots in memory are intact"
         if lost:
-            self.lost_persists = (f"the persist(s) of step(s) {lost} were lost: the saver (pid {old_pid}) died "
-                                  "before committing them. The snapshots in memory are intact; save with "
+            self.lost_persists = (f"the persist(s) of step(s) {lost} were lost: {why}; save with "
                                   "StorageType.DISK again to persist")
         assert self.client is not None  # set by attach
         return self.client
+
+    def records(self, timeout: float) -> list[int]:
+        """Waits up to ``timeout`` seconds for the saver to ready the commit records; returns the steps
+        committed then (in commit order). Raises why they are not ready (``saver/housekeeping``)."""
+        return self.call(M.AwaitRecords(timeout_s=timeout), timeout=timeout + self.knobs.rpc_timeout_s).committed
 
     def call(self, req: M.Request[RP], *, on_reattach: Callable[[], None] | None = None,
              timeout: float | None = None) -> RP:

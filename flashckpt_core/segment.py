@@ -34,8 +34,8 @@ SharedLock.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
-import glob
 import json
 import logging
 import mmap
@@ -57,7 +57,7 @@ from . import errors as E
 
 __all__ = ["Segment", "SlotHeader", "SlotRef", "EMPTY", "WRITING", "COMPLETE", "FLAG_PINNED", "FLAG_PENDING",
            "FLAG_UNRESERVED", "FLAG_SENDING", "FLAG_FETCHED", "FLAGS_BUSY", "PAGE", "live_snapshots", "segment_paths",
-           "segment_path", "local_ranks", "lock_path", "writer_lease_path", "advise_huge_pages"]
+           "segment_path", "local_ranks", "lock_path", "writer_lease_path", "advise_huge_pages", "unreadable"]
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ FLAGS_BUSY = FLAG_PINNED | FLAG_PENDING | FLAG_SENDING  # the saver holds the sl
 _MADV_POPULATE_READ = 22
 _MADV_POPULATE_WRITE = 23
 _MADV_REMOVE = 9
-_SEG_RE = re.compile(r"seg-r(\d+)-e(\d+)\.shm$")
+_SEG_RE = re.compile(r"seg-r(\d+)-e(\d+)\.shm")
 
 
 def _page(n: int) -> int:
@@ -85,22 +85,52 @@ def _page(n: int) -> int:
 
 
 def segment_paths(job_dir: str, local_rank: int) -> list[tuple[int, str]]:
-    """(epoch, path) of every segment of ``local_rank`` in ``job_dir``, oldest first."""
+    """(epoch, path) of every segment of ``local_rank`` in ``job_dir``, oldest first; [] when the job has no
+    runtime dir here.
+
+    Raises:
+        SharedMemoryError: the dir could not be listed (EMFILE, EACCES...): what it holds is unknown, which
+            is not "no snapshots" (a load would silently fall back to an older committed step).
+    """
+    prefix = f"seg-r{local_rank:03d}-e"
+    try:
+        names = os.listdir(job_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as e:
+        raise unreadable("list the shared-memory segments in", job_dir, e) from e
     out = []
-    for p in glob.glob(os.path.join(job_dir, f"seg-r{local_rank:03d}-e*.shm")):
-        m = _SEG_RE.search(p)
+    for name in names:
+        m = _SEG_RE.fullmatch(name) if name.startswith(prefix) else None
         if m:
-            out.append((int(m.group(2)), p))
+            out.append((int(m.group(2)), os.path.join(job_dir, name)))
     return sorted(out)
 
 
 def local_ranks(job_dir: str) -> list[int]:
-    """The local ranks that have segments in ``job_dir``, ascending."""
+    """The local ranks that have segments in ``job_dir``, ascending; [] when the job has no runtime dir here.
+
+    Raises:
+        SharedMemoryError: the dir could not be listed (see ``segment_paths``).
+    """
     try:
         names = os.listdir(job_dir)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
+    except OSError as e:
+        raise unreadable("list the shared-memory segments in", job_dir, e) from e
     return sorted({int(m.group(1)) for n in names if (m := _SEG_RE.fullmatch(n))})
+
+
+def unreadable(what: str, path: str, e: OSError) -> E.SharedMemoryError:
+    """The error for shared memory that exists but could not be read: names the path and the errno, and
+    says that nothing older is loaded instead."""
+    code = errno.errorcode.get(e.errno or 0, str(e.errno))
+    hint = (" Raise the open-files limit (ulimit -n) or close files this process holds, then call again."
+            if e.errno in (errno.EMFILE, errno.ENFILE) else "")
+    return E.SharedMemoryError(
+        f"could not {what} {path} ({code}: {e.strerror}): the snapshots there cannot be read now, and are not "
+        f"taken for absent (a load would then return an older committed step instead).{hint}")
 
 
 def segment_path(job_dir: str, local_rank: int, epoch: int) -> str:
@@ -344,6 +374,17 @@ class Segment:
             yield fd if (st.st_dev, st.st_ino) == self._inode else None
         finally:
             os.close(fd)
+
+    def replaced(self) -> bool:
+        """Whether ``path`` no longer names this mapping's file: removed (a wiped runtime dir) or replaced.
+        A stat that fails otherwise cannot tell, and says no."""
+        try:
+            st = os.stat(self.path)
+        except (FileNotFoundError, NotADirectoryError):
+            return True
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) != self._inode
 
     def complete_steps(self) -> list[tuple[int, int]]:
         """(step, slot) of every live COMPLETE snapshot of this segment, oldest save first (superseded ones,

@@ -52,6 +52,7 @@ from .segment import (
     live_snapshots,
     local_ranks,
     segment_paths,
+    unreadable,
     writer_lease_path,
 )
 
@@ -288,6 +289,9 @@ class SnapshotReader:
         """The segment at ``path``: a cached mapping (not prefaulted: a reader touches only the slot it
         reads)."""
         seg = self._readers.get(path)
+        if seg is not None and seg.replaced():  # a new runtime dir (the old one was wiped) reuses the name
+            self._readers.pop(path).close()
+            seg = None
         if seg is None:
             seg = self._readers[path] = Segment(path, populate=False)
         return seg
@@ -296,6 +300,10 @@ class SnapshotReader:
         names = {p for _, p in live}
         for path in [p for p in self._readers if p not in names]:
             self._readers.pop(path).close()
+
+    def forget_segments(self) -> None:
+        """Unmaps every segment mapped so far (the job's runtime dir was removed: a new one is read anew)."""
+        self._forget_removed([])
 
     def _live(self) -> list[tuple[Segment, int, SlotHeader]]:
         """The live snapshots this reader serves, newest save first: ``live_snapshots`` of this local rank's
@@ -312,8 +320,10 @@ class SnapshotReader:
             for _epoch, path in live:
                 try:
                     segs.append(self._open(path))
-                except (OSError, E.FlashCheckpointError):
-                    continue
+                except (FileNotFoundError, E.FlashCheckpointError):
+                    continue  # removed since it was listed (the saver reaped it), or not a segment of ours
+                except OSError as e:  # it is there and unreadable: its snapshots are unknown, not absent
+                    raise unreadable("open the shared-memory segment", path, e) from e
             mine = [x for x in live_snapshots(segs) if self._wanted(x[2])]
             if mine and not (self._own_only and self.written_by_another(lr) is not None):
                 timelines.append(mine)
@@ -375,7 +385,11 @@ class SnapshotReader:
         return [(h.step, h.wall_time) for _seg, _i, h in self._live()]
 
     def memory_steps(self) -> list[int]:
-        """Steps of the live COMPLETE snapshots held in shared memory for this local rank, newest first."""
+        """Steps of the live COMPLETE snapshots held in shared memory for this local rank, newest first.
+
+        Raises:
+            SharedMemoryError: a segment (or the runtime dir) is there but could not be read (the message
+                names it and the errno, e.g. EMFILE): never taken for "no snapshot"."""
         return [s for s, _t in self.memory_snapshots()]
 
     def snapshot_name(self, step: int) -> str | None:

@@ -51,6 +51,7 @@ from .segment import (
     SlotRef,
     lock_path,
     segment_paths,
+    unreadable,
     writer_lease_path,
 )
 from .snapshot_reader import SnapshotReader
@@ -426,8 +427,10 @@ class SharedMemoryHandler(SnapshotReader):
             for _epoch, path in segment_paths(self.job_dir, self.local_rank):
                 try:
                     other = self._open(path)
-                except (OSError, E.FlashCheckpointError):
-                    continue
+                except (FileNotFoundError, E.FlashCheckpointError):
+                    continue  # removed since it was listed, or not a segment of ours
+                except OSError as e:  # a sequence below its snapshots' would make this save look older
+                    raise unreadable("open the shared-memory segment", path, e) from e
                 self._seq = max([self._seq] + [other.header(i).seq for i in range(other.nslots)])
         self._seq = max([self._seq] + [seg.header(i).seq for i in range(seg.nslots)]) + 1
         return self._seq
@@ -509,7 +512,7 @@ class SharedMemoryHandler(SnapshotReader):
         """Flags ``ref``'s slot as awaiting a persist, so no later snapshot overwrites it first."""
         seg = self._open(ref.path)
         with self._lock:
-            if not seg.hold_pending(ref.slot, ref.generation):
+            if not seg.hold_pending(ref.slot, ref.generation, ref.step):
                 raise E.FlashCheckpointError(f"step {ref.step}: its slot was overwritten before its persist")
 
     def clear_pending(self, ref: SlotRef) -> None:
@@ -529,6 +532,28 @@ class SharedMemoryHandler(SnapshotReader):
     def _unregister(self, seg: Segment) -> None:
         for key in [k for k in self._cuda_registered if k[0] == seg.path]:
             self._drop_registration(key)
+
+    def segment_gone(self) -> bool:
+        """Whether the segment this writer maps was removed or replaced under it (a wiped runtime dir): what
+        it copies there no longer reaches anyone."""
+        return self._seg is not None and self._seg.replaced()
+
+    def forget_segments(self) -> None:
+        """Drops everything bound to the job's runtime dir as it was, after it was removed: the mappings, the
+        writer lease (its file went with the dir) and the save sequence. The next save takes a new lease
+        and a new segment from the new saver."""
+        try:
+            if self._seg is not None:
+                self._unregister(self._seg)
+                self._seg.close()
+                self._seg = None
+            super().forget_segments()
+        finally:
+            self._seq = -1
+            self._warned_spare.clear()
+            if self._lease is not None:
+                self._lease.release(unlink=False)
+                self._lease = None
 
     def close(self) -> None:
         try:

@@ -61,6 +61,8 @@ class S3Options:
         concurrency: parts of one file uploaded (or ranges downloaded) at once, at most.
         max_attempts: attempts per request before the file fails (within ``deadline_s``).
         deadline_s: a file's upload (or download) gives up after this long, retries included.
+        read_timeout_s: a request with no answer for this long is abandoned and retried (botocore's
+            ``read_timeout``).
         checksums: send each part's CRC-32 as its S3 checksum (``x-amz-checksum-crc32``).
         conditional_writes: commit records are created with ``If-None-Match: *`` (a concurrent writer of
             the same record is an error, not an overwrite).
@@ -74,6 +76,7 @@ class S3Options:
     concurrency: int = 8
     max_attempts: int = 10
     deadline_s: float = 1800.0
+    read_timeout_s: float = 120.0
     checksums: bool = True
     conditional_writes: bool = True
 
@@ -103,8 +106,9 @@ class S3Options:
             except (TypeError, ValueError):
                 raise E.InvalidArgumentError(f"storage option {name}={raw!r}: a {kind.__name__} is needed") from None
         opts = cls(**kw)
-        if opts.part_size_mb < 5 or opts.concurrency < 1 or opts.max_attempts < 1:
-            raise E.InvalidArgumentError(f"{opts}: part_size_mb >= 5 (S3's minimum), concurrency and max_attempts >= 1")
+        if opts.part_size_mb < 5 or opts.concurrency < 1 or opts.max_attempts < 1 or opts.read_timeout_s <= 0:
+            raise E.InvalidArgumentError(f"{opts}: part_size_mb >= 5 (S3's minimum), concurrency and max_attempts >= 1, "
+                                         "read_timeout_s > 0")
         if opts.addressing_style not in ("auto", "path", "virtual"):
             raise E.InvalidArgumentError(f"addressing_style={opts.addressing_style!r}: auto, path or virtual")
         return opts
@@ -148,7 +152,7 @@ class S3Storage(CheckpointStorage):
                      # SHA-256 of each payload is not computed too (0.3 instead of 1.2 CPU s/GB uploaded,
                      # docs/storage.md "Choosing the client library")
                      s3={"addressing_style": o.addressing_style, "payload_signing_enabled": not o.checksums},
-                     connect_timeout=10, read_timeout=120,
+                     connect_timeout=10, read_timeout=o.read_timeout_s,
                      request_checksum_calculation="when_required", response_checksum_validation="when_required")
         region = o.region or session.region_name or "us-east-1"
         return session.client("s3", endpoint_url=o.endpoint_url, region_name=region, config=cfg)

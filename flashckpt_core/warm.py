@@ -1,9 +1,10 @@
 """Warm workers for ``flashckpt-run``: restarted workers that skip the interpreter start and the imports.
 
-After the agent starts a worker, it starts a warm worker for the same local rank (after
-``FLASHCKPT_WARM_DELAY_S``, so that it does not compete with the worker's own start): the same interpreter
-with the same options and the same environment, which imports torch, flashckpt and the libraries the
-training script imports at its top level, and then waits. When the agent restarts its workers, each local
+After the agent starts a worker, it starts a warm worker for the same local rank: the same interpreter
+with the same options and the same environment, which (after ``FLASHCKPT_WARM_DELAY_S``, so that it does
+not compete with the worker's own start) imports torch, flashckpt and the libraries the training script
+imports at its top level, and then waits. Its process starts with the worker, from the agent's main thread,
+so that it dies with the launcher (``flashckpt._pdeathsig``), before and after it is handed a worker. When the agent restarts its workers, each local
 rank's new worker is handed to its warm worker instead of a new process, if
 
 - the command is ``<that interpreter> <the same options> script.py ...`` or ``... -m module ...``
@@ -28,18 +29,17 @@ import ast
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
-from ._lease import pid_running
+from ._owned_dirs import owned_dir, sweep
+from ._pdeathsig import die_with_parent
 from ._protocol import write_frame
 
 __all__ = ["ATTEMPT_KEYS", "WarmPool", "split_command", "script_imports", "record_modules", "launch_event"]
@@ -125,25 +125,17 @@ _recorded = False
 
 
 def make_modules_dir() -> str:
-    """A private directory for the workers' module records (``record_modules``), named by this agent's pid.
-    A launcher that is SIGKILLed cannot remove its own: the directories of agents that are gone are
-    removed here first (``sweep_modules_dirs``)."""
+    """A private directory for the workers' module records (``record_modules``), named after this agent
+    (``_owned_dirs``). A launcher that is SIGKILLed cannot remove its own: the directories of agents that
+    are gone are removed here first (``sweep_modules_dirs``)."""
     sweep_modules_dirs()
-    return tempfile.mkdtemp(prefix=f"flashckpt-warm-{os.getpid()}-")
+    return owned_dir(None, "flashckpt-warm-")
 
 
 def sweep_modules_dirs() -> None:
-    """Removes this user's module-record directories of agents that are no longer running."""
-    base = tempfile.gettempdir()
-    for name in os.listdir(base):
-        pid = name.split("-")[2] if name.startswith("flashckpt-warm-") and name.count("-") >= 3 else ""
-        path = os.path.join(base, name)
-        try:
-            ours = os.lstat(path).st_uid == os.getuid()
-        except OSError:
-            continue
-        if pid.isdigit() and ours and not pid_running(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
+    """Removes this user's directories in the system temp dir of processes that are gone (module records
+    of killed launchers among them)."""
+    sweep(None)
 
 
 def modules_file(directory: str, local_rank: int | str) -> str:
@@ -185,11 +177,13 @@ def _recorded_modules(directory: str | None, local_rank: int) -> list[str] | Non
 
 
 class _Warm:
-    """One warm worker process and the agent's end of its control socket."""
+    """One warm worker process and the agent's end of its control socket. The process starts at once and
+    waits; ``begin`` has it import ahead (after the pool's delay), and only then may it be handed a worker.
+    Started with ``die_with_parent``: it never outlives the launcher, before or after a hand-over."""
 
-    def __init__(self, interp: str, opts: tuple[str, ...], target: Sequence[str], env: dict[str, str],
-                 preload: list[str], local_dir: str) -> None:
+    def __init__(self, interp: str, opts: tuple[str, ...], target: Sequence[str], env: dict[str, str]) -> None:
         self.interp, self.opts, self.env = interp, opts, env
+        self.begun = False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             # the padding: room to rewrite the command line into the worker's (``ps`` shows the script),
@@ -197,14 +191,18 @@ class _Warm:
             pad = " " * (sum(len(a) + 1 for a in (interp, *opts, *target)) + 1024)
             self.proc = subprocess.Popen([interp, *opts, "-m", "flashckpt._warm_worker", str(theirs.fileno()), pad],
                                          env=env, pass_fds=(theirs.fileno(),), start_new_session=True,
-                                         stdout=subprocess.DEVNULL)
+                                         stdout=subprocess.DEVNULL, preexec_fn=die_with_parent())
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
         self.sock = ours
-        write_frame(ours.fileno(), {"preload": preload, "local_dir": local_dir})
+
+    def begin(self, preload: list[str], local_dir: str) -> None:
+        """Has the process import ``preload`` (except what ``local_dir`` provides); it may then be handed over."""
+        write_frame(self.sock.fileno(), {"preload": preload, "local_dir": local_dir})
+        self.begun = True
 
     def fits(self, interp: str, opts: tuple[str, ...], env: dict[str, str]) -> bool:
         if (interp, opts) != (self.interp, self.opts):
@@ -253,6 +251,10 @@ class WarmPool:
         if warm is None:
             return None
         cmd = split_command(args)
+        if not warm.begun:
+            log.info("local rank %d: a new process (its warm worker had not begun its imports)", local_rank)
+            warm.drop()
+            return None
         if cmd is None or not warm.fits(cmd[0], cmd[1], env) or warm.proc.poll() is not None:
             log.info("local rank %d: a new process (the warm worker does not fit this command/environment)",
                      local_rank)
@@ -268,33 +270,50 @@ class WarmPool:
         return proc
 
     def prepare(self, local_rank: int, args: Sequence[str], env: dict[str, str]) -> None:
-        """Starts a warm worker for the next start of ``local_rank`` after the delay (replacing any)."""
+        """Starts a warm worker for the next start of ``local_rank`` (replacing any): its process at once, on
+        the calling thread (torch's agent starts workers on its main thread: the warm worker then dies with
+        the launcher, see ``_pdeathsig``), its imports after the delay."""
         cmd = split_command(args)
-        if cmd is None:
+        if cmd is None or self._closed:
             return
         interp, opts, target = cmd
         local_dir = os.getcwd() if target[0] == "-m" else os.path.dirname(os.path.realpath(target[0]))
         static = [*ALWAYS, *script_imports(target)]
+        try:
+            warm = _Warm(interp, opts, target, dict(env))
+        except OSError as e:
+            log.warning("could not start a warm worker: %s", e)
+            return
+        with self._lock:
+            closed = self._closed
+            old = None if closed else self._warm.get(local_rank)
+            if not closed:
+                self._warm[local_rank] = warm
+        if closed:  # close() ran meanwhile
+            warm.drop()
+            return
+        if old is not None:
+            old.drop()
 
         def start() -> None:
             # what the worker imported by its first snapshot, once it recorded that (the last worker's)
             deadline = time.monotonic() + self.modules_wait_s
             while (recorded := _recorded_modules(self.modules_dir, local_rank)) is None and self.modules_dir \
-                    and time.monotonic() < deadline and not self._closed and self._timers.get(local_rank) is timer:
+                    and time.monotonic() < deadline and not self._closed and self._warm.get(local_rank) is warm:
                 time.sleep(0.5)
             preload = list(dict.fromkeys([*static, *(recorded or [])]))
             with self._lock:
-                if self._closed or self._timers.get(local_rank) is not timer:
+                if self._timers.get(local_rank) is timer:
+                    del self._timers[local_rank]
+                if self._closed or self._warm.get(local_rank) is not warm:
                     return
-                del self._timers[local_rank]
                 try:
-                    warm = _Warm(interp, opts, target, dict(env), preload, local_dir)
-                except OSError as e:
-                    log.warning("could not start a warm worker: %s", e)
+                    warm.begin(preload, local_dir)
                     return
-                old, self._warm[local_rank] = self._warm.get(local_rank), warm
-            if old is not None:
-                old.drop()
+                except OSError as e:
+                    log.warning("could not start the imports of a warm worker: %s", e)
+                    del self._warm[local_rank]
+            warm.drop()
 
         timer = threading.Timer(self.delay_s, start)
         timer.daemon = True
@@ -316,21 +335,24 @@ class WarmPool:
             w.drop()
 
 
-def handler_factory(pool: WarmPool) -> Callable[..., Any]:
-    """A drop-in for torchelastic's ``get_subprocess_handler`` whose handlers start workers warm."""
+def handler_factory(pool: WarmPool | None) -> Callable[..., Any]:
+    """A drop-in for torchelastic's ``get_subprocess_handler`` whose workers die with the launcher
+    (``_pdeathsig``: a launcher killed with SIGKILL leaves no orphan) and, with a ``pool``, start warm."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
-    class WarmSubprocessHandler(SubprocessHandler):
+    class LauncherSubprocessHandler(SubprocessHandler):
         def _popen(self, args: tuple, env: dict[str, str]) -> subprocess.Popen:
-            proc = pool.take(self.local_rank_id, args, env, self._stdout, self._stderr)
-            if proc is None:
-                proc = super()._popen(args, env)
-            pool.prepare(self.local_rank_id, args, env)
+            proc = pool.take(self.local_rank_id, args, env, self._stdout, self._stderr) if pool else None
+            if proc is None:  # as torch's SubprocessHandler._popen, dying with the launcher
+                proc = subprocess.Popen(args=args, env=env, stdout=self._stdout, stderr=self._stderr,
+                                        start_new_session=True, preexec_fn=die_with_parent())
+            if pool is not None:
+                pool.prepare(self.local_rank_id, args, env)
             return proc
 
     def get_subprocess_handler(entrypoint: str, args: tuple, env: dict[str, str], stdout: str, stderr: str,
                                local_rank_id: int, numa_options: Any = None) -> SubprocessHandler:
-        return WarmSubprocessHandler(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
-                                     local_rank_id=local_rank_id, numa_options=numa_options)
+        return LauncherSubprocessHandler(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
+                                         local_rank_id=local_rank_id, numa_options=numa_options)
 
     return get_subprocess_handler

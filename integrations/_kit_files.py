@@ -7,7 +7,9 @@ out as files for a framework to read.
   ``Capture(root, patch=False)`` only names paths (``rel``) for adapters whose framework hands its writes
   over through an interface of its own (DeepSpeed's checkpoint engine).
 - ``SnapshotDir``: a private temporary directory holding a snapshot's files (written, downloaded from a
-  store, or empty placeholders for a framework that only looks for them), removed by ``close``.
+  store, or empty placeholders for a framework that only looks for them), removed by ``close``; named
+  after its process, so that one a killed process left is removed by the next one made in the same place
+  and by ``flashckpt gc`` (``flashckpt._owned_dirs``).
 - ``scratch_root`` / ``scratch``: where such directories go (``/dev/shm`` when it is writable).
 """
 
@@ -18,12 +20,12 @@ import io
 import os
 import shutil
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from typing import Any, Self
 
 import torch
+from flashckpt._owned_dirs import owned_dir, scratch_roots, sweep_once
 from flashckpt.files import FileEntry, FileSet
 from flashckpt.storage import CheckpointStorage
 
@@ -125,9 +127,7 @@ def _tensor_bytes(obj: Any, stop: int) -> int:
 
 def scratch_root(scratch_dir: str | None = None) -> str:
     """``scratch_dir``, else ``/dev/shm`` when it is writable, else the system temp dir."""
-    if scratch_dir:
-        return scratch_dir
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return scratch_dir or scratch_roots()[0]
 
 
 @contextlib.contextmanager
@@ -156,10 +156,13 @@ def write_entry(path: str, e: FileEntry) -> None:
 class SnapshotDir:
     """A snapshot's files in a private directory ``dir`` = ``<base>/<name>``, ``base`` a new temporary
     directory in ``root`` (None: the system temp dir), for a framework that reads checkpoints from a
-    directory. ``close`` removes ``base``."""
+    directory. ``close`` removes ``base``. ``base`` is named after this process (``prefix`` is
+    ``flashckpt-<kind>-``); the first one a process makes in ``root`` removes those that processes killed
+    meanwhile left there (``_owned_dirs``)."""
 
     def __init__(self, root: str | None, name: str, *, prefix: str = "flashckpt-") -> None:
-        self.base = tempfile.mkdtemp(prefix=prefix, dir=root)
+        sweep_once(root)
+        self.base = owned_dir(root, prefix)
         self.dir = os.path.join(self.base, *name.split("/"))
         try:
             os.makedirs(self.dir)

@@ -48,7 +48,6 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -318,11 +317,11 @@ class DeepSpeedCheckpointer(Adapter):
         copy = self.engine._copy_recovery_script
 
         def stage(save_path: str) -> None:
-            with tempfile.TemporaryDirectory(prefix="flashckpt-ds-") as tmp:
-                copy(tmp)  # DeepSpeed's own copy, into a local directory
-                for name in sorted(os.listdir(tmp)):
+            with SnapshotDir(None, "scripts", prefix="flashckpt-ds-") as view:
+                copy(view.dir)  # DeepSpeed's own copy, into a local directory
+                for name in sorted(os.listdir(view.dir)):
                     rel = locations.relpath(locations.join(locations.normpath(save_path), name), self.checkpoint_dir)
-                    with open(os.path.join(tmp, name), "rb") as f:
+                    with open(view.path(name), "rb") as f:
                         files.add_raw(str(rel), f.read(), kind="tracker")
 
         return stage

@@ -95,7 +95,8 @@ class FlashCkptConfig:
             once; the saver still persists them. (With ``save_total_limit=1`` and a best checkpoint
             training waits anyway: the Trainer deletes all but the best one at the end.)
         scratch_dir: where the small files of a checkpoint are staged while it is captured (default
-            ``/dev/shm`` when present, else the system temp dir). Nothing large is written there, except
+            FLASHCKPT_SCRATCH_DIR, else ``/dev/shm`` when present, else the system temp dir; what a killed
+            trainer left there is removed by the next one and by ``flashckpt gc``). Nothing large is written there, except
             for a DeepSpeed resume from memory and a resume from a store (the checkpoint is downloaded
             there; see docs/hf.md).
         checkpoint_dir: where the ``checkpoint-N/`` folders go, instead of ``args.output_dir``: a local

@@ -1,7 +1,8 @@
 """Helpers of the fault-injection, launcher, CLI and security tests.
 
 - ``fault_env``: a fixture giving each test its own runtime dir (conftest's isolated one when the suite
-  has it, else a fresh dir on /dev/shm), a unique job id and a short saver grace, in ``os.environ`` (for
+  has it, else a fresh dir on /dev/shm), its own scratch dir (FLASHCKPT_SCRATCH_DIR: the adapters' staging
+  dirs, which ``flashckpt gc`` sweeps), a unique job id and a short saver grace, in ``os.environ`` (for
   engines made in the test process) and in ``env()`` (for subprocesses). On teardown it kills the
   processes the test started, waits (bounded) for every saver daemon of the runtime dir to exit and
   fails the test when one is left or when anything is left under the runtime dir. Test modules import
@@ -131,7 +132,7 @@ class FaultEnv:
 
     def job_dir(self, checkpoint_dir: str, job_id: str | None = None) -> str:
         """The runtime dir of the saver of ``checkpoint_dir`` for ``job_id`` (default: this test's)."""
-        digest = hashlib.sha256(os.path.abspath(checkpoint_dir).encode()).hexdigest()[:10]
+        digest = hashlib.sha256(os.path.realpath(checkpoint_dir).encode()).hexdigest()[:10]
         return os.path.join(self.runtime_dir, f"{job_id or self.job_id}-{digest}")
 
     def popen(self, argv: list[str], log_name: str, env: dict[str, str] | None = None,
@@ -176,8 +177,11 @@ def fault_env_fixture(request: pytest.FixtureRequest, tmp_path: Any, monkeypatch
         own_root = os.path.join(base, f"flashckpt-ftest-{uuid.uuid4().hex[:10]}")
         runtime_dir = os.path.join(own_root, "rt")
     job_id = f"ft-{uuid.uuid4().hex[:10]}"
+    scratch_dir = os.path.join(str(tmp_path), "scratch")
+    os.makedirs(scratch_dir, exist_ok=True)
     base_env = {
         "FLASHCKPT_RUNTIME_DIR": runtime_dir,
+        "FLASHCKPT_SCRATCH_DIR": scratch_dir,
         "FLASHCKPT_JOB_ID": job_id,
         "FLASHCKPT_SAVER_GRACE_S": str(GRACE_S),
         "FLASHCKPT_RPC_TIMEOUT_S": "60",

@@ -26,10 +26,14 @@ first rule that matches fires, for its next ``times`` matching requests (None: e
 - ``lost_reply``: forwarded and answered upstream (it takes effect), then the client connection is closed
   without a reply (FIN, or RST with ``reset=True``);
 - ``error_in_200``: forwarded (it takes effect), but the client gets ``200 OK`` with an S3
-  ``<Error><Code>InternalError</Code>`` body instead, as S3 may answer CompleteMultipartUpload.
+  ``<Error><Code>InternalError</Code>`` body instead, as S3 may answer CompleteMultipartUpload;
+- ``stall``: no answer, for ``stall_s`` seconds (None: until ``release()``); then forwarded and answered,
+  late (a client that gave up at its read timeout has retried on another connection meanwhile). A
+  proxy that closes drops the stalled requests' connections without an answer.
 
 ``FaultProxy`` API: ``set_faults(faults, seed=None)`` (replaces the rules), ``pending()`` (rules that may
-still fire), ``records(op=None)``, ``counts()`` (a Counter by operation), ``clear()`` (the records),
+still fire), ``stalled()`` (requests held by ``stall`` now), ``release()`` (lets them go on),
+``records(op=None)``, ``counts()`` (a Counter by operation), ``clear()`` (the records),
 ``connections()`` (client connections open now), ``close()`` (also a context manager). Every request is
 recorded (``Record``: operation, method, path, query, bucket, key, ranged, fault, status sent, upstream
 status, request body bytes read) before the client can see its answer or the lack of one, so a test may
@@ -62,7 +66,7 @@ __all__ = ["FAULT_KINDS", "OPERATIONS", "Fault", "FaultKind", "FaultProxy", "Rec
 logger = logging.getLogger(__name__)
 
 FaultKind = Literal["slowdown", "error500", "reset_request", "reset_response", "slow_body", "lost_reply",
-                    "error_in_200"]
+                    "error_in_200", "stall"]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 
 # What a request is, from its method, whether it names a key, and the query parameter that marks it: the
@@ -147,6 +151,7 @@ class Fault:
         rate: ``slow_body``: bytes per second.
         direction: ``slow_body``: trickle the ``response`` body to the client or the ``request`` body upstream.
         reset: ``lost_reply``: reset the connection (RST) instead of closing it (FIN).
+        stall_s: ``stall``: how long a request goes unanswered (None: until ``FaultProxy.release``).
     """
 
     kind: FaultKind
@@ -161,6 +166,7 @@ class Fault:
     rate: float = 256 * 1024
     direction: Literal["response", "request"] = "response"
     reset: bool = False
+    stall_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -437,6 +443,13 @@ class _Handler(BaseHTTPRequestHandler):
         self._record(None, None)
         raise _Abort(reset=True)
 
+    def _stall(self, fault: Fault) -> None:
+        """``stall``: no answer until released (or ``stall_s``), then forwarded; dropped if the proxy closes."""
+        if not self.server.proxy._hold(fault.stall_s):
+            self._record(None, None)
+            raise _Abort(reset=False)
+        self._forward(None)
+
     # ------------------------------------------------------------------ forwarding
     def _send_upstream(self, fault: Fault | None) -> HTTPResponse:
         if self._upstream is None:
@@ -527,6 +540,7 @@ class _Handler(BaseHTTPRequestHandler):
         "error500": _answer_error,
         "reset_request": _reset_request,
         **dict.fromkeys(("reset_response", "slow_body", "lost_reply", "error_in_200"), _forward),
+        "stall": _stall,
     }
 
 
@@ -565,6 +579,9 @@ class FaultProxy:
         self._records: list[Record] = []
         self._conns: dict[threading.Thread, socket.socket] = {}
         self._closed = False
+        self._held = threading.Condition(self._lock)  # stalled requests wait on it
+        self._stalled = 0
+        self._releases = 0
         self._server = _ProxyServer(self)
         self.port: int = self._server.server_address[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
@@ -584,6 +601,28 @@ class FaultProxy:
         """The rules that may still fire, with how many times (None: unlimited)."""
         with self._lock:
             return [(r.fault, r.left) for r in self._rules if r.left != 0]
+
+    def stalled(self) -> int:
+        """How many requests ``stall`` holds now."""
+        with self._lock:
+            return self._stalled
+
+    def release(self) -> None:
+        """Lets every request held by ``stall`` now go on (later ones are held again while the rule fires)."""
+        with self._held:
+            self._releases += 1
+            self._held.notify_all()
+
+    def _hold(self, stall_s: float | None) -> bool:
+        """A stalled request's wait: True once released (or after ``stall_s``), False when the proxy closes."""
+        with self._held:
+            seen = self._releases
+            self._stalled += 1
+            try:
+                self._held.wait_for(lambda: self._releases != seen or self._closed, timeout=stall_s)
+                return not self._closed
+            finally:
+                self._stalled -= 1
 
     def _pick(self, op: str, key: str, ranged: bool) -> Fault | None:
         with self._lock:
@@ -649,6 +688,7 @@ class FaultProxy:
             if self._closed:
                 return
             self._closed = True
+            self._held.notify_all()
         self._server.shutdown()
         self._accept.join(_JOIN_TIMEOUT_S)
         self._server.server_close()

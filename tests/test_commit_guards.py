@@ -218,6 +218,7 @@ def test_a_deletion_waits_for_the_commit_in_flight_and_the_tracker_names_the_new
     saver = CheckpointSaver(str(tmp_path / "job"), str(tmp_path / "ckpt"), storage=storage)
     saver.start()
     try:
+        saver._await_records("the test's persists", 30)  # as a persist request does: start-up clean-up first
         layout = saver.layout
         spec = {"ranks": [0], "world_size": 1}
         _done(layout, 1)

@@ -21,7 +21,7 @@ EXAMPLES = [
     M.DeleteSteps(steps=[1, 2], background=True), M.DeletePath(path="/ckpt/a"), M.GiveWay(dry_run=True),
     M.Bye(final=False, intent="keep"), M.QueuePut(name="q", item={"a": [1, 2]}), M.QueueGet(name="q", timeout_s=1),
     M.QueueSize(name="q"), M.DictUpdate(name="d", items={"k": 1}), M.DictGet(name="d"), M.Inventory(),
-    M.Fetch(local_rank=0, rank=1, step=7, sources=[{"host": "127.0.0.1", "port": 1}]),
+    M.Fetch(local_rank=0, rank=1, step=7, sources=[{"host": "127.0.0.1", "port": 1}]), M.AwaitRecords(timeout_s=3.0),
 ]
 
 

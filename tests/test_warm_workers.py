@@ -107,7 +107,7 @@ def test_warm_workers_exit_when_the_launcher_is_killed(fault_env: FaultEnv) -> N
     wait_for(lambda: len(_warm_pids(events)) == 2, 120, "2 warm workers ready")
     warm = _warm_pids(events)
     os.kill(proc.pid, signal.SIGKILL)
-    for rank in (0, 1):  # a killed torchrun leaves its workers running: the test's to end
+    for rank in (0, 1):  # (they die with the launcher: test_starts_and_leftovers; ended here all the same)
         with contextlib.suppress(ProcessLookupError):
             os.kill(_info(out, 0, rank)["pid"], signal.SIGKILL)
     wait_for(lambda: not [p for p in warm if alive(p)], 30, "the warm workers to exit")

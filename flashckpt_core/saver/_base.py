@@ -186,6 +186,11 @@ class SaverBase:
     _steps: dict[int, _StepState]
     _errors: list[dict[str, Any]]
     _committed: list[int]
+    _records_ready: bool  # the records thread's state (saver/housekeeping), under _cv
+    _records_error: str | None
+    _records_failures: int
+    _records_since: float
+    _start_committed: list[int]
     _inflight: int
     _persist_q: dict[int, queue.Queue[Persist | None]]  # persist jobs per local rank
     _commit_q: queue.Queue[CommitWork | None]  # the commit thread's work, in order
@@ -227,3 +232,4 @@ class SaverBase:
         def _drop_backups(self, need: int, *, keep: int = -1, older_than: int | None = None) -> int: ...
         def _saved_at(self, step: int) -> dict[str, float]: ...  # lastwords
         def _wait_step(self, step: int, timeout: float | None) -> None: ...  # lastwords
+        def _await_records(self, what: str, timeout: float) -> None: ...  # housekeeping

@@ -111,7 +111,7 @@ class CommitPart(SaverBase):
         with self._cv:
             return {"committed": list(self._committed), "errors": self._errors[cursor:],
                     "cursor": len(self._errors), "inflight": self._inflight,
-                    "last_persist_s": self.stats.last_persist_s}
+                    "last_persist_s": self.stats.last_persist_s, "records_ready": self._records_ready}
 
     def _wait(self, timeout: float, cursor: int) -> dict[str, Any]:
         deadline = time.monotonic() + timeout if timeout > 0 else None

@@ -47,6 +47,8 @@ class LastWordsPart(SaverBase):
         Returns:
             The step persisted (or already in flight), or None when there was nothing newer to persist.
         """
+        # The committed steps (what is newer) and a persist need the records (saver/housekeeping).
+        self._await_records("last words", self.knobs.records_timeout_s if timeout is None else timeout)
         with self._cv:  # whether this saver commits: as of the crash (a restarted rank 0 may say hello meanwhile)
             commits = any(i.commit is not None for i in self._persisters.values())
         limit, peers = self._newest_across_nodes()

@@ -4,6 +4,7 @@ answers each request through a dispatch table."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import queue
 import socket
@@ -18,7 +19,7 @@ from .. import errors as E
 from .. import messages as M
 from .._protocol import peer_uid, recv_msg, send_msg
 from ..commit import CommitLayout
-from ..config import Knobs, is_default_runtime_dir, open_private_dir
+from ..config import Knobs, dir_identity, is_default_runtime_dir, open_private_dir
 from ..ipc import SharedLock
 from ..messages import parse_request
 from ..records import Held
@@ -44,6 +45,7 @@ from ._base import (  # noqa: F401
     log,
 )
 from .committer import CommitPart
+from .housekeeping import HousekeepingPart
 from .lastwords import LastWordsPart
 from .persist import PersistPart
 from .replica import ReplicaPart
@@ -53,7 +55,7 @@ from .worker import PersistWorker
 __all__ = ["CheckpointSaver"]
 
 
-class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, CommitPart, SaverBase):
+class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, CommitPart, HousekeepingPart, SaverBase):
     """The saver of one job on one node.
 
     Args:
@@ -78,6 +80,11 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
         self._steps: dict[int, _StepState] = {}
         self._errors: list[dict[str, Any]] = []
         self._committed: list[int] = []
+        self._records_ready = False  # the start-up work on the commit records is done (saver/housekeeping)
+        self._records_error: str | None = None  # why its last attempt failed
+        self._records_failures = 0
+        self._records_since = time.monotonic()
+        self._start_committed: list[int] = []  # the committed steps once the records were ready
         self._inflight = 0
         self._persist_q: dict[int, queue.Queue[M.Persist | None]] = {}
         self._commit_q: queue.Queue[CommitWork | None] = queue.Queue()
@@ -96,6 +103,7 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
         self._sock: socket.socket | None = None
         self._persist_seen = -float("inf")  # monotonic time of the last persist activity (spare slot hold)
         self._dir_fd: int | None = None  # the job dir, checked: everything in it is reached through this fd
+        self._sock_ino = 0  # the inode of the socket this saver bound (0: not bound)
         self._rep = None  # the peer service of a multi-node job (saver/replica), from the first hello
         self.stats = _Stats()
         # Writes the files (torch's work) in a process of its own, started on demand: see _persist_worker.
@@ -104,24 +112,10 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Creates the runtime dir, adopts segments left by an earlier saver, binds the socket."""
+        """Creates the runtime dir, adopts segments left by an earlier saver, binds the socket; the work on
+        the commit records, which needs the store, runs on a thread of its own (``saver/housekeeping``)."""
         self._dir_fd = open_private_dir(self.job_dir)
         self._adopt_segments()
-        # A saver of this job alive on another node may be persisting a step right now (a node that joins a
-        # running job): its half-written steps are then not left over from a crash.
-        peers_alive = self.layout.job_alive(self.layout.job)
-        self._hold_job_lock()
-        self._committed = self.layout.committed_steps()
-        cleaned = [] if peers_alive else self.layout.clean_uncommitted()
-        if cleaned:
-            log.warning("removed half-written, uncommitted steps %s left by an earlier run", cleaned)
-        if not self.layout.live_jobs():  # unfinished uploads of a killed saver (object stores); no one else's
-            try:
-                for line in self.storage.tidy(self.layout.root):
-                    log.warning("%s", line)
-            except (OSError, E.FlashCheckpointError) as e:
-                log.error("could not look for unfinished uploads in %s: %s", self.layout.root, e)
-        self._repair()
         try:
             os.unlink(SOCKET_NAME, dir_fd=self._dir_fd)
         except FileNotFoundError:
@@ -137,26 +131,13 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
             os.umask(old)
         sock.listen(128)
         self._sock = sock
+        self._sock_ino = os.stat(SOCKET_NAME, dir_fd=self._dir_fd, follow_symlinks=False).st_ino
+        self._records_since = time.monotonic()
+        self._spawn(self._housekeeping_loop, "records")
         self._spawn(self._accept_loop, "accept")
         self._spawn(self._commit_loop, "commit")
         self._spawn(self._spare_keeper, "spare")
         log.info("saver %d serving %s for %s", os.getpid(), self.job_dir, self.layout.root)
-
-    def _repair(self) -> None:
-        """Completes what a crash or a failed write left after the last commits: the tracker is derived
-        from the manifests (``CommitLayout.repair``). A storage that refuses is reported, not fatal."""
-        try:
-            for line in self.layout.repair():
-                log.warning("repaired %s: %s", self.layout.meta, line)
-        except OSError as e:
-            log.error("could not repair the commit records in %s: %s; the next saver tries again", self.layout.meta, e)
-        self._committed = self.layout.committed_steps()
-
-    def _hold_job_lock(self) -> None:
-        """Readies the commit records (stale ones removed, bound to the checkpoint dir) and holds this
-        job's lock in them for the saver's life: other jobs' start-up clean-up then leaves this job's
-        uncommitted steps alone (``CommitLayout.claim``, ``CommitLayout.clean_uncommitted``)."""
-        self._job_lock = self.layout.claim()
 
     def _spawn(self, target: Any, name: str, *args: Any) -> threading.Thread:
         t = threading.Thread(target=target, args=args, name=f"flashckpt-saver-{name}", daemon=True)
@@ -186,6 +167,11 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
         """Runs until there is no client and no work: at once after final goodbyes, else after grace."""
         with self._cv:
             while not self._stop.is_set():
+                gone = self._runtime_gone()
+                if gone:
+                    log.warning("%s: the snapshots in it are lost and no trainer can reach this saver; exiting (the "
+                                "trainers start a new saver at their next call)", gone)
+                    break
                 if not self._clients and self._inflight == 0:
                     if self._ever_clients and self._session_final:
                         if self._persist_on_exit:
@@ -220,6 +206,23 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
             self._agent.close()
         self.shutdown()
 
+    def _runtime_gone(self) -> str:
+        """Why this saver's runtime dir is no longer its own ("" while it is): removed or replaced at its
+        path (``dir_identity``: systemd-logind's RemoveIPC, a tmp cleaner), or its socket removed or
+        replaced (no trainer can connect; a new saver may serve the dir)."""
+        if self._dir_fd is None or not self._sock_ino:
+            return ""
+        st = os.fstat(self._dir_fd)
+        if dir_identity(self.job_dir) != (st.st_dev, st.st_ino):
+            return f"the runtime dir {self.job_dir} was removed or replaced"
+        try:
+            ino = os.stat(SOCKET_NAME, dir_fd=self._dir_fd, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            ino = 0
+        except OSError:
+            return ""  # cannot tell
+        return "" if ino == self._sock_ino else f"the socket {os.path.join(self.job_dir, SOCKET_NAME)} was removed"
+
     def _holds_snapshot(self) -> bool:
         """Whether a segment holds a complete snapshot (something a restarted trainer could load)."""
         for path in list(self._segments):
@@ -248,11 +251,13 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
         self._stop_replica()
         self._worker.close()
         self.storage.close()
-        try:
-            spawn_lock: SharedLock | None = lock_job(self.job_dir)
-        except E.SaverError as e:  # the path no longer leads to a dir of ours: clean only through our fd
-            log.error("%s; removing only this saver's own files, through the job dir it checked at start", e)
-            spawn_lock = None
+        gone = self._runtime_gone()
+        spawn_lock: SharedLock | None = None
+        if not gone:
+            try:
+                spawn_lock = lock_job(self.job_dir)
+            except E.SaverError as e:  # the path no longer leads to a dir of ours: clean only through our fd
+                log.error("%s; removing only this saver's own files, through the job dir it checked at start", e)
         try:
             if self._sock is not None:
                 try:  # wakes the accept loop (a close alone leaves a blocked accept() waiting)
@@ -272,10 +277,15 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
             dir_fd = self._dir_fd if self._dir_fd is not None else open_private_dir(self.job_dir)
             self._dir_fd = None
             try:
-                for name in os.listdir(dir_fd):
+                # A dir still at its path whose socket is gone may serve a new saver already: nothing in it
+                # is removed by name. A dir removed or moved away is this saver's alone.
+                at_path = gone and dir_identity(self.job_dir) == (os.fstat(dir_fd).st_dev, os.fstat(dir_fd).st_ino)
+                for name in [] if at_path else os.listdir(dir_fd):
                     if name != _SPAWN_LOCK:
                         _remove_in(dir_fd, name)
-                os.unlink(_SPAWN_LOCK, dir_fd=dir_fd)
+                if not at_path:
+                    with contextlib.suppress(FileNotFoundError):  # a removed dir has none
+                        os.unlink(_SPAWN_LOCK, dir_fd=dir_fd)
             finally:
                 os.close(dir_fd)
             if spawn_lock is not None:
@@ -289,9 +299,10 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
             log.warning("cleaning up %s: %s", self.job_dir, e)
         finally:
             # The job lock goes first: a saver this spawn lock lets start next must not find it held.
-            if self._job_lock is not None:
-                self._job_lock.release()
-                self._job_lock = None
+            with self._cv:  # (the records thread takes it under this lock, letting it go once stopped)
+                held, self._job_lock = self._job_lock, None
+            if held is not None:
+                held.release()
             if spawn_lock is not None:
                 spawn_lock.release()
         log.info("saver %d exited; runtime dir %s removed", os.getpid(), self.job_dir)
@@ -344,6 +355,8 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
                                         "error": "the saver is shutting down; start or reach the next one", **echo})
                         return
                 try:
+                    if type(req) in self.NEEDS_RECORDS:
+                        self._await_records(req.OP, self.knobs.records_timeout_s)
                     reply: dict[str, Any] = {"ok": True, **self._DISPATCH[type(req)](self, req, info).to_wire()}
                 except E.FlashCheckpointError as e:
                     reply = {"ok": False, "error": str(e), "kind": type(e).__name__}
@@ -393,6 +406,11 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
     def _on_hello(self, req: M.Hello, info: _ClientInfo | None) -> M.Reply:
         self._replica_hello(req)
         return M.HelloReply(pid=os.getpid(), **self._status(0))
+
+    def _on_await_records(self, req: M.AwaitRecords, info: _ClientInfo | None) -> M.Reply:
+        self._await_records("the engine's first use of the commit records", req.timeout_s)
+        with self._cv:
+            return M.RecordsReply(committed=list(self._start_committed))
 
     def _on_inventory(self, req: M.Inventory, info: _ClientInfo | None) -> M.Reply:
         return self._inventory()
@@ -517,6 +535,6 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
         M.LastWords: _on_last_words, M.DeleteSteps: _on_delete_steps, M.DeletePath: _on_delete_path,
         M.GiveWay: _on_give_way, M.Bye: _on_bye, M.QueuePut: _on_q_put, M.QueueGet: _on_q_get,
         M.QueueSize: _on_q_size, M.DictUpdate: _on_d_update, M.DictGet: _on_d_get, M.Inventory: _on_inventory,
-        M.Fetch: _on_fetch,
+        M.Fetch: _on_fetch, M.AwaitRecords: _on_await_records,
     }
 

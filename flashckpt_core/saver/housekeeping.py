@@ -1,0 +1,132 @@
+"""The saver's start-up work on the commit records, on a thread of its own: a store that is slow, stalled or
+down never holds up the saver's start, and so never the engine's.
+
+What it does, in order, once (``_housekeeping``): take this job's hold on the records (``CommitLayout.claim``:
+stale records removed, a lock or a lease object), read the committed steps, remove the half-written steps an
+earlier run left (unless a saver of this job is alive on another node), abort the unfinished uploads of a
+killed saver (object stores, when no other job is alive), and repair the tracker. A failed attempt is logged
+and retried, 1 s after the first failure and up to every 30 s, until it succeeds or the saver stops.
+
+Until it succeeds the records are *pending*: the saver serves (hello, allocations, memory snapshots, status,
+waits), and what needs the records waits for them, bounded by ``Knobs.records_timeout_s``
+(FLASHCKPT_RECORDS_TIMEOUT_S), or at once says why not when an attempt failed: a persist or a deletion
+request (``NEEDS_RECORDS``), last words, and an engine's first use of its records (``AwaitRecords``: a load,
+a storage save). Commits and deletions on the commit thread follow persists, which waited. No persist of this
+job can therefore run while half-written steps are removed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, ClassVar
+
+from .. import errors as E
+from .. import messages as M
+from ._base import SaverBase, log
+
+_RETRY_FIRST_S = 1.0
+_RETRY_MAX_S = 30.0
+
+
+class HousekeepingPart(SaverBase):
+    #: Requests that touch the commit records: each waits for them first (see the module docstring).
+    NEEDS_RECORDS: ClassVar[frozenset[type[M.Request[Any]]]] = frozenset(
+        {M.Persist, M.LastWords, M.DeleteSteps, M.DeletePath})
+
+    def _housekeeping_loop(self) -> None:
+        """The records thread: ``_housekeeping`` until it succeeds or the saver stops (see the module
+        docstring)."""
+        delay = _RETRY_FIRST_S
+        while not self._stop.is_set():
+            try:
+                self._housekeeping()
+            except Exception as e:  # the store refused (after its own retries) or the records are unusable
+                with self._cv:
+                    self._records_error = f"{type(e).__name__}: {e}"
+                    self._records_failures += 1
+                    self._cv.notify_all()
+                log.error("could not ready the commit records in %s (attempt %d): %s; retrying in %.0f s",
+                          self.layout.meta, self._records_failures, self._records_error, delay)
+                if self._stop.wait(delay):
+                    return
+                delay = min(2 * delay, _RETRY_MAX_S)
+                continue
+            with self._cv:
+                self._records_ready = True
+                self._records_error = None
+                self._start_committed = list(self._committed)
+                self._cv.notify_all()
+            if self._records_failures:
+                log.info("the commit records in %s are ready after %d failed attempt(s)", self.layout.meta,
+                         self._records_failures)
+            return
+
+    def _housekeeping(self) -> None:
+        """One attempt at the start-up work (see the module docstring); raises what the store raised."""
+        # A saver of this job alive on another node may be persisting a step right now (a node that joins a
+        # running job): its half-written steps are then not left over from a crash.
+        peers_alive = self.layout.job_alive(self.layout.job)
+        if self._job_lock is None:
+            held = self.layout.claim()
+            with self._cv:  # under the lock shutdown releases it under: a hold taken as it stops is let go
+                if self._stop.is_set():
+                    if held is not None:
+                        held.release()
+                    return
+                self._job_lock = held
+        committed = self.layout.committed_steps()
+        with self._cv:
+            self._committed = committed
+        cleaned = [] if peers_alive else self.layout.clean_uncommitted()
+        if cleaned:
+            log.warning("removed half-written, uncommitted steps %s left by an earlier run", cleaned)
+        if not self.layout.live_jobs():  # unfinished uploads of a killed saver (object stores); no one else's
+            try:
+                for line in self.storage.tidy(self.layout.root):
+                    log.warning("%s", line)
+            except (OSError, E.FlashCheckpointError) as e:
+                log.error("could not look for unfinished uploads in %s: %s", self.layout.root, e)
+        self._repair()
+
+    def _repair(self) -> None:
+        """Completes what a crash or a failed write left after the last commits: the tracker is derived
+        from the manifests (``CommitLayout.repair``). A storage that refuses is reported, not fatal."""
+        try:
+            for line in self.layout.repair():
+                log.warning("repaired %s: %s", self.layout.meta, line)
+        except OSError as e:
+            log.error("could not repair the commit records in %s: %s; the next saver tries again", self.layout.meta, e)
+        committed = self.layout.committed_steps()
+        with self._cv:
+            self._committed = committed
+
+    def _await_records(self, what: str, timeout: float) -> None:
+        """Returns once the commit records are ready; else, after ``timeout`` seconds, or at once when an
+        attempt at readying them failed, raises why ``what`` cannot go on.
+
+        Raises:
+            CheckpointDirError: an attempt failed (the store's error, or records that cannot be used).
+            CheckpointTimeoutError: no attempt finished within ``timeout`` (a stalled store).
+            SaverError: the saver is stopping.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not self._records_ready:
+                where = (f"{what}: the commit records in {self.layout.meta} are not ready: the saver (pid "
+                         f"{os.getpid()}) has been readying them for {time.monotonic() - self._records_since:.0f} s "
+                         "(its job's hold, the committed steps, clean-up of half-written steps, the tracker)")
+                if self._records_error is not None:
+                    raise E.CheckpointDirError(
+                        f"{where}, and its attempt {self._records_failures} failed: {self._records_error}. It "
+                        "retries (up to every 30 s); nothing was written. Check the store (credentials, "
+                        "endpoint, permissions) and try again")
+                if self._stop.is_set():
+                    raise E.SaverError(f"{where}; the saver is stopping")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise E.CheckpointTimeoutError(
+                        f"{where}; the store has not answered within {timeout:.0f} s "
+                        "(FLASHCKPT_RECORDS_TIMEOUT_S). Nothing was written; the saver keeps trying: try again "
+                        "once the store answers")
+                self._cv.wait(timeout=min(left, 0.5))
