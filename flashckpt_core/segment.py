@@ -93,14 +93,8 @@ def segment_paths(job_dir: str, local_rank: int) -> list[tuple[int, str]]:
             is not "no snapshots" (a load would silently fall back to an older committed step).
     """
     prefix = f"seg-r{local_rank:03d}-e"
-    try:
-        names = os.listdir(job_dir)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    except OSError as e:
-        raise unreadable("list the shared-memory segments in", job_dir, e) from e
     out = []
-    for name in names:
+    for name in _segment_names(job_dir):
         m = _SEG_RE.fullmatch(name) if name.startswith(prefix) else None
         if m:
             out.append((int(m.group(2)), os.path.join(job_dir, name)))
@@ -113,13 +107,17 @@ def local_ranks(job_dir: str) -> list[int]:
     Raises:
         SharedMemoryError: the dir could not be listed (see ``segment_paths``).
     """
+    return sorted({int(m.group(1)) for n in _segment_names(job_dir) if (m := _SEG_RE.fullmatch(n))})
+
+
+def _segment_names(job_dir: str) -> list[str]:
+    """The names in ``job_dir`` ([] when it does not exist); SharedMemoryError when it cannot be listed."""
     try:
-        names = os.listdir(job_dir)
+        return os.listdir(job_dir)
     except (FileNotFoundError, NotADirectoryError):
         return []
     except OSError as e:
         raise unreadable("list the shared-memory segments in", job_dir, e) from e
-    return sorted({int(m.group(1)) for n in names if (m := _SEG_RE.fullmatch(n))})
 
 
 def unreadable(what: str, path: str, e: OSError) -> E.SharedMemoryError:
