@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         InvalidStateDictError,
         PersistError,
         ProtocolError,
+        RankStateNotFoundError,
         SaverError,
         SharedMemoryError,
         TrackerUpdateError,
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 # CheckpointSaver, ...) stay importable from their modules.
 _ERRORS = ("AlreadyExistsError", "CheckpointCorruptError", "CheckpointDirError", "CheckpointNotFoundError", "CheckpointTimeoutError",
            "EngineUseError", "FlashCheckpointError", "InvalidArgumentError", "InvalidArgumentTypeError", "InvalidStateDictError",
-           "PersistError", "ProtocolError", "SaverError", "SharedMemoryError", "TrackerUpdateError",
+           "PersistError", "ProtocolError", "RankStateNotFoundError", "SaverError", "SharedMemoryError", "TrackerUpdateError",
            "UnsupportedStrategyError", "WriteRefusedError")
 _WHERE = {
     "StorageType": "config", "CheckpointEngine": "engine", "LoadResult": "engine", "FileSet": "files",
@@ -79,5 +80,6 @@ __all__ = [
     "FlashCheckpointError", "InvalidStateDictError", "InvalidArgumentError", "InvalidArgumentTypeError",
     "CheckpointDirError", "CheckpointNotFoundError", "SharedMemoryError", "SaverError", "PersistError",
     "TrackerUpdateError", "CheckpointCorruptError", "CheckpointTimeoutError", "ProtocolError",
-    "UnsupportedStrategyError", "AlreadyExistsError", "WriteRefusedError", "EngineUseError", "__version__",
+    "UnsupportedStrategyError", "AlreadyExistsError", "WriteRefusedError", "EngineUseError", "RankStateNotFoundError",
+    "__version__",
 ]

@@ -26,7 +26,7 @@ import time
 import weakref
 from typing import Any
 
-__all__ = ["Lease", "held", "read_holder", "pid_running"]
+__all__ = ["Lease", "held", "live_holder", "read_holder", "describe_holder", "pid_running"]
 
 _live: weakref.WeakSet[Lease] = weakref.WeakSet()
 _live_lock = threading.Lock()
@@ -142,6 +142,53 @@ def held(path: str, *, dir_fd: int | None = None) -> bool:
     return False
 
 
+def live_holder(path: str, *, exit_wait: float = 10.0) -> dict[str, Any] | None:
+    """What the holder of the exclusive lease ``path`` wrote about itself (``{}`` when nothing readable), when
+    a process other than this one holds it; None when nobody holds it or this process does. A holder whose
+    named pid has exited is given ``exit_wait`` seconds to let go (a killed process's threads may still be
+    closing its files); one that keeps it is a process that pid forked without closing its copy, or a
+    process of another pid namespace: still a holder.
+
+    The probe takes a shared lock for an instant, never blocking: probes never exclude one another, and a
+    writer that tries to take the lease at that instant retries for a moment (``snapshot_writer``)."""
+    if not _held_exclusively(path):
+        return None
+    holder = read_holder(path)
+    pid = holder.get("pid")
+    if pid == os.getpid():
+        return None
+    if isinstance(pid, int) and not pid_running(pid):
+        deadline = time.monotonic() + exit_wait
+        delay = 0.002
+        while _held_exclusively(path):
+            if time.monotonic() >= deadline:
+                return holder
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return None
+    return holder
+
+
+def _held_exclusively(path: str) -> bool:
+    """Whether some process holds an exclusive ``flock`` on ``path`` (probed with a shared one, at once
+    dropped). A symbolic link is never followed (never held)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the probe's lock
+
+
 def read_holder(path: str) -> dict[str, Any]:
     """What the exclusive holder of ``path`` wrote about itself ({} when unreadable)."""
     try:
@@ -150,6 +197,22 @@ def read_holder(path: str) -> dict[str, Any]:
         return d if isinstance(d, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def describe_holder(holder: dict[str, Any]) -> str:
+    """Who holds a lease, from what it wrote about itself (``read_holder``): its pid, and its rank and
+    checkpoint dir where it named them, for messages."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or not pid:
+        who = "another process"
+    elif pid == os.getpid():
+        who = f"this process (pid {pid})"
+    elif not pid_running(pid):
+        who = f"a process that pid {pid} (exited) forked and that still holds its lease"
+    else:
+        who = f"pid {pid}"
+    extra = ", ".join(f"{k} {holder[k]}" for k in ("rank", "checkpoint_dir") if k in holder)
+    return f"{who} ({extra})" if extra else who
 
 
 def pid_running(pid: int) -> bool:

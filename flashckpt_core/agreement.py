@@ -103,10 +103,12 @@ def all_ranks(ok: bool, group: Any = None) -> bool:
 
 
 def verified_step(layout: CommitLayout, rank: int, committed: list[int], newest: int | None, group: Any = None, *,
-                  deep: bool = True, exclude: frozenset[int] | set[int] = frozenset()) -> int:
+                  deep: bool = True, exclude: frozenset[int] | set[int] = frozenset(),
+                  world_size: int | None = None) -> int:
     """The most recently committed step (not after ``newest`` in commit order, not in ``exclude``) whose
-    files verify on every rank of ``group`` (``rank``'s files here; ``deep``: their checksums, else their
-    sizes, for a loader that checks checksums while it reads).
+    files verify on every rank of ``group`` (``rank``'s files here, and with ``world_size`` those of the
+    step's ranks beyond it that fall to this rank, see ``CommitLayout.verify``; ``deep``: their checksums,
+    else their sizes, for a loader that checks checksums while it reads).
 
     Raises:
         CheckpointCorruptError: every committed step is damaged.
@@ -115,7 +117,7 @@ def verified_step(layout: CommitLayout, rank: int, committed: list[int], newest:
     for step in reversed(committed[:upto]):
         if step in exclude:
             continue
-        problems = layout.verify(step, rank=rank, deep=deep)
+        problems = layout.verify(step, rank=rank, deep=deep, world_size=world_size)
         if all_ranks(not problems, group):
             return step
         log.warning("load(): step %d is damaged (%s); falling back to the previous committed step",
@@ -154,7 +156,7 @@ def memory_across_nodes(inventory: Callable[[], dict[str, Any]], fetch: Callable
         except (E.CheckpointCorruptError, TypeError, ValueError):
             saved_at = {}
     plan = across_nodes(rows, members, replicated=replicated, saved_at=saved_at,
-                        newest_committed=committed[-1] if committed else -1)
+                        newest_committed=committed[-1] if committed else -1, world_size=ranks.world_size)
     if plan.step is None:
         if plan.partial is not None and ranks.rank == members[0]:
             log.warning("load(): memory holds step %d on some nodes, but ranks %s have no copy left (their node "

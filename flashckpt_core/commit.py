@@ -536,10 +536,17 @@ class CommitLayout:
             raise E.CheckpointCorruptError(f"the manifest of step {step} is damaged: {e}") from None
 
     def base(self, step: int, rank: int = 0) -> str | None:
-        """The absolute directory of rank ``rank``'s file set in committed ``step`` (None for single files)."""
+        """The absolute directory of rank ``rank``'s file set in committed ``step`` (None for single files).
+        For a rank the step holds no files of (saved by fewer ranks): the one directory every rank of the step
+        wrote into (a DCP checkpoint, a Trainer's ``checkpoint-N``; adapters that reshard read it), else None:
+        never another rank's own."""
         m = self.read_manifest(step)
         bases = m.extra.get("bases", {})
-        b = bases.get(str(0 if m.replicated else rank)) or bases.get("0")
+        b = bases.get(str(0 if m.replicated else rank))
+        if b is None and not m.replicated and rank not in m.files:
+            shared = set(bases.values())
+            if len(shared) == 1 and set(bases) == {str(r) for r in m.files}:
+                b = shared.pop()
         return self.abs(b) if b else None
 
     def tracker_step(self) -> int | None:
@@ -551,16 +558,23 @@ class CommitLayout:
         step = d.get("step") if isinstance(d, dict) else None
         return step if isinstance(step, int) and not isinstance(step, bool) else None
 
-    def verify(self, step: int, rank: int | None = None, *, deep: bool = True) -> list[str]:
+    def verify(self, step: int, rank: int | None = None, *, deep: bool = True,
+               world_size: int | None = None) -> list[str]:
         """Problems found in step ``step`` (all ranks' files, or those ``rank`` loads); [] when sound.
         ``deep=False`` checks that the files exist with their sizes only (a loader that verifies checksums
-        while it reads, as from an object store, spares a second download)."""
+        while it reads, as from an object store, spares a second download). ``world_size``: ``rank`` is one
+        of a job of that many ranks, and also verifies the files of the step's ranks it lacks (saved by more
+        ranks: rank + k * world_size), which an adapter that reshards reads: every file is some rank's to
+        verify."""
         try:
             m = self.read_manifest(step)
         except E.CheckpointCorruptError as e:
             return [str(e)]
         problems = []
-        for f in (m.all_files() if rank is None else m.files_for(rank)):
+        ranks = [rank] if rank is not None else sorted(m.files)
+        if rank is not None and world_size and not m.replicated:
+            ranks += [r for r in sorted(m.files) if r >= world_size and r % world_size == rank]
+        for f in (f for r in ranks for f in m.files_for(r)):
             try:
                 path = self.abs(f.path)
             except E.CheckpointCorruptError as e:

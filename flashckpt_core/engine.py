@@ -193,10 +193,18 @@ class CheckpointEngine:
         self._storage_loader: StorageLoader | None = None
         # The rank that writes this local rank's snapshots takes its writer lease at its first save and
         # holds it until close: a second writer (another engine, another job with this job key) is refused.
+        # It reads back only what this process may resume from: its rank's own snapshots (wherever they are on
+        # this node), saved by a job of its number of ranks (replicated state: any copy), and none that another
+        # live process writes (another training on this job key; the reader says so in the log).
         self._handler = SharedMemoryHandler(r.local_rank, self.job_dir,
                                             allocate=self._allocate if self.snapshots else None,
                                             copier=self._copier, weights_only=weights_only,
-                                            writer_info={"rank": r.rank, "checkpoint_dir": self.checkpoint_dir})
+                                            writer_info={"rank": r.rank, "world_size": r.world_size,
+                                                         "checkpoint_dir": self.checkpoint_dir},
+                                            rank=None if replicated else r.rank,
+                                            world_size=None if replicated else r.world_size, own_only=True)
+        # Replicated, local ranks > 0 read local rank 0's segments, which a live sibling of this run writes:
+        # the agreement with local rank 0 (which checks who writes them) decides whether memory serves.
         self._reader: SnapshotReader = (
             self._handler if not replicated or r.local_rank == 0 else
             SnapshotReader.for_job_dir(0, self.job_dir, copier=self._copier, weights_only=weights_only))
@@ -243,7 +251,8 @@ class CheckpointEngine:
         """This rank's reader of committed files (made at the first storage load)."""
         if self._storage_loader is None:
             self._storage_loader = StorageLoader(self.layout, self.ranks.rank, weights_only=self.weights_only,
-                                                 resolve=self.resolve, cache_dir=self.job_dir)
+                                                 resolve=self.resolve, cache_dir=self.job_dir,
+                                                 world_size=self.ranks.world_size)
         return self._storage_loader
 
     def _auto_intervals(self, process_mtbf_s: float | None, node_mtbf_s: float | None) -> AutoIntervals:
@@ -685,6 +694,9 @@ class CheckpointEngine:
         """``locate``; ``deep=False`` verifies storage steps by size only (for a load that checks the
         checksums while it reads), ``exclude``: steps found damaged by such a load."""
         committed = self.layout.committed_steps()
+        if memory and multi_node(self.ranks, self.process_group) and \
+                not all_ranks(self._reader.written_by_another() is None, self.process_group):
+            memory = False  # a rank's segments are another live training's (logged by its reader)
         if memory and multi_node(self.ranks, self.process_group):
             # Across nodes: a rank's snapshot may be on a peer (a backup of a lost node's, or ranks that moved).
             found = memory_across_nodes(
@@ -702,7 +714,7 @@ class CheckpointEngine:
             return Located(step, "memory", self._reader.snapshot_name(step) or None)
         if source == "storage":
             step = verified_step(self.layout, self.ranks.rank, committed, step, self.process_group, deep=deep,
-                                 exclude=exclude)
+                                 exclude=exclude, world_size=self.ranks.world_size)
             return Located(step, "storage", self._loader.path_of(step))
         return Located(None, "none", None)
 
@@ -726,11 +738,17 @@ class CheckpointEngine:
                 tensors that fill nothing come back as without ``into`` (from memory, tensors saved from
                 a GPU come back on that GPU; from storage, on the CPU).
 
+        Memory serves only this rank's own snapshots (wherever on this node: a restart may number the
+        node's ranks otherwise), saved by a job of this number of ranks (replicated: any copy), and none
+        that another live process writes (another training on this job key: logged, storage decides).
+
         Returns:
             The state dict (a ``FileSet`` for sets), or ``{}`` when there is no checkpoint. ``last_load``
             tells where it came from.
 
         Raises:
+            RankStateNotFoundError: the newest committed step holds no state of some rank of this job (saved
+                by fewer ranks), on every rank alike; a rank is never handed another rank's state.
             CheckpointCorruptError: ``resume_path`` does not match its manifest.
             CheckpointDirError: ``resume_path`` lies outside the checkpoint dir.
             FileNotFoundError: ``resume_path`` does not exist (the message lists the committed steps).

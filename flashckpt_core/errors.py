@@ -22,6 +22,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidArgumentTypeError",
     "CheckpointNotFoundError",
+    "RankStateNotFoundError",
     "AlreadyExistsError",
     "TrackerUpdateError",
     "UnsupportedStrategyError",
@@ -49,6 +50,11 @@ class InvalidArgumentTypeError(FlashCheckpointError, TypeError):
 
 class CheckpointNotFoundError(FlashCheckpointError, FileNotFoundError):
     """A checkpoint, step or file asked for by name does not exist."""
+
+
+class RankStateNotFoundError(CheckpointNotFoundError):
+    """A checkpoint holds no state of some rank of this job (it was saved by fewer ranks): every rank is
+    refused alike rather than one of them being handed another rank's state."""
 
 
 class AlreadyExistsError(FlashCheckpointError, FileExistsError):

@@ -27,6 +27,7 @@ from ._into import Into
 from .commit import CommitLayout
 from .files import FileEntry, FileSet
 from .ipc import SharedLock
+from .manifest import Manifest
 from .remote_load import load_remote
 from .storage import FileRecord
 
@@ -44,12 +45,15 @@ class StorageLoader:
         weights_only: ``torch.load(weights_only=...)``.
         resolve: what a user's ``resume_path`` names (``CheckpointEngine.resolve``).
         cache_dir: where a download several local ranks read is kept (the job's runtime dir).
+        world_size: the number of ranks of the job: a step that holds no state of one of them is refused
+            (``load_step``) on every rank alike.
     """
 
     def __init__(self, layout: CommitLayout, rank: int, *, weights_only: bool,
-                 resolve: Callable[[str], str], cache_dir: str | None = None) -> None:
+                 resolve: Callable[[str], str], cache_dir: str | None = None, world_size: int | None = None) -> None:
         self.layout = layout
         self.rank = rank
+        self.world_size = world_size
         self.weights_only = weights_only
         self._resolve = resolve
         self.cache_dir = cache_dir  # the job's runtime dir: downloads shared by the node's ranks
@@ -70,8 +74,11 @@ class StorageLoader:
         Raises:
             CheckpointCorruptError: a file does not match the manifest (read from an object store; a
                 local file is verified before, by ``CommitLayout.verify``).
+            RankStateNotFoundError: the step holds no state of this rank, or of another rank of the job
+                (saved by fewer ranks; every rank reads the same manifest and refuses alike).
         """
         m = self.layout.read_manifest(step)
+        own_state(m, self.rank, self.world_size, self.layout.root)
         files = m.files_for(self.rank)
         self.last_bytes = sum(f.size for f in files)
         if any(f.name for f in files):
@@ -261,3 +268,24 @@ def _load_failure(path: str, e: Exception, *, weights_only: bool) -> E.FlashChec
             "import the module that defines it before loading.")
     return E.CheckpointCorruptError(f"load(): {path} matches its manifest but torch.load cannot read it "
                                     f"({type(e).__name__}: {msg.splitlines()[0] if msg else ''})")
+
+
+
+def own_state(m: Manifest, rank: int, world_size: int | None, root: str) -> None:
+    """Refuses step ``m`` when it holds no files of ``rank`` or of another rank of a job of ``world_size``
+    ranks (``RankStateNotFoundError``, the same on every rank); a step of more ranks than the job (each rank
+    loads its own files) is logged on rank 0."""
+    missing = m.ranks_without_state(world_size) if world_size else []
+    if not missing and (m.replicated or rank in m.files):
+        if world_size and m.world_size != world_size and not m.replicated and rank == 0:
+            log.warning("load(): step %d of %s was saved by %d ranks and this job has %d: each rank loads its own "
+                        "files; the state of ranks %d-%d is not loaded", m.step, root, m.world_size, world_size,
+                        world_size, m.world_size - 1)
+        return
+    missing = missing or [rank]
+    raise E.RankStateNotFoundError(
+        f"load(): committed step {m.step} of {root} holds no state of rank{'s' if len(missing) > 1 else ''} "
+        f"{', '.join(map(str, missing))}: it was saved by {m.world_size} ranks (0-{m.world_size - 1}) and this job has "
+        f"{world_size or rank + 1}. Each rank loads its own state and none is handed another rank's, so no rank loads. "
+        "Restart with the number of ranks that saved it, load a file with load(resume_path=...), or save with an "
+        "adapter whose checkpoints reshard (FSDP/DCP) or with replicated=True (DDP: every rank loads rank 0's state)")

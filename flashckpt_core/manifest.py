@@ -78,9 +78,13 @@ class Manifest:
     seq: int = 0
 
     def files_for(self, rank: int) -> list[FileRecord]:
-        if self.replicated or rank not in self.files:
-            return self.files.get(0, [])
-        return self.files[rank]
+        """The files rank ``rank`` loads: its own (replicated: rank 0's, which are every rank's state); []
+        when the step holds none of it (saved by fewer ranks): never another rank's."""
+        return self.files.get(0 if self.replicated else rank, [])
+
+    def ranks_without_state(self, world_size: int) -> list[int]:
+        """The ranks of a job of ``world_size`` ranks that have no files in this step (none when replicated)."""
+        return [] if self.replicated else [r for r in range(world_size) if r not in self.files]
 
     def all_files(self) -> list[FileRecord]:
         return [f for r in sorted(self.files) for f in self.files[r]]

@@ -301,11 +301,12 @@ class NodePlan:
 
 
 def across_nodes(inventories: Sequence[dict[str, Any]], ranks: Sequence[int], *, replicated: bool,
-                 saved_at: dict[str, float], newest_committed: int) -> NodePlan:
+                 saved_at: dict[str, float], newest_committed: int, world_size: int | None = None) -> NodePlan:
     """Picks, from what every node holds (its saver's ``Inventory`` reply: own snapshots and backups), the
     newest step of which every rank in ``ranks`` has a copy somewhere (replicated state: any copy), not older
     than the newest commit (``saved_at``: rank -> the wall time of the snapshot its committed files came from;
-    unknown: a step not lower than ``newest_committed``). Pure: the caller gathers the inventories."""
+    unknown: a step not lower than ``newest_committed``); with ``world_size``, only copies saved by a job of
+    that many ranks (replicated state: any). Pure: the caller gathers the inventories."""
     nodes: dict[str, dict[str, Any]] = {}
     for inv in inventories:
         nodes.setdefault(str(inv.get("instance") or f"{inv.get('host')}:{inv.get('port')}"), inv)
@@ -315,6 +316,8 @@ def across_nodes(inventories: Sequence[dict[str, Any]], ranks: Sequence[int], *,
             rank, step, t = int(e.get("rank", -1)), int(e.get("step", -1)), float(e.get("wall_time", 0.0))
             if rank < 0 or step < 0:
                 continue  # a slot of an older version: whose it is is not recorded
+            if world_size and not replicated and int(e.get("world", 0)) != world_size:
+                continue  # a rank's state of another number of ranks (or not recorded)
             ref = saved_at.get(str(rank)) if (not replicated or rank == 0) else None
             if (t < ref) if ref else (step < newest_committed):
                 continue

@@ -9,7 +9,8 @@ Segment file (one per local rank and allocation epoch, created 0600 by the saver
     [0, 4096)            segment header: magic, version, nslots, slot_size, meta_cap, data_cap, local_rank
     slot i at 4096 + i * slot_size:
       [0, 4096)          slot header: state, flags, step, generation, meta_len, meta_xxh64,
-                         tensor_bytes, blob_len, wall_time, seq, owner (the global rank + 1)
+                         tensor_bytes, blob_len, wall_time, seq, owner (the global rank + 1),
+                         world (the number of ranks of the job that saved it)
       [4096, +meta_cap)  metadata (JSON, no pickle)
       [.., +data_cap)    tensor storages (each 64-byte aligned), then the opaque blob
 
@@ -57,14 +58,14 @@ from . import errors as E
 
 __all__ = ["Segment", "SlotHeader", "SlotRef", "EMPTY", "WRITING", "COMPLETE", "FLAG_PINNED", "FLAG_PENDING",
            "FLAG_UNRESERVED", "FLAG_SENDING", "FLAG_FETCHED", "FLAGS_BUSY", "PAGE", "live_snapshots", "segment_paths",
-           "segment_path", "lock_path", "writer_lease_path", "advise_huge_pages", "unreadable"]
+           "segment_path", "local_ranks", "lock_path", "writer_lease_path", "advise_huge_pages", "unreadable"]
 
 log = logging.getLogger(__name__)
 
 SEG_MAGIC = b"FLCKSEG1"
 SEG_VERSION = 1
 _SEG_HDR = struct.Struct("<8sIIQQQiq")
-_SLOT_HDR = struct.Struct("<IIqQQQQQdQq")  # zeros past wall_time read as seq 0, owner 0 (older segments)
+_SLOT_HDR = struct.Struct("<IIqQQQQQdQqq")  # zeros past wall_time read as seq 0, owner 0, world 0 (older segments)
 PAGE = 4096
 EMPTY, WRITING, COMPLETE = 0, 1, 2
 FLAG_PINNED = 1   # the saver is reading this slot
@@ -93,18 +94,31 @@ def segment_paths(job_dir: str, local_rank: int) -> list[tuple[int, str]]:
             is not "no snapshots" (a load would silently fall back to an older committed step).
     """
     prefix = f"seg-r{local_rank:03d}-e"
-    try:
-        names = os.listdir(job_dir)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    except OSError as e:
-        raise unreadable("list the shared-memory segments in", job_dir, e) from e
     out = []
-    for name in names:
+    for name in _segment_names(job_dir):
         m = _SEG_RE.fullmatch(name) if name.startswith(prefix) else None
         if m:
             out.append((int(m.group(2)), os.path.join(job_dir, name)))
     return sorted(out)
+
+
+def local_ranks(job_dir: str) -> list[int]:
+    """The local ranks that have segments in ``job_dir``, ascending; [] when the job has no runtime dir here.
+
+    Raises:
+        SharedMemoryError: the dir could not be listed (see ``segment_paths``).
+    """
+    return sorted({int(m.group(1)) for n in _segment_names(job_dir) if (m := _SEG_RE.fullmatch(n))})
+
+
+def _segment_names(job_dir: str) -> list[str]:
+    """The names in ``job_dir`` ([] when it does not exist); SharedMemoryError when it cannot be listed."""
+    try:
+        return os.listdir(job_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as e:
+        raise unreadable("list the shared-memory segments in", job_dir, e) from e
 
 
 def unreadable(what: str, path: str, e: OSError) -> E.SharedMemoryError:
@@ -144,11 +158,17 @@ class SlotHeader:
     wall_time: float
     seq: int = 0
     owner: int = 0  # the global rank that saved it, plus one (0: not recorded, an older segment)
+    world: int = 0  # the number of ranks of the job that saved it (0: not recorded)
 
     @property
     def rank(self) -> int | None:
         """The global rank whose snapshot this is; None where the segment predates the field."""
         return self.owner - 1 if self.owner > 0 else None
+
+    @property
+    def world_size(self) -> int | None:
+        """The number of ranks of the job that saved it; None where not recorded."""
+        return self.world if self.world > 0 else None
 
 
 @dataclass(frozen=True)
@@ -239,7 +259,7 @@ class Segment:
             os.pwrite(fd, hdr, 0)
             for i in range(nslots):
                 flags = FLAG_UNRESERVED if i >= nslots - spare else 0
-                os.pwrite(fd, _SLOT_HDR.pack(EMPTY, flags, -1, 0, 0, 0, 0, 0, 0.0, 0, 0), PAGE + i * slot_size)
+                os.pwrite(fd, _SLOT_HDR.pack(EMPTY, flags, -1, 0, 0, 0, 0, 0, 0.0, 0, 0, 0), PAGE + i * slot_size)
         except BaseException:
             os.close(fd)
             os.unlink(tmp)
@@ -293,7 +313,8 @@ class Segment:
         # Fields first, state last: a reader never sees COMPLETE with stale fields.
         off = self.slot_off(i)
         _SLOT_HDR.pack_into(self.mm, off, WRITING if h.state == COMPLETE else h.state, h.flags, h.step,
-                            h.generation, h.meta_len, h.meta_xxh, h.tensor_bytes, h.blob_len, h.wall_time, h.seq, h.owner)
+                            h.generation, h.meta_len, h.meta_xxh, h.tensor_bytes, h.blob_len, h.wall_time, h.seq, h.owner,
+                            h.world)
         if h.state == COMPLETE:
             struct.pack_into("<I", self.mm, off, COMPLETE)
 

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from . import _cuda, locations
 from . import errors as E
 from ._copy import Copier, file_reader
 from ._into import Into
+from ._lease import describe_holder, live_holder
 from ._tree import (
     TensorMeta,
     build_tensor,
@@ -42,12 +44,24 @@ from ._tree import (
 )
 from .config import Knobs, job_dir
 from .files import FILES_KEY, FileSet, is_fileset_tree
-from .segment import COMPLETE, Segment, SlotHeader, _page, live_snapshots, segment_paths, unreadable
+from .segment import (
+    COMPLETE,
+    Segment,
+    SlotHeader,
+    _page,
+    live_snapshots,
+    local_ranks,
+    segment_paths,
+    unreadable,
+    writer_lease_path,
+)
 
 if TYPE_CHECKING:
     from .engine import CheckpointEngine
 
 __all__ = ["SnapshotReader", "SnapshotInfo", "Snapshot", "read_snapshot", "job_in_memory"]
+
+log = logging.getLogger(__name__)
 
 _CPU = torch.device("cpu")
 
@@ -66,11 +80,14 @@ class Snapshot:
 @dataclass(frozen=True)
 class SnapshotInfo:
     """One live snapshot in memory: its step, the path ``save`` was given (where it is persisted; "" when
-    none was named) and the wall time of its save."""
+    none was named), the wall time of its save, and the global rank that saved it and the number of ranks
+    of its job (None where a segment of an older version did not record them)."""
 
     step: int
     name: str
     wall_time: float
+    rank: int | None = None
+    world_size: int | None = None
 
 
 def job_in_memory(checkpoint_dir: str | os.PathLike[str]) -> bool:
@@ -214,13 +231,23 @@ class SnapshotReader:
         local_rank: whose snapshots (in replicated mode only local rank 0 holds any).
         weights_only: decode the Python objects of loaded snapshots only into the types
             ``torch.load(weights_only=True)`` accepts. Default: the engine's setting, else True.
+        rank: only the snapshots global rank ``rank`` saved, wherever they are on this node: in
+            ``local_rank``'s segments first, then in any other local rank's (a restart that numbered the
+            node's ranks otherwise). Across local ranks the newest save is the one saved last (wall time).
+        world_size: only the snapshots saved by a job of ``world_size`` ranks.
 
     A reader of a job that has no runtime dir on this node (``exists()`` False) sees no snapshots. Close it
     (or use it as a context manager) to unmap the segments. Not thread-safe.
+
+    A reader reads whatever the segments hold, a live training's snapshots included (a tool inspecting a
+    running job). An engine's own reads (``CheckpointEngine.load``, ``memory_steps``) are narrower: its
+    rank's own snapshots, saved by a job of its number of ranks (unless replicated), and none in segments
+    another live process writes (see ``own_only``).
     """
 
     def __init__(self, source: str | os.PathLike[str] | CheckpointEngine, local_rank: int = 0, *,
-                 weights_only: bool | None = None) -> None:
+                 weights_only: bool | None = None, rank: int | None = None,
+                 world_size: int | None = None) -> None:
         if isinstance(source, (str, os.PathLike)):
             knobs = Knobs.from_env()
             jd = _job_dir_of(source, knobs)
@@ -228,7 +255,7 @@ class SnapshotReader:
         else:
             knobs, jd, default = source.knobs, source.job_dir, source.weights_only
         self._setup(local_rank, jd, Copier(knobs.copy_threads), own_copier=True,
-                    weights_only=default if weights_only is None else weights_only)
+                    weights_only=default if weights_only is None else weights_only, rank=rank, world_size=world_size)
 
     @classmethod
     def for_job_dir(cls, local_rank: int, job_dir: str, *, copier: Copier | None = None,
@@ -239,10 +266,18 @@ class SnapshotReader:
         self._setup(local_rank, job_dir, copier or Copier(1), own_copier=copier is None, weights_only=weights_only)
         return self
 
-    def _setup(self, local_rank: int, job_dir: str, copier: Copier, *, own_copier: bool, weights_only: bool) -> None:
+    def _setup(self, local_rank: int, job_dir: str, copier: Copier, *, own_copier: bool, weights_only: bool,
+               rank: int | None = None, world_size: int | None = None, own_only: bool = False) -> None:
+        """``own_only``: a resuming engine's reader, which passes over the segments of a local rank whose
+        writer lease a live process other than this one holds (their snapshots are that process's: another
+        training on the same job key), saying so in the log."""
         self.local_rank = local_rank
         self.job_dir = job_dir
         self.weights_only = weights_only
+        self.rank = rank
+        self.world_size = world_size
+        self._own_only = own_only
+        self._said: set[tuple[Any, ...]] = set()  # reasons logged already (once each)
         self._copier = copier
         self._own_copier = own_copier
         self._readers: dict[str, Segment] = {}
@@ -272,18 +307,78 @@ class SnapshotReader:
         self._forget_removed([])
 
     def _live(self) -> list[tuple[Segment, int, SlotHeader]]:
-        """``live_snapshots`` of every live segment of this local rank, newest save first."""
-        live = segment_paths(self.job_dir, self.local_rank)
-        self._forget_removed(live)
-        segs = []
-        for _epoch, path in live:
-            try:
-                segs.append(self._open(path))
-            except (FileNotFoundError, E.FlashCheckpointError):
-                continue  # removed since it was listed (the saver reaped it), or not a segment of ours
-            except OSError as e:  # it is there and unreadable: its snapshots are unknown, not absent
-                raise unreadable("open the shared-memory segment", path, e) from e
-        return live_snapshots(segs)
+        """The live snapshots this reader serves, newest save first: ``live_snapshots`` of this local rank's
+        segments; with ``rank``, that rank's in any local rank's segments (see the class docstring); with
+        ``world_size``, those of a job of that many ranks; with ``own_only``, none in segments that another
+        live process writes."""
+        every: list[tuple[int, str]] = []
+        timelines = []
+        others = [lr for lr in local_ranks(self.job_dir) if lr != self.local_rank] if self.rank is not None else []
+        for lr in [self.local_rank, *others]:
+            live = segment_paths(self.job_dir, lr)
+            every += live
+            segs = []
+            for _epoch, path in live:
+                try:
+                    segs.append(self._open(path))
+                except (FileNotFoundError, E.FlashCheckpointError):
+                    continue  # removed since it was listed (the saver reaped it), or not a segment of ours
+                except OSError as e:  # it is there and unreadable: its snapshots are unknown, not absent
+                    raise unreadable("open the shared-memory segment", path, e) from e
+            mine = [x for x in live_snapshots(segs) if self._wanted(x[2])]
+            if mine and not (self._own_only and self.written_by_another(lr) is not None):
+                timelines.append(mine)
+        self._forget_removed(every)
+        if len(timelines) <= 1:
+            return timelines[0] if timelines else []
+        # One rank's snapshots in several local ranks' segments (it moved): its own timeline, by wall time
+        # (save sequences count per local rank), a later save of the same or a lower step superseding.
+        merged = sorted((x for t in timelines for x in t), key=lambda x: x[2].wall_time, reverse=True)
+        out: list[tuple[Segment, int, SlotHeader]] = []
+        for x in merged:
+            if not out or x[2].step < out[-1][2].step:
+                out.append(x)
+        return out
+
+    def _wanted(self, h: SlotHeader) -> bool:
+        """Whether the snapshot of header ``h`` is one this reader serves (``rank``, ``world_size``)."""
+        if self.rank is not None and h.rank != self.rank:
+            if h.rank is None and ("unrecorded",) not in self._said:
+                self._said.add(("unrecorded",))
+                log.info("rank %d: this node's memory holds snapshots whose rank was not recorded (saved by an "
+                         "older version, step %d the newest): not loaded; storage decides", self.rank, h.step)
+            return False
+        if self.world_size is not None and h.world_size != self.world_size:
+            key = ("world", h.world_size)
+            if key not in self._said:
+                self._said.add(key)
+                log.warning("rank %s: this node's memory holds snapshots saved by a job of %s ranks (step %d the "
+                            "newest of them); this job has %d, so they are not loaded (a rank's state belongs to the "
+                            "number of ranks that saved it); storage decides", self.rank,
+                            h.world_size or "an unrecorded number of", h.step, self.world_size)
+            return False
+        return True
+
+    def written_by_another(self, local_rank: int | None = None) -> dict[str, Any] | None:
+        """What the process other than this one that holds the writer lease of ``local_rank``'s segments
+        (this reader's by default) says about itself (pid, rank, checkpoint dir), or None when none does
+        (free: its writer closed its engine or died); always None unless ``own_only``. Logs the first time
+        it finds one."""
+        lr = self.local_rank if local_rank is None else local_rank
+        if not self._own_only or self._holds_lease(lr):
+            return None
+        holder = live_holder(writer_lease_path(self.job_dir, lr))
+        if holder is not None and ("writer", lr, holder.get("pid")) not in self._said:
+            self._said.add(("writer", lr, holder.get("pid")))
+            log.warning("local rank %d's snapshots in %s are written by %s, which holds their writer lease: they "
+                        "are its state, not one this process saved, and are not loaded (storage decides). Give each "
+                        "training its own FLASHCKPT_JOB_ID or checkpoint dir; to read them deliberately, use a "
+                        "SnapshotReader", lr, self.job_dir, describe_holder(holder))
+        return holder
+
+    def _holds_lease(self, local_rank: int) -> bool:
+        """Whether this reader holds ``local_rank``'s writer lease (a writer does, from its first save)."""
+        return False
 
     def memory_snapshots(self) -> list[tuple[int, float]]:
         """(step, wall time of the save) of the live COMPLETE snapshots of this local rank, newest save
@@ -334,7 +429,7 @@ class SnapshotReader:
                 name = str(seg.read_meta(i, h).get("name", ""))
             except (ValueError, E.FlashCheckpointError):
                 continue  # overwritten (or torn) since it was listed
-            out.append(SnapshotInfo(h.step, name, h.wall_time))
+            out.append(SnapshotInfo(h.step, name, h.wall_time, h.rank, h.world_size))
         return out
 
     def load(self, step: int | None = None, *, into: Any = None) -> Any:
@@ -348,9 +443,10 @@ class SnapshotReader:
         snap = self.load_snapshot(step, into=into)
         if snap is None:
             which = "snapshot" if step is None else f"snapshot of step {step}"
+            whose = f"rank {self.rank}" if self.rank is not None else f"local rank {self.local_rank}"
             raise E.FlashCheckpointError(
-                f"SnapshotReader.load(): this node's shared memory holds no (or no longer the) {which} of local "
-                f"rank {self.local_rank} in {self.job_dir}; memory_steps() lists the steps it holds")
+                f"SnapshotReader.load(): this node's shared memory holds no (or no longer the) {which} of "
+                f"{whose} in {self.job_dir}; memory_steps() lists the steps it holds")
         sd = snap.state_dict
         return FileSet.decode(sd) if is_fileset_tree(sd) else sd
 

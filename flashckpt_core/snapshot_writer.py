@@ -30,7 +30,7 @@ import xxhash
 from . import _cuda, _native
 from . import errors as E
 from ._copy import SMALL_COPY, Copier
-from ._lease import Lease, pid_running, read_holder
+from ._lease import Lease, describe_holder, pid_running, read_holder
 from ._tree import (
     Flat,
     TensorMeta,
@@ -239,6 +239,7 @@ Allocator = Callable[[int, int, int], str]
 
 
 _DEAD_HOLDER_WAIT_S = 10.0
+_PROBE_S = 0.05
 
 
 def _take_writer_lease(job_dir: str, local_rank: int, info: dict[str, Any]) -> Lease:
@@ -246,7 +247,9 @@ def _take_writer_lease(job_dir: str, local_rank: int, info: dict[str, Any]) -> L
     path = writer_lease_path(job_dir, local_rank)
     lease = Lease(path)
     try:
-        ok = lease.try_acquire({"local_rank": local_rank, **info})
+        # A moment's retry: a reader probing whether a live writer holds it (``_lease.live_holder``)
+        # locks it for an instant.
+        ok = lease.try_acquire({"local_rank": local_rank, **info}, timeout=_PROBE_S)
     except OSError as e:
         raise E.SharedMemoryError(f"could not take the writer lease {path}: {e}") from e
     holder = read_holder(path) if not ok else {}
@@ -257,18 +260,9 @@ def _take_writer_lease(job_dir: str, local_rank: int, info: dict[str, Any]) -> L
         ok = lease.try_acquire({"local_rank": local_rank, **info}, timeout=_DEAD_HOLDER_WAIT_S)
     if ok:
         return lease
-    if not pid:
-        who = "another process"
-    elif pid == os.getpid():
-        who = f"this process (pid {pid})"
-    elif isinstance(pid, int) and not pid_running(pid):
-        who = f"a process that pid {pid} (exited) forked and that still holds its lease"
-    else:
-        who = f"pid {pid}"
-    extra = ", ".join(f"{k} {holder[k]}" for k in ("rank", "checkpoint_dir") if k in holder)
     raise E.SharedMemoryError(
-        f"local rank {local_rank}'s shared-memory snapshots in {job_dir} are already written by {who}"
-        f"{' (' + extra + ')' if extra else ''}; two writers would tear each other's checkpoints. Close "
+        f"local rank {local_rank}'s shared-memory snapshots in {job_dir} are already written by "
+        f"{describe_holder(holder)}; two writers would tear each other's checkpoints. Close "
         "the other CheckpointEngine first, or give each job its own FLASHCKPT_JOB_ID or checkpoint dir.")
 
 
@@ -309,7 +303,11 @@ class SharedMemoryHandler(SnapshotReader):
         weights_only: decode opaque leaves of loaded snapshots only into the types
             ``torch.load(weights_only=True)`` accepts; a writer then refuses, before writing anything, a
             state dict holding a leaf that would not load back under those rules.
-        writer_info: what the writer lease says about its holder (JSON), for a refused second writer.
+        writer_info: what the writer lease says about its holder (JSON), for a refused second writer; its
+            ``rank`` and ``world_size`` are recorded in every slot it writes.
+        rank / world_size / own_only: which snapshots it reads as its own (see ``SnapshotReader``): an
+            engine's handler reads its rank's snapshots of its number of ranks, none another live process
+            writes.
 
     Not thread-safe. While ``save_state_dict`` runs the caller must not mutate the tensors it passed;
     once it returns they are the caller's again.
@@ -317,8 +315,10 @@ class SharedMemoryHandler(SnapshotReader):
 
     def __init__(self, local_rank: int, job_dir: str, *, allocate: Allocator | None = None,
                  copier: Copier | None = None, slot_wait_timeout: float = 600.0,
-                 weights_only: bool = False, writer_info: dict[str, Any] | None = None) -> None:
-        self._setup(local_rank, job_dir, copier or Copier(1), own_copier=copier is None, weights_only=weights_only)
+                 weights_only: bool = False, writer_info: dict[str, Any] | None = None, rank: int | None = None,
+                 world_size: int | None = None, own_only: bool = False) -> None:
+        self._setup(local_rank, job_dir, copier or Copier(1), own_copier=copier is None, weights_only=weights_only,
+                    rank=rank, world_size=world_size, own_only=own_only)
         self._allocate = allocate
         self._lease: Lease | None = None
         self._writer_info = writer_info or {}
@@ -326,6 +326,10 @@ class SharedMemoryHandler(SnapshotReader):
         # between nodes, and a peer holding this slot as a backup, know whose shard it is.
         rank = self._writer_info.get("rank")
         self._owner = int(rank) + 1 if isinstance(rank, int) and rank >= 0 else 0
+        # And the number of ranks of its job: a restart with another number never takes a plain engine's
+        # snapshot for its own (each rank's state belongs to that layout).
+        world = self._writer_info.get("world_size")
+        self._world = int(world) if isinstance(world, int) and world > 0 else 0
         self._lock = SharedLock(lock_path(job_dir, local_rank))
         self._seg: Segment | None = None
         self._plan: SnapshotPlan | None = None
@@ -444,7 +448,8 @@ class SharedMemoryHandler(SnapshotReader):
             h0 = seg.header(slot)
             gen = h0.generation
             seg.write_header(slot, SlotHeader(COMPLETE, 0, step, gen, len(meta), xxhash.xxh64_intdigest(meta),
-                                              plan.tensor_bytes, len(blob), time.time(), h0.seq, self._owner))
+                                              plan.tensor_bytes, len(blob), time.time(), h0.seq, self._owner,
+                                              self._world))
             return SlotRef(seg.path, slot, gen, step)
 
         return finish
@@ -625,6 +630,9 @@ class SharedMemoryHandler(SnapshotReader):
         seg = self._open(ref.path)
         with self._lock:
             seg.release_pending(ref.slot, ref.generation)
+
+    def _holds_lease(self, local_rank: int) -> bool:
+        return local_rank == self.local_rank and self._lease is not None and self._lease.locked()
 
     def _open(self, path: str) -> Segment:
         """The segment at ``path``: the one we write, else a cached read-only mapping."""

@@ -113,6 +113,10 @@ def train_worker(ckpt_dir: str, out_dir: str, steps: int, *, memory_at=(), disk_
         start = 1
         if resume:
             out["memory_steps"] = ckpt.engine.memory_steps()
+            from flashckpt import SnapshotReader
+
+            with SnapshotReader(ckpt.engine, ckpt.engine.ranks.local_rank, rank=rank) as held:
+                out["held"] = held.memory_steps()  # whatever this rank's snapshots on the node, any layout
             extra = ckpt.load_checkpoint(model, opt)
             info = ckpt.last_load
             out["resumed"] = [info.source, info.step, extra.get("step")]
@@ -365,12 +369,14 @@ def test_resume_from_memory_bit_identical_vanilla_dcp_loads_and_resharding(ckpt_
         "full_at": [8], "compare_full": os.path.join(out, "full_6.pt"), "release": False})
     assert [r["resumed"] for r in c] == [["storage", 6, 6]] * 4
     assert c[0]["full_matches"] is True, "2 -> 4: the loaded state differs from the saved one"
-    # Run 4 (2 ranks): ranks 0 and 1 hold step 9 in memory with the 4-rank layout; it is refused and the
-    # 4-rank checkpoint of step 8 loads from storage, resharded.
+    # Run 4 (2 ranks): ranks 0 and 1 hold step 9 in memory with the 4-rank layout; the engine does not take
+    # snapshots of 4 ranks for a job of 2 (memory_steps() leaves them out), and the 4-rank checkpoint of
+    # step 8 loads from storage, resharded.
     d = run_ranks(train_worker, 2, str(tmp_path / "run4"), env=env, args={
         "ckpt_dir": ckpt_dir, "out_dir": out, "steps": 8, "resume": True,
         "compare_full": os.path.join(out, "full_8.pt")})
-    assert all(r["memory_steps"][0] == 9 for r in d), "run 4 did not see run 3's snapshots: nothing was refused"
+    assert all(r["held"][0] == 9 for r in d), "run 4 did not see run 3's snapshots: nothing was refused"
+    assert all(r["memory_steps"] == [] for r in d), "the engine offers snapshots of 4 ranks to a job of 2"
     assert [r["resumed"] for r in d] == [["storage", 8, 8]] * 2
     assert d[0]["full_matches"] is True, "4 -> 2: the loaded state differs from the saved one"
     assert sorted(os.listdir(os.path.join(ckpt_dir, "step_8"))) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]

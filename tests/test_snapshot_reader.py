@@ -94,7 +94,7 @@ def test_a_reader_loads_a_fileset(make_engine, ckpt_dir):
     eng.save(5, fs, path="checkpoint-5", storage_type=MEMORY)
     with SnapshotReader(eng) as reader:
         assert reader.snapshots() == [SnapshotInfo(5, os.path.join(ckpt_dir, "checkpoint-5"),
-                                                   reader.snapshots()[0].wall_time)]
+                                                   reader.snapshots()[0].wall_time, rank=0, world_size=1)]
         got = reader.load(5)
     assert isinstance(got, FileSet) and sorted(got) == ["latest", "optimizer.pt", "state.json"]
     assert_same_tree(got["optimizer.pt"].data, {"exp_avg": torch.arange(6.0), "lr": 0.1})

@@ -23,6 +23,7 @@ from ..messages import Persist
 from ..records import Held
 from ..segment import (
     Segment,
+    SlotHeader,
 )
 from ..storage import CheckpointStorage
 from .worker import PersistWorker
@@ -81,6 +82,13 @@ class _ClientInfo:
     said_bye: bool = False
     persists: bool = False
     commit: dict[str, Any] | None = None
+    world_size: int = 0
+    replicated: bool = False
+
+    def owns(self, h: SlotHeader) -> bool:
+        """Whether the snapshot of slot header ``h`` is this client's state: saved by its rank, in a job of its
+        number of ranks (replicated state: any copy is every rank's)."""
+        return self.replicated or (h.rank == self.rank and h.world_size == self.world_size)
 
 
 @dataclass

@@ -69,9 +69,11 @@ class LastWordsPart(SaverBase):
             if not persisters:
                 return None
             held: dict[int, dict[int, tuple[Segment, int]]] = {}  # local rank -> step -> (segment, slot)
-            for lr in persisters:
+            for lr, info in persisters.items():
                 segs = [self._segment(path) for _epoch, path in segment_paths(self.job_dir, lr)]
-                held[lr] = {h.step: (seg, slot) for seg, slot, h in live_snapshots(segs)}
+                # Only the persisting rank's own snapshots: after a restart that numbered the ranks otherwise
+                # (or changed their number), a local rank's segments still hold the previous rank's.
+                held[lr] = {h.step: (seg, slot) for seg, slot, h in live_snapshots(segs) if info.owns(h)}
             common = set.intersection(*(set(steps) for steps in held.values()))
 
             def newer(s: int) -> bool:  # saved after the newest commit's snapshot (unknown time: by step)

@@ -56,6 +56,7 @@ from ..segment import (
     Segment,
     SlotHeader,
     live_snapshots,
+    local_ranks,
     lock_path,
     segment_paths,
 )
@@ -66,7 +67,6 @@ __all__ = ["ReplicaPart", "BACKUP_BASE", "backup_paths"]
 #: A backup segment's local-rank field (and lock): BACKUP_BASE + the global rank it backs up.
 BACKUP_BASE = 100_000
 _BAK_RE = re.compile(r"bak-r(\d+)-e(\d+)\.shm$")
-_SEG_RE = re.compile(r"seg-r(\d+)-e\d+\.shm$")
 
 
 def backup_paths(job_dir: str) -> dict[int, list[tuple[int, str]]]:
@@ -83,12 +83,7 @@ def backup_paths(job_dir: str) -> dict[int, list[tuple[int, str]]]:
     return {r: sorted(v) for r, v in out.items()}
 
 
-def own_local_ranks(job_dir: str) -> list[int]:
-    try:
-        names = os.listdir(job_dir)
-    except FileNotFoundError:
-        return []
-    return sorted({int(m.group(1)) for n in names if (m := _SEG_RE.match(n))})
+own_local_ranks = local_ranks  # the local ranks with segments of their own here (not backups)
 
 
 @dataclass
@@ -201,7 +196,8 @@ class ReplicaPart(SaverBase):
         held = []
         for kind, lr, _seg, _i, h in self._held():
             held.append({"rank": -1 if h.rank is None else h.rank, "step": h.step, "wall_time": h.wall_time,
-                         "seq": h.seq, "kind": kind, "local_rank": lr, "fetched": bool(h.flags & FLAG_FETCHED)})
+                         "seq": h.seq, "kind": kind, "local_rank": lr, "fetched": bool(h.flags & FLAG_FETCHED),
+                         "world": h.world})
         with self._cv:
             persisting = [[s, r] for s, st in self._steps.items() for r in st.ranks if st.status != "failed"]
         if rep is None:
@@ -288,8 +284,8 @@ class ReplicaPart(SaverBase):
 
     @staticmethod
     def _slot_frame(seg: Segment, h: SlotHeader) -> dict[str, Any]:
-        return {"rank": -1 if h.rank is None else h.rank, "step": h.step, "seq": h.seq, "wall_time": h.wall_time,
-                "meta_len": h.meta_len, "meta_xxh": h.meta_xxh, "tensor_bytes": h.tensor_bytes,
+        return {"rank": -1 if h.rank is None else h.rank, "world": h.world, "step": h.step, "seq": h.seq,
+                "wall_time": h.wall_time, "meta_len": h.meta_len, "meta_xxh": h.meta_xxh, "tensor_bytes": h.tensor_bytes,
                 "blob_len": h.blob_len, "meta_cap": seg.meta_cap, "data_cap": seg.data_cap}
 
     def _send_slot(self, conn: socket.socket, seg: Segment, slot: int, h: SlotHeader, head: dict[str, Any],
@@ -349,7 +345,8 @@ class ReplicaPart(SaverBase):
                 if ok:
                     seg.write_header(slot, SlotHeader(COMPLETE, flags, int(hdr["step"]), gen, meta_len, int(hdr["meta_xxh"]),
                                                       int(hdr["tensor_bytes"]), int(hdr["blob_len"]),
-                                                      float(hdr["wall_time"]), seq, rank + 1 if rank >= 0 else 0))
+                                                      float(hdr["wall_time"]), seq, rank + 1 if rank >= 0 else 0,
+                                                      int(hdr.get("world", 0))))
                 elif seg.header(slot).generation == gen:
                     seg.write_header(slot, SlotHeader(EMPTY, 0, -1, gen, 0, 0, 0, 0, 0.0, seq, 0))
 
@@ -705,7 +702,8 @@ class ReplicaPart(SaverBase):
         peers = list(self._ask_peers(rep, {"op": "inventory"}).values())
         invs = [*peers, self._inventory().to_wire()]
         plan = across_nodes(invs, list(range(rep.world_size)), replicated=rep.replicated,
-                            saved_at=self._saved_at(newest_committed), newest_committed=newest_committed)
+                            saved_at=self._saved_at(newest_committed), newest_committed=newest_committed,
+                            world_size=rep.world_size)
         if plan.step is None:
             if plan.partial is not None:
                 log.warning("last words: step %d is in memory, but no saver that answered holds ranks %s (lost "

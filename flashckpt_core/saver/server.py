@@ -353,7 +353,8 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
                     send_msg(conn, {"ok": False, "error": str(e), "kind": "ProtocolError", **echo})
                     continue
                 if isinstance(req, M.Hello):
-                    info = _ClientInfo(req.rank, req.local_rank, req.pid, persists=req.persists, commit=req.commit)
+                    info = _ClientInfo(req.rank, req.local_rank, req.pid, persists=req.persists, commit=req.commit,
+                                       world_size=req.world_size, replicated=req.replicated)
                     if not self._attach(cid, info, req.agent_pid):
                         send_msg(conn, {"ok": False, "kind": "SaverError",
                                         "error": "the saver is shutting down; start or reach the next one", **echo})
