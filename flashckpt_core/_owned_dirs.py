@@ -27,6 +27,7 @@ import threading
 
 from ._lease import pid_running
 from ._protocol import proc_stat
+from .errors import InvalidArgumentError
 
 __all__ = ["owned_dir", "sweep", "sweep_once", "scratch_roots"]
 
@@ -49,7 +50,7 @@ def owned_dir(root: str | None, prefix: str) -> str:
     """A new private (0700) directory in ``root`` (None: the system temp dir) named after this process
     (see the module docstring); ``prefix`` is ``flashckpt-<kind>-``."""
     if not _NAME.fullmatch(f"{prefix}1-1-x"):
-        raise ValueError(f"owned_dir(prefix={prefix!r}): use 'flashckpt-<lower-case words>-'")
+        raise InvalidArgumentError(f"owned_dir(prefix={prefix!r}): use 'flashckpt-<lower-case words>-'")
     return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-{_start_time('self') or 0}-", dir=root)
 
 

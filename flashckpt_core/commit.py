@@ -708,7 +708,12 @@ class CommitLayout:
                 if others:
                     log.info("step %d names no writer and jobs %s are alive; left alone", step, others)
                     continue
-            self._remove_files(self._intent_paths(step))
-            self._remove_step_dir(step)
+            self.discard_uncommitted(step)
             cleaned.append(step)
         return cleaned
+
+    def discard_uncommitted(self, step: int) -> None:
+        """Removes what the persists of ``step``, which has no manifest, wrote: the files its intents name
+        (a file a committed manifest lists is kept) and its records. Only for a step nobody writes now."""
+        self._remove_files(self._intent_paths(step))
+        self._remove_step_dir(step)

@@ -470,8 +470,11 @@ class CheckpointEngine:
         if lost:
             msgs.append(lost)
         if msgs:
-            raise E.PersistError(f"{'. '.join(msgs + notes)}. Earlier committed checkpoints are intact; memory "
-                                 "snapshots continue.")
+            error = E.PersistError(f"{'. '.join(msgs + notes)}. Earlier committed checkpoints are intact; memory "
+                                   "snapshots continue.")
+            if not lost and not notes:
+                error.failed_steps = tuple(int(e["step"]) for e in st.errors if not e.get("committed"))
+            raise error
         if notes:
             raise E.PersistError("; ".join(notes))
 

@@ -90,7 +90,12 @@ class SaverError(FlashCheckpointError, RuntimeError):
 
 
 class PersistError(FlashCheckpointError, OSError):
-    """Persisting or committing a snapshot to storage failed; earlier committed checkpoints are intact."""
+    """Persisting or committing a snapshot to storage failed; earlier committed checkpoints are intact.
+
+    ``failed_steps``: the steps whose persist or commit failed, where that is all the error is about
+    (empty otherwise: a saver lost with its snapshots, a tracker update)."""
+
+    failed_steps: tuple[int, ...] = ()
 
 
 class TrackerUpdateError(PersistError):

@@ -282,6 +282,7 @@ class _FlashIOImpl:
         self._pending: dict[int, str] = {}  # engine step -> path of DISK saves not known finished
         self._live: dict[str, list[int]] = {}  # path -> committed engine steps that list it
         self._doomed: set[str] = set()  # removed paths whose removal waits for their persists
+        self._removed_seqs: set[int] = set()  # engine steps of saves removed while they were persisted
         self._high = -1  # newest committed engine step seen
         self._placeholders: set[str] = set()  # empty files made at save for pending persists (_reserve)
         self._late_error: BaseException | None = None  # a save's error while fit fails, for teardown
@@ -290,7 +291,8 @@ class _FlashIOImpl:
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the Trainer: no engine crosses over
         state = dict(self.__dict__)
-        for k in ("_engine", "_names", "_pending", "_live", "_doomed", "_placeholders", "_late_error", "_finalizer"):
+        for k in ("_engine", "_names", "_pending", "_live", "_doomed", "_removed_seqs", "_placeholders", "_late_error",
+                  "_finalizer"):
             state.pop(k, None)
         return state
 
@@ -375,7 +377,7 @@ class _FlashIOImpl:
         try:
             engine.save(seq, checkpoint, path=target, storage_type=storage)
         except PersistError as e:  # about an earlier persist; this one was scheduled
-            error = e
+            error = self._unless_removed(e)
         except BaseException:
             self._pending.pop(seq, None)
             raise
@@ -491,10 +493,21 @@ class _FlashIOImpl:
             return
         try:
             engine.wait(self.teardown_timeout_s)
-        except PersistError:
+        except PersistError as e:
             self._reconcile(all_done=True)  # wait() raises it only once no persist runs
-            raise
+            if self._unless_removed(e) is not None:
+                raise
         self._reconcile(all_done=True)
+
+    def _unless_removed(self, error: PersistError) -> PersistError | None:
+        """``error``, or None where it is only about saves whose checkpoints were removed while they were
+        persisted (``remove_checkpoint``: a commit finds the file it was about to list gone): nothing the
+        Trainer still wants was lost."""
+        if error.failed_steps and set(error.failed_steps) <= self._removed_seqs:
+            log.info("FlashCheckpointIO: the persists of removed checkpoints did not commit (engine steps %s): %s",
+                     list(error.failed_steps), error)
+            return None
+        return error
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Loads ``path``: from shared memory when memory holds its newest save, else from the file.
@@ -592,6 +605,7 @@ class _FlashIOImpl:
         self._reconcile()
         if target in self._pending.values():
             self._doomed.add(target)
+            self._removed_seqs.update(s for s, p in self._pending.items() if p == target)
             self.deferred_removals += 1
             self._placeholders.discard(target)
             _remove_path(target)  # what is there now (the empty file of a pending save, an older save)

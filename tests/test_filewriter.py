@@ -75,7 +75,7 @@ def test_split_without_recording_pickler(tmp_path: str, monkeypatch: pytest.Monk
     """Where the pickler cannot record storages in torch.save's own pass, a second walk orders them."""
     import flashckpt.torchfile as tf
 
-    monkeypatch.setattr(tf, "_save_recording_storages", lambda obj, sink: None)
+    monkeypatch.setattr(tf, "_save_recording_storages", lambda obj, sink, raw_pickles: None)
     a = torch.randn(100)
     obj = {"x": a, "y": [a[3:], torch.ones(7, dtype=torch.float64)], "z": torch.arange(3)}
     path = os.path.join(str(tmp_path), "two-pass.pt")

@@ -60,7 +60,17 @@ class CommitPart(SaverBase):
             self._finish(step, None, committed=True)
         except Exception as e:
             log.exception("commit of step %d failed", step)
+            self._discard_failed(step, [int(r) for r in spec["ranks"]])
             self._finish(step, f"committing step {step} failed: {e}", committed=False)
+
+    def _discard_failed(self, step: int, ranks: list[int]) -> None:
+        """After a failed commit of ``step`` whose ranks all finished writing (nothing writes it any more:
+        its files were found gone, say), removes what they wrote at once rather than at the next start."""
+        try:
+            if self.layout.markers_complete(step, ranks) and not self.storage.exists(self.layout.manifest_path(step)):
+                self.layout.discard_uncommitted(step)
+        except (OSError, E.FlashCheckpointError) as e:  # the next start's clean-up removes it then
+            log.warning("could not remove the remains of the failed commit of step %d: %s", step, e)
 
     def _commit_waiting(self, step: int) -> Callable[[list[int], float], None]:
         """What a commit of ``step`` does while ranks are missing: nothing for the loss bound
