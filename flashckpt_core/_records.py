@@ -62,14 +62,18 @@ from ._records_read import (
     OURS,
     RECORDS_FORMAT,
     RETIRED,
+    _listdir,
     _lstat,
+    _open_dir,
     _open_dir_at,
     _read_binding_at,
+    absent,
     bound_dir,
     committed_at,
     committed_in,
     describes,
     read_binding,
+    unreadable,
     whole_steps,
 )
 from .config import _DIR_FLAGS
@@ -106,8 +110,10 @@ def _unusable(top: str, st: os.stat_result) -> str:
 def _other_fs(root: str, parent: str) -> bool:
     try:
         return os.stat(root).st_dev != os.stat(parent).st_dev or os.path.ismount(root)
-    except OSError:  # not there (yet)
-        return False
+    except OSError as e:
+        if absent(e):  # not there (yet)
+            return False
+        raise unreadable("look up", root, e) from e
 
 
 def usable_top(top: str) -> bool:
@@ -215,8 +221,11 @@ def locked_parent(top: str, *, timeout: float = 60.0, lock: bool = True) -> Iter
             continue  # removed by the last user of another parent lock between our mkdir and open
         except OSError as e:
             st = _lstat(top)
-            raise E.CheckpointDirError(f"{(_unusable(top, st) if st else '') or f'{top}: {e}'}; flashckpt keeps "
-                                       "the commit records of the checkpoint dirs beside it there") from e
+            why = _unusable(top, st) if st else ""
+            if not why:
+                raise unreadable("open", top, e) from e
+            raise E.CheckpointDirError(f"{why}; flashckpt keeps the commit records of the checkpoint dirs beside it "
+                                       "there") from e
         lfd = -1
         try:
             why = _unusable(top, os.fstat(fd))
@@ -314,19 +323,21 @@ def rebind(records: str, root: str) -> None:
 
 
 def _bound_here(top: str, name: str, ino: int, root: str) -> bool:
-    """Whether ``top``/``name`` are records bound to inode ``ino`` that may be those of ``root``."""
-    try:
-        top_fd = os.open(top, _DIR_FLAGS)
-    except OSError:
+    """Whether ``top``/``name`` are records bound to inode ``ino`` that may be those of ``root``.
+
+    Raises:
+        CheckpointDirError: they could not be read (``unreadable``)."""
+    top_fd = _open_dir(top)
+    if top_fd is None:
         return False
     try:
-        fd = _open_dir_at(top_fd, name)
+        fd = _open_dir_at(top_fd, name, where=top)
     finally:
         os.close(top_fd)
     if fd is None:
         return False
     try:
-        return _read_binding_at(fd) == ino and describes(fd, root)
+        return _read_binding_at(fd, os.path.join(top, name)) == ino and describes(fd, root)
     finally:
         os.close(fd)
 
@@ -337,11 +348,17 @@ def moved(real: str, given: str) -> tuple[str, str] | None:
     inode (it was renamed in its parent, or came back there), and beside ``given`` (it is reached through
     a symbolic link, where versions that did not resolve links kept them). Records whose committed steps
     are not in the dir are not its (an inode number reused); several candidates are none (logged). Reads
-    only."""
+    only.
+
+    Raises:
+        CheckpointDirError: the dir or records beside it could not be read (``unreadable``): records not
+            found for that reason would leave the dir without its committed steps."""
     try:
         st = os.stat(real)
-    except OSError:
-        return None
+    except OSError as e:
+        if absent(e):
+            return None
+        raise unreadable("look up", real, e) from e
     if not stat.S_ISDIR(st.st_mode):
         return None
     found: list[tuple[str, str]] = []
@@ -352,7 +369,7 @@ def moved(real: str, given: str) -> tuple[str, str] | None:
     parent, name = os.path.split(real)
     top = os.path.join(parent, META)
     if usable_top(top):
-        for n in sorted(os.listdir(top)):
+        for n in sorted(_listdir(top)):
             if n in (name, LOCK_NAME) or n.startswith(LEFTOVERS):
                 continue
             other = _lstat(os.path.join(parent, n))

@@ -2,7 +2,9 @@
 their dir (``bring``, ``renamed_to``), set aside (``retire``) or removed (``discard``), and the sweep of
 ``<parent>/.flashckpt`` (``sweep``). Every function takes an fd of ``<parent>/.flashckpt`` checked by
 ``_records.locked_parent`` and never follows a symbolic link; the caller holds the parent lock (unless
-a ``dry_run`` changes nothing). Torch-free: the saver daemon uses it.
+a ``dry_run`` changes nothing). Records that cannot be read (``_records_read.unreadable``: EMFILE, EACCES,
+EIO...) are an error raised to the caller, never taken for absent or for another directory's: nothing is
+moved, set aside or removed on that basis. Torch-free: the saver daemon uses it.
 """
 
 from __future__ import annotations
@@ -22,10 +24,14 @@ from ._records_read import (
     META,
     RETIRED,
     _dir_of,
+    _fd_path,
+    _listdir,
     _lstat,
     _open_dir_at,
     _read_binding_at,
+    absent,
     describes,
+    unreadable,
 )
 
 __all__ = ["bring", "live_jobs_at", "discard", "renamed_to", "retire", "settle", "sweep"]
@@ -51,7 +57,11 @@ def bring(top_fd: int, top: str, src: str, name: str) -> str:
 
 
 def live_jobs_at(top_fd: int, name: str) -> list[str]:
-    """The jobs whose locks in the records ``name`` (in ``top_fd``) are held by a live saver."""
+    """The jobs whose locks in the records ``name`` (in ``top_fd``) are held by a live saver.
+
+    Raises:
+        CheckpointDirError: the locks could not be read (``unreadable``): a job taken for dead would let
+            its records be set aside."""
     fd = _open_dir_at(top_fd, name)
     if fd is None:
         return []
@@ -61,8 +71,11 @@ def live_jobs_at(top_fd: int, name: str) -> list[str]:
         os.close(fd)
     if jobs is None:
         return []
+    where = os.path.join(_fd_path(top_fd), name, "jobs")
     try:
         return sorted(n[:-5] for n in os.listdir(jobs) if n.endswith(".lock") and held(n, dir_fd=jobs))
+    except OSError as e:
+        raise unreadable("look at the job locks in", where, e) from e
     finally:
         os.close(jobs)
 
@@ -88,17 +101,24 @@ def renamed_to(top_fd: int, parent: str, name: str) -> str | None:
         ino = _read_binding_at(fd)
         if ino is None:
             return None
-        dev = os.stat(parent).st_dev
-        with os.scandir(parent) as it:
-            for e in it:
-                if e.name == name or e.inode() != ino:
-                    continue
+        try:
+            dev = os.stat(parent).st_dev
+            with os.scandir(parent) as it:
+                entries = [e for e in it if e.name != name and e.inode() == ino]
+        except OSError as err:
+            raise unreadable("list", parent, err) from err
+        for e in entries:
+            try:
                 st = e.stat(follow_symlinks=False)
-                if st.st_ino != ino or st.st_dev != dev or not stat.S_ISDIR(st.st_mode):
+            except OSError as err:
+                if absent(err):
                     continue
-                if not _rule(e.path, e.path).beside or _lstat(os.path.join(parent, META, e.name)) is not None:
-                    return None  # it keeps its records inside, or has records of its own
-                return e.name if describes(fd, e.path) else None
+                raise unreadable("look up", e.path, err) from err
+            if st.st_ino != ino or st.st_dev != dev or not stat.S_ISDIR(st.st_mode):
+                continue
+            if not _rule(e.path, e.path).beside or _lstat(os.path.join(parent, META, e.name)) is not None:
+                return None  # it keeps its records inside, or has records of its own
+            return e.name if describes(fd, e.path) else None
     finally:
         os.close(fd)
     return None
@@ -111,7 +131,7 @@ def retire(top_fd: int, name: str) -> str:
     records of the same directory path that no live job holds are removed (one set kept per path).
     Returns the new name. The caller holds the parent lock."""
     path = _dir_of(top_fd, name)
-    for n in os.listdir(top_fd):
+    for n in _listdir(top_fd):
         if n.startswith(RETIRED) and path and _dir_of(top_fd, n) == path and not live_jobs_at(top_fd, n):
             discard(top_fd, n)
     to = f"{RETIRED}{uuid.uuid4().hex}"
@@ -152,12 +172,12 @@ def sweep(top_fd: int, parent: str, *, orphans: bool = False, dry_run: bool = Fa
         (name, the name they moved to or "" when removed) of each (with ``dry_run``: would be).
     """
     out = []
-    for name in sorted(os.listdir(top_fd)):
+    for name in sorted(_listdir(top_fd)):
         if name == LOCK_NAME:
             continue
         leftover = name.startswith(LEFTOVERS)
         retired = name.startswith(RETIRED)
-        if not (leftover or retired) and os.path.lexists(os.path.join(parent, name)):
+        if not (leftover or retired) and _lstat(os.path.join(parent, name)) is not None:
             continue
         fd = _open_dir_at(top_fd, name)
         if fd is None:

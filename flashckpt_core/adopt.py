@@ -84,7 +84,10 @@ def unrecorded(layout: CommitLayout) -> str | None:
            "flashckpt cannot tell a complete step from a partial one. A copy of a checkpoint dir, or a move "
            "to another parent directory, leaves its commit records behind, beside the original dir "
            "(in <its parent>/.flashckpt/<its name>). ")
-    sources = copied_from(local)
+    try:
+        sources = copied_from(local)
+    except E.CheckpointDirError as e:  # the note only: what load() returned does not depend on it
+        return msg + f"Looking beside it for the records it may have come from failed: {e}"
     if sources:
         src, steps = sources[0]
         return msg + (f"It holds the committed steps {steps} of {src}: `flashckpt adopt {layout.root} --from "

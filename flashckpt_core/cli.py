@@ -87,16 +87,21 @@ def _ranks(rs: set[int]) -> str:
 
 def _in_memory(checkpoint_dir: str) -> dict[int, dict[str, set[int]]]:
     """step -> {"own": ranks, "backup": ranks} that this node's shared memory holds for ``checkpoint_dir``
-    (every job of it on this node: its own snapshots, and backups of other nodes' ranks)."""
+    (every job of it on this node: its own snapshots, and backups of other nodes' ranks).
+
+    Raises:
+        SharedMemoryError: the runtime dir or a segment is there but could not be read (EMFILE...)."""
     from .saver.replica import backup_paths, own_local_ranks
-    from .segment import Segment, live_snapshots, segment_paths
+    from .segment import Segment, live_snapshots, segment_paths, unreadable
 
     digest = job_key_digest(checkpoint_dir)
     runtime = Knobs.from_env().runtime_dir
     try:
         names = [n for n in os.listdir(runtime) if n == digest or n.endswith("-" + digest)]
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         return {}
+    except OSError as e:
+        raise unreadable("list the runtime dir", runtime, e) from e
     out: dict[int, dict[str, set[int]]] = {}
     for name in names:
         jd = os.path.join(runtime, name)
@@ -107,8 +112,12 @@ def _in_memory(checkpoint_dir: str) -> dict[int, dict[str, set[int]]]:
             for p in paths:
                 try:
                     segs.append(Segment(p, populate=False, readonly=True))
-                except (OSError, E.FlashCheckpointError):
-                    continue
+                except (FileNotFoundError, E.FlashCheckpointError):
+                    continue  # removed since it was listed, or not a segment of ours
+                except OSError as e:
+                    for seg in segs:
+                        seg.close()
+                    raise unreadable("open the shared-memory segment", p, e) from e
             try:
                 for _seg, _i, h in live_snapshots(segs):
                     out.setdefault(h.step, {"own": set(), "backup": set()})[kind].add(-1 if h.rank is None else h.rank)
@@ -335,7 +344,11 @@ def main(argv: list[str] | None = None) -> int:
         except E.FlashCheckpointError as e:
             print(f"flashckpt {args.cmd}: {e}", file=sys.stderr)
             return 2
-    return int(args.fn(args))
+    try:
+        return int(args.fn(args))
+    except (E.FlashCheckpointError, OSError) as e:  # said in full (what failed, and what to do); no traceback
+        print(f"flashckpt {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

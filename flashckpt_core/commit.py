@@ -45,6 +45,7 @@ from typing import Any
 from . import errors as E
 from . import locations
 from ._records import META
+from ._records_read import unreadable
 from .errors import TrackerUpdateError
 from .manifest import Manifest, check_rel, need, record_from_json
 from .records import Held
@@ -214,8 +215,7 @@ class CommitLayout:
         """Step -> manifest of every committed step whose manifest is sound, in commit order (each
         manifest read once; ``committed_steps`` also lists the damaged ones)."""
         out = []
-        base = locations.join(self.meta, "steps")
-        for name in self.storage.listdir(base):
+        for name in self._step_names():
             if name.isdigit():
                 try:
                     out.append((int(name), self.read_manifest(int(name))))
@@ -504,15 +504,17 @@ class CommitLayout:
         by its step among those without a seq; one that cannot be read (an OSError other than its removal)
         raises."""
         out = []
-        base = locations.join(self.meta, "steps")
-        for name in self.storage.listdir(base):
-            if name.isdigit() and self.storage.exists(self.manifest_path(int(name))):
+        for name in self._step_names():
+            if name.isdigit() and self._has_manifest(int(name)):
+                path = self.manifest_path(int(name))
                 try:
-                    raw = self.storage.read_bytes(self.manifest_path(int(name)))
-                except FileNotFoundError:
+                    raw = self.storage.read_bytes(path)
+                except (FileNotFoundError, NotADirectoryError):
                     continue  # deleted since it was listed: no longer committed
-                # Any other error is raised: a seq taken for 0 would reorder the commits (EMFILE on the newest
-                # manifest made the previous step "the newest", and a load took it silently).
+                except OSError as e:
+                    # A seq taken for 0 would reorder the commits (EMFILE on the newest manifest made the
+                    # previous step "the newest", and a load took it silently).
+                    raise unreadable("read the manifest", path, e) from e
                 try:
                     seq = int(json.loads(raw).get("seq", 0))
                 except (ValueError, TypeError, AttributeError):
@@ -521,15 +523,44 @@ class CommitLayout:
         return sorted(out)
 
     def uncommitted_steps(self) -> list[int]:
+        return sorted(int(n) for n in self._step_names() if n.isdigit() and not self._has_manifest(int(n)))
+
+    def _step_names(self) -> list[str]:
+        """The names in the records' ``steps`` dir; [] when there is none.
+
+        Raises:
+            CheckpointDirError: it could not be listed (``_records_read.unreadable``): never "no step"."""
         base = locations.join(self.meta, "steps")
-        return sorted(int(n) for n in self.storage.listdir(base)
-                      if n.isdigit() and not self.storage.exists(self.manifest_path(int(n))))
+        try:
+            return self.storage.listdir(base)
+        except OSError as e:
+            raise unreadable("list the committed steps in", base, e) from e
+
+    def _has_manifest(self, step: int) -> bool:
+        """Whether ``step`` has a manifest (is committed).
+
+        Raises:
+            CheckpointDirError: whether it has one could not be told (EACCES, EIO...): a committed step
+                taken for uncommitted would be passed over by a load, or removed as half-written."""
+        path = self.manifest_path(step)
+        try:
+            return self.storage.exists(path)
+        except OSError as e:
+            raise unreadable("look up the manifest", path, e) from e
 
     def read_manifest(self, step: int) -> Manifest:
+        """Step ``step``'s manifest.
+
+        Raises:
+            CheckpointCorruptError: it has none (not committed), or it is damaged.
+            CheckpointDirError: it could not be read (EMFILE, EACCES, EIO...; ``_records_read.unreadable``)."""
+        path = self.manifest_path(step)
         try:
-            return Manifest.from_json(self.storage.read_bytes(self.manifest_path(step)))
-        except FileNotFoundError as e:
+            return Manifest.from_json(self.storage.read_bytes(path))
+        except (FileNotFoundError, NotADirectoryError) as e:
             raise E.CheckpointCorruptError(f"step {step} has no manifest in {self.meta}") from e
+        except OSError as e:
+            raise unreadable(f"read the manifest of step {step},", path, e) from e
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise E.CheckpointCorruptError(f"the manifest of step {step} is damaged: {e}") from e
         except E.CheckpointCorruptError as e:
@@ -550,11 +581,16 @@ class CommitLayout:
         return self.abs(b) if b else None
 
     def tracker_step(self) -> int | None:
-        """The step ``tracker.json`` names; None when it is missing or damaged (the manifests decide)."""
+        """The step ``tracker.json`` names; None when it is missing or damaged (the manifests decide).
+
+        Raises:
+            CheckpointDirError: it could not be read (``_records_read.unreadable``)."""
         try:
             d = json.loads(self.storage.read_bytes(self.tracker_path))
-        except (OSError, ValueError):
+        except (FileNotFoundError, NotADirectoryError, ValueError):
             return None
+        except OSError as e:
+            raise unreadable("read", self.tracker_path, e) from e
         step = d.get("step") if isinstance(d, dict) else None
         return step if isinstance(step, int) and not isinstance(step, bool) else None
 
@@ -582,9 +618,11 @@ class CommitLayout:
                 continue
             try:
                 size, digest = self.storage.checksum(path) if deep else (self.storage.size(path), f.xxh3)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 problems.append(f"{path}: missing")
                 continue
+            except OSError as e:  # not a damaged step (a load would fall back to an older one): unknown
+                raise unreadable(f"read a file of step {step},", path, e) from e
             if size != f.size:
                 problems.append(f"{path}: size {size} != {f.size} in the manifest")
             elif digest != f.xxh3:

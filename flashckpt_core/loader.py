@@ -126,7 +126,7 @@ class StorageLoader:
         for s in steps[-limit:]:
             try:
                 parts.append(f"step {s}: {self.path_of(s)}")
-            except E.FlashCheckpointError:
+            except E.CheckpointCorruptError:
                 parts.append(f"step {s}: <damaged manifest>")
         more = f" (and {len(steps) - limit} older)" if len(steps) > limit else ""
         return f"committed steps in {self.layout.root}{more}: " + "; ".join(parts)

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -31,6 +32,7 @@ from . import _records_upkeep as upkeep
 from . import errors as E
 from ._lease import Lease, held
 from ._records import META
+from ._records_read import unreadable
 
 if TYPE_CHECKING:
     from .commit import CommitLayout
@@ -90,10 +92,18 @@ class RecordsHome(ABC):
         """Why the records describe files that are gone (every committed step's files are missing), or
         None. Reads only."""
         manifests = layout._committed_manifests()
-        paths = [f.path for m in manifests.values() for f in m.all_files()]
-        if paths and not any(self.storage.exists(locations.join(self.root, p)) for p in paths):
+        paths = [locations.join(self.root, f.path) for m in manifests.values() for f in m.all_files()]
+        if paths and not any(self._exists(p) for p in paths):
             return f"no file of their committed steps {sorted(manifests)} exists in {self.root}"
         return None
+
+    def _exists(self, path: str) -> bool:
+        """``storage.exists``; an error that leaves it unknown is raised (``unreadable``): files taken for
+        gone would make the records look stale, and a saver would set them aside."""
+        try:
+            return self.storage.exists(path)
+        except OSError as e:
+            raise unreadable("look up", path, e) from e
 
     def before_commit(self, layout: CommitLayout, step: int, files: list[FileRecord]) -> None:
         """Called by a commit of ``step`` with its files (all ranks', staged ones in place) just before its
@@ -227,12 +237,18 @@ class PosixRecords(RecordsHome):
         return os.path.join(self.meta, "jobs", f"{job}.lock")
 
     def job_alive(self, job: str) -> bool:
+        """Whether a saver of ``job`` holds its lock in the records now.
+
+        Raises:
+            CheckpointDirError: the lock could not be probed (EMFILE, EACCES...): a live job taken for dead
+                would have its half-written steps removed."""
         if not job or os.sep in job or job.startswith("."):
             return False
+        path = self.job_lock_path(job)
         try:
-            return held(self.job_lock_path(job))
-        except OSError:
-            return False
+            return held(path)
+        except OSError as e:
+            raise unreadable("probe the job lock", path, e) from e
 
     def claim(self, job: str, layout: CommitLayout) -> Held | None:
         """Beside the checkpoint dir, under the parent's lock: records found under another name (the dir
@@ -273,7 +289,8 @@ class PosixRecords(RecordsHome):
     def _renew(self, top_fd: int, top: str, name: str, layout: CommitLayout) -> bool:
         """Sets stale records aside, binds (or creates) them; False when, the stale ones gone, the rule
         now keeps the records inside (``meta`` changed)."""
-        if os.path.isdir(self.meta):
+        st = _records._lstat(self.meta)
+        if st is not None and stat.S_ISDIR(st.st_mode):
             bound, ino = _records.read_binding(self.meta), os.stat(self.root).st_ino
             why = self.stale_reason(layout)
             if why:
@@ -355,8 +372,10 @@ class PosixRecords(RecordsHome):
             return None
         try:
             ino = os.stat(self.root).st_ino
-        except OSError:
+        except (FileNotFoundError, NotADirectoryError):
             return f"the checkpoint dir {self.root} does not exist"
+        except OSError as e:
+            raise unreadable("look up the checkpoint dir", self.root, e) from e
         bound = _records.read_binding(self.meta)
         if bound is not None and bound != ino and not self._whole(layout):
             return (f"they were written for an earlier directory {self.root} (inode {bound}; now {ino}), "

@@ -198,7 +198,9 @@ class CheckpointStorage(ABC):
                 self.read_into(path, offset, out)
 
     @abstractmethod
-    def exists(self, path: str) -> bool: ...
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists. False only when it does not: an error that leaves it unknown (a
+        refused request, EACCES, EIO...) is raised, never taken for absence."""
 
     def isdir(self, path: str) -> bool:
         """Whether ``path`` holds anything below it (object stores have no empty directories)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, BinaryIO
@@ -105,7 +106,14 @@ class PosixDiskStorage(CheckpointStorage):
             return f.read()
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(path)
+        """Whether ``path`` exists (symbolic links followed). Only "not there" is False (ENOENT, ENOTDIR);
+        an error that leaves it unknown (EACCES, EIO...) is raised: a manifest taken for absent would make
+        its committed step look uncommitted."""
+        try:
+            os.stat(path)
+        except (FileNotFoundError, NotADirectoryError, ValueError):
+            return False
+        return True
 
     def listdir(self, path: str) -> list[str]:
         try:
@@ -148,7 +156,13 @@ class PosixDiskStorage(CheckpointStorage):
         return d == r or d.startswith(r + os.sep)
 
     def isdir(self, path: str) -> bool:
-        return os.path.isdir(path) and not os.path.islink(path)
+        """Whether ``path`` is a directory (not a symbolic link to one). Only "not there" is False; an error
+        that leaves it unknown (EACCES, EIO...) is raised, as by ``exists``."""
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError, ValueError):
+            return False
+        return stat.S_ISDIR(st.st_mode)
 
     def size(self, path: str) -> int:
         return os.stat(path).st_size

@@ -135,7 +135,7 @@ def _single_file_steps(layout: CommitLayout) -> dict[int, str]:
     for step in layout.committed_steps():
         try:
             files = layout.read_manifest(step).files_for(0)
-        except FlashCheckpointError:
+        except E.CheckpointCorruptError:  # damaged: not this one (a manifest that cannot be read is raised)
             continue
         if len(files) == 1 and not files[0].name:
             out[step] = layout.abs(files[0].path)

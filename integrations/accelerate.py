@@ -41,7 +41,7 @@ def committed_step_of(layout: CommitLayout, base: str) -> int | None:
         try:
             if layout.base(step, 0) == want:
                 return step
-        except E.FlashCheckpointError as e:  # a damaged manifest: not this one
+        except E.CheckpointCorruptError as e:  # a damaged manifest: not this one (one that cannot be read raises)
             log.warning("%s: step %d: %s", layout.root, step, e)
     return None
 

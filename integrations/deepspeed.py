@@ -353,7 +353,7 @@ class DeepSpeedCheckpointer(Adapter):
         if step not in self._dirs_of_committed:  # a manifest never changes: read each once
             try:
                 p = self._core.step_path(step)
-            except FlashCheckpointError:
+            except E.CheckpointCorruptError:  # damaged: owns nothing (a manifest that cannot be read raises)
                 p = None
             self._dirs_of_committed[step] = locations.normpath(p) if p else None
         return self._dirs_of_committed[step]

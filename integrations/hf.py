@@ -158,7 +158,7 @@ def _last_checkpoint(folder: str, layout: CommitLayout, verify: bool) -> str | N
         for step in reversed(committed):
             try:
                 base = layout.base(step, 0)
-            except Exception as e:  # a damaged manifest: fall back to the previous step
+            except E.CheckpointCorruptError as e:  # a damaged manifest: fall back to the previous step
                 log.warning("get_last_checkpoint(%s): step %d: %s", folder, step, e)
                 continue
             if not base or _step_of(base) is None or not (layout.storage.isdir(base) if locations.is_url(base)

@@ -303,6 +303,8 @@ _TIER_OF_FILE = {
     # the README's promises, starts and leftovers (generated state dicts in test_roundtrip_property.py)
     **dict.fromkeys(("test_fidelity.py", "test_roundtrip_property.py", "test_identity.py", "test_process_events.py",
                      "test_dir_moves.py", "test_promises.py", "test_starts_and_leftovers.py"), "multiproc"),
+    # commit records that cannot be read (EMFILE, EACCES...): an error, never "no records" (#30 item 8's class)
+    "test_records_errors.py": "multiproc",
 }
 
 
