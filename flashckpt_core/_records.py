@@ -40,6 +40,7 @@ symbolic link is ever followed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -307,7 +308,21 @@ def bind(top_fd: int, name: str, root: str) -> bool:
         _write_binding(fd, os.path.realpath(root), ino)
     finally:
         os.close(fd)
-    os.rename(tmp, name, src_dir_fd=top_fd, dst_dir_fd=top_fd)
+    try:
+        os.rename(tmp, name, src_dir_fd=top_fd, dst_dir_fd=top_fd)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        # Made meanwhile by a writer that needs no parent lock (a saver of another node putting the job's
+        # peer book into them, say): they are these records, bound here instead.
+        fd = os.open(tmp, _DIR_FLAGS, dir_fd=top_fd)
+        try:
+            for n in os.listdir(fd):  # its dir.json (and a temp file of it, at most)
+                os.unlink(n, dir_fd=fd)
+        finally:
+            os.close(fd)
+        os.rmdir(tmp, dir_fd=top_fd)
+        return bind(top_fd, name, root)
     os.fsync(top_fd)
     return True
 

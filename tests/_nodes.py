@@ -450,6 +450,10 @@ class Cluster:
                 found = True
                 key = (node.index, node.gen, os.path.basename(os.path.dirname(path)))
                 with self._lock:
+                    # A log that does not continue the one copied before is a new saver's (the job dir
+                    # was made again): kept beside the old one, under the next free key.
+                    while key in self.saver_logs and not text.startswith(self.saver_logs[key][:200]):
+                        key = (key[0], key[1], key[2] + "+")
                     if len(text) >= len(self.saver_logs.get(key, "")):
                         self.saver_logs[key] = text
             if found or os.path.isdir(root):

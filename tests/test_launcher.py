@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -206,3 +208,29 @@ def test_savers_exit_when_their_launcher_is_gone(fault_env: FaultEnv) -> None:
     wait_for(lambda: not saver_pids(fault_env.runtime_dir), 30,
              "the saver to exit once its launcher and worker are gone (its grace is 120 s)")
     assert tracker_step(ckpt) == 2, fault_env.saver_logs()
+
+
+def test_savers_keep_a_crashed_workers_snapshot_past_their_grace_while_the_launcher_lives(fault_env: FaultEnv) -> None:
+    """A worker of a launcher (FLASHCKPT_AGENT_PID: here a stand-in process, since the restart itself is
+    not what is tested) crashes: its saver keeps the snapshot past its grace period while the launcher
+    lives, since a restart (slow on a loaded machine) can still come for it; once the launcher is gone it
+    persists the newest snapshot and exits."""
+    from _fault_helpers import TRAINER, kill9
+
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    agent = subprocess.Popen(["sleep", "600"])
+    try:
+        env = fault_env.env(FLASHCKPT_SAVER_GRACE_S="1", FLASHCKPT_AGENT_PID=str(agent.pid))
+        worker = fault_env.popen([sys.executable, TRAINER, "--ckpt", ckpt, "--mb", "1", "--plan", "1:disk,2:memory",
+                                  "--wait", "--hold"], "worker.log", env=env)
+        wait_for(lambda: "holding" in fault_env.log("worker.log") or worker.poll() is not None, 180, "the worker to save")
+        assert worker.poll() is None, fault_env.log("worker.log")
+        kill9(worker.pid)
+        worker.wait()
+        time.sleep(6)  # six grace periods
+        assert saver_pids(fault_env.runtime_dir), "the saver exited within its grace while the launcher lives"
+    finally:
+        agent.kill()
+        agent.wait()
+    wait_for(lambda: not saver_pids(fault_env.runtime_dir), 30, "the saver to exit once its launcher is gone")
+    assert tracker_step(ckpt) == 2, fault_env.saver_logs()  # the newest snapshot persisted

@@ -319,3 +319,34 @@ def test_two_nodes_agree_on_the_records_dir(tmp_path) -> None:
     assert [r["before"] for r in res] == [r["meta"] for r in res] == [want, want], res
     assert res[0]["ranks"] == [0, 1] and res[0]["ls"] == ["step_1"], res
     assert layout(ckpt).verify(1) == []
+
+
+def test_records_made_meanwhile_by_a_lockless_writer_are_bound_not_refused(tmp_path, monkeypatch) -> None:
+    """Another node's saver may put the job's peer book into the records (no parent lock needed) between a
+    claim's look for them and its rename of the new records into place: the claim binds those records
+    (their content kept) instead of failing on the rename (ENOTEMPTY), and leaves no temporary dir."""
+    from flashckpt import _records
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    top, name = os.path.split(_records.home(str(root)))
+    real_open = _records._open_dir_at
+    raced = []
+
+    def open_dir_at(top_fd: int, n: str):  # the other writer makes them right after the claim looked
+        if not raced:
+            raced.append(n)
+            os.makedirs(os.path.join(top, n, "peers", "job"))
+            with open(os.path.join(top, n, "peers", "job", "secret"), "wb") as f:
+                f.write(b"s")
+            return None
+        return real_open(top_fd, n)
+
+    monkeypatch.setattr(_records, "_open_dir_at", open_dir_at)
+    with _records.locked_parent(top) as top_fd:
+        assert _records.bind(top_fd, name, str(root)) is False
+    assert raced == [name]
+    records = os.path.join(top, name)
+    assert _records.read_binding(records) == os.stat(root).st_ino
+    assert open(os.path.join(records, "peers", "job", "secret"), "rb").read() == b"s"
+    assert not [n for n in os.listdir(top) if n.startswith(_records.NEW)]

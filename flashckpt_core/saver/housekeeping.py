@@ -9,9 +9,10 @@ and retried, 1 s after the first failure and up to every 30 s, until it succeeds
 
 Until it succeeds the records are *pending*: the saver serves (hello, allocations, memory snapshots, status,
 waits), and what needs the records waits for them, bounded by ``Knobs.records_timeout_s``
-(FLASHCKPT_RECORDS_TIMEOUT_S), or at once says why not when an attempt failed: a persist or a deletion
-request (``NEEDS_RECORDS``), last words, and an engine's first use of its records (``AwaitRecords``: a load,
-a storage save). Commits and deletions on the commit thread follow persists, which waited. No persist of this
+(FLASHCKPT_RECORDS_TIMEOUT_S), or says why not at once when two attempts in a row failed (one failure may
+be a passing race, such as another node's saver making the same records): a persist or a deletion request
+(``NEEDS_RECORDS``), last words, and an engine's first use of its records (``AwaitRecords``: a load, a
+storage save). Commits and deletions on the commit thread follow persists, which waited. No persist of this
 job can therefore run while half-written steps are removed.
 """
 
@@ -102,8 +103,8 @@ class HousekeepingPart(SaverBase):
             self._committed = committed
 
     def _await_records(self, what: str, timeout: float) -> None:
-        """Returns once the commit records are ready; else, after ``timeout`` seconds, or at once when an
-        attempt at readying them failed, raises why ``what`` cannot go on.
+        """Returns once the commit records are ready; else, after ``timeout`` seconds, or at once when two
+        attempts at readying them failed, raises why ``what`` cannot go on.
 
         Raises:
             CheckpointDirError: an attempt failed (the store's error, or records that cannot be used).
@@ -116,7 +117,9 @@ class HousekeepingPart(SaverBase):
                 where = (f"{what}: the commit records in {self.layout.meta} are not ready: the saver (pid "
                          f"{os.getpid()}) has been readying them for {time.monotonic() - self._records_since:.0f} s "
                          "(its job's hold, the committed steps, clean-up of half-written steps, the tracker)")
-                if self._records_error is not None:
+                # One failed attempt may be a passing race (another node's saver making the same records);
+                # a caller is told once the retry, a second later, failed too.
+                if self._records_error is not None and self._records_failures >= 2:
                     raise E.CheckpointDirError(
                         f"{where}, and its attempt {self._records_failures} failed: {self._records_error}. It "
                         "retries (up to every 30 s); nothing was written. Check the store (credentials, "

@@ -192,9 +192,12 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
                     # The grace period applies after a crash (or a goodbye keeping the snapshots), while
                     # a snapshot is held. A saver nobody attached to yet waits at least as long as its
                     # spawner does, so a short grace cannot make it exit under the first trainer's hello.
+                    # While the job's launcher lives, a restart of its workers can still come (it restarts
+                    # them or exits, and its exit ends this wait above): a slow restart on a loaded machine
+                    # never outlasts the snapshots it comes back for.
                     grace = self.knobs.grace_s if self._ever_clients else max(self.knobs.grace_s,
                                                                               self.knobs.spawn_timeout_s)
-                    if time.monotonic() - self._idle_since >= grace:
+                    if time.monotonic() - self._idle_since >= grace and self._agent is None:
                         log.info("no client for %.0f s: exiting", grace)
                         break
                 self._cv.wait(timeout=0.5)
