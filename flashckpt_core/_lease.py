@@ -125,21 +125,7 @@ class Lease:
 def held(path: str, *, dir_fd: int | None = None) -> bool:
     """Whether some process holds a lease on ``path`` (shared or exclusive; relative to ``dir_fd``
     when given). A symbolic link is never followed (never held)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    except OSError as e:
-        if e.errno != errno.ELOOP:
-            raise
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing drops the probe's lock
-    return False
+    return _probe(path, fcntl.LOCK_EX, dir_fd)
 
 
 def live_holder(path: str, *, exit_wait: float = 10.0) -> dict[str, Any] | None:
@@ -172,8 +158,14 @@ def live_holder(path: str, *, exit_wait: float = 10.0) -> dict[str, Any] | None:
 def _held_exclusively(path: str) -> bool:
     """Whether some process holds an exclusive ``flock`` on ``path`` (probed with a shared one, at once
     dropped). A symbolic link is never followed (never held)."""
+    return _probe(path, fcntl.LOCK_SH, None)
+
+
+def _probe(path: str, op: int, dir_fd: int | None) -> bool:
+    """Whether a non-blocking ``flock(op)`` on ``path`` is refused (the lock taken, if any, is dropped at
+    once); False when ``path`` is missing or a symbolic link."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except (FileNotFoundError, NotADirectoryError):
         return False
     except OSError as e:
@@ -181,7 +173,7 @@ def _held_exclusively(path: str) -> bool:
             raise
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, op | fcntl.LOCK_NB)
         return False
     except BlockingIOError:
         return True

@@ -12,11 +12,9 @@ again. It exits 0 and prints ``OK EVENT`` when every check held; an AssertionErr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import resource
 import shutil
 import signal
 import sys
@@ -25,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from _starve import starved_fds
 from flashckpt import CheckpointEngine, FlashCheckpointError, StorageType
 from flashckpt.commit import CommitLayout
 from flashckpt.storage import PosixDiskStorage
@@ -286,16 +285,8 @@ def checkpoint_dir_renamed(eng: CheckpointEngine, ckpt: str) -> Expect:
 def _starved(eng: CheckpointEngine, free: int) -> dict[str, str]:
     """Calls memory_steps() and load() with ``free`` file descriptors left: each returns the right answer or
     raises an error naming what failed; returns call -> what happened."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 512), hard))
-    held: list[int] = []
     out: dict[str, str] = {}
-    try:
-        with contextlib.suppress(OSError):
-            while True:
-                held.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
-        for _ in range(free):
-            os.close(held.pop())
+    with starved_fds(free, limit=512):
         for name, call in (("memory_steps", eng.memory_steps), ("load", eng.load)):
             try:
                 got = call()
@@ -311,10 +302,6 @@ def _starved(eng: CheckpointEngine, free: int) -> dict[str, str]:
                     f"load() starved of fds returned {eng.last_load}, not step 2 from memory"
                 same(got, 2, "the load starved of fds")
             out[name] = "right"
-    finally:
-        for fd in held:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     return out
 
 

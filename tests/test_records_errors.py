@@ -29,26 +29,10 @@ DISK = StorageType.DISK
 
 # The starved calls: every number of free descriptors from none to enough, so each read of the records
 # in turn is the one that fails.
-_STARVE = """
-import contextlib, os, resource
-
-
-@contextlib.contextmanager
-def starved(free):
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
-    held = []
-    try:
-        with contextlib.suppress(OSError):
-            while True:
-                held.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
-        for _ in range(free):
-            os.close(held.pop())
-        yield
-    finally:
-        for fd in held:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+_STARVE = f"""
+import contextlib, os, sys
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+from _starve import starved_fds as starved
 """
 
 _STARVED_READS = _STARVE + """
