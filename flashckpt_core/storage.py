@@ -20,6 +20,7 @@ import xxhash
 
 from . import errors as E
 from . import locations
+from ._lazy import lazy_attributes
 from .config import STORAGE_OPTIONS_ENV, knob
 from .locations import local_dir, url_scheme
 
@@ -393,9 +394,5 @@ def _from_entry_points(scheme: str) -> type[CheckpointStorage] | None:
     return None
 
 
-def __getattr__(name: str) -> Any:
-    if name == "PosixDiskStorage":  # its own module (which imports this one); importable from here too
-        from .storage_posix import PosixDiskStorage
-
-        return PosixDiskStorage
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# PosixDiskStorage: its own module (which imports this one); importable from here too
+__getattr__, __dir__ = lazy_attributes(__name__, {"PosixDiskStorage": ".storage_posix"})
