@@ -11,8 +11,9 @@ an ``flock``, proxies to the saver's named objects); they are internal, in ``fla
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from .config import StorageType
@@ -51,25 +52,12 @@ _ERRORS = ("AlreadyExistsError", "CheckpointCorruptError", "CheckpointDirError",
            "EngineUseError", "FlashCheckpointError", "InvalidArgumentError", "InvalidArgumentTypeError", "InvalidStateDictError",
            "PersistError", "ProtocolError", "RankStateNotFoundError", "SaverError", "SharedMemoryError", "TrackerUpdateError",
            "UnsupportedStrategyError", "WriteRefusedError")
-_WHERE = {
-    "StorageType": "config", "CheckpointEngine": "engine", "LoadResult": "engine", "FileSet": "files",
-    "storage_type_for": "interval", "CheckpointDeletionStrategy": "retention", "KeepLatestStepStrategy": "retention",
-    "KeepStepIntervalStrategy": "retention", "SnapshotReader": "snapshot_reader", "CheckpointStorage": "storage",
-    **{name: "errors" for name in _ERRORS},
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_attributes(__name__, {
+    "StorageType": ".config", "CheckpointEngine": ".engine", "LoadResult": ".engine", "FileSet": ".files",
+    "storage_type_for": ".interval", "CheckpointDeletionStrategy": ".retention", "KeepLatestStepStrategy": ".retention",
+    "KeepStepIntervalStrategy": ".retention", "SnapshotReader": ".snapshot_reader", "CheckpointStorage": ".storage",
+    **{name: ".errors" for name in _ERRORS},
+})
 
 
 __version__ = "0.1.0"

@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from .config import knob
+
 __all__ = ["register", "unregister", "copy_to_host", "copy_to_device", "copy_to_device_staged", "load_mode"]
 
 log = logging.getLogger(__name__)
@@ -81,8 +83,7 @@ def unregister(addr: int) -> None:
 
 def load_mode() -> str:
     """How a restore copies to the GPU: ``FLASHCKPT_CUDA_LOAD`` (staged, register or pageable)."""
-    mode = os.environ.get("FLASHCKPT_CUDA_LOAD", "staged").strip().lower()
-    return mode if mode in ("staged", "register", "pageable") else "staged"
+    return str(knob("cuda_load"))
 
 
 def _bytes_of(st: torch.UntypedStorage, byte_offset: int, nbytes: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Deferred imports: a module that loads on its first attribute access, not at ``import``."""
+"""Deferred imports: a module's names that import their module on first use (``lazy_attributes``), and a
+module that loads on its first attribute access, not at ``import`` (``defer``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import importlib.util
 import sys
 import threading
 import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["defer"]
+__all__ = ["defer", "lazy_attributes"]
 
 _lock = threading.Lock()
 
@@ -50,3 +52,41 @@ def defer(name: str) -> None:
     stand_in = _Deferred(name)
     stand_in.__spec__ = spec  # not initializing: `import name` elsewhere returns the stand-in as is
     sys.modules[name] = stand_in
+
+
+def lazy_attributes(module: str, where: Mapping[str, str], *,
+                    import_error: Callable[[str, ImportError], BaseException] | None = None,
+                    ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A module's ``__getattr__`` and ``__dir__`` (PEP 562) for names defined in other modules, each imported
+    on the first use of one of its names, which is then kept in the module's namespace (the next use is a
+    plain lookup). Use: ``__getattr__, __dir__ = lazy_attributes(__name__, {"Name": ".module", ...})``.
+
+    Args:
+        module: the module's ``__name__``.
+        where: public name -> the module defining it: relative (``".server"``) to the module's package, or
+            absolute.
+        import_error: what to raise instead when importing the defining module of a name fails (given the
+            name and the ImportError, which is chained); None: the ImportError itself.
+
+    May run in several threads: the import system serializes the imports, and each stores the same value.
+    """
+
+    def __getattr__(name: str) -> Any:
+        target = where.get(name)
+        if target is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        namespace = sys.modules[module]
+        try:
+            defining = importlib.import_module(target, namespace.__package__)
+        except ImportError as e:
+            if import_error is None:
+                raise
+            raise import_error(name, e) from e
+        value = getattr(defining, name)
+        setattr(namespace, name, value)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(sys.modules[module])) | set(where))
+
+    return __getattr__, __dir__

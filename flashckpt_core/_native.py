@@ -27,6 +27,8 @@ from types import ModuleType
 
 import torch
 
+from .config import knob
+
 __all__ = ["get", "build", "ext_dir", "status"]
 
 log = logging.getLogger("flashckpt")
@@ -51,7 +53,7 @@ def _tag() -> str:
 
 
 def ext_dir() -> str:
-    root = os.environ.get("FLASHCKPT_EXT_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flashckpt", "ext")
+    root = knob("ext_dir") or os.path.join(os.path.expanduser("~"), ".cache", "flashckpt", "ext")
     return os.path.join(root, _tag())
 
 
@@ -100,7 +102,7 @@ def build() -> ModuleType:
 
 def status() -> str:
     """One line on the fast path: loaded, building, cached, failed, disabled or not built."""
-    mode = os.environ.get("FLASHCKPT_NATIVE", "auto").strip().lower()
+    mode = knob("native")
     if mode in _OFF:
         return "disabled (FLASHCKPT_NATIVE=0): the Python fallback runs"
     d = ext_dir()
@@ -133,7 +135,7 @@ def get() -> ModuleType | None:
         return _module
     if _idle_until and time.monotonic() < _idle_until:
         return None
-    mode = os.environ.get("FLASHCKPT_NATIVE", "auto").strip().lower()
+    mode = knob("native")
     if mode in _OFF:
         return None
     with _lock:

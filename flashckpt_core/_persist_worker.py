@@ -50,6 +50,7 @@ from ._protocol import read_frame, write_frame
 from ._rawpickle import EMPTY_BYTES, RawPickle
 from ._tree import TensorMeta, build_tensor, split_opaque, unflatten
 from .commit import CommitLayout
+from .config import knob
 from .files import FileSet, is_fileset_tree
 from .segment import COMPLETE, Segment
 from .storage import CheckpointStorage, FileRecord, HashingWriter, options_from_env, storage_from_spec
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(null, 0)
     os.close(null)
     os.dup2(2, 1)
-    logging.basicConfig(level=os.environ.get("FLASHCKPT_SAVER_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=knob("saver_log_level"),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     # The saver stops it (the end of its stdin), and it dies with the saver. A SIGTERM or ^C sent to the
     # whole process group (scancel, a terminal) is the saver's to handle: its last words need the worker.

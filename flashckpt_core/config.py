@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import json
 import os
 import stat
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, TypeVar
 
 from . import errors as E
 
-__all__ = ["StorageType", "Knobs", "RankInfo", "job_key", "runtime_root", "job_dir", "make_private_dir",
+__all__ = ["StorageType", "Knobs", "ReplicaKnobs", "S3Knobs", "knob", "knob_variables", "JOB_ID_ENV", "AGENT_PID_ENV",
+           "LAST_WORDS_ENV", "WARM_MODULES_DIR_ENV", "STORAGE_OPTIONS_ENV", "RankInfo", "job_key", "runtime_root", "job_dir", "make_private_dir",
            "open_private_dir", "dir_identity", "is_default_runtime_dir", "is_job_key_of", "job_key_digest"]
 
 
@@ -23,29 +27,203 @@ class StorageType(enum.Enum):
     DISK = "disk"
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
+#: variables flashckpt sets for the processes it starts (and reads back there, as fields below)
+JOB_ID_ENV = "FLASHCKPT_JOB_ID"
+AGENT_PID_ENV = "FLASHCKPT_AGENT_PID"
+LAST_WORDS_ENV = "FLASHCKPT_LAST_WORDS"
+WARM_MODULES_DIR_ENV = "FLASHCKPT_WARM_MODULES_DIR"
+STORAGE_OPTIONS_ENV = "FLASHCKPT_STORAGE_OPTIONS"
+
+_T = TypeVar("_T")
+#: how a knob's value is read from its variable's text (never empty): (variable, text) -> value
+Parse = Callable[[str, str], Any]
+_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
+def _number(name: str, raw: str) -> float:
     try:
         return float(raw)
     except ValueError as e:
         raise E.InvalidArgumentError(f"environment variable {name}={raw!r} is not a number") from e
 
 
-def _env_int(name: str, default: int) -> int:
-    return int(_env_float(name, float(default)))
+def _float(lo: float | None = None, hi: float | None = None, *, refuse: bool = False) -> Parse:
+    """A number, clamped to [lo, hi] (or, when ``refuse``, refused outside it)."""
+    def parse(name: str, raw: str) -> float:
+        v = _number(name, raw)
+        bounded = min(hi, v) if hi is not None else v
+        bounded = max(lo, bounded) if lo is not None else bounded
+        if refuse and bounded != v:
+            raise E.InvalidArgumentError(f"environment variable {name}={raw!r} is out of range (at least {lo}"
+                                         + (f", at most {hi})" if hi is not None else ")"))
+        return bounded
+    return parse
+
+
+def _int(lo: int | None = None, hi: int | None = None, *, refuse: bool = False) -> Parse:
+    """An integer (a number, truncated), clamped to [lo, hi] (or refused outside it when ``refuse``)."""
+    num = _float(lo, hi, refuse=refuse)
+    return lambda name, raw: int(num(name, raw))
+
+
+def _flag(name: str, raw: str) -> bool:
+    word = raw.strip().lower()
+    if word in _OFF + _ON:
+        return word in _ON
+    raise E.InvalidArgumentError(f"environment variable {name}={raw!r}: use 1 or 0 (true/false, yes/no, on/off)")
+
+
+def _text(name: str, raw: str) -> str:
+    return raw
+
+
+def _word(*choices: str, aliases: dict[str, str] | None = None, fallback: str | None = None) -> Parse:
+    """One of ``choices`` (case and spaces ignored; ``aliases`` map other words to them); anything else is
+    ``fallback`` when there is one, else refused."""
+    def parse(name: str, raw: str) -> str:
+        word = raw.strip().lower()
+        word = (aliases or {}).get(word, word)
+        if word in choices:
+            return word
+        if fallback is not None:
+            return fallback
+        raise E.InvalidArgumentError(f"environment variable {name}={raw!r}: use {', '.join(choices)}")
+    return parse
+
+
+def _json_object(name: str, raw: str) -> dict[str, Any]:
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        raise E.InvalidArgumentError(f"environment variable {name} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise E.InvalidArgumentError(f"environment variable {name} is not a JSON object")
+    return value
+
+
+def _knob(env: str, default: Any, parse: Parse = _text, *, computed: Callable[[], Any] | None = None,
+          **kw: Any) -> Any:
+    """A field of a knobs dataclass read from the variable ``env`` by ``parse``; unset or empty, it is
+    ``computed()`` when given, else ``default``."""
+    return field(default=default, metadata={"env": env, "parse": parse, "computed": computed}, **kw)
+
+
+def _group(cls: type[Any]) -> Any:
+    """A field of ``Knobs`` holding another knobs dataclass (a group of variables read together)."""
+    return field(default_factory=cls, metadata={"group": cls})
+
+
+def _read(f: Field[Any]) -> Any:
+    env = f.metadata["env"]
+    raw = os.environ.get(env)
+    if raw is None or raw == "":
+        computed = f.metadata["computed"]
+        return computed() if computed is not None else f.default
+    return f.metadata["parse"](env, raw)
+
+
+def _from_env(cls: type[_T]) -> _T:
+    kw = {f.name: _from_env(f.metadata["group"]) if "group" in f.metadata else _read(f)
+          for f in fields(cls)}  # type: ignore[arg-type]
+    return cls(**kw)
+
+
+def _copy_threads_default() -> int:
+    try:
+        ncpu = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        ncpu = os.cpu_count() or 1
+    return min(ncpu, 8)
+
+
+@dataclass(frozen=True)
+class ReplicaKnobs:
+    """The replica's settings (backups of snapshots to a partner node's memory).
+
+    Attributes:
+        mode: "auto" (on for jobs of more than one node), "on", "off" (1/0 too); FLASHCKPT_REPLICA.
+        group_size: nodes per backup group (default 2: pairs; >= 1); FLASHCKPT_REPLICA_GROUP_SIZE.
+        stride: distance between the nodes of a group (0, the default: nnodes // group size);
+            FLASHCKPT_REPLICA_STRIDE.
+        mbps: cap on the backup traffic a node sends, MB/s (default 1000; 0: no cap); FLASHCKPT_REPLICA_MBPS.
+        host: the address peers reach this node's saver at (default: the one this host routes to
+            MASTER_ADDR from, else its host name's); FLASHCKPT_REPLICA_HOST.
+        loss_s: how long a commit waits for a rank before it asks whether anyone still writes it, and the
+            bound on every question to a peer (default 2 s, at least 0.1); FLASHCKPT_NODE_LOSS_S.
+    """
+
+    mode: str = _knob("FLASHCKPT_REPLICA", "auto", _word("auto", "on", "off", aliases={
+        **dict.fromkeys(("0", "false", "no"), "off"), **dict.fromkeys(("1", "true", "yes"), "on")}))
+    group_size: int = _knob("FLASHCKPT_REPLICA_GROUP_SIZE", 2, _int(1, None, refuse=True))
+    stride: int = _knob("FLASHCKPT_REPLICA_STRIDE", 0, _int(0, None, refuse=True))
+    mbps: float = _knob("FLASHCKPT_REPLICA_MBPS", 1000.0, _float(0.0))
+    host: str = _knob("FLASHCKPT_REPLICA_HOST", "")
+    loss_s: float = _knob("FLASHCKPT_NODE_LOSS_S", 2.0, _float(0.1))
+
+    @staticmethod
+    def from_env() -> ReplicaKnobs:
+        return _from_env(ReplicaKnobs)
+
+    def active(self, nnodes: int) -> bool:
+        return self.mode == "on" or (self.mode == "auto" and nnodes > 1)
+
+
+@dataclass(frozen=True)
+class S3Knobs:
+    """The S3 backend's options from the environment, ``FLASHCKPT_S3_<FIELD>`` for each field of
+    ``flashckpt.storage_s3.S3Options`` (which documents them); None: not set (``storage_options`` given
+    to the engine win over these, and ``S3Options``' defaults hold for what neither sets).
+
+    Attributes:
+        endpoint_url: the store's endpoint; FLASHCKPT_S3_ENDPOINT_URL.
+        region: the region; FLASHCKPT_S3_REGION.
+        profile: an AWS profile name; FLASHCKPT_S3_PROFILE.
+        addressing_style: auto, path or virtual; FLASHCKPT_S3_ADDRESSING_STYLE.
+        part_size_mb: multipart part size (>= 5); FLASHCKPT_S3_PART_SIZE_MB.
+        concurrency: parts of one file in flight at once; FLASHCKPT_S3_CONCURRENCY.
+        max_attempts: attempts per request; FLASHCKPT_S3_MAX_ATTEMPTS.
+        deadline_s: a file's transfer gives up after this long; FLASHCKPT_S3_DEADLINE_S.
+        read_timeout_s: a request with no answer for this long is retried; FLASHCKPT_S3_READ_TIMEOUT_S.
+        checksums: send each part's CRC-32 (1/0); FLASHCKPT_S3_CHECKSUMS.
+        conditional_writes: create commit records with If-None-Match (1/0); FLASHCKPT_S3_CONDITIONAL_WRITES.
+    """
+
+    endpoint_url: str | None = _knob("FLASHCKPT_S3_ENDPOINT_URL", None)
+    region: str | None = _knob("FLASHCKPT_S3_REGION", None)
+    profile: str | None = _knob("FLASHCKPT_S3_PROFILE", None)
+    addressing_style: str | None = _knob("FLASHCKPT_S3_ADDRESSING_STYLE", None,
+                                         _word("auto", "path", "virtual"))
+    part_size_mb: int | None = _knob("FLASHCKPT_S3_PART_SIZE_MB", None, _int())
+    concurrency: int | None = _knob("FLASHCKPT_S3_CONCURRENCY", None, _int())
+    max_attempts: int | None = _knob("FLASHCKPT_S3_MAX_ATTEMPTS", None, _int())
+    deadline_s: float | None = _knob("FLASHCKPT_S3_DEADLINE_S", None, _float())
+    read_timeout_s: float | None = _knob("FLASHCKPT_S3_READ_TIMEOUT_S", None, _float())
+    checksums: bool | None = _knob("FLASHCKPT_S3_CHECKSUMS", None, _flag)
+    conditional_writes: bool | None = _knob("FLASHCKPT_S3_CONDITIONAL_WRITES", None, _flag)
+
+    @staticmethod
+    def from_env() -> S3Knobs:
+        return _from_env(S3Knobs)
+
+    def given(self) -> dict[str, Any]:
+        """The options set in the environment, by ``S3Options`` field name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
 @dataclass(frozen=True)
 class Knobs:
-    """Every environment variable flashckpt reads.
+    """Every environment variable flashckpt reads: each field names its variable (``knob_variables()``
+    lists them all; tests/test_config_knobs.py holds that no other module names one it reads); unset or empty, a variable leaves the default. A bad value raises
+    InvalidArgumentError naming the variable. ``Knobs.from_env()`` reads them all at once;
+    ``knob(name)`` reads one now (for the knobs read on every call).
 
     Attributes:
         runtime_dir: parent of the per-job runtime dirs (segments, socket, locks); FLASHCKPT_RUNTIME_DIR.
         shm_limit_bytes: pretend /dev/shm has at most this many free bytes (0 = real); FLASHCKPT_SHM_LIMIT_BYTES.
         grace_s: how long a saver with no clients keeps snapshots for a restarted trainer; FLASHCKPT_SAVER_GRACE_S.
-        copy_threads: threads that copy tensors into shared memory; FLASHCKPT_COPY_THREADS.
+        copy_threads: threads that copy tensors into shared memory (default: the CPUs, at most 8);
+            FLASHCKPT_COPY_THREADS.
         slots: snapshot slots per segment (1 or 2); FLASHCKPT_SLOTS. Two come with ``spare_slots`` spare
             slots whose memory is reserved only while persists (or backups to a partner node) hold slots:
             one more per slot held, so that a snapshot neither waits for a persist nor overwrites the
@@ -77,49 +255,107 @@ class Knobs:
         records_timeout_s: bound on waiting for the saver's start-up work on the commit records (see
             ``saver/housekeeping``) before a load, a persist or a commit says why it cannot go on;
             FLASHCKPT_RECORDS_TIMEOUT_S.
+        job_id: the job the runtime dir is named after (see ``job_key``; else TORCHELASTIC_RUN_ID); set by
+            ``flashckpt-run`` for its workers; FLASHCKPT_JOB_ID.
+        agent_pid: the pid of the ``flashckpt-run`` launcher this process runs under (0: none), set by it
+            for its workers: the savers end once it is gone; FLASHCKPT_AGENT_PID.
+        lease_ttl_s: time to live of the commit-records lease of a backend without a local file system
+            (at least 1 s); FLASHCKPT_LEASE_TTL_S.
+        storage_options: the ``storage_options`` a saver daemon or persist worker was started with (a
+            JSON object, set by the process that starts it); FLASHCKPT_STORAGE_OPTIONS.
+        saver_log_level: the log level of the saver daemon and its persist worker (a ``logging`` level
+            name); FLASHCKPT_SAVER_LOG_LEVEL.
+        native: the C++ fast path (``_native``): "auto" (load it if built, else build it in the
+            background), "build" (build it now, blocking), 0/off/false/no (never); FLASHCKPT_NATIVE.
+        ext_dir: where the fast path's builds are cached ("": ``~/.cache/flashckpt/ext``); FLASHCKPT_EXT_DIR.
+        cuda_load: how a restore copies to the GPU (``_cuda``): staged, register or pageable (anything
+            else: staged); FLASHCKPT_CUDA_LOAD.
+        launch_events: a file ``flashckpt-run`` (its agent, its warm workers) appends one JSON line per
+            event to ("": none); FLASHCKPT_LAUNCH_EVENTS.
+        last_words_blocking: ``flashckpt-run`` restarts failed workers only after their last words are
+            persisted (default: while they are); FLASHCKPT_LAST_WORDS_BLOCKING (1/0).
+        warm_workers: ``flashckpt-run`` hands restarted workers to warm processes (1/0);
+            FLASHCKPT_WARM_WORKERS.
+        warm_delay_s: how long after a worker's start its warm twin is started; FLASHCKPT_WARM_DELAY_S.
+        warm_modules_dir: where a worker of ``flashckpt-run`` records the modules it imported for its warm
+            twin (set by the launcher); FLASHCKPT_WARM_MODULES_DIR.
+        rdzv_poll_s: seconds between a waiting agent's polls of the rendezvous state (None: 0.1 up to 64
+            nodes, else 1; at least 0.01); FLASHCKPT_RDZV_POLL_S.
+        rdzv_keep_alive_s: the rendezvous heartbeat interval (None: 1 s where the poll is fast, else
+            torch's); FLASHCKPT_RDZV_KEEP_ALIVE_S.
+        replica: the backups to a partner node (``ReplicaKnobs``): FLASHCKPT_REPLICA*, FLASHCKPT_NODE_LOSS_S.
+        s3: the S3 backend's options (``S3Knobs``): FLASHCKPT_S3_*.
     """
 
-    runtime_dir: str
-    shm_limit_bytes: int
-    grace_s: float
-    copy_threads: int
-    slots: int
-    commit_timeout_s: float
-    rpc_timeout_s: float
-    spawn_timeout_s: float
-    last_words: bool = True
-    term_timeout_s: float = 120.0
-    persist_nice: int = 10
-    persist_worker_idle_s: float = 30.0
-    spare_hold_s: float = 60.0
-    scratch_dir: str = ""
-    records_timeout_s: float = 300.0
-    spare_slots: int = 4
+    runtime_dir: str = _knob("FLASHCKPT_RUNTIME_DIR", "", computed=lambda: runtime_root())
+    shm_limit_bytes: int = _knob("FLASHCKPT_SHM_LIMIT_BYTES", 0, _int())
+    grace_s: float = _knob("FLASHCKPT_SAVER_GRACE_S", 600.0, _float())
+    copy_threads: int = _knob("FLASHCKPT_COPY_THREADS", 1, _int(1), computed=_copy_threads_default)
+    slots: int = _knob("FLASHCKPT_SLOTS", 2, _int(1, 2))
+    commit_timeout_s: float = _knob("FLASHCKPT_COMMIT_TIMEOUT_S", 1800.0, _float())
+    rpc_timeout_s: float = _knob("FLASHCKPT_RPC_TIMEOUT_S", 120.0, _float())
+    spawn_timeout_s: float = _knob("FLASHCKPT_SPAWN_TIMEOUT_S", 60.0, _float())
+    last_words: bool = _knob(LAST_WORDS_ENV, True, _flag)
+    term_timeout_s: float = _knob("FLASHCKPT_TERM_TIMEOUT_S", 120.0, _float())
+    persist_nice: int = _knob("FLASHCKPT_PERSIST_NICE", 10, _int(0, 19))
+    persist_worker_idle_s: float = _knob("FLASHCKPT_PERSIST_WORKER_IDLE_S", 30.0, _float(0.0))
+    spare_hold_s: float = _knob("FLASHCKPT_SPARE_HOLD_S", 60.0, _float(0.0))
+    scratch_dir: str = _knob("FLASHCKPT_SCRATCH_DIR", "")
+    records_timeout_s: float = _knob("FLASHCKPT_RECORDS_TIMEOUT_S", 300.0, _float(0.0))
+    spare_slots: int = _knob("FLASHCKPT_SPARE_SLOTS", 4, _int(0, 16))
+    job_id: str = _knob(JOB_ID_ENV, "")
+    agent_pid: int = _knob(AGENT_PID_ENV, 0, _int(0))
+    lease_ttl_s: float = _knob("FLASHCKPT_LEASE_TTL_S", 60.0, _float(1.0))
+    storage_options: dict[str, Any] | None = _knob(STORAGE_OPTIONS_ENV, None, _json_object, hash=False)
+    saver_log_level: str = _knob("FLASHCKPT_SAVER_LOG_LEVEL", "INFO")
+    native: str = _knob("FLASHCKPT_NATIVE", "auto", lambda name, raw: raw.strip().lower())
+    ext_dir: str = _knob("FLASHCKPT_EXT_DIR", "")
+    cuda_load: str = _knob("FLASHCKPT_CUDA_LOAD", "staged", _word("staged", "register", "pageable",
+                                                                  fallback="staged"))
+    launch_events: str = _knob("FLASHCKPT_LAUNCH_EVENTS", "")
+    last_words_blocking: bool = _knob("FLASHCKPT_LAST_WORDS_BLOCKING", False, _flag)
+    warm_workers: bool = _knob("FLASHCKPT_WARM_WORKERS", True, _flag)
+    warm_delay_s: float = _knob("FLASHCKPT_WARM_DELAY_S", 5.0, _float())
+    warm_modules_dir: str = _knob(WARM_MODULES_DIR_ENV, "")
+    rdzv_poll_s: float | None = _knob("FLASHCKPT_RDZV_POLL_S", None, _float(0.01))
+    rdzv_keep_alive_s: float | None = _knob("FLASHCKPT_RDZV_KEEP_ALIVE_S", None, _float())
+    replica: ReplicaKnobs = _group(ReplicaKnobs)
+    s3: S3Knobs = _group(S3Knobs)
 
     @staticmethod
     def from_env() -> Knobs:
-        try:
-            ncpu = len(os.sched_getaffinity(0))
-        except AttributeError:  # pragma: no cover - non-Linux
-            ncpu = os.cpu_count() or 1
-        return Knobs(
-            runtime_dir=os.environ.get("FLASHCKPT_RUNTIME_DIR") or runtime_root(),
-            shm_limit_bytes=_env_int("FLASHCKPT_SHM_LIMIT_BYTES", 0),
-            grace_s=_env_float("FLASHCKPT_SAVER_GRACE_S", 600.0),
-            copy_threads=max(1, _env_int("FLASHCKPT_COPY_THREADS", min(ncpu, 8))),
-            slots=max(1, min(2, _env_int("FLASHCKPT_SLOTS", 2))),
-            commit_timeout_s=_env_float("FLASHCKPT_COMMIT_TIMEOUT_S", 1800.0),
-            rpc_timeout_s=_env_float("FLASHCKPT_RPC_TIMEOUT_S", 120.0),
-            spawn_timeout_s=_env_float("FLASHCKPT_SPAWN_TIMEOUT_S", 60.0),
-            last_words=os.environ.get("FLASHCKPT_LAST_WORDS", "1").lower() not in ("0", "false", "no", "off"),
-            term_timeout_s=_env_float("FLASHCKPT_TERM_TIMEOUT_S", 120.0),
-            persist_nice=max(0, min(19, _env_int("FLASHCKPT_PERSIST_NICE", 10))),
-            persist_worker_idle_s=max(0.0, _env_float("FLASHCKPT_PERSIST_WORKER_IDLE_S", 30.0)),
-            spare_hold_s=max(0.0, _env_float("FLASHCKPT_SPARE_HOLD_S", 60.0)),
-            scratch_dir=os.environ.get("FLASHCKPT_SCRATCH_DIR", ""),
-            records_timeout_s=max(0.0, _env_float("FLASHCKPT_RECORDS_TIMEOUT_S", 300.0)),
-            spare_slots=max(0, min(16, _env_int("FLASHCKPT_SPARE_SLOTS", 4))),
-        )
+        """Every knob, read from the environment now.
+
+        Raises:
+            InvalidArgumentError: a variable has a value its knob cannot take (the message names it).
+        """
+        return _from_env(Knobs)
+
+
+def knob(name: str) -> Any:
+    """The ``Knobs`` field ``name``, read from the environment now (the knobs read on every call, so that a
+    change of the environment, e.g. by a test, is seen at once).
+
+    Raises:
+        InvalidArgumentError: its variable has a value the knob cannot take.
+    """
+    f = _KNOB_FIELDS[name]
+    return _from_env(f.metadata["group"]) if "group" in f.metadata else _read(f)
+
+
+def knob_variables() -> list[tuple[str, str]]:
+    """Every environment variable flashckpt reads, with the dotted ``Knobs`` field it sets (``"replica.mode"``),
+    in the order ``Knobs`` declares them."""
+    def walk(cls: type[Any], prefix: str) -> Iterator[tuple[str, str]]:
+        for f in fields(cls):
+            if "group" in f.metadata:
+                yield from walk(f.metadata["group"], f"{prefix}{f.name}.")
+            else:
+                yield f.metadata["env"], prefix + f.name
+    return list(walk(Knobs, ""))
+
+
+_KNOB_FIELDS = {f.name: f for f in fields(Knobs)}
 
 
 def runtime_root() -> str:
@@ -143,7 +379,7 @@ def job_key(checkpoint_dir: str) -> str:
     checkpoint dirs never share a saver, even inside one job.
     """
     digest = job_key_digest(checkpoint_dir)
-    job = os.environ.get("FLASHCKPT_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
+    job = knob("job_id") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
     if job in ("", "none"):
         return digest
     return f"{_safe_job_id(job)}-{digest}"

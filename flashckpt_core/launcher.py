@@ -55,7 +55,7 @@ from typing import Any
 from . import errors as E
 from . import messages as M
 from ._protocol import Client
-from .config import Knobs, is_job_key_of
+from .config import AGENT_PID_ENV, JOB_ID_ENV, LAST_WORDS_ENV, WARM_MODULES_DIR_ENV, Knobs, is_job_key_of, knob
 from .warm import launch_event
 
 __all__ = ["main", "last_words_for_job"]
@@ -145,7 +145,7 @@ def _flash_agent_class(base: type, job_id: str, timeout: float, enabled: bool) -
             if not enabled:
                 return
             _join_last_words(timeout)
-            if self._restarting and os.environ.get("FLASHCKPT_LAST_WORDS_BLOCKING", "0") in ("", "0"):
+            if self._restarting and not knob("last_words_blocking"):
                 t = threading.Thread(target=_say_last_words, args=(job_id, timeout), name="flashckpt-last-words",
                                      daemon=True)
                 _pending.append(t)
@@ -225,8 +225,9 @@ def _rendezvous_poll(args: Any) -> float:
     dynamic rendezvous waits 1 s between polls, and caches the state it read for 1 s, to spare the backend
     at scale, which makes a multi-node restart wait 1-2 s for the agents that joined first. Up to 64 nodes 0.1 s (640 store
     reads a second at most, while a rendezvous is open); beyond that torch's 1 s."""
-    if "FLASHCKPT_RDZV_POLL_S" in os.environ:
-        return max(0.01, float(os.environ["FLASHCKPT_RDZV_POLL_S"]))
+    poll_s: float | None = knob("rdzv_poll_s")
+    if poll_s is not None:
+        return poll_s
     max_nodes = str(getattr(args, "nnodes", "1")).split(":")[-1]
     return 0.1 if max_nodes.isdigit() and int(max_nodes) <= 64 else 1.0
 
@@ -241,12 +242,12 @@ def _rendezvous_keep_alive(args: Any) -> None:
         return
     conf = str(getattr(args, "rdzv_conf", "") or "")
     keys = {kv.split("=", 1)[0].strip() for kv in conf.split(",") if "=" in kv}
-    interval = os.environ.get("FLASHCKPT_RDZV_KEEP_ALIVE_S")
+    interval: float | None = knob("rdzv_keep_alive_s")
     if interval is None:
         if _rendezvous_poll(args) > 0.5:
             return
-        interval = "1"
-    add = [f"keep_alive_interval={max(1, round(float(interval)))}"] if "keep_alive_interval" not in keys else []
+        interval = 1.0
+    add = [f"keep_alive_interval={max(1, round(interval))}"] if "keep_alive_interval" not in keys else []
     if "keep_alive_max_attempt" not in keys:
         add.append("keep_alive_max_attempt=3")
     if add:
@@ -296,12 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     # peer's port and fail or hang in init_process_group (pytorch/pytorch#135712; seen here with
     # --max_restarts and gloo in about a third of the restarts). Opting out gives every attempt a fresh store.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    job_id = os.environ.get("FLASHCKPT_JOB_ID") or _job_id_of(args)
-    os.environ["FLASHCKPT_JOB_ID"] = job_id  # inherited by every (re)started worker
-    os.environ["FLASHCKPT_AGENT_PID"] = str(os.getpid())  # the savers exit once this process is gone
+    knobs = Knobs.from_env()
+    job_id = knobs.job_id or _job_id_of(args)
+    os.environ[JOB_ID_ENV] = job_id  # inherited by every (re)started worker
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # the savers exit once this process is gone
     log.info("job id %s", job_id)
     if not enabled:
-        os.environ["FLASHCKPT_LAST_WORDS"] = "0"
+        os.environ[LAST_WORDS_ENV] = "0"
     # The agent class launch_agent builds; only this launcher process is affected.
     agent_class = _flash_agent_class(launcher_api.LocalElasticAgent, job_id, args.term_timeout, enabled)
     launcher_api.LocalElasticAgent = agent_class  # type: ignore[misc,assignment]
@@ -309,13 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     _rendezvous_keep_alive(args)
     import torch.distributed.elastic.multiprocessing.api as mp_api
 
-    from .warm import MODULES_DIR_ENV, WarmPool, handler_factory, make_modules_dir
+    from .warm import WarmPool, handler_factory, make_modules_dir
 
     pool = None
-    if not args.no_warm_workers and os.environ.get("FLASHCKPT_WARM_WORKERS", "1") not in ("0", "false", "off"):
+    if not args.no_warm_workers and knobs.warm_workers:
         modules_dir = make_modules_dir()  # the workers record their imports here
-        os.environ[MODULES_DIR_ENV] = modules_dir
-        pool = WarmPool(float(os.environ.get("FLASHCKPT_WARM_DELAY_S", "5")), modules_dir=modules_dir)
+        os.environ[WARM_MODULES_DIR_ENV] = modules_dir
+        pool = WarmPool(knobs.warm_delay_s, modules_dir=modules_dir)
     # Every worker dies with this launcher (a SIGKILL included); with a pool, restarted ones start warm.
     mp_api.get_subprocess_handler = handler_factory(pool)
     try:
@@ -324,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if pool is not None:
                 pool.close()
-                shutil.rmtree(os.environ.pop(MODULES_DIR_ENV), ignore_errors=True)
+                shutil.rmtree(os.environ.pop(WARM_MODULES_DIR_ENV), ignore_errors=True)
             _join_last_words(args.term_timeout)
     except SignalException as e:
         log.warning("received %s: persisting the newest snapshot before exiting", signal.Signals(e.sigval).name)

@@ -33,6 +33,7 @@ from . import errors as E
 from ._lease import Lease, held
 from ._records import META
 from ._records_read import unreadable
+from .config import knob
 
 if TYPE_CHECKING:
     from .commit import CommitLayout
@@ -187,12 +188,9 @@ class InsideRecords(RecordsHome):
         return locations.join(self.jobs_dir(), f"{job}.lease")
 
     def claim(self, job: str, layout: CommitLayout) -> Held | None:
+        ttl = float(knob("lease_ttl_s"))
         try:
-            ttl = float(os.environ.get("FLASHCKPT_LEASE_TTL_S", "60") or 60)
-        except ValueError:
-            ttl = 60.0
-        try:
-            return ObjectLease(self.storage, self._lease_path(job), ttl_s=max(ttl, 1.0)).acquire()
+            return ObjectLease(self.storage, self._lease_path(job), ttl_s=ttl).acquire()
         except OSError as e:
             raise E.CheckpointDirError(f"cannot write the commit records in {self.meta}: {e}") from e
 

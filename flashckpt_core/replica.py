@@ -36,59 +36,11 @@ from typing import Any
 from . import errors as E
 from . import locations
 from ._protocol import PeerClosed, recv_msg, send_msg
+from .config import ReplicaKnobs
 from .storage import CheckpointStorage
 
 __all__ = ["ReplicaKnobs", "backup_group", "partners", "PeerBook", "NodePlan", "across_nodes", "takes_over_rank0",
            "connect", "accept", "advertised_host", "Pacer", "send_range", "recv_into"]
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        raise E.InvalidArgumentError(f"{name}={os.environ[name]!r}: a number is needed") from None
-
-
-@dataclass(frozen=True)
-class ReplicaKnobs:
-    """The replica's settings (environment):
-
-    mode: FLASHCKPT_REPLICA: "auto" (default: on for jobs of more than one node), "on", "off".
-    group_size: FLASHCKPT_REPLICA_GROUP_SIZE: nodes per backup group (default 2: pairs).
-    stride: FLASHCKPT_REPLICA_STRIDE: distance between the nodes of a group (default nnodes // group size).
-    mbps: FLASHCKPT_REPLICA_MBPS: cap on the backup traffic a node sends, MB/s (default 1000; 0: no cap).
-    host: FLASHCKPT_REPLICA_HOST: the address peers reach this node's saver at (default: the one this host
-        routes to MASTER_ADDR from, else its host name's).
-    loss_s: FLASHCKPT_NODE_LOSS_S: how long a commit waits for a rank before it asks whether anyone still
-        writes it, and the bound on every question to a peer (default 2 s).
-    """
-
-    mode: str = "auto"
-    group_size: int = 2
-    stride: int = 0
-    mbps: float = 1000.0
-    host: str = ""
-    loss_s: float = 2.0
-
-    @staticmethod
-    def from_env() -> ReplicaKnobs:
-        mode = os.environ.get("FLASHCKPT_REPLICA", "auto").strip().lower()
-        if mode in ("0", "false", "no"):
-            mode = "off"
-        if mode in ("1", "true", "yes"):
-            mode = "on"
-        if mode not in ("auto", "on", "off"):
-            raise E.InvalidArgumentError(f"FLASHCKPT_REPLICA={mode!r}: use auto, on or off")
-        size = int(_env_float("FLASHCKPT_REPLICA_GROUP_SIZE", 2))
-        stride = int(_env_float("FLASHCKPT_REPLICA_STRIDE", 0))
-        if size < 1 or stride < 0:
-            raise E.InvalidArgumentError("FLASHCKPT_REPLICA_GROUP_SIZE must be >= 1 and FLASHCKPT_REPLICA_STRIDE >= 0")
-        return ReplicaKnobs(mode, size, stride, max(0.0, _env_float("FLASHCKPT_REPLICA_MBPS", 1000.0)),
-                            os.environ.get("FLASHCKPT_REPLICA_HOST", ""),
-                            max(0.1, _env_float("FLASHCKPT_NODE_LOSS_S", 2.0)))
-
-    def active(self, nnodes: int) -> bool:
-        return self.mode == "on" or (self.mode == "auto" and nnodes > 1)
 
 
 def backup_group(node: int, nnodes: int, size: int = 2, stride: int = 0) -> list[int]:

@@ -13,7 +13,7 @@ from typing import Any
 from . import errors as E
 from . import messages as M
 from ._protocol import Client, ConnectionLost
-from .config import Knobs, dir_identity
+from .config import Knobs, dir_identity, knob
 from .messages import RP
 from .saver import ensure_saver
 
@@ -216,10 +216,7 @@ class SaverLink:
 
 def agent_pid() -> int:
     """The pid of the ``flashckpt-run`` launcher this process runs under (FLASHCKPT_AGENT_PID), else 0."""
-    try:
-        return max(0, int(os.environ.get("FLASHCKPT_AGENT_PID", "0") or 0))
-    except ValueError:
-        return 0
+    return int(knob("agent_pid"))
 
 
 def restart_expected() -> bool:

@@ -20,6 +20,8 @@ import xxhash
 
 from . import errors as E
 from . import locations
+from ._lazy import lazy_attributes
+from .config import STORAGE_OPTIONS_ENV, knob
 from .locations import local_dir, url_scheme
 
 if TYPE_CHECKING:
@@ -304,7 +306,7 @@ def register_storage(scheme: str, backend: type[CheckpointStorage]) -> None:
 _BUILTIN = {"file": "flashckpt.storage_posix:PosixDiskStorage", "s3": "flashckpt.storage_s3:S3Storage"}
 
 #: how a saver daemon and its persist worker receive the ``storage_options`` of the engine that started them
-OPTIONS_ENV = "FLASHCKPT_STORAGE_OPTIONS"
+OPTIONS_ENV = STORAGE_OPTIONS_ENV
 
 
 def storage_for(url: str | os.PathLike[str], options: dict[str, Any] | None = None) -> CheckpointStorage:
@@ -367,10 +369,7 @@ def storage_from_spec(spec: str, url: str, options: dict[str, Any] | None = None
 
 def options_from_env() -> dict[str, Any]:
     """The ``storage_options`` a saver daemon or persist worker was started with (``OPTIONS_ENV``)."""
-    import json
-
-    raw = os.environ.get(OPTIONS_ENV)
-    return dict(json.loads(raw)) if raw else {}
+    return dict(knob("storage_options") or {})
 
 
 def _entry_points() -> list[Any]:
@@ -395,9 +394,5 @@ def _from_entry_points(scheme: str) -> type[CheckpointStorage] | None:
     return None
 
 
-def __getattr__(name: str) -> Any:
-    if name == "PosixDiskStorage":  # its own module (which imports this one); importable from here too
-        from .storage_posix import PosixDiskStorage
-
-        return PosixDiskStorage
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# PosixDiskStorage: its own module (which imports this one); importable from here too
+__getattr__, __dir__ = lazy_attributes(__name__, {"PosixDiskStorage": ".storage_posix"})

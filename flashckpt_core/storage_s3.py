@@ -15,7 +15,7 @@ its parts make. botocore's own retries are off (one policy, ours).
 
 Configuration: the standard AWS configuration (environment, profile, ``AWS_ENDPOINT_URL``), plus
 ``S3Options`` fields given as ``storage_options`` (``CheckpointEngine(storage_options=...)``) or as
-``FLASHCKPT_S3_*`` environment variables (``S3Options.from_env``). boto3 is imported on first use.
+``FLASHCKPT_S3_*`` environment variables (``config.S3Knobs``; ``S3Options.from_env``). boto3 is imported on first use.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import xxhash
 from . import errors as E
 from . import locations
 from ._s3io import Body, Retry, b64_crc, chunks, crc32, error_code, status
+from .config import knob
 from .storage import CheckpointStorage, FileRecord
 
 __all__ = ["S3Storage", "S3Options"]
@@ -82,10 +83,11 @@ class S3Options:
 
     @classmethod
     def from_env(cls, **given: Any) -> S3Options:
-        """``given`` fields, else ``FLASHCKPT_S3_<FIELD>`` from the environment, else the defaults.
+        """``given`` fields, else ``FLASHCKPT_S3_<FIELD>`` from the environment (``config.S3Knobs``), else
+        the defaults.
 
         Raises:
-            InvalidArgumentError: an unknown field, or a value of the wrong type.
+            InvalidArgumentError: an unknown field, or a value of the wrong type (given or in the environment).
         """
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = set(given) - set(fields)
@@ -93,8 +95,9 @@ class S3Options:
             raise E.InvalidArgumentError(f"storage_options {sorted(unknown)}: unknown for s3:// (known: "
                                          f"{', '.join(sorted(fields))})")
         kw: dict[str, Any] = {}
+        env = knob("s3").given()
         for name, f in fields.items():
-            raw = given.get(name, os.environ.get(f"FLASHCKPT_S3_{name.upper()}"))
+            raw = given.get(name, env.get(name))
             if raw is None:
                 continue
             kind: type[Any] = type(f.default) if f.default is not None else str

@@ -41,6 +41,7 @@ from typing import IO, Any
 from ._owned_dirs import owned_dir, sweep
 from ._pdeathsig import die_with_parent
 from ._protocol import write_frame
+from .config import WARM_MODULES_DIR_ENV, knob
 
 __all__ = ["ATTEMPT_KEYS", "WarmPool", "split_command", "script_imports", "record_modules", "launch_event"]
 
@@ -57,7 +58,7 @@ ALWAYS = ("torch", "torch.distributed", "flashckpt")
 def launch_event(name: str, **fields: Any) -> None:
     """Appends an event of ``flashckpt-run`` (its agent's, its warm workers') to FLASHCKPT_LAUNCH_EVENTS,
     when set (best effort)."""
-    path = os.environ.get("FLASHCKPT_LAUNCH_EVENTS")
+    path = knob("launch_events")
     if not path:
         return
     try:
@@ -120,7 +121,7 @@ def script_imports(target: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-MODULES_DIR_ENV = "FLASHCKPT_WARM_MODULES_DIR"
+MODULES_DIR_ENV = WARM_MODULES_DIR_ENV
 _recorded = False
 
 
@@ -151,7 +152,7 @@ def record_modules() -> None:
     if _recorded:  # every save calls this: one flag test after the first
         return
     _recorded = True
-    directory = os.environ.get(MODULES_DIR_ENV)
+    directory = knob("warm_modules_dir")
     if not directory:
         return
     names = [n for n, m in list(sys.modules.items()) if m is not None and not n.startswith("__")]

@@ -42,6 +42,7 @@ from typing import Any
 
 from flashckpt import StorageType, locations
 from flashckpt import errors as E
+from flashckpt._lazy import lazy_attributes
 from flashckpt.errors import UnsupportedStrategyError
 
 from ._lightning_io import _NAMES, _dir_of, _FlashIOImpl, find_resume_path  # noqa: E402
@@ -175,19 +176,14 @@ Args:
 
 # Each package's classes are defined in a module of their own, imported on first use of their names.
 _CLASS_MODULES = {"lightning": "._lightning_classes", "pytorch_lightning": "._pl_classes"}
+_TREE_OF = {name: tree for tree, names in _NAMES.items() for name in names}
 
 
-def _build(tree: str) -> dict[str, type]:
-    mod = importlib.import_module(_CLASS_MODULES[tree], __package__)
-    return {name: getattr(mod, name) for name in _NAMES[tree]}
+def _needs_package(name: str, e: ImportError) -> ImportError:
+    tree = _TREE_OF[name]
+    return ImportError(f"flashckpt.integrations.lightning.{name} needs the '{tree}' package (pip install "
+                       f"{'lightning' if tree == 'lightning' else 'pytorch-lightning'}==2.6.6): {e}")
 
 
-def __getattr__(name: str) -> Any:
-    for tree, names in _NAMES.items():
-        if name in names:
-            try:
-                return _build(tree)[name]
-            except ImportError as e:
-                raise ImportError(f"flashckpt.integrations.lightning.{name} needs the '{tree}' package (pip install "
-                                  f"{'lightning' if tree == 'lightning' else 'pytorch-lightning'}==2.6.6): {e}") from e
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_attributes(__name__, {name: _CLASS_MODULES[tree] for name, tree in _TREE_OF.items()},
+                                       import_error=_needs_package)

@@ -282,7 +282,8 @@ _TIER_OF_FILE = {
     # in-process logic, at most a short-lived saver: seconds each
     **dict.fromkeys(("test_interval.py", "test_tree.py", "test_kit.py", "test_errors.py", "test_snapshot_reader.py",
                      "test_filewriter.py", "test_files.py", "test_retention.py", "test_messages.py",
-                     "test_storage.py", "test_s3_infra.py", "test_replica.py"), "unit"),
+                     "test_storage.py", "test_s3_infra.py", "test_replica.py", "test_config_knobs.py",
+                     "test_lazy_imports.py"), "unit"),
     # the S3 backend against a real S3-compatible server on loopback, directly and through a fault proxy
     **dict.fromkeys(("test_s3_backend.py", "test_s3_engine.py"), "multiproc"),
     # savers, persist workers, trainers and launchers in processes of their own, faults and kills

@@ -13,7 +13,7 @@ import pytest
 import torch
 from flashckpt import CheckpointCorruptError, CheckpointDirError, FlashCheckpointError, StorageType
 from flashckpt.commit import CommitLayout
-from flashckpt.shm import segment_paths
+from flashckpt.segment import segment_paths
 from flashckpt.storage import PosixDiskStorage
 from helpers import (
     assert_same_tree,

@@ -35,7 +35,8 @@ from _fault_helpers import (  # noqa: F401
 )
 from flashckpt import CheckpointEngine, PersistError, SharedMemoryError, StorageType
 from flashckpt.commit import CommitLayout
-from flashckpt.shm import COMPLETE, FLAG_PINNED, WRITING, Segment, SharedMemoryHandler, SlotHeader, segment_paths
+from flashckpt.segment import COMPLETE, FLAG_PINNED, WRITING, Segment, SlotHeader, segment_paths
+from flashckpt.snapshot_writer import SharedMemoryHandler
 from flashckpt.storage import PosixDiskStorage
 
 MB = 200  # big enough that copies and persists take a while; small enough for 2 cores and 4 minutes

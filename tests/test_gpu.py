@@ -151,7 +151,7 @@ def test_registration_is_per_slot_and_undone_at_close(make_engine):
         eng.save(step, {"w": torch.full((1 << 20,), float(step), device="cuda")}, storage_type=MEMORY)
     seg = handler._seg
     registered = {slot for (path, slot) in handler._cuda_registered if path == seg.path}
-    from flashckpt.shm import FLAG_UNRESERVED
+    from flashckpt.segment import FLAG_UNRESERVED
 
     # memory saves only: the writer alternates between the reserved slots; the spare stays unregistered
     spare = [i for i in range(seg.nslots) if seg.header(i).flags & FLAG_UNRESERVED]

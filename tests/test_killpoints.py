@@ -55,17 +55,8 @@ from _fault_helpers import (  # noqa: F401
 )
 from flashckpt import CheckpointEngine
 from flashckpt.commit import CommitLayout
-from flashckpt.shm import (
-    COMPLETE,
-    EMPTY,
-    FLAG_PENDING,
-    FLAG_PINNED,
-    WRITING,
-    Segment,
-    SharedMemoryHandler,
-    SlotHeader,
-    segment_paths,
-)
+from flashckpt.segment import COMPLETE, EMPTY, FLAG_PENDING, FLAG_PINNED, WRITING, Segment, SlotHeader, segment_paths
+from flashckpt.snapshot_writer import SharedMemoryHandler
 from flashckpt.storage import PosixDiskStorage
 
 TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_killpoint_trainer.py")

@@ -26,7 +26,7 @@ from _fault_helpers import (  # noqa: F401
     tracker_step,
     wait_for,
 )
-from flashckpt.shm import SharedMemoryHandler
+from flashckpt.snapshot_writer import SharedMemoryHandler
 
 pytestmark = pytest.mark.multiproc
 

@@ -126,7 +126,7 @@ def replicated_worker(ckpt_dir: str) -> dict:
     """DDP mode: only rank 0 snapshots and persists; every rank loads rank 0's copy."""
     import torch.distributed as dist
     from flashckpt import CheckpointEngine, StorageType
-    from flashckpt.shm import segment_paths
+    from flashckpt.segment import segment_paths
 
     rank = dist.get_rank()
     layout = _layout(ckpt_dir)

@@ -22,7 +22,7 @@ from _fault_helpers import kill9, stop
 from flashckpt import CheckpointTimeoutError, PersistError, StorageType
 from flashckpt.commit import CommitLayout
 from flashckpt.ipc import SharedDict, SharedLock
-from flashckpt.shm import lock_path
+from flashckpt.segment import lock_path
 from flashckpt.storage import PosixDiskStorage
 from helpers import flock_waiters, saver_pids, wait_for
 

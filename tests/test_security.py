@@ -39,7 +39,7 @@ from flashckpt import (
 )
 from flashckpt._protocol import MAX_MESSAGE, Client
 from flashckpt.config import job_key
-from flashckpt.shm import segment_paths
+from flashckpt.segment import segment_paths
 
 NOBODY = 65534
 

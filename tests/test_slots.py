@@ -28,7 +28,7 @@ from _fault_helpers import (  # noqa: F401
     wait_for,
 )
 from flashckpt import CheckpointEngine, PersistError, StorageType
-from flashckpt.shm import FLAG_PINNED, FLAG_UNRESERVED, PAGE, WRITING, Segment, segment_paths
+from flashckpt.segment import FLAG_PINNED, FLAG_UNRESERVED, PAGE, WRITING, Segment, segment_paths
 from helpers import hold_persist, release_persist
 
 MB = 64

@@ -15,8 +15,9 @@ imports its parts on first use: the daemon (``python -m flashckpt.saver.daemon``
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from ._base import SOCKET_NAME, lock_job
@@ -25,12 +26,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointSaver", "ensure_saver", "lock_job", "SOCKET_NAME", "SAVER_MODULE"]
 
-_WHERE = {"CheckpointSaver": "server", "ensure_saver": "daemon", "SAVER_MODULE": "daemon", "lock_job": "_base",
-          "SOCKET_NAME": "_base"}
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{module}", __name__), name)
+__getattr__, __dir__ = lazy_attributes(__name__, {
+    "CheckpointSaver": ".server", "ensure_saver": ".daemon", "SAVER_MODULE": ".daemon", "lock_job": "._base",
+    "SOCKET_NAME": "._base"})

@@ -25,7 +25,7 @@ from .. import errors as E
 from .. import locations
 from .._lease import pid_running
 from .._protocol import Client
-from ..config import Knobs, make_private_dir, open_private_dir
+from ..config import Knobs, knob, make_private_dir, open_private_dir
 from ..storage import OPTIONS_ENV, options_from_env, storage_from_spec
 from ._base import _LOG_NAME, SOCKET_NAME, lock_job, log
 from .server import CheckpointSaver
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             # lets the spawner stop it should it not come up.
             _report(args.ready_fd, {"pid": child})
             os._exit(0)
-    logging.basicConfig(level=os.environ.get("FLASHCKPT_SAVER_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=knob("saver_log_level"),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     saver = CheckpointSaver(args.job_dir, args.checkpoint_dir,
                             storage=storage_from_spec(args.storage, args.checkpoint_dir, options_from_env()))

@@ -17,24 +17,13 @@ With megatron-core alone, ``flashckpt.patches.megatron.dist_ckpt`` provides ``sa
 
 from __future__ import annotations
 
-from typing import Any
-
 from flashckpt import StorageType
+from flashckpt._lazy import lazy_attributes
 
 __all__ = ["save_checkpoint", "load_checkpoint", "StorageType", "configure", "get_checkpointer", "finalize",
            "MegatronCheckpointer", "FlashCkptSaveStrategy"]
 
-_LAZY = {"save_checkpoint": "_lm", "load_checkpoint": "_lm", "configure": "_lm", "get_checkpointer": "_lm",
-         "finalize": "_lm", "MegatronCheckpointer": "dist_ckpt", "FlashCkptSaveStrategy": "dist_ckpt"}
-
-
-def __getattr__(name: str) -> Any:
-    """The functions import megatron-core (slow) on first use, not when ``StorageType`` is imported."""
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'flashckpt.patches.megatron' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
-    globals()[name] = value
-    return value
+# The functions import megatron-core (slow) on first use, not when ``StorageType`` is imported.
+__getattr__, __dir__ = lazy_attributes(__name__, {
+    "save_checkpoint": "._lm", "load_checkpoint": "._lm", "configure": "._lm", "get_checkpointer": "._lm",
+    "finalize": "._lm", "MegatronCheckpointer": ".dist_ckpt", "FlashCkptSaveStrategy": ".dist_ckpt"})
