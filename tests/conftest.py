@@ -58,6 +58,35 @@ def _stop_savers(pids: dict[int, list[str]], runtime_dir: str) -> None:
                 pass
 
 
+def _xdist_worker(config: pytest.Config) -> bool:
+    """Whether this process is a worker of a parallel run (``pytest -n N``: pytest-xdist)."""
+    return hasattr(config, "workerinput")
+
+
+def _xdist_controller(config: pytest.Config) -> bool:
+    """Whether this process runs no tests itself but hands them to xdist workers."""
+    return not _xdist_worker(config) and bool(getattr(config.option, "numprocesses", None))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A parallel run builds what every worker loads (the C++ fast path, DeepSpeed's CPU op) once, here, before
+    any worker starts: a worker then finds them built, and no worker takes another's build lock for stale."""
+    if not _xdist_controller(session.config):
+        return
+    if os.environ.get("FLASHCKPT_NATIVE", "auto").strip().lower() not in ("0", "off", "false", "no"):
+        try:
+            from flashckpt import _native
+
+            _native.build()
+        except Exception:  # each worker's _native_fast_path says why and falls back
+            pass
+    if importlib.util.find_spec("deepspeed") is not None:
+        notes = _build_deepspeed_op()
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"DeepSpeed's CPU shm op: {'; '.join(notes)}")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _native_fast_path():
     """Builds the C++ fast path once (cached across runs), before any test: engines then use it, as on a
@@ -105,11 +134,24 @@ def _deepspeed_op_built(request):
     holding it (a test's time limit) leaves it behind, and every later DeepSpeed process of the machine waits on
     it forever (CI saw every DeepSpeed test of a run time out so). Before the first test no DeepSpeed process of
     this session runs, so a lock found then is stale and removed; the op is then built in a child of the pytest
-    process that no test kills, and the ranks only load it. What happened goes to the terminal."""
-    if importlib.util.find_spec("deepspeed") is None or not any(
+    process that no test kills, and the ranks only load it. What happened goes to the terminal. In a parallel
+    run (``-n``) the controller does this before any worker starts (``pytest_sessionstart``)."""
+    if importlib.util.find_spec("deepspeed") is None or _xdist_worker(request.config) or not any(
             os.path.basename(str(item.path)) in _DEEPSPEED_FILES for item in request.session.items):
-        yield
+        yield  # (an xdist worker: the controller built it before any worker started)
         return
+    notes = _build_deepspeed_op()
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"DeepSpeed's CPU shm op: {'; '.join(notes)}")
+    yield
+
+
+def _build_deepspeed_op() -> list[str]:
+    """Removes a stale build lock and builds DeepSpeed's CPU shm op in a child process (see
+    ``_deepspeed_op_built``); returns what happened, for the terminal."""
     import subprocess
     import sys
     import time
@@ -125,12 +167,8 @@ def _deepspeed_op_built(request):
         notes += out.stdout.strip().splitlines()[-1:] or [f"exit {out.returncode}: {out.stderr[-2000:]}"]
     except subprocess.TimeoutExpired:
         notes.append("the build timed out after 1200 s")
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():
-            reporter.write_line(f"DeepSpeed's CPU shm op: {'; '.join(notes)} ({time.monotonic() - start:.0f} s)")
-    yield
+    notes.append(f"{time.monotonic() - start:.0f} s")
+    return notes
 
 
 @pytest.fixture(autouse=True)
