@@ -75,10 +75,18 @@ def _layout(args: argparse.Namespace) -> CommitLayout | None:
 
 
 def _mtime(layout: CommitLayout, d: str) -> float | None:
+    """The newest modification time of the files in the step's records dir ``d`` (a step being written:
+    its markers come and go, so a file gone since the listing is passed over)."""
     local = layout.storage.local_path(d)
     if local is None or not os.path.isdir(local):
         return None
-    return max((os.path.getmtime(os.path.join(local, n)) for n in os.listdir(local)), default=time.time())
+    times = []
+    for n in os.listdir(local):
+        try:
+            times.append(os.path.getmtime(os.path.join(local, n)))
+        except FileNotFoundError:
+            continue
+    return max(times, default=time.time())
 
 
 def _ranks(rs: set[int]) -> str:

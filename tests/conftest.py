@@ -303,9 +303,13 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_addoption(parser):
     """``--soak N``: run N seeded iterations of the random kill-point test (tests/test_killpoints.py).
+    ``--extended``: also run the tests marked ``extended`` (left out by default, see ``_EXTENDED``).
     ``--hypothesis-examples N``: N random examples per property test (tests/test_roundtrip_property.py)."""
     parser.addoption("--soak", type=int, default=0, metavar="N",
                      help="random kill-point iterations to run (default: a few; FLASHCKPT_SOAK=N does the same)")
+    parser.addoption("--extended", action="store_true",
+                     help="also run the tests marked extended (the adapter x multi-node scenario matrix beyond what "
+                          "CI runs; -m extended runs only them)")
     parser.addoption("--hypothesis-examples", type=int, default=0, metavar="N",
                      help="random examples per property test (default: a bounded, derandomized set; "
                           "FLASHCKPT_PROPERTY_EXAMPLES=N does the same)")
@@ -347,7 +351,40 @@ _TIER_OF_FILE = {
 }
 
 
+# Seconds each file's tests took on this 2-core machine (the heaviest; others count 10): a parallel run hands
+# the files out heaviest first, so that no long file starts last and runs alone at the end.
+_FILE_SECONDS = {
+    "test_multinode.py": 900, "test_conformance.py": 600, "test_megatron.py": 170, "test_lightning.py": 140,
+    "test_process_events.py": 140, "test_dir_moves.py": 125, "test_s3_dist_adapters.py": 120, "test_hf.py": 117,
+    "test_killpoints.py": 112, "test_starts_and_leftovers.py": 102, "test_identity.py": 95, "test_native.py": 94,
+    "test_fault_injection.py": 92, "test_engine.py": 89, "test_deepspeed.py": 88, "test_lifecycle.py": 87,
+    "test_s3_engine.py": 79, "test_fidelity.py": 69, "test_documented_api.py": 63, "test_dlrover_guide.py": 63,
+    "test_launcher.py": 62, "test_norename_storage.py": 57, "test_promises.py": 54, "test_hf_s3.py": 53,
+}
+# What `--extended` adds (not run by default, so not in CI): the multi-node scenarios under more adapters and
+# variants than CI's, each scenario of which CI runs at least once (with DDP or FSDP).
+_EXTENDED = {
+    "test_multinode.py::test_node_lost_fresh_node_joins_resumes_from_memory[deepspeed]",
+    "test_multinode.py::test_node_lost_fresh_node_joins_resumes_from_memory[megatron]",
+    "test_multinode.py::test_node_lost_fresh_node_joins_resumes_from_memory[megatron-distopt]",
+    "test_multinode.py::test_worker_crash_on_one_node_resumes_from_memory[fsdp]",
+    "test_multinode.py::test_sigterm_to_an_agent_commits_the_newest_snapshot[fsdp]",
+    "test_multinode.py::test_rank0_node_lost_survivor_commits_and_resumes[fsdp]",
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    extended = config.getoption("extended") or "extended" in (config.getoption("markexpr") or "")
+    kept, left = [], []
+    for item in items:
+        key = f"{os.path.basename(str(item.path))}::{item.name}"
+        if key in _EXTENDED:
+            item.add_marker("extended")
+        (kept if extended or key not in _EXTENDED else left).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = kept
+    items.sort(key=lambda it: -_FILE_SECONDS.get(os.path.basename(str(it.path)), 10))  # stable: files stay in order
     for item in items:
         name = os.path.basename(str(item.path))
         tier = _TIER_OF_FILE.get(name)

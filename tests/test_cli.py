@@ -157,3 +157,24 @@ def test_gc_removes_the_runtime_dir_of_a_killed_saver_and_leaves_a_live_one(faul
         assert r.returncode == 0 and "nothing to clean" in r.stdout
     finally:
         close_and_wait(live)
+
+
+def test_ls_passes_over_a_marker_gone_since_the_listing(tmp_path, monkeypatch):
+    """A step being written: its temp marker is renamed away between ls's listing of the step's records and
+    its look at the file's time (seen under four nodes): ls goes on, never FileNotFoundError."""
+    from flashckpt import cli
+
+    d = tmp_path / "steps" / "000000000010"
+    d.mkdir(parents=True)
+    (d / "intent_rank_0.json").write_text("{}")
+    (d / "intent_rank_0.json.flashckpt-tmp").write_text("{}")
+    real = os.path.getmtime
+
+    def getmtime(path):
+        if str(path).endswith(".flashckpt-tmp"):
+            raise FileNotFoundError(path)
+        return real(path)
+
+    monkeypatch.setattr(cli.os.path, "getmtime", getmtime)
+    layout = CommitLayout(str(tmp_path / "ckpt"), PosixDiskStorage())
+    assert cli._mtime(layout, str(d)) == real(str(d / "intent_rank_0.json"))

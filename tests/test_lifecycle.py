@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import termios
 
 import pytest
@@ -32,6 +34,14 @@ from flashckpt import CheckpointEngine, PersistError, SaverError, SharedMemoryEr
 from helpers import child_pids, leftovers
 
 
+@pytest.fixture
+def short_mnt():
+    """A mount point with a short path (under /tmp): a runtime dir on it keeps its saver's socket path far
+    below the 107 characters of AF_UNIX, whatever the test's tmp_path (longer under pytest-xdist)."""
+    d = tempfile.mkdtemp(prefix="fcm-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
 def _fill(directory: str) -> None:
     """Fills the file system of ``directory``: its blocks, then its inodes."""
     with contextlib.suppress(OSError), open(os.path.join(directory, "fill"), "wb") as f:
@@ -46,11 +56,11 @@ def _no_saver_left(rt: str) -> None:
     wait_for(lambda: not saver_pids(rt), 10, f"no saver left under {rt}")
 
 
-def test_full_runtime_fs_at_start_says_enospc_and_leaves_no_process(tmp_path, monkeypatch, ckpt_dir) -> None:
+def test_full_runtime_fs_at_start_says_enospc_and_leaves_no_process(short_mnt, tmp_path, monkeypatch, ckpt_dir) -> None:
     """/dev/shm full of data: the engine starts (a load needs no space), a snapshot fails with ENOSPC and
     the bytes it needs, and no saver stays behind. Before the fix the saver's start failed writing its pid
     file ("see <empty log>") while the forked daemon kept serving."""
-    mnt = str(tmp_path / "shm")
+    mnt = short_mnt
     with small_tmpfs(mnt, "1m"):
         rt = os.path.join(mnt, "rt")
         os.mkdir(rt, 0o700)
@@ -71,10 +81,10 @@ def test_full_runtime_fs_at_start_says_enospc_and_leaves_no_process(tmp_path, mo
         wait_for(lambda: leftovers(rt) == [], 10, "the saver to remove its runtime dir")
 
 
-def test_runtime_fs_out_of_inodes_at_start_is_a_clear_error(tmp_path, monkeypatch, ckpt_dir) -> None:
+def test_runtime_fs_out_of_inodes_at_start_is_a_clear_error(short_mnt, tmp_path, monkeypatch, ckpt_dir) -> None:
     """No inode left for the saver's socket, locks or log: a SaverError that says ENOSPC and where, not
     an OSError or a pointer to a log that could not be written; no process left."""
-    mnt = str(tmp_path / "shm")
+    mnt = short_mnt
     with small_tmpfs(mnt, "1m,nr_inodes=16"):
         rt = os.path.join(mnt, "rt")
         os.mkdir(rt, 0o700)
@@ -89,10 +99,10 @@ def test_runtime_fs_out_of_inodes_at_start_is_a_clear_error(tmp_path, monkeypatc
             _no_saver_left(rt)
 
 
-def test_saver_that_cannot_bind_reports_why_and_exits(tmp_path, monkeypatch, ckpt_dir) -> None:
+def test_saver_that_cannot_bind_reports_why_and_exits(short_mnt, tmp_path, monkeypatch, ckpt_dir) -> None:
     """Inodes for the job dir, its lock and log, but none for the socket: the daemon's own start fails.
     Its reason reaches the trainer over the start-up pipe, and it exits, removing its runtime dir."""
-    mnt = str(tmp_path / "shm")
+    mnt = short_mnt
     with small_tmpfs(mnt, "1m,nr_inodes=16"):
         rt = os.path.join(mnt, "rt")
         os.mkdir(rt, 0o700)
@@ -204,13 +214,13 @@ def test_failure_before_an_elastic_restart_keeps_the_snapshot(fault_env: FaultEn
 
 
 # ------------------------------------------------------------------------------------------ give way
-def test_idle_saver_of_another_job_gives_way_when_shm_runs_short(fault_env: FaultEnv, tmp_path, monkeypatch) -> None:
+def test_idle_saver_of_another_job_gives_way_when_shm_runs_short(short_mnt, fault_env: FaultEnv, tmp_path, monkeypatch) -> None:
     """A crashed job's saver holds 2 x 12 MiB of a 40 MiB /dev/shm for its grace period. A new job's
     snapshot needs 24 MiB: instead of failing with SharedMemoryError, the idle saver persists its newest
     snapshot (step 2, newer than its commit) and exits, and the new job's allocation succeeds."""
     from _fault_helpers import TRAINER, make_state
 
-    mnt = str(tmp_path / "shm")
+    mnt = short_mnt
     with small_tmpfs(mnt, "40m"):
         rt = os.path.join(mnt, "rt")
         os.mkdir(rt, 0o700)

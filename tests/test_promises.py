@@ -141,7 +141,7 @@ def test_load_into_fills_the_given_tensors_from_an_object_store(s3, runtime_dir,
         wait_for(lambda: not saver_pids(runtime_dir), 60, "the saver to exit")
 
 
-def test_load_into_a_fileset_from_storage(make_engine, caplog):
+def test_load_into_a_fileset_from_storage(make_engine, runtime_dir, caplog):
     """A FileSet's torch files are filled as ``{file name: tree}`` says, from storage as from memory."""
     from flashckpt import FileSet
 
@@ -154,6 +154,7 @@ def test_load_into_a_fileset_from_storage(make_engine, caplog):
         if source == "storage":
             eng.wait(60)
             eng.close()
+            wait_for(lambda: not saver_pids(runtime_dir), 60, "the saver to exit")  # its memory gone with it
             eng = make_engine(max_to_keep=0)
         target = torch.zeros(16)
         got = eng.load(into={"optimizer.pt": {"state": {0: target}}})
