@@ -7,8 +7,10 @@ set +e
 bash scripts/typecheck.sh
 checks=$?
 # The test files run on two worker processes (pytest-xdist; each file's tests on one worker, in order):
-# about twice as fast on two cores. FLASHCKPT_TEST_WORKERS=0 (or -n 0) runs them in this process.
-python -m pytest -n "${FLASHCKPT_TEST_WORKERS:-2}" --dist loadfile "$@"
+# about twice as fast on two cores. They are handed out in collection order, which tests/conftest.py makes
+# heaviest first (--no-loadscope-reorder: xdist would order them by number of tests, and the longest files,
+# of few tests, would start last and run alone). FLASHCKPT_TEST_WORKERS=0 (or -n 0) runs them in this process.
+python -m pytest -n "${FLASHCKPT_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 # pytest's 5 means no test was collected: that is a failure of the suite, not a pass.
 if [ $rc -eq 0 ] && [ $checks -ne 0 ]; then

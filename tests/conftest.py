@@ -362,7 +362,9 @@ _FILE_SECONDS = {
     "test_launcher.py": 62, "test_norename_storage.py": 57, "test_promises.py": 54, "test_hf_s3.py": 53,
 }
 # What `--extended` adds (not run by default, so not in CI): the multi-node scenarios under more adapters and
-# variants than CI's, each scenario of which CI runs at least once (with DDP or FSDP).
+# variants than CI's, each scenario of which CI runs at least once (with DDP or FSDP), and the four-node loss
+# of a whole backup pair (CI runs the four-node loss the partners survive; its plan, memory left to storage
+# naming the ranks, is test_replica.py::test_a_whole_group_lost_leaves_memory_to_storage_and_names_the_ranks).
 _EXTENDED = {
     "test_multinode.py::test_node_lost_fresh_node_joins_resumes_from_memory[deepspeed]",
     "test_multinode.py::test_node_lost_fresh_node_joins_resumes_from_memory[megatron]",
@@ -370,6 +372,7 @@ _EXTENDED = {
     "test_multinode.py::test_worker_crash_on_one_node_resumes_from_memory[fsdp]",
     "test_multinode.py::test_sigterm_to_an_agent_commits_the_newest_snapshot[fsdp]",
     "test_multinode.py::test_rank0_node_lost_survivor_commits_and_resumes[fsdp]",
+    "test_multinode.py::test_four_nodes_whole_pair_lost_falls_back_to_storage",
 }
 
 
