@@ -316,7 +316,7 @@ def pytest_addoption(parser):
 
 
 # ------------------------------------------------------------------------------------------ test tiers
-# Every test file belongs to one tier (a marker): `pytest -m unit` runs in under a minute; a file not in the
+# Every test file belongs to one tier (a marker): `pytest -m unit` runs in a few minutes; a file not in the
 # table fails the collection, so that a new file is placed on purpose. A test may carry another tier's marker
 # as well (a multi-rank test in a framework's file is `framework` and `multiproc`); `unit` excludes it.
 TIERS = ("unit", "multiproc", "framework", "conformance", "gpu")
