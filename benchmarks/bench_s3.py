@@ -163,7 +163,7 @@ def child_main(argv: list[str]) -> int:
     hwm0 = rss_kb(os.getpid()).get("VmHWM", 0)
     if a.child in ("ours", "ours_into"):
         from flashckpt import CheckpointEngine
-        from flashckpt.storage_s3 import S3Storage
+        from flashckpt.storage.s3.backend import S3Storage
 
         fetched = [0, 0]  # bytes, calls
         spent = {"ranged": 0.0, "whole": 0.0}  # seconds in the backend's ranged reads and whole-object reads
@@ -394,7 +394,7 @@ class SizeRun:
         self.sd = build_gpt_state_dict(self.cfg)
         self.nbytes = tensor_bytes(self.sd)
         self.fingerprint = fingerprint(self.sd)
-        elog = logging.getLogger("flashckpt.engine")
+        elog = logging.getLogger("flashckpt.engine.engine")
         elog.addHandler(self.save_log)
         elog.setLevel(logging.INFO)
         elog.propagate = False

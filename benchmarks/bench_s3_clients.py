@@ -52,7 +52,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flashckpt._s3io import Body  # noqa: E402
+from flashckpt.storage.s3.io import Body  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     REPO_ROOT,
@@ -121,7 +121,7 @@ class FlashCkpt(Client):
 
     def __init__(self, srv: LocalS3, *, unsigned: bool = False) -> None:
         super().__init__(srv)
-        from flashckpt.storage_s3 import S3Options, S3Storage
+        from flashckpt.storage.s3.backend import S3Options, S3Storage
 
         self.st = S3Storage(S3Options(endpoint_url=srv.endpoint, addressing_style="path", part_size_mb=PART // MIB,
                                       concurrency=THREADS))
@@ -157,7 +157,7 @@ class FlashCkptDirect(FlashCkpt):
     """``S3Storage.read_into`` changed to read each range from http.client straight into the buffer
     (``HTTPResponse.readinto``: one copy, socket to buffer) instead of urllib3's ``readinto``, which reads a
     new ``bytes`` of the range and copies it (two copies, the first into fresh memory). A proposed change
-    to ``flashckpt_core/storage_s3.py``, measured here; uploads as ``flashckpt``."""
+    to ``flashckpt_core/storage/s3/backend.py``, measured here; uploads as ``flashckpt``."""
 
     name = "flashckpt S3Storage, reads via http.client readinto (proposed)"
 
@@ -390,7 +390,7 @@ def reference_costs(data: memoryview) -> dict[str, float]:
     import zlib
 
     import xxhash
-    from flashckpt._s3io import crc32
+    from flashckpt.storage.s3.io import crc32
 
     gb = len(data) / 1e9
     out = {}

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         rmtree_contents(d)
 
     save_log = SaveLog()
-    elog = logging.getLogger("flashckpt.engine")
+    elog = logging.getLogger("flashckpt.engine.engine")
     elog.addHandler(save_log)
     elog.setLevel(logging.INFO)
     elog.propagate = False
@@ -365,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.keep:  # only what this run created; --dir itself goes only when left empty
         for d in dirs.values():
             shutil.rmtree(d, ignore_errors=True)
-        from flashckpt.commit import CommitLayout
-        from flashckpt.storage import PosixDiskStorage
+        from flashckpt.commit.layout import CommitLayout
+        from flashckpt.storage.posix import PosixDiskStorage
 
         CommitLayout(dirs["fc_gpt"], PosixDiskStorage()).tidy()  # their records beside them (work/.flashckpt)
         try:

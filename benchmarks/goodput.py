@@ -17,7 +17,7 @@ rank checkpoints its own shard at the same time), else from documented defaults 
   in the background, so at most one save is in flight (interval >= time to durable) and a failure loses the
   work since the last *completed* save (its write latency adds to the lost work);
 * flashckpt with ``auto_save``: memory snapshots placed for process failures, persists for node failures,
-  by ``flashckpt.interval.optimal_interval`` (Young/Daly); a process failure restarts from memory.
+  by ``flashckpt.engine.interval.optimal_interval`` (Young/Daly); a process failure restarts from memory.
 
 Restart: ``--restart-s`` for every failure (rescheduling, process start, rendezvous, framework init), plus
 ``--replace-s`` when a node is lost, plus the load. torch.save and DCP use Daly's interval
@@ -39,7 +39,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flashckpt.interval import daly_interval, expected_goodput, optimal_interval  # noqa: E402
+from flashckpt.engine.interval import daly_interval, expected_goodput, optimal_interval  # noqa: E402
 
 from benchmarks._common import REPO_ROOT, markdown_table, write_json  # noqa: E402
 

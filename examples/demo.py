@@ -25,14 +25,14 @@ import tempfile
 import time
 
 import torch
-from flashckpt.commit import CommitLayout
-from flashckpt.storage import PosixDiskStorage
+from flashckpt.commit.layout import CommitLayout
+from flashckpt.storage.posix import PosixDiskStorage
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def launch(ckpt_dir: str, metrics: str, job: str, *extra: str) -> int:
-    cmd = [sys.executable, "-m", "flashckpt.launcher", "--nproc_per_node", "2", "--standalone",
+    cmd = [sys.executable, "-m", "flashckpt.launch.launcher", "--nproc_per_node", "2", "--standalone",
            "--max_restarts", "1", os.path.join(HERE, "ddp_train.py"), "--checkpoint_dir", ckpt_dir,
            "--metrics", metrics, "--resume", *extra]
     env = dict(os.environ, FLASHCKPT_JOB_ID=job, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",

@@ -5,20 +5,22 @@ This package imports no training framework (torch only); adapters live in ``inte
 The public names are those in ``__all__``. The building blocks DLRover exports under the names
 ``TensorMeta``, ``SharedMemoryHandler``, ``SharedLock``, ``SharedQueue`` and ``SharedDict`` exist here
 with other signatures and meanings (a slot layout record, the trainer's side of a shared-memory segment,
-an ``flock``, proxies to the saver's named objects); they are internal, in ``flashckpt._tree``,
-``.snapshot_writer`` and ``.ipc``, and not exported, so that no code written against DLRover's classes half-works.
+an ``flock``, proxies to the saver's named objects); they are internal, in ``flashckpt.format.tree``,
+``flashckpt.memory.writer`` and ``flashckpt.transport.ipc``, and not exported, so that no code written against DLRover's classes half-works.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._lazy import lazy_attributes
+from flashckpt.util.lazy import lazy_attributes
 
 if TYPE_CHECKING:
-    from .config import StorageType
-    from .engine import CheckpointEngine, LoadResult
-    from .errors import (
+    from flashckpt.commit.retention import CheckpointDeletionStrategy, KeepLatestStepStrategy, KeepStepIntervalStrategy
+    from flashckpt.config import StorageType
+    from flashckpt.engine.engine import CheckpointEngine, LoadResult
+    from flashckpt.engine.interval import storage_type_for
+    from flashckpt.errors import (
         AlreadyExistsError,
         CheckpointCorruptError,
         CheckpointDirError,
@@ -38,11 +40,9 @@ if TYPE_CHECKING:
         UnsupportedStrategyError,
         WriteRefusedError,
     )
-    from .files import FileSet
-    from .interval import storage_type_for
-    from .retention import CheckpointDeletionStrategy, KeepLatestStepStrategy, KeepStepIntervalStrategy
-    from .snapshot_reader import SnapshotReader
-    from .storage import CheckpointStorage
+    from flashckpt.format.files import FileSet
+    from flashckpt.memory.reader import SnapshotReader
+    from flashckpt.storage.base import CheckpointStorage
 
 # Public name -> the module defining it, imported on first use (PEP 562): the saver daemon, run as
 # ``python -m flashckpt.saver.daemon``, imports only what it needs, and torch only when it persists.
@@ -53,10 +53,10 @@ _ERRORS = ("AlreadyExistsError", "CheckpointCorruptError", "CheckpointDirError",
            "PersistError", "ProtocolError", "RankStateNotFoundError", "SaverError", "SharedMemoryError", "TrackerUpdateError",
            "UnsupportedStrategyError", "WriteRefusedError")
 __getattr__, __dir__ = lazy_attributes(__name__, {
-    "StorageType": ".config", "CheckpointEngine": ".engine", "LoadResult": ".engine", "FileSet": ".files",
-    "storage_type_for": ".interval", "CheckpointDeletionStrategy": ".retention", "KeepLatestStepStrategy": ".retention",
-    "KeepStepIntervalStrategy": ".retention", "SnapshotReader": ".snapshot_reader", "CheckpointStorage": ".storage",
-    **{name: ".errors" for name in _ERRORS},
+    "StorageType": "flashckpt.config", "CheckpointEngine": "flashckpt.engine.engine", "LoadResult": "flashckpt.engine.engine", "FileSet": "flashckpt.format.files",
+    "storage_type_for": "flashckpt.engine.interval", "CheckpointDeletionStrategy": "flashckpt.commit.retention", "KeepLatestStepStrategy": "flashckpt.commit.retention",
+    "KeepStepIntervalStrategy": "flashckpt.commit.retention", "SnapshotReader": "flashckpt.memory.reader", "CheckpointStorage": "flashckpt.storage.base",
+    **{name: "flashckpt.errors" for name in _ERRORS},
 })
 
 

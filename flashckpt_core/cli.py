@@ -20,14 +20,15 @@ import sys
 import time
 from typing import Any
 
-from . import _owned_dirs
-from . import errors as E
-from ._protocol import Client
-from .adopt import adopt, unrecorded
-from .commit import CommitLayout
-from .config import Knobs, job_key_digest
-from .locations import checkpoint_location
-from .storage import CheckpointStorage, storage_for
+from flashckpt import errors as E
+from flashckpt.commit.adopt import adopt, unrecorded
+from flashckpt.commit.layout import CommitLayout
+from flashckpt.config import Knobs, job_key_digest
+from flashckpt.storage.base import CheckpointStorage
+from flashckpt.storage.locations import checkpoint_location
+from flashckpt.storage.registry import storage_for
+from flashckpt.transport.wire import Client
+from flashckpt.util import owned_dirs as _owned_dirs
 
 __all__ = ["main"]
 
@@ -99,8 +100,8 @@ def _in_memory(checkpoint_dir: str) -> dict[int, dict[str, set[int]]]:
 
     Raises:
         SharedMemoryError: the runtime dir or a segment is there but could not be read (EMFILE...)."""
-    from .saver.replica import backup_paths, own_local_ranks
-    from .segment import Segment, live_snapshots, segment_paths, unreadable
+    from flashckpt.format.segment import Segment, live_snapshots, segment_paths, unreadable
+    from flashckpt.saver.replica import backup_paths, own_local_ranks
 
     digest = job_key_digest(checkpoint_dir)
     runtime = Knobs.from_env().runtime_dir
@@ -267,7 +268,7 @@ def cmd_adopt(args: argparse.Namespace) -> int:
 
 def _gc_runtime(dry_run: bool) -> int:
     """Removes (or, ``dry_run``, lists) the runtime dirs of jobs whose saver is gone; returns how many."""
-    from .saver import lock_job
+    from flashckpt.saver import lock_job
 
     root = Knobs.from_env().runtime_dir
     try:
@@ -306,7 +307,7 @@ def _gc_staging(dry_run: bool) -> int:
 
 
 def cmd_native(args: argparse.Namespace) -> int:
-    from . import _native
+    from flashckpt.util import native as _native
 
     if args.build:
         try:

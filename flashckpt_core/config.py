@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, TypeVar
 
-from . import errors as E
+from flashckpt import errors as E
 
 __all__ = ["StorageType", "Knobs", "ReplicaKnobs", "S3Knobs", "knob", "knob_variables", "JOB_ID_ENV", "AGENT_PID_ENV",
            "LAST_WORDS_ENV", "WARM_MODULES_DIR_ENV", "STORAGE_OPTIONS_ENV", "RankInfo", "job_key", "runtime_root", "job_dir", "make_private_dir",
@@ -172,7 +172,7 @@ class ReplicaKnobs:
 @dataclass(frozen=True)
 class S3Knobs:
     """The S3 backend's options from the environment, ``FLASHCKPT_S3_<FIELD>`` for each field of
-    ``flashckpt.storage_s3.S3Options`` (which documents them); None: not set (``storage_options`` given
+    ``flashckpt.storage.s3.backend.S3Options`` (which documents them); None: not set (``storage_options`` given
     to the engine win over these, and ``S3Options``' defaults hold for what neither sets).
 
     Attributes:
@@ -214,7 +214,7 @@ class S3Knobs:
 @dataclass(frozen=True)
 class Knobs:
     """Every environment variable flashckpt reads: each field names its variable (``knob_variables()``
-    lists them all; tests/test_config_knobs.py holds that no other module names one it reads); unset or empty, a variable leaves the default. A bad value raises
+    lists them all; tests/unit/test_config_knobs.py holds that no other module names one it reads); unset or empty, a variable leaves the default. A bad value raises
     InvalidArgumentError naming the variable. ``Knobs.from_env()`` reads them all at once;
     ``knob(name)`` reads one now (for the knobs read on every call).
 
@@ -438,7 +438,7 @@ _FIX = ("remove it (if another user owns it, ask them or an administrator) or se
 def _open_dir(name: str, dir_fd: int | None, shown: str, level: str) -> int:
     """Opens ``name`` (in ``dir_fd``), creating it 0700 when missing, and checks it: ``level`` "job" is
     a job dir, "root" the per-user root flashckpt chose, "chosen" a runtime dir the user chose."""
-    from .errors import SaverError
+    from flashckpt.errors import SaverError
 
     for _ in range(10):
         try:

@@ -23,9 +23,9 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
-from flashckpt import locations
 from flashckpt.errors import CheckpointCorruptError
-from flashckpt.storage import CheckpointStorage
+from flashckpt.storage import locations
+from flashckpt.storage.base import CheckpointStorage
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _generate_uuid, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta

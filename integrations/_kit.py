@@ -22,9 +22,9 @@ from typing import Any, Self
 import numpy as np
 import torch
 import torch.distributed as dist
-from flashckpt import locations
-from flashckpt._tree import map_tree
 from flashckpt.errors import FlashCheckpointError
+from flashckpt.format.tree import map_tree
+from flashckpt.storage import locations
 
 __all__ = ["rank", "world", "barrier", "group_ranks", "path_inside", "rel_inside", "step_of", "swapped",
            "exchange_files", "Adapter"]

@@ -9,7 +9,7 @@ out as files for a framework to read.
 - ``SnapshotDir``: a private temporary directory holding a snapshot's files (written, downloaded from a
   store, or empty placeholders for a framework that only looks for them), removed by ``close``; named
   after its process, so that one a killed process left is removed by the next one made in the same place
-  and by ``flashckpt gc`` (``flashckpt._owned_dirs``).
+  and by ``flashckpt gc`` (``flashckpt.util.owned_dirs``).
 - ``scratch_root`` / ``scratch``: where such directories go (``/dev/shm`` when it is writable).
 """
 
@@ -25,11 +25,10 @@ from collections.abc import Iterator
 from typing import Any, Self
 
 import torch
-from flashckpt._owned_dirs import owned_dir, scratch_roots, sweep_once
-from flashckpt.files import FileEntry, FileSet
-from flashckpt.storage import CheckpointStorage
-
-from ._kit import exchange_files, rel_inside, swapped, world
+from flashckpt.format.files import FileEntry, FileSet
+from flashckpt.integrations._kit import exchange_files, rel_inside, swapped, world
+from flashckpt.storage.base import CheckpointStorage
+from flashckpt.util.owned_dirs import owned_dir, scratch_roots, sweep_once
 
 __all__ = ["Capture", "SnapshotDir", "scratch_root", "scratch", "write_entry", "all_ranks_files"]
 

@@ -1,12 +1,11 @@
 """``flashckpt.integrations.lightning``'s classes on ``lightning`` (imported there on first use of their names;
 their bodies are ``_lightning_io._FlashIOImpl`` and that module's ``_MemorySnapshotImpl``; the ``pytorch_lightning`` ones are beside)."""
 
+from flashckpt.integrations._lightning_io import _FlashIOImpl
+from flashckpt.integrations.lightning import _MemorySnapshotImpl
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
-
-from ._lightning_io import _FlashIOImpl
-from .lightning import _MemorySnapshotImpl
 
 __all__ = ["FlashCheckpointIO", "FlashMemorySnapshot"]
 

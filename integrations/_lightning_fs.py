@@ -28,12 +28,12 @@ import io
 from collections.abc import Iterator
 from typing import Any
 
-from flashckpt import locations
 from flashckpt.errors import CheckpointNotFoundError, WriteRefusedError
-from flashckpt.storage import CheckpointStorage, storage_for
+from flashckpt.integrations import _lightning_io as lio
+from flashckpt.storage import locations
+from flashckpt.storage.base import CheckpointStorage
+from flashckpt.storage.registry import storage_for
 from fsspec.spec import AbstractFileSystem
-
-from . import _lightning_io as lio
 
 __all__ = ["FlashStoreFileSystem"]
 

@@ -16,17 +16,17 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
-from flashckpt import CheckpointEngine, FileSet, StorageType, locations
+from flashckpt import CheckpointEngine, FileSet, StorageType
 from flashckpt import errors as E
-from flashckpt.commit import CommitLayout
-from flashckpt.engine import Located
-from flashckpt.storage import file_checksum
-
-from ._kit import Adapter, barrier
-from ._kit_files import Capture, SnapshotDir, all_ranks_files, scratch, scratch_root
+from flashckpt.commit.layout import CommitLayout
+from flashckpt.engine.engine import Located
+from flashckpt.integrations._kit import Adapter, barrier
+from flashckpt.integrations._kit_files import Capture, SnapshotDir, all_ranks_files, scratch, scratch_root
+from flashckpt.storage import locations
+from flashckpt.storage.base import file_checksum
 
 if TYPE_CHECKING:
-    from .hf import FlashCkptConfig
+    from flashckpt.integrations.hf import FlashCkptConfig
 
 __all__ = ["AcceleratorCheckpointer", "StorageType", "fetch_step", "committed_step_of"]
 
@@ -88,7 +88,7 @@ class AcceleratorCheckpointer(Adapter):
             the store downloads the step into ``scratch_dir`` first.
         config: a ``flashckpt.integrations.hf.FlashCkptConfig``; its ``scratch_dir`` and ``storage_options``
             are used (the other fields are the Trainer's).
-        storage_options: options of the store's backend (``s3://``: ``flashckpt.storage_s3.S3Options``
+        storage_options: options of the store's backend (``s3://``: ``flashckpt.storage.s3.backend.S3Options``
             fields such as ``endpoint_url``); default: the config's.
 
     Example::

@@ -60,8 +60,10 @@ import torch.distributed as dist
 from flashckpt import FileSet
 from flashckpt import errors as E
 from flashckpt.errors import CheckpointCorruptError, FlashCheckpointError
-from flashckpt.files import tensor_view
-from flashckpt.torchfile import torch_save_parts
+from flashckpt.format.files import tensor_view
+from flashckpt.format.torchfile import torch_save_parts
+from flashckpt.integrations._dcp_store import BackendStorageReader, fill_target
+from flashckpt.integrations._kit import exchange_files
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
@@ -82,9 +84,6 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
-
-from ._dcp_store import BackendStorageReader, fill_target
-from ._kit import exchange_files
 
 __all__ = ["FileSetStorageWriter", "FileSetStorageReader", "BackendStorageReader", "CachingSavePlanner",
            "open_memory_reader", "torch_save_frame", "data_file_name", "METADATA_NAME"]

@@ -22,10 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 from flashckpt import CheckpointEngine, StorageType
-from flashckpt.engine import LoadResult
-from flashckpt.retention import CheckpointDeletionStrategy
-
-from ._kit import Adapter
+from flashckpt.commit.retention import CheckpointDeletionStrategy
+from flashckpt.engine.engine import LoadResult
+from flashckpt.integrations._kit import Adapter
 
 __all__ = ["DdpCheckpointer", "StorageType"]
 

@@ -58,16 +58,16 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from flashckpt import CheckpointEngine as FlashEngine
-from flashckpt import FlashCheckpointError, LoadResult, StorageType, locations
+from flashckpt import FlashCheckpointError, LoadResult, StorageType
 from flashckpt import errors as E
-from flashckpt.commit import META
-from flashckpt.engine import Located
-from flashckpt.files import FileSet
-from flashckpt.retention import CheckpointDeletionStrategy
-from flashckpt.storage import CheckpointStorage
-
-from ._kit import Adapter, exchange_files, path_inside, rank, swapped, world
-from ._kit_files import Capture, SnapshotDir, scratch_root
+from flashckpt.commit.layout import META
+from flashckpt.commit.retention import CheckpointDeletionStrategy
+from flashckpt.engine.engine import Located
+from flashckpt.format.files import FileSet
+from flashckpt.integrations._kit import Adapter, exchange_files, path_inside, rank, swapped, world
+from flashckpt.integrations._kit_files import Capture, SnapshotDir, scratch_root
+from flashckpt.storage import locations
+from flashckpt.storage.base import CheckpointStorage
 
 __all__ = ["DeepSpeedCheckpointer", "FlashDeepSpeedCheckpointEngine", "StorageType"]
 

@@ -39,13 +39,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from flashckpt import CheckpointEngine, FileSet, StorageType, locations
+from flashckpt import CheckpointEngine, FileSet, StorageType
 from flashckpt import errors as E
-from flashckpt.engine import LoadResult
+from flashckpt.commit.retention import CheckpointDeletionStrategy
+from flashckpt.engine.engine import LoadResult
 from flashckpt.errors import CheckpointCorruptError
-from flashckpt.retention import CheckpointDeletionStrategy
-
-from ._kit import Adapter, path_inside
+from flashckpt.integrations._kit import Adapter, path_inside
+from flashckpt.storage import locations
 
 __all__ = ["FsdpShardCheckpointer", "StorageType", "SaveTiming"]
 
@@ -86,7 +86,7 @@ class FsdpShardCheckpointer(Adapter):
 
     def __init__(self, checkpoint_dir: str, *, deletion_strategy: CheckpointDeletionStrategy | None = None,
                  max_to_keep: int = 0, process_group: Any = None) -> None:
-        from .dcp import CachingSavePlanner, FileSetStorageWriter
+        from flashckpt.integrations.dcp import CachingSavePlanner, FileSetStorageWriter
 
         self.engine = CheckpointEngine(checkpoint_dir, max_to_keep=max_to_keep, deletion_strategy=deletion_strategy,
                                        replicated=False, process_group=process_group)
@@ -171,7 +171,7 @@ class FsdpShardCheckpointer(Adapter):
             CheckpointCorruptError: ``resume_path`` is not a committed DCP checkpoint, or every
                 committed step is damaged.
         """
-        from .dcp import METADATA_NAME, open_memory_reader
+        from flashckpt.integrations.dcp import METADATA_NAME, open_memory_reader
 
         t0 = time.perf_counter()
         if resume_path:
@@ -211,16 +211,15 @@ class FsdpShardCheckpointer(Adapter):
 
     def _has_metadata(self, d: str) -> bool:
         """Whether the DCP checkpoint directory ``d`` holds its ``.metadata`` (through the backend)."""
-        from .dcp import METADATA_NAME
+        from flashckpt.integrations.dcp import METADATA_NAME
 
         return self.engine.storage.exists(locations.join(d, METADATA_NAME))
 
     def _storage_reader(self, d: str) -> Any:
         """DCP's ``FileSystemReader`` on a local dir; a ``BackendStorageReader`` (reads through the
         engine's storage backend, no download) on a URL."""
+        from flashckpt.integrations.dcp import BackendStorageReader
         from torch.distributed.checkpoint import FileSystemReader
-
-        from .dcp import BackendStorageReader
 
         return BackendStorageReader(self.engine.storage, d) if locations.is_url(d) else FileSystemReader(d)
 

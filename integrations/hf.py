@@ -48,17 +48,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from flashckpt import CheckpointEngine, FileSet, StorageType, locations
+from flashckpt import CheckpointEngine, FileSet, StorageType
 from flashckpt import errors as E
-from flashckpt.commit import CommitLayout
-from flashckpt.engine import Located, local_dir
-from flashckpt.files import FileEntry
-from flashckpt.retention import CheckpointDeletionStrategy
-from flashckpt.storage import storage_for
-
-from ._kit import barrier, step_of
-from ._kit_files import Capture, SnapshotDir, all_ranks_files, scratch, scratch_root
-from .accelerate import AcceleratorCheckpointer, committed_step_of, fetch_step
+from flashckpt.commit.layout import CommitLayout
+from flashckpt.commit.retention import CheckpointDeletionStrategy
+from flashckpt.engine.engine import Located, local_dir
+from flashckpt.format.files import FileEntry
+from flashckpt.integrations._kit import barrier, step_of
+from flashckpt.integrations._kit_files import Capture, SnapshotDir, all_ranks_files, scratch, scratch_root
+from flashckpt.integrations.accelerate import AcceleratorCheckpointer, committed_step_of, fetch_step
+from flashckpt.storage import locations
+from flashckpt.storage.registry import storage_for
 
 try:
     import transformers
@@ -102,7 +102,7 @@ class FlashCkptConfig:
         checkpoint_dir: where the ``checkpoint-N/`` folders go, instead of ``args.output_dir``: a local
             directory or the URL of a store (``s3://bucket/run``; see docs/storage.md). ``output_dir``
             stays local: the Trainer writes its logs and the final model there. None: ``output_dir``.
-        storage_options: options of the store's backend (``s3://``: ``flashckpt.storage_s3.S3Options``
+        storage_options: options of the store's backend (``s3://``: ``flashckpt.storage.s3.backend.S3Options``
             fields such as ``endpoint_url``, ``part_size_mb``); the node's saver gets them too.
     """
 

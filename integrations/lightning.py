@@ -40,12 +40,12 @@ import logging
 import os
 from typing import Any
 
-from flashckpt import StorageType, locations
+from flashckpt import StorageType
 from flashckpt import errors as E
-from flashckpt._lazy import lazy_attributes
 from flashckpt.errors import UnsupportedStrategyError
-
-from ._lightning_io import _NAMES, _dir_of, _FlashIOImpl, find_resume_path  # noqa: E402
+from flashckpt.integrations._lightning_io import _NAMES, _dir_of, _FlashIOImpl, find_resume_path  # noqa: E402
+from flashckpt.storage import locations
+from flashckpt.util.lazy import lazy_attributes
 
 # The four Lightning classes are imported on first use by the module's __getattr__ (their package with them).
 __all__ = ["FlashCheckpointIO", "FlashMemorySnapshot", "PLFlashCheckpointIO", "PLFlashMemorySnapshot",  # noqa: F822

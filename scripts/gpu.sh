@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks for a lent GPU machine in one command: the `gpu` test tier (tests/test_gpu.py), the CUDA
+# The checks for a lent GPU machine in one command: the `gpu` test tier (tests/gpu/test_gpu.py), the CUDA
 # benchmark (benchmarks/bench_gpu.py) and, on request, the replica's step-time runs of
 # benchmarks/bench_nodes.py (simulated nodes: root and unshare; a host with spare cores, which this VM is
 # not). Logs and reports go into $OUT (default bench_out/gpu).
@@ -50,7 +50,7 @@ if [[ "$PARTS" == *,nodes,* ]]; then
   note "bench_nodes" "${PIPESTATUS[0]}"
 fi
 if [[ "$PARTS" == *,tests,* ]]; then
-  timeout "${GPU_TEST_TIMEOUT_S:-240}" "$PY" -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider \
+  timeout "${GPU_TEST_TIMEOUT_S:-240}" "$PY" -m pytest tests/gpu/test_gpu.py -m gpu -q -p no:cacheprovider \
     -o addopts="-ra --strict-markers" 2>&1 | tee "$OUT/gpu_tests.log"
   note "gpu tests" "${PIPESTATUS[0]}"
 fi

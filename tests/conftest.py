@@ -14,11 +14,16 @@ import importlib.util
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 
 import pytest
-from helpers import child_pids, leftovers, saver_pids, wait_for
+
+# The support code (helpers, fixtures, trainer scripts run as subprocesses) is importable from every tier.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+
+from helpers import child_pids, leftovers, saver_pids, wait_for  # noqa: E402
 
 # A saver whose trainers closed with release=False (or crashed) keeps its snapshots this long.
 DEFAULT_GRACE_S = 20.0
@@ -75,7 +80,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         return
     if os.environ.get("FLASHCKPT_NATIVE", "auto").strip().lower() not in ("0", "off", "false", "no"):
         try:
-            from flashckpt import _native
+            from flashckpt.util import native as _native
 
             _native.build()
         except Exception:  # each worker's _native_fast_path says why and falls back
@@ -91,8 +96,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def _native_fast_path():
     """Builds the C++ fast path once (cached across runs), before any test: engines then use it, as on a
     machine where it was built, and no test starts a background build. FLASHCKPT_NATIVE=0 runs the whole
-    suite on the Python fallback instead; tests/test_native.py covers both either way."""
-    from flashckpt import _native
+    suite on the Python fallback instead; tests/multiproc/test_native.py covers both either way."""
+    from flashckpt.util import native as _native
 
     if os.environ.get("FLASHCKPT_NATIVE", "auto").strip().lower() not in _native._OFF:
         try:
@@ -296,15 +301,15 @@ def make_engine(runtime_dir, ckpt_dir):
 def pytest_sessionfinish(session, exitstatus):
     """Tests that SIGKILL a launcher leave its module-record directory in the temp dir (the next launcher
     would remove it): removed here, as that launcher would (only those of agents no longer running)."""
-    from flashckpt.warm import sweep_modules_dirs
+    from flashckpt.launch.warm import sweep_modules_dirs
 
     sweep_modules_dirs()
 
 
 def pytest_addoption(parser):
-    """``--soak N``: run N seeded iterations of the random kill-point test (tests/test_killpoints.py).
+    """``--soak N``: run N seeded iterations of the random kill-point test (tests/multiproc/test_killpoints.py).
     ``--extended``: also run the tests marked ``extended`` (left out by default, see ``_EXTENDED``).
-    ``--hypothesis-examples N``: N random examples per property test (tests/test_roundtrip_property.py)."""
+    ``--hypothesis-examples N``: N random examples per property test (tests/multiproc/test_roundtrip_property.py)."""
     parser.addoption("--soak", type=int, default=0, metavar="N",
                      help="random kill-point iterations to run (default: a few; FLASHCKPT_SOAK=N does the same)")
     parser.addoption("--extended", action="store_true",
@@ -316,40 +321,11 @@ def pytest_addoption(parser):
 
 
 # ------------------------------------------------------------------------------------------ test tiers
-# Every test file belongs to one tier (a marker): `pytest -m unit` runs in a few minutes; a file not in the
-# table fails the collection, so that a new file is placed on purpose. A test may carry another tier's marker
-# as well (a multi-rank test in a framework's file is `framework` and `multiproc`); `unit` excludes it.
-TIERS = ("unit", "multiproc", "framework", "conformance", "gpu")
-_TIER_OF_FILE = {
-    # in-process logic, at most a short-lived saver: seconds each
-    **dict.fromkeys(("test_interval.py", "test_tree.py", "test_kit.py", "test_errors.py", "test_snapshot_reader.py",
-                     "test_filewriter.py", "test_files.py", "test_retention.py", "test_messages.py",
-                     "test_storage.py", "test_s3_infra.py", "test_replica.py", "test_config_knobs.py",
-                     "test_lazy_imports.py"), "unit"),
-    # the S3 backend against a real S3-compatible server on loopback, directly and through a fault proxy
-    **dict.fromkeys(("test_s3_backend.py", "test_s3_engine.py"), "multiproc"),
-    # savers, persist workers, trainers and launchers in processes of their own, faults and kills
-    **dict.fromkeys(("test_cli.py", "test_commit_guards.py", "test_engine.py", "test_fault_injection.py",
-                     "test_ipc.py", "test_killpoints.py", "test_launcher.py", "test_warm_workers.py", "test_lifecycle.py",
-                     "test_multiprocess.py", "test_native.py", "test_overlap.py", "test_records.py",
-                     "test_saver_liveness.py", "test_security.py", "test_slots.py", "test_writers.py",
-                     "test_documented_api.py", "test_wheel.py", "test_norename_storage.py"), "multiproc"),
-    # a real framework (transformers, Lightning, DeepSpeed, FSDP, Megatron) under the adapter
-    **dict.fromkeys(("test_hf.py", "test_lightning.py", "test_deepspeed.py", "test_fsdp.py", "test_megatron.py",
-                     "test_dlrover_guide.py", "test_hf_s3.py", "test_lightning_s3.py",
-                     "test_s3_dist_adapters.py"), "framework"),
-    "test_conformance.py": "conformance",
-    "test_gpu.py": "gpu",
-    # simulated nodes (mount namespaces with a private /dev/shm each), node loss (tests/_nodes.py)
-    "test_multinode.py": "multiproc",
-    # issue #30, never silently wrong: values and views, rank identity, process events, dirs that move,
-    # the README's promises, starts and leftovers (generated state dicts in test_roundtrip_property.py)
-    **dict.fromkeys(("test_fidelity.py", "test_roundtrip_property.py", "test_identity.py", "test_process_events.py",
-                     "test_dir_moves.py", "test_promises.py", "test_starts_and_leftovers.py"), "multiproc"),
-    # commit records that cannot be read (EMFILE, EACCES...): an error, never "no records" (#30 item 8's class)
-    "test_records_errors.py": "multiproc",
-}
-
+# Every test file lives in its tier's folder (tests/unit, multiproc, framework, conformance, gpu), whose
+# conftest.py marks its tests (tests/support/tiers.py): `pytest tests/unit` or `pytest -m unit` runs in a few
+# minutes. A test may carry another tier's marker as well (a multi-rank test in a framework's file is
+# `framework` and `multiproc`); `unit` excludes it. A test file outside the tier folders fails the collection.
+from tiers import TIERS  # noqa: E402
 
 # Seconds each file's tests took on this 2-core machine (the heaviest; others count 10): a parallel run hands
 # the files out heaviest first, so that no long file starts last and runs alone at the end.
@@ -388,12 +364,10 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=left)
         items[:] = kept
     items.sort(key=lambda it: -_FILE_SECONDS.get(os.path.basename(str(it.path)), 10))  # stable: files stay in order
+    here = os.path.dirname(os.path.abspath(__file__))
     for item in items:
-        name = os.path.basename(str(item.path))
-        tier = _TIER_OF_FILE.get(name)
-        if tier is None:
-            raise pytest.UsageError(f"{name} has no test tier: add it to _TIER_OF_FILE in tests/conftest.py "
-                                    f"(one of {', '.join(TIERS)})")
-        others = [t for t in TIERS if t != tier and item.get_closest_marker(t)]
-        if not (tier == "unit" and others):
-            item.add_marker(tier)
+        folder = os.path.relpath(os.path.dirname(str(item.path)), here)
+        if folder not in TIERS:
+            raise pytest.UsageError(f"{item.path}: a test file lives in one of the tier folders tests/"
+                                    f"{{{','.join(TIERS)}}} (each folder's conftest.py marks its tests)")
+

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._lazy import lazy_attributes
+from flashckpt.util.lazy import lazy_attributes
 
 if TYPE_CHECKING:
-    from ._base import SOCKET_NAME, lock_job
-    from .daemon import SAVER_MODULE, ensure_saver
-    from .server import CheckpointSaver
+    from flashckpt.saver._base import SOCKET_NAME, lock_job
+    from flashckpt.saver.daemon import SAVER_MODULE, ensure_saver
+    from flashckpt.saver.server import CheckpointSaver
 
 __all__ = ["CheckpointSaver", "ensure_saver", "lock_job", "SOCKET_NAME", "SAVER_MODULE"]
 

@@ -15,18 +15,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._lease import pid_running
-from ..commit import CommitLayout
-from ..config import Knobs, make_private_dir
-from ..ipc import SharedLock
-from ..messages import Persist
-from ..records import Held
-from ..segment import (
+from flashckpt.commit.layout import CommitLayout
+from flashckpt.commit.records_home import Held
+from flashckpt.config import Knobs, make_private_dir
+from flashckpt.format.segment import (
     Segment,
     SlotHeader,
 )
-from ..storage import CheckpointStorage
-from .worker import PersistWorker
+from flashckpt.saver.worker import PersistWorker
+from flashckpt.storage.base import CheckpointStorage
+from flashckpt.transport.ipc import SharedLock
+from flashckpt.transport.messages import Persist
+from flashckpt.util.lease import pid_running
 
 log = logging.getLogger("flashckpt.saver")
 

@@ -7,10 +7,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import errors as E
-from .. import locations
-from ..commit import TrackerUpdateError
-from ._base import SaverBase, _CommitJob, _DeleteJob, _StepState, log
+from flashckpt import errors as E
+from flashckpt.commit.layout import TrackerUpdateError
+from flashckpt.saver._base import SaverBase, _CommitJob, _DeleteJob, _StepState, log
+from flashckpt.storage import locations
 
 
 class CommitPart(SaverBase):

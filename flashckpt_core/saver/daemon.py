@@ -5,7 +5,7 @@ from __future__ import annotations
 
 # ruff: noqa: E402  (the daemon defers torch before the imports below)
 if __name__ == "__main__":  # the daemon never loads torch: its persist worker does (_persist_worker)
-    from flashckpt._lazy import defer
+    from flashckpt.util.lazy import defer
 
     defer("torch")
 
@@ -21,14 +21,14 @@ import sys
 import time
 from typing import Any
 
-from .. import errors as E
-from .. import locations
-from .._lease import pid_running
-from .._protocol import Client
-from ..config import Knobs, knob, make_private_dir, open_private_dir
-from ..storage import OPTIONS_ENV, options_from_env, storage_from_spec
-from ._base import _LOG_NAME, SOCKET_NAME, lock_job, log
-from .server import CheckpointSaver
+from flashckpt import errors as E
+from flashckpt.config import Knobs, knob, make_private_dir, open_private_dir
+from flashckpt.saver._base import _LOG_NAME, SOCKET_NAME, lock_job, log
+from flashckpt.saver.server import CheckpointSaver
+from flashckpt.storage import locations
+from flashckpt.storage.registry import OPTIONS_ENV, options_from_env, storage_from_spec
+from flashckpt.transport.wire import Client
+from flashckpt.util.lease import pid_running
 
 __all__ = ["ensure_saver", "main", "SAVER_MODULE"]
 

@@ -22,9 +22,9 @@ import os
 import time
 from typing import Any, ClassVar
 
-from .. import errors as E
-from .. import messages as M
-from ._base import SaverBase, log
+from flashckpt import errors as E
+from flashckpt.saver._base import SaverBase, log
+from flashckpt.transport import messages as M
 
 _RETRY_FIRST_S = 1.0
 _RETRY_MAX_S = 30.0

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import time
 
-from .. import errors as E
-from .. import messages as M
-from ..ipc import SharedLock
-from ..segment import (
+from flashckpt import errors as E
+from flashckpt.format.segment import (
     Segment,
     live_snapshots,
     lock_path,
     segment_paths,
 )
-from ._base import SaverBase, _ClientInfo, log
+from flashckpt.saver._base import SaverBase, _ClientInfo, log
+from flashckpt.transport import messages as M
+from flashckpt.transport.ipc import SharedLock
 
 
 class LastWordsPart(SaverBase):

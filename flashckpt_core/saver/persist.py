@@ -8,16 +8,16 @@ import os
 import queue
 import time
 
-from .. import errors as E
-from ..ipc import SharedLock
-from ..messages import Persist
-from ..segment import (
+from flashckpt import errors as E
+from flashckpt.format.segment import (
     COMPLETE,
     FLAG_PENDING,
     FLAG_PINNED,
     lock_path,
 )
-from ._base import SaverBase, _CommitJob, _StepState, log
+from flashckpt.saver._base import SaverBase, _CommitJob, _StepState, log
+from flashckpt.transport.ipc import SharedLock
+from flashckpt.transport.messages import Persist
 
 
 class PersistPart(SaverBase):

@@ -1,4 +1,4 @@
-"""The saver's side of the cross-node memory replica (``flashckpt.replica``: groups, peer book, wire).
+"""The saver's side of the cross-node memory replica (``flashckpt.transport.peers``: groups, peer book, wire).
 
 In a job of several nodes each saver runs a peer service on TCP: it receives its group partners' backups,
 answers what it holds (``inventory``), sends a snapshot it holds to a node that lost its memory
@@ -27,26 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
-
-from .. import errors as E
-from .. import messages as M
-from .._protocol import PeerClosed, recv_msg, send_msg
-from ..commit import commit_spec
-from ..ipc import SharedLock
-from ..replica import (
-    Pacer,
-    PeerBook,
-    ReplicaKnobs,
-    accept,
-    across_nodes,
-    advertised_host,
-    connect,
-    partners,
-    recv_into,
-    send_range,
-    takes_over_rank0,
-)
-from ..segment import (
+from flashckpt import errors as E
+from flashckpt.commit.layout import commit_spec
+from flashckpt.format.segment import (
     COMPLETE,
     EMPTY,
     FLAG_FETCHED,
@@ -60,7 +43,23 @@ from ..segment import (
     lock_path,
     segment_paths,
 )
-from ._base import SaverBase, log
+from flashckpt.saver._base import SaverBase, log
+from flashckpt.transport import messages as M
+from flashckpt.transport.ipc import SharedLock
+from flashckpt.transport.peers import (
+    Pacer,
+    PeerBook,
+    ReplicaKnobs,
+    accept,
+    across_nodes,
+    advertised_host,
+    connect,
+    partners,
+    recv_into,
+    send_range,
+    takes_over_rank0,
+)
+from flashckpt.transport.wire import PeerClosed, recv_msg, send_msg
 
 __all__ = ["ReplicaPart", "BACKUP_BASE", "backup_paths"]
 

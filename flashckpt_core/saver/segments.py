@@ -7,11 +7,8 @@ import os
 import stat
 import time
 
-from .. import errors as E
-from .. import messages as M
-from .._protocol import Client
-from ..ipc import SharedLock
-from ..segment import (
+from flashckpt import errors as E
+from flashckpt.format.segment import (
     COMPLETE,
     EMPTY,
     FLAG_FETCHED,
@@ -26,7 +23,10 @@ from ..segment import (
     segment_path,
     segment_paths,
 )
-from ._base import SOCKET_NAME, SaverBase, log
+from flashckpt.saver._base import SOCKET_NAME, SaverBase, log
+from flashckpt.transport import messages as M
+from flashckpt.transport.ipc import SharedLock
+from flashckpt.transport.wire import Client
 
 
 class SegmentsPart(SaverBase):

@@ -15,21 +15,16 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, ClassVar
 
-from .. import errors as E
-from .. import messages as M
-from .._protocol import peer_uid, recv_msg, send_msg
-from ..commit import CommitLayout
-from ..config import Knobs, dir_identity, is_default_runtime_dir, open_private_dir
-from ..ipc import SharedLock
-from ..messages import parse_request
-from ..records import Held
-from ..segment import (
+from flashckpt import errors as E
+from flashckpt.commit.layout import CommitLayout
+from flashckpt.commit.records_home import Held
+from flashckpt.config import Knobs, dir_identity, is_default_runtime_dir, open_private_dir
+from flashckpt.format.segment import (
     FLAGS_BUSY,
     Segment,
     lock_path,
 )
-from ..storage import CheckpointStorage, storage_for
-from ._base import (  # noqa: F401
+from flashckpt.saver._base import (  # noqa: F401
     _SPAWN_LOCK,
     SOCKET_NAME,
     CommitWork,
@@ -44,13 +39,19 @@ from ._base import (  # noqa: F401
     lock_job,
     log,
 )
-from .committer import CommitPart
-from .housekeeping import HousekeepingPart
-from .lastwords import LastWordsPart
-from .persist import PersistPart
-from .replica import ReplicaPart
-from .segments import SegmentsPart
-from .worker import PersistWorker
+from flashckpt.saver.committer import CommitPart
+from flashckpt.saver.housekeeping import HousekeepingPart
+from flashckpt.saver.lastwords import LastWordsPart
+from flashckpt.saver.persist import PersistPart
+from flashckpt.saver.replica import ReplicaPart
+from flashckpt.saver.segments import SegmentsPart
+from flashckpt.saver.worker import PersistWorker
+from flashckpt.storage.base import CheckpointStorage
+from flashckpt.storage.registry import storage_for
+from flashckpt.transport import messages as M
+from flashckpt.transport.ipc import SharedLock
+from flashckpt.transport.messages import parse_request
+from flashckpt.transport.wire import peer_uid, recv_msg, send_msg
 
 __all__ = ["CheckpointSaver"]
 

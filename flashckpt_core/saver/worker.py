@@ -1,6 +1,6 @@
 """The saver's end of its persist worker: starts it on demand (``python -m`` the worker module, a subprocess,
 never a fork of the multi-threaded saver), sends it persist requests, stops it when idle, and fails what
-was in flight when it dies. Torch-free: the worker (``flashckpt._persist_worker``, which describes the
+was in flight when it dies. Torch-free: the worker (``flashckpt.saver.persist_worker``, which describes the
 protocol) is the process that imports torch."""
 
 from __future__ import annotations
@@ -16,16 +16,17 @@ import threading
 import time
 from typing import Any
 
-from .. import errors as E
-from .._protocol import read_frame, write_frame
-from ..storage import CheckpointStorage, FileRecord, storage_spec
+from flashckpt import errors as E
+from flashckpt.storage.base import CheckpointStorage, FileRecord
+from flashckpt.storage.registry import storage_spec
+from flashckpt.transport.wire import read_frame, write_frame
 
 __all__ = ["PersistWorker", "WORKER_MODULE"]
 
 log = logging.getLogger("flashckpt.saver")
 
 # The worker runs as ``python -m`` this module: resolved from this package's name, without importing it.
-WORKER_MODULE = importlib.util.resolve_name(".._persist_worker", __package__)
+WORKER_MODULE = importlib.util.resolve_name(".persist_worker", __package__)
 
 
 @dataclasses.dataclass

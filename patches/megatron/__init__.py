@@ -18,7 +18,7 @@ With megatron-core alone, ``flashckpt.patches.megatron.dist_ckpt`` provides ``sa
 from __future__ import annotations
 
 from flashckpt import StorageType
-from flashckpt._lazy import lazy_attributes
+from flashckpt.util.lazy import lazy_attributes
 
 __all__ = ["save_checkpoint", "load_checkpoint", "StorageType", "configure", "get_checkpointer", "finalize",
            "MegatronCheckpointer", "FlashCkptSaveStrategy"]

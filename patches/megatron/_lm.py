@@ -38,14 +38,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from flashckpt import FileSet, StorageType, locations
-from flashckpt.engine import LoadResult
+from flashckpt import FileSet, StorageType
+from flashckpt.commit.retention import CheckpointDeletionStrategy
+from flashckpt.engine.engine import LoadResult
 from flashckpt.errors import FlashCheckpointError
+from flashckpt.format.torchfile import load_parts, torch_save_parts
 from flashckpt.integrations._kit import exchange_files, rank, rel_inside, swapped, world
-from flashckpt.retention import CheckpointDeletionStrategy
-from flashckpt.torchfile import load_parts, torch_save_parts
-
-from .dist_ckpt import TRACKER_NAME, MegatronCheckpointer, iteration_dir
+from flashckpt.patches.megatron.dist_ckpt import TRACKER_NAME, MegatronCheckpointer, iteration_dir
+from flashckpt.storage import locations
 
 __all__ = ["save_checkpoint", "load_checkpoint", "configure", "get_checkpointer", "finalize", "megatron_lm"]
 
@@ -151,7 +151,7 @@ class _TrackerFile(io.StringIO):
 
 
 def _save_swaps(mlm: ModuleType, ck: MegatronCheckpointer, col: Any) -> list[tuple[Any, str, Any]]:
-    from . import dist_ckpt
+    from flashckpt.patches.megatron import dist_ckpt
 
     base = col.path
     tracker = locations.join(ck.checkpoint_dir, TRACKER_NAME)

@@ -64,13 +64,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from flashckpt import CheckpointEngine, FileSet, StorageType, locations
+from flashckpt import CheckpointEngine, FileSet, StorageType
 from flashckpt import errors as E
-from flashckpt.engine import LoadResult
+from flashckpt.commit.retention import CheckpointDeletionStrategy
+from flashckpt.engine.engine import LoadResult
 from flashckpt.errors import FlashCheckpointError
 from flashckpt.integrations._kit import Adapter, path_inside, rank, step_of, swapped
 from flashckpt.integrations.dcp import METADATA_NAME, open_memory_reader, torch_save_frame
-from flashckpt.retention import CheckpointDeletionStrategy
+from flashckpt.storage import locations
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import serialization as _ser
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingConfig

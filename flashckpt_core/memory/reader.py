@@ -1,0 +1,465 @@
+"""Reading the snapshots a job holds in this node's shared memory.
+
+``SnapshotReader`` is the public way in, for adapters and tools: from a checkpoint dir (the job found as
+the engine finds it) or from an engine, it lists the live snapshots of a local rank (step, the path each is
+to be persisted to, the time of its save) and reads one back as a state dict (a ``FileSet`` for sets),
+decoding Python objects under the same ``weights_only`` rules as a load from storage. It only reads: no
+saver is started, no lease taken, and a slot is accepted only when it is COMPLETE and untouched by the
+read (``read_snapshot``). The snapshot writer (``snapshot_writer.SharedMemoryHandler``) builds on it.
+
+Example::
+
+    from flashckpt.memory.reader import SnapshotReader
+
+    with SnapshotReader("/ckpt") as reader:            # local rank 0 of the job of /ckpt on this node
+        for info in reader.snapshots():                # newest save first
+            print(info.step, info.name, info.wall_time)
+        sd = reader.load()                             # the newest one; reader.load(step) for another
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from flashckpt import errors as E
+from flashckpt.config import Knobs, job_dir
+from flashckpt.format.files import FILES_KEY, FileSet, is_fileset_tree
+from flashckpt.format.into import Into
+from flashckpt.format.segment import (
+    COMPLETE,
+    Segment,
+    SlotHeader,
+    _page,
+    live_snapshots,
+    local_ranks,
+    segment_paths,
+    unreadable,
+    writer_lease_path,
+)
+from flashckpt.format.tree import (
+    TensorMeta,
+    build_tensor,
+    contiguous_strides,
+    decode_opaque,
+    dtype_from_name,
+    gc_paused,
+    split_opaque,
+    tensor_paths,
+    unflatten,
+)
+from flashckpt.storage import locations
+from flashckpt.util import cuda as _cuda
+from flashckpt.util.copy import Copier, file_reader
+from flashckpt.util.lease import describe_holder, live_holder
+
+if TYPE_CHECKING:
+    from flashckpt.engine.engine import CheckpointEngine
+
+__all__ = ["SnapshotReader", "SnapshotInfo", "Snapshot", "read_snapshot", "job_in_memory"]
+
+log = logging.getLogger(__name__)
+
+_CPU = torch.device("cpu")
+
+
+@dataclass
+class Snapshot:
+    """A snapshot copied out of shared memory: its step, state dict (a tree; a ``FileSet``'s encoding for
+    sets), the path it is to be persisted to (``name``) and its bytes of tensor data."""
+
+    step: int
+    state_dict: Any
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """One live snapshot in memory: its step, the path ``save`` was given (where it is persisted; "" when
+    none was named), the wall time of its save, and the global rank that saved it and the number of ranks
+    of its job (None where a segment of an older version did not record them)."""
+
+    step: int
+    name: str
+    wall_time: float
+    rank: int | None = None
+    world_size: int | None = None
+
+
+def job_in_memory(checkpoint_dir: str | os.PathLike[str]) -> bool:
+    """Whether this node has the runtime dir of the job that checkpoints into ``checkpoint_dir`` (found as
+    the engine finds it: the checkpoint dir, ``FLASHCKPT_JOB_ID`` / ``TORCHELASTIC_RUN_ID``): a saver of
+    it runs, or left snapshots a restart may load. Cheap; reads and starts nothing."""
+    return os.path.isdir(_job_dir_of(checkpoint_dir, Knobs.from_env()))
+
+
+def _job_dir_of(checkpoint_dir: str | os.PathLike[str], knobs: Knobs) -> str:
+    return job_dir(locations.normpath(locations.checkpoint_location(checkpoint_dir, "SnapshotReader")), knobs)
+
+
+def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None = None,
+                  weights_only: bool = False, into: Any = None) -> Snapshot | None:
+    """Copies slot ``slot`` out of shared memory; None when it is not a COMPLETE, untorn snapshot.
+
+    With ``into`` (a state-dict tree), the tensors of ``into`` that the rule of ``_into`` matches (same key
+    path, dtype and shape; a plain contiguous CPU or CUDA tensor) are filled and returned in place of the
+    snapshot's, most straight from the slot (no new memory, one copy at memcpy or PCIe speed); the others
+    are left alone (one warning names them). Snapshot tensors that fill nothing are copied into new
+    storages, on the GPU they were saved from where this process has it."""
+    h = seg.header(slot)
+    if h.state != COMPLETE or (step is not None and h.step != step):
+        return None
+    with gc_paused(), seg.read_fd() as fd:
+        return _read_slot(seg, slot, h, copier, fd, weights_only=weights_only, into=into)
+
+
+def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int | None, *,
+               weights_only: bool, into: Any) -> Snapshot | None:
+    meta = seg.read_meta(slot, h)
+    metas = [TensorMeta.from_json(v) for v in meta["tensors"]]
+    data = seg.data_off(slot)  # sources are offsets in the segment file until the copy op is chosen
+    direct: dict[int, torch.Tensor] = {}
+    tasks = []
+    # (CUDA storage, byte offset in it, offset in the segment, bytes): copied host-to-device from the mapping
+    device_tasks: list[tuple[torch.UntypedStorage, int, int, int]] = []
+    fill = Into(into)
+    if fill:
+        paths = tensor_paths(meta["tree"])
+        if paths and all(len(p) >= 3 and p[0] == FILES_KEY and p[2] == "d" for p in paths):
+            fill = Into(FileSet.encode_into(into))  # a FileSet: ``into`` is {file name: tree}
+        # Straight from the slot into the tensors ``into`` gives (the rule: ``_into``) where the snapshot
+        # tensor is laid out contiguously: a CPU tensor takes the bytes by a host copy, a CUDA tensor
+        # host-to-device, whatever device the snapshot came from. ``fill.fill`` copies the other matches.
+        for i, (m, path) in enumerate(zip(metas, paths)):
+            t = fill.target(path, dtype_from_name(m.dtype), m.shape, (m.conj, m.neg))
+            if t is None or m.stride != contiguous_strides(m.shape):
+                continue
+            n = t.numel() * t.element_size()
+            start = m.storage_offset * t.element_size()
+            if start + n > m.nbytes:
+                continue  # not a view inside its region (cannot happen for a valid snapshot)
+            if n and t.is_cuda:
+                device_tasks.append((t.untyped_storage(), int(t.storage_offset()) * t.element_size(),
+                                     data + m.offset + start, n))
+            elif n:
+                tasks.append((t.data_ptr(), data + m.offset + start, n))
+            direct[i] = t
+    regions: dict[tuple[int, int], torch.UntypedStorage] = {}
+    for i, m in enumerate(metas):
+        key = (m.offset, m.nbytes)
+        if i in direct or key in regions:
+            continue
+        dev = _device_of(m.device)
+        st = torch.UntypedStorage(m.nbytes, device=dev)
+        regions[key] = st
+        if m.nbytes and dev.type == "cuda":
+            device_tasks.append((st, 0, data + m.offset, m.nbytes))
+        elif m.nbytes:  # (no MADV_HUGEPAGE: its compaction stalls made such loads 2-3x slower, docs/benchmarks.md)
+            tasks.append((st.data_ptr(), data + m.offset, m.nbytes))
+    # preadv from the file, except on a huge-page tmpfs when every tensor goes into an existing one: then
+    # the mapping (one fault per 2 MiB) is as fast as resident memory. Into new memory, preadv stays ahead
+    # either way (the kernel faults the destination in; a memmove faulting both sides is up to 15x slower).
+    if fd is None or (seg.huge_pages and not regions):
+        seg.populate(slot, h.tensor_bytes)
+        tasks = [(dst, seg.base + off, n) for dst, off, n in tasks]
+        copier.run(tasks)
+    else:
+        copier.run(tasks, op=file_reader(fd))
+    if device_tasks:
+        _read_to_device(seg, slot, h, copier, fd, device_tasks)
+    blob_off = seg.data_off(slot) + h.tensor_bytes
+    blob = seg.mm[blob_off: blob_off + h.blob_len]
+    h2 = seg.header(slot)
+    if h2.state != COMPLETE or h2.generation != h.generation:
+        return None  # overwritten while we read: torn
+    # Opaque leaves are decoded by a trainer only (never the saver), and with weights_only only into
+    # the types torch.load(weights_only=True) accepts.
+    opaque = [decode_opaque(b, weights_only=weights_only) for b in split_opaque(blob, meta["opaque"])]
+    tensors = []
+    for i, m in enumerate(metas):
+        if i in direct:
+            tensors.append(direct[i])
+            continue
+        tensors.append(build_tensor(regions[(m.offset, m.nbytes)], m))
+    state = fill.fill(unflatten(meta["tree"], tensors, opaque), source=f"memory (step {h.step})")
+    return Snapshot(h.step, state, meta.get("name", ""), h.tensor_bytes)
+
+
+def _device_of(device: str) -> torch.device:
+    """Where a snapshot tensor saved on ``device`` is restored: that CUDA device where this process has it
+    (as ``torch.load`` without ``map_location``), else the CPU (a restore on a machine without the GPU)."""
+    if not device.startswith("cuda"):
+        return _CPU
+    dev = torch.device(device)
+    if not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count():
+        return _CPU
+    return dev
+
+
+def _read_to_device(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int | None,
+                    tasks: list[tuple[torch.UntypedStorage, int, int, int]]) -> None:
+    """Copies slot ``slot``'s regions host-to-device as ``FLASHCKPT_CUDA_LOAD`` says (``_cuda``); the sources
+    are offsets in the segment. Returns when the copies are done."""
+    mode = _cuda.load_mode()
+    if mode == "staged":
+        if fd is not None:
+            _cuda.copy_to_device_staged(tasks, lambda t: copier.run(t, op=file_reader(fd)))
+        else:
+            seg.populate(slot, h.tensor_bytes)
+            _cuda.copy_to_device_staged(tasks, lambda t: copier.run([(d, seg.base + s, n) for d, s, n in t]))
+        return
+    seg.populate(slot, h.tensor_bytes)
+    start = seg.data_off(slot)
+    pinned = mode == "register" and _cuda.register(seg.base + start, _page(h.tensor_bytes))
+    try:
+        _cuda.copy_to_device([(st, off, seg.base + src, n) for st, off, src, n in tasks])
+    finally:
+        if pinned:
+            _cuda.unregister(seg.base + start)
+
+
+class SnapshotReader:
+    """Reads the live snapshots of one local rank of a job from this node's shared memory.
+
+    Args:
+        source: the checkpoint dir (a path or ``file://`` URL; the job is found as the engine finds it, so
+            use the same environment as the run that saved), or a ``CheckpointEngine`` (its job).
+        local_rank: whose snapshots (in replicated mode only local rank 0 holds any).
+        weights_only: decode the Python objects of loaded snapshots only into the types
+            ``torch.load(weights_only=True)`` accepts. Default: the engine's setting, else True.
+        rank: only the snapshots global rank ``rank`` saved, wherever they are on this node: in
+            ``local_rank``'s segments first, then in any other local rank's (a restart that numbered the
+            node's ranks otherwise). Across local ranks the newest save is the one saved last (wall time).
+        world_size: only the snapshots saved by a job of ``world_size`` ranks.
+
+    A reader of a job that has no runtime dir on this node (``exists()`` False) sees no snapshots. Close it
+    (or use it as a context manager) to unmap the segments. Not thread-safe.
+
+    A reader reads whatever the segments hold, a live training's snapshots included (a tool inspecting a
+    running job). An engine's own reads (``CheckpointEngine.load``, ``memory_steps``) are narrower: its
+    rank's own snapshots, saved by a job of its number of ranks (unless replicated), and none in segments
+    another live process writes (see ``own_only``).
+    """
+
+    def __init__(self, source: str | os.PathLike[str] | CheckpointEngine, local_rank: int = 0, *,
+                 weights_only: bool | None = None, rank: int | None = None,
+                 world_size: int | None = None) -> None:
+        if isinstance(source, (str, os.PathLike)):
+            knobs = Knobs.from_env()
+            jd = _job_dir_of(source, knobs)
+            default = True
+        else:
+            knobs, jd, default = source.knobs, source.job_dir, source.weights_only
+        self._setup(local_rank, jd, Copier(knobs.copy_threads), own_copier=True,
+                    weights_only=default if weights_only is None else weights_only, rank=rank, world_size=world_size)
+
+    @classmethod
+    def for_job_dir(cls, local_rank: int, job_dir: str, *, copier: Copier | None = None,
+                    weights_only: bool = False) -> SnapshotReader:
+        """A reader of the job whose runtime dir is ``job_dir`` (the engine's own; adapters pass a
+        checkpoint dir or an engine instead), sharing ``copier`` when given."""
+        self = cls.__new__(cls)
+        self._setup(local_rank, job_dir, copier or Copier(1), own_copier=copier is None, weights_only=weights_only)
+        return self
+
+    def _setup(self, local_rank: int, job_dir: str, copier: Copier, *, own_copier: bool, weights_only: bool,
+               rank: int | None = None, world_size: int | None = None, own_only: bool = False) -> None:
+        """``own_only``: a resuming engine's reader, which passes over the segments of a local rank whose
+        writer lease a live process other than this one holds (their snapshots are that process's: another
+        training on the same job key), saying so in the log."""
+        self.local_rank = local_rank
+        self.job_dir = job_dir
+        self.weights_only = weights_only
+        self.rank = rank
+        self.world_size = world_size
+        self._own_only = own_only
+        self._said: set[tuple[Any, ...]] = set()  # reasons logged already (once each)
+        self._copier = copier
+        self._own_copier = own_copier
+        self._readers: dict[str, Segment] = {}
+
+    def exists(self) -> bool:
+        """Whether the job has a runtime dir on this node (see ``job_in_memory``)."""
+        return os.path.isdir(self.job_dir)
+
+    def _open(self, path: str) -> Segment:
+        """The segment at ``path``: a cached mapping (not prefaulted: a reader touches only the slot it
+        reads)."""
+        seg = self._readers.get(path)
+        if seg is not None and seg.replaced():  # a new runtime dir (the old one was wiped) reuses the name
+            self._readers.pop(path).close()
+            seg = None
+        if seg is None:
+            seg = self._readers[path] = Segment(path, populate=False)
+        return seg
+
+    def _forget_removed(self, live: list[tuple[int, str]]) -> None:
+        names = {p for _, p in live}
+        for path in [p for p in self._readers if p not in names]:
+            self._readers.pop(path).close()
+
+    def forget_segments(self) -> None:
+        """Unmaps every segment mapped so far (the job's runtime dir was removed: a new one is read anew)."""
+        self._forget_removed([])
+
+    def _live(self) -> list[tuple[Segment, int, SlotHeader]]:
+        """The live snapshots this reader serves, newest save first: ``live_snapshots`` of this local rank's
+        segments; with ``rank``, that rank's in any local rank's segments (see the class docstring); with
+        ``world_size``, those of a job of that many ranks; with ``own_only``, none in segments that another
+        live process writes."""
+        every: list[tuple[int, str]] = []
+        timelines = []
+        others = [lr for lr in local_ranks(self.job_dir) if lr != self.local_rank] if self.rank is not None else []
+        for lr in [self.local_rank, *others]:
+            live = segment_paths(self.job_dir, lr)
+            every += live
+            segs = []
+            for _epoch, path in live:
+                try:
+                    segs.append(self._open(path))
+                except (FileNotFoundError, E.FlashCheckpointError):
+                    continue  # removed since it was listed (the saver reaped it), or not a segment of ours
+                except OSError as e:  # it is there and unreadable: its snapshots are unknown, not absent
+                    raise unreadable("open the shared-memory segment", path, e) from e
+            mine = [x for x in live_snapshots(segs) if self._wanted(x[2])]
+            if mine and not (self._own_only and self.written_by_another(lr) is not None):
+                timelines.append(mine)
+        self._forget_removed(every)
+        if len(timelines) <= 1:
+            return timelines[0] if timelines else []
+        # One rank's snapshots in several local ranks' segments (it moved): its own timeline, by wall time
+        # (save sequences count per local rank), a later save of the same or a lower step superseding.
+        merged = sorted((x for t in timelines for x in t), key=lambda x: x[2].wall_time, reverse=True)
+        out: list[tuple[Segment, int, SlotHeader]] = []
+        for x in merged:
+            if not out or x[2].step < out[-1][2].step:
+                out.append(x)
+        return out
+
+    def _wanted(self, h: SlotHeader) -> bool:
+        """Whether the snapshot of header ``h`` is one this reader serves (``rank``, ``world_size``)."""
+        if self.rank is not None and h.rank != self.rank:
+            if h.rank is None and ("unrecorded",) not in self._said:
+                self._said.add(("unrecorded",))
+                log.info("rank %d: this node's memory holds snapshots whose rank was not recorded (saved by an "
+                         "older version, step %d the newest): not loaded; storage decides", self.rank, h.step)
+            return False
+        if self.world_size is not None and h.world_size != self.world_size:
+            key = ("world", h.world_size)
+            if key not in self._said:
+                self._said.add(key)
+                log.warning("rank %s: this node's memory holds snapshots saved by a job of %s ranks (step %d the "
+                            "newest of them); this job has %d, so they are not loaded (a rank's state belongs to the "
+                            "number of ranks that saved it); storage decides", self.rank,
+                            h.world_size or "an unrecorded number of", h.step, self.world_size)
+            return False
+        return True
+
+    def written_by_another(self, local_rank: int | None = None) -> dict[str, Any] | None:
+        """What the process other than this one that holds the writer lease of ``local_rank``'s segments
+        (this reader's by default) says about itself (pid, rank, checkpoint dir), or None when none does
+        (free: its writer closed its engine or died); always None unless ``own_only``. Logs the first time
+        it finds one."""
+        lr = self.local_rank if local_rank is None else local_rank
+        if not self._own_only or self._holds_lease(lr):
+            return None
+        holder = live_holder(writer_lease_path(self.job_dir, lr))
+        if holder is not None and ("writer", lr, holder.get("pid")) not in self._said:
+            self._said.add(("writer", lr, holder.get("pid")))
+            log.warning("local rank %d's snapshots in %s are written by %s, which holds their writer lease: they "
+                        "are its state, not one this process saved, and are not loaded (storage decides). Give each "
+                        "training its own FLASHCKPT_JOB_ID or checkpoint dir; to read them deliberately, use a "
+                        "SnapshotReader", lr, self.job_dir, describe_holder(holder))
+        return holder
+
+    def _holds_lease(self, local_rank: int) -> bool:
+        """Whether this reader holds ``local_rank``'s writer lease (a writer does, from its first save)."""
+        return False
+
+    def memory_snapshots(self) -> list[tuple[int, float]]:
+        """(step, wall time of the save) of the live COMPLETE snapshots of this local rank, newest save
+        first (superseded ones left out, see ``live_snapshots``; the steps strictly decrease)."""
+        return [(h.step, h.wall_time) for _seg, _i, h in self._live()]
+
+    def memory_steps(self) -> list[int]:
+        """Steps of the live COMPLETE snapshots held in shared memory for this local rank, newest first.
+
+        Raises:
+            SharedMemoryError: a segment (or the runtime dir) is there but could not be read (the message
+                names it and the errno, e.g. EMFILE): never taken for "no snapshot"."""
+        return [s for s, _t in self.memory_snapshots()]
+
+    def snapshot_name(self, step: int) -> str | None:
+        """Where the COMPLETE snapshot of ``step`` is to be persisted (its ``ckpt_name``); None if absent."""
+        for seg, i, h in self._live():
+            if h.step == step:
+                try:
+                    with gc_paused():
+                        return str(seg.read_meta(i, h).get("name", ""))
+                except (ValueError, E.FlashCheckpointError):
+                    return None
+        return None
+
+    def load_snapshot(self, step: int | None = None, *, into: Any = None) -> Snapshot | None:
+        """The newest live COMPLETE snapshot (or the one of ``step``), copied out of shared memory (into
+        the matching tensors of ``into`` where given; see ``read_snapshot``)."""
+        for seg, i, h in self._live():
+            if step is not None and h.step != step:
+                continue
+            snap = read_snapshot(seg, i, self._copier, step=h.step, weights_only=self.weights_only, into=into)
+            if snap is not None and snap.step == h.step:
+                return snap
+        return None
+
+    def load_state_dict(self, step: int | None = None) -> Any:
+        """The state dict of the newest snapshot in memory (or of ``step``); ``{}`` when there is none."""
+        snap = self.load_snapshot(step)
+        return {} if snap is None else snap.state_dict
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        """The live snapshots in memory, newest save first (superseded ones left out: the steps strictly
+        decrease), each with the path it is to be persisted to."""
+        out = []
+        for seg, i, h in self._live():
+            try:
+                name = str(seg.read_meta(i, h).get("name", ""))
+            except (ValueError, E.FlashCheckpointError):
+                continue  # overwritten (or torn) since it was listed
+            out.append(SnapshotInfo(h.step, name, h.wall_time, h.rank, h.world_size))
+        return out
+
+    def load(self, step: int | None = None, *, into: Any = None) -> Any:
+        """The state dict of the newest live snapshot (or of ``step``): a ``FileSet`` for a snapshot of
+        files. ``into`` as for ``CheckpointEngine.load``.
+
+        Raises:
+            FlashCheckpointError: memory holds no such snapshot (any more).
+            InvalidStateDictError: ``weights_only`` and the snapshot holds an object it refuses.
+        """
+        snap = self.load_snapshot(step, into=into)
+        if snap is None:
+            which = "snapshot" if step is None else f"snapshot of step {step}"
+            whose = f"rank {self.rank}" if self.rank is not None else f"local rank {self.local_rank}"
+            raise E.FlashCheckpointError(
+                f"SnapshotReader.load(): this node's shared memory holds no (or no longer the) {which} of "
+                f"{whose} in {self.job_dir}; memory_steps() lists the steps it holds")
+        sd = snap.state_dict
+        return FileSet.decode(sd) if is_fileset_tree(sd) else sd
+
+    def close(self) -> None:
+        """Unmaps the segments (tensors loaded from them are copies and stay valid)."""
+        for seg in self._readers.values():
+            seg.close()
+        self._readers.clear()
+        if self._own_copier:
+            self._copier.close()
+
+    def __enter__(self) -> SnapshotReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,683 @@
+"""The snapshot writer: plans a state dict's layout in a slot and copies it into shared memory.
+
+``plan_snapshot`` lays out every distinct tensor storage once (64-byte aligned), and the plan is reused
+while the state dict's structure is unchanged (``signature_of``, or the native scan's signature).
+``SharedMemoryHandler`` is the trainer's side of one local rank's segments: it claims a slot (never the
+newest COMPLETE one, nor one a persist holds; see ``segment``), copies the tensors and the opaque blob in
+and marks the slot COMPLETE. It reads snapshots back as a ``SnapshotReader`` does.
+"""
+
+from __future__ import annotations
+
+import array
+import functools
+import io
+import json
+import logging
+import os
+import re
+import struct
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+from flashckpt import errors as E
+from flashckpt.format.segment import (
+    COMPLETE,
+    EMPTY,
+    FLAG_PENDING,
+    FLAG_PINNED,
+    FLAG_SENDING,
+    FLAG_UNRESERVED,
+    FLAGS_BUSY,
+    WRITING,
+    Segment,
+    SlotHeader,
+    SlotRef,
+    lock_path,
+    segment_paths,
+    unreadable,
+    writer_lease_path,
+)
+from flashckpt.format.tree import (
+    Flat,
+    TensorMeta,
+    _key_str,
+    _path_to,
+    check_tensor,
+    dtype_name,
+    encode_opaque,
+    flatten,
+    flatten_like,
+    gc_paused,
+    value_bits,
+)
+from flashckpt.memory.reader import SnapshotReader
+from flashckpt.transport.ipc import SharedLock
+from flashckpt.util import cuda as _cuda
+from flashckpt.util import native as _native
+from flashckpt.util.copy import SMALL_COPY, Copier
+from flashckpt.util.lease import Lease, describe_holder, pid_running, read_holder
+
+__all__ = ["SharedMemoryHandler", "SnapshotPlan", "signature_of", "plan_snapshot", "ALIGN"]
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64
+
+
+def _align(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """The slot layout of a state dict's tensors, reused while its structure is unchanged.
+
+    Attributes:
+        signature: what must match for the plan to be reused (dtypes, shapes, strides, storage sharing).
+        regions: (offset, nbytes) per distinct storage, offsets relative to the data area, 64-aligned.
+        tensor_region: for each tensor, the index of its storage region.
+        metas: the TensorMeta of each tensor.
+        tensor_bytes: bytes of the data area taken by tensor storages.
+        metas_json: the metas, JSON-encoded once.
+        copies: (tensor index, region offset, nbytes) of the first tensor of every non-empty CPU region;
+            what a snapshot copies.
+        device_copies: the same for regions on an accelerator.
+        native_signature: the native scan's signature of the tensors (b"" without the extension).
+        small_copies_packed: ``copies`` below ``SMALL_COPY`` bytes as packed int64 triples, which the
+            native fast path copies in one call; large_copies: the others, which copy on threads;
+            small_copy_work: what the small copies cost, in bytes of large memmove (each copy counts
+            4 KiB more than its size: scattered small copies run far below memmove speed).
+    """
+
+    signature: tuple[Any, ...]
+    regions: tuple[tuple[int, int], ...]
+    tensor_region: tuple[int, ...]
+    metas: tuple[TensorMeta, ...]
+    tensor_bytes: int
+    metas_json: str
+    copies: tuple[tuple[int, int, int], ...] = ()
+    device_copies: tuple[tuple[int, int, int], ...] = ()
+    native_signature: bytes = b""
+    small_copies_packed: bytes = b""
+    large_copies: tuple[tuple[int, int, int], ...] = ()
+    small_copy_work: int = 0
+
+
+def signature_of(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], list[int]]:
+    """The structure of a tensor list (equal signatures reuse one plan) and each tensor's storage address.
+    The conjugate and negative bits are part of it (they change the values the bytes stand for).
+
+    Hot path: about ten cheap attribute reads per tensor, nothing that formats strings.
+
+    Raises:
+        RuntimeError: a tensor without the storage or sizes of a strided tensor (nested, zero tensors):
+            the caller names it (``check_tensor``)."""
+    seen: dict[tuple[int, int], int] = {}
+    sig: list[Any] = []
+    ptrs: list[int] = []
+    param = torch.nn.Parameter
+    for t in tensors:
+        st = t.untyped_storage()
+        n = st.nbytes()
+        ptr = st.data_ptr()
+        dev = t.get_device() if t.is_cuda else -1
+        if n:
+            group = seen.setdefault((dev, ptr), len(seen))
+        else:
+            group = -1
+        ptrs.append(ptr)
+        sig.append((t.dtype, t.shape, t.stride(), t.storage_offset(), n, group, dev,
+                    t.requires_grad, type(t) is param, t.is_conj(), t.is_neg()))
+    return tuple(sig), ptrs
+
+
+def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...], *,
+                  native_signature: bytes = b"", key_of: Callable[[int], str] = str) -> SnapshotPlan:
+    """Lay out every distinct storage once, 64-byte aligned, in traversal order.
+
+    Raises:
+        InvalidStateDictError: a tensor whose file would not load back (``key_of(i)`` names tensor ``i``;
+            the plan is made before anything is written): two tensors view one storage as types
+            ``torch.save`` cannot write together, a quantized dtype without a quantizer, or a tensor that
+            requires grad of a dtype this torch's ``torch.load`` cannot rebuild so (``_grad_loads``).
+    """
+    regions: list[tuple[int, int]] = []
+    group_region: dict[int, int] = {}
+    group_first: dict[int, int] = {}  # the first tensor of each storage, for the types check
+    tensor_region: list[int] = []
+    metas: list[TensorMeta] = []
+    as_bytes = torch.storage._new_dtypes()
+    off = 0
+    for i, (t, s) in enumerate(zip(tensors, signature)):
+        n, group = s[4], s[5]
+        if group >= 0 and group in group_region:
+            ri = group_region[group]
+            _check_one_storage_type(tensors, group_first[group], i, as_bytes, key_of)
+        else:
+            ri = len(regions)
+            regions.append((off, n))
+            off = _align(off + n)
+            if group >= 0:
+                group_region[group] = ri
+                group_first[group] = i
+        if t.dtype in _QUANTIZED:
+            raise E.InvalidStateDictError(
+                f"save(): the tensor at {key_of(i)} has the quantized dtype {t.dtype} but no quantizer (a view of "
+                "integer data); torch.save cannot write its rebuilt form. Nothing was saved. Save it as its integer "
+                "type (t.view(torch.int8) / torch.uint8 / torch.int32), or as a quantized tensor.")
+        if t.requires_grad and t.dtype in as_bytes and type(t) is not torch.nn.Parameter and not _grad_loads(t.dtype):
+            raise E.InvalidStateDictError(
+                f"save(): the tensor at {key_of(i)} ({t.dtype}, requires_grad=True) would not load back: torch.load "
+                f"{torch.__version__} cannot rebuild a {t.dtype} tensor that requires grad (torch.save writes it). "
+                "Nothing was saved. Save it as an nn.Parameter, or t.detach() (and set requires_grad after loading).")
+        tensor_region.append(ri)
+        r_off, r_n = regions[ri]
+        metas.append(TensorMeta(tuple(t.shape), dtype_name(t.dtype), r_off, r_n, tuple(t.stride()),
+                                int(t.storage_offset()), str(t.device), bool(t.requires_grad),
+                                type(t) is torch.nn.Parameter, *value_bits(t)))
+    metas_json = json.dumps([m.to_json() for m in metas], separators=(",", ":"))
+    copies: list[tuple[int, int, int]] = []
+    device_copies: list[tuple[int, int, int]] = []
+    first: set[int] = set()
+    for i, (ri, s) in enumerate(zip(tensor_region, signature)):
+        if ri in first or not regions[ri][1]:
+            continue
+        first.add(ri)
+        (device_copies if s[6] >= 0 else copies).append((i, regions[ri][0], regions[ri][1]))
+    small_list = [c for c in copies if c[2] < SMALL_COPY]
+    small = array.array("q", [v for c in small_list for v in c])
+    large = tuple(c for c in copies if c[2] >= SMALL_COPY)
+    work = sum(c[2] + 4096 for c in small_list)
+    return SnapshotPlan(signature, tuple(regions), tuple(tensor_region), tuple(metas), off, metas_json,
+                        tuple(copies), tuple(device_copies), native_signature, small.tobytes(), large, work)
+
+
+_QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)}
+
+
+@functools.cache
+def _grad_loads(dtype: torch.dtype) -> bool:
+    """Whether ``torch.load`` reads back a tensor of ``dtype`` (one ``torch.save`` writes untyped) that
+    requires grad: torch 2.13's ``_rebuild_tensor_v3`` makes it requiring grad, then ``set_``s its storage,
+    which autograd refuses. Asked of this torch once per dtype."""
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch warns that some of these dtypes are experimental)
+        torch.save(torch.empty(1, dtype=dtype).requires_grad_(), buf)
+        buf.seek(0)
+        try:
+            torch.load(buf, weights_only=True)
+        except RuntimeError:
+            return False
+    return True
+
+
+def _check_one_storage_type(tensors: list[torch.Tensor], first: int, i: int, as_bytes: set[torch.dtype],
+                            key_of: Callable[[int], str]) -> None:
+    """Refuses tensors ``first`` and ``i``, views of one storage, when ``torch.save`` would refuse them: it
+    writes a storage once, as one type (the tensor's dtype, or bytes for the dtypes it writes untyped:
+    float8, complex32, uint16-64), and refuses "multiple tensors or storages that view the same data as
+    different types"."""
+    a, b = tensors[first].dtype, tensors[i].dtype
+    if a == b or (a in as_bytes or a == torch.uint8) and (b in as_bytes or b == torch.uint8):
+        return
+    raise E.InvalidStateDictError(
+        f"save(): the tensors at {key_of(i)} ({b}) and {key_of(first)} ({a}) view one storage as different "
+        "types, which torch.save cannot write (a persist would fail). Nothing was saved. Save a copy of one of "
+        "them (.clone()), or both as one type.")
+
+
+Allocator = Callable[[int, int, int], str]
+"""(local_rank, meta_cap, data_cap) -> path of a new segment created by the saver."""
+
+
+_DEAD_HOLDER_WAIT_S = 10.0
+_PROBE_S = 0.05
+
+
+def _take_writer_lease(job_dir: str, local_rank: int, info: dict[str, Any]) -> Lease:
+    """The writer lease of ``local_rank``'s segments, or SharedMemoryError naming its holder."""
+    path = writer_lease_path(job_dir, local_rank)
+    lease = Lease(path)
+    try:
+        # A moment's retry: a reader probing whether a live writer holds it (``_lease.live_holder``)
+        # locks it for an instant.
+        ok = lease.try_acquire({"local_rank": local_rank, **info}, timeout=_PROBE_S)
+    except OSError as e:
+        raise E.SharedMemoryError(f"could not take the writer lease {path}: {e}") from e
+    holder = read_holder(path) if not ok else {}
+    pid = holder.get("pid")
+    if not ok and isinstance(pid, int) and pid != os.getpid() and not pid_running(pid):
+        # A holder that was just killed: its threads may still be exiting (its pid already a zombie) and
+        # its files still open for a moment. Its lease frees when they are gone.
+        ok = lease.try_acquire({"local_rank": local_rank, **info}, timeout=_DEAD_HOLDER_WAIT_S)
+    if ok:
+        return lease
+    raise E.SharedMemoryError(
+        f"local rank {local_rank}'s shared-memory snapshots in {job_dir} are already written by "
+        f"{describe_holder(holder)}; two writers would tear each other's checkpoints. Close "
+        "the other CheckpointEngine first, or give each job its own FLASHCKPT_JOB_ID or checkpoint dir.")
+
+
+def _holders(hs: list[SlotHeader], newest: int | None) -> str:
+    """What holds a segment's slots, for a log line: "step 1 (being persisted), step 3 (the newest snapshot)"."""
+    out = []
+    for i, h in enumerate(hs):
+        what = ["being persisted" if h.flags & FLAG_PINNED else "queued to persist"] \
+            if h.flags & (FLAG_PINNED | FLAG_PENDING) else []
+        if h.flags & FLAG_SENDING:
+            what.append("being sent to a partner node")
+        if i == newest:
+            what.append("the newest snapshot")
+        if what:
+            out.append(f"step {h.step} ({', '.join(what)})")
+    return ", ".join(out) or "none"
+
+
+def _refuse(root: Any, t: torch.Tensor) -> None:
+    """Raises the InvalidStateDictError for tensor ``t`` of ``root``, which the native scan found unstorable."""
+    check_tensor(t, _path_to(root, t))
+    raise E.InvalidStateDictError(f"save(): the tensor at {_key_str(_path_to(root, t))} cannot be stored")
+
+
+class SharedMemoryHandler(SnapshotReader):
+    """The trainer's side of one local rank's segment: writes snapshots, reads them back (as a
+    ``SnapshotReader``; a handler without an allocator is one, made from a runtime dir).
+
+    Args:
+        local_rank: whose segment.
+        job_dir: the job's runtime dir.
+        allocate: asks the saver for a new segment; None for a read-only handler. A handler with an
+            allocator is the one writer of ``local_rank``'s segments: from its first save it holds their
+            writer lease until ``close`` (released by the kernel if the process dies), and a second
+            writer's save is refused. Reading takes no lease.
+        copier: the thread pool that copies bytes (one is made when None).
+        slot_wait_timeout: bound on waiting for a free slot while every slot is held for persists.
+        weights_only: decode opaque leaves of loaded snapshots only into the types
+            ``torch.load(weights_only=True)`` accepts; a writer then refuses, before writing anything, a
+            state dict holding a leaf that would not load back under those rules.
+        writer_info: what the writer lease says about its holder (JSON), for a refused second writer; its
+            ``rank`` and ``world_size`` are recorded in every slot it writes.
+        rank / world_size / own_only: which snapshots it reads as its own (see ``SnapshotReader``): an
+            engine's handler reads its rank's snapshots of its number of ranks, none another live process
+            writes.
+
+    Not thread-safe. While ``save_state_dict`` runs the caller must not mutate the tensors it passed;
+    once it returns they are the caller's again.
+    """
+
+    def __init__(self, local_rank: int, job_dir: str, *, allocate: Allocator | None = None,
+                 copier: Copier | None = None, slot_wait_timeout: float = 600.0,
+                 weights_only: bool = False, writer_info: dict[str, Any] | None = None, rank: int | None = None,
+                 world_size: int | None = None, own_only: bool = False) -> None:
+        self._setup(local_rank, job_dir, copier or Copier(1), own_copier=copier is None, weights_only=weights_only,
+                    rank=rank, world_size=world_size, own_only=own_only)
+        self._allocate = allocate
+        self._lease: Lease | None = None
+        self._writer_info = writer_info or {}
+        # The global rank recorded in each slot it writes (+1; 0: unknown), so that a restart whose ranks moved
+        # between nodes, and a peer holding this slot as a backup, know whose shard it is.
+        rank = self._writer_info.get("rank")
+        self._owner = int(rank) + 1 if isinstance(rank, int) and rank >= 0 else 0
+        # And the number of ranks of its job: a restart with another number never takes a plain engine's
+        # snapshot for its own (each rank's state belongs to that layout).
+        world = self._writer_info.get("world_size")
+        self._world = int(world) if isinstance(world, int) and world > 0 else 0
+        self._lock = SharedLock(lock_path(job_dir, local_rank))
+        self._seg: Segment | None = None
+        self._plan: SnapshotPlan | None = None
+        self._tree_cache: tuple[SnapshotPlan, Any, str] | None = None
+        # (segment path, slot) -> the registered address (0: the driver refused; copied unpinned)
+        self._cuda_registered: dict[tuple[str, int], int] = {}
+        self._stream: Any = None
+        self.slot_wait_timeout = slot_wait_timeout
+        self._seq = -1  # the highest save sequence number seen; -1 until the live segments were read
+        self._loadable: set[int] = set()  # digests of opaque leaves known to load under weights_only
+
+    # ------------------------------------------------------------------ write
+    def save_state_dict(self, step: int, state_dict: Any, ckpt_name: str = "") -> SlotRef:
+        """Copies ``state_dict`` into a free slot and marks it COMPLETE; see ``start_save``."""
+        return self.start_save(step, state_dict, ckpt_name)()
+
+    def start_save(self, step: int, state_dict: Any, ckpt_name: str = "") -> Callable[[], SlotRef]:
+        """Plans the snapshot, claims a free slot and queues device-to-host copies; returns ``finish``,
+        which copies the host tensors and marks the slot COMPLETE (on any thread; the overlapped mode
+        runs it in the background while training goes on).
+
+        Args:
+            step: the training step the snapshot belongs to.
+            state_dict: the tree to snapshot. Its tensors must not change until ``finish`` returned.
+            ckpt_name: where the snapshot is to be persisted (kept in its metadata).
+
+        Raises:
+            InvalidStateDictError: something in ``state_dict`` cannot be stored (nothing was written).
+            SharedMemoryError: /dev/shm cannot hold the snapshot, or another writer holds this local
+                rank's segments (the message names it; nothing was written).
+            CheckpointTimeoutError: no slot became free within ``slot_wait_timeout``.
+        """
+        if self._lease is None and self._allocate is not None:
+            self._lease = _take_writer_lease(self.job_dir, self.local_rank, self._writer_info)
+        # The walk allocates ~5 containers per tensor: no garbage collection in the middle of the pause.
+        with gc_paused():
+            native = _native.get()
+            cached = self._tree_cache
+            if cached and native is not None:
+                ts = native.flatten_like(state_dict, cached[1], torch.nn.Parameter, OrderedDict)
+                flat = Flat(cached[1], ts, []) if ts is not None else None
+            else:
+                flat = flatten_like(state_dict, cached[1], check_tensors=native is None) if cached else None
+            if flat is None:
+                flat = flatten(state_dict, check_tensors=native is None, weights_only=self.weights_only)
+            tensors = flat.tensors
+
+            def key_of(i: int) -> str:
+                return _key_str(_path_to(state_dict, tensors[i]))
+
+            if native is not None:
+                # One C++ call for the signature and storage addresses (and the tensor checks).
+                nsig, nptrs, bad = native.scan(flat.tensors, torch.nn.Parameter)
+                if bad >= 0:
+                    _refuse(state_dict, flat.tensors[bad])
+                plan = self._plan
+                if plan is None or plan.native_signature != nsig:
+                    sig, _ = signature_of(flat.tensors)
+                    plan = self._plan = plan_snapshot(flat.tensors, sig, native_signature=nsig, key_of=key_of)
+            else:
+                try:
+                    sig, ptrs = signature_of(flat.tensors)
+                except RuntimeError:
+                    for t in flat.tensors:
+                        check_tensor(t, _path_to(state_dict, t))  # raises, naming the key
+                    raise
+                if self._plan is None or self._plan.signature != sig:
+                    self._plan = plan_snapshot(flat.tensors, sig, key_of=key_of)
+                plan = self._plan
+            blob, lengths = encode_opaque(flat.opaque, state_dict)
+            if self.weights_only and flat.opaque:
+                self._check_loadable(state_dict, flat.opaque, blob, lengths)
+            meta = self._meta_json(step, ckpt_name, flat, plan, lengths)
+            seg = self._segment_for(len(meta), plan.tensor_bytes + len(blob))
+            if self._cuda_registered:
+                self._release_stale_registrations(seg)
+            slot = self._acquire_slot(seg, step)
+            try:
+                device_done = self._copy_cuda(seg, slot, [(flat.tensors[i], off, n) for i, off, n in plan.device_copies]) \
+                    if plan.device_copies else None
+            except BaseException:
+                self._set_state(seg, slot, EMPTY)
+                raise
+        if native is not None:
+            addr = array.array("q", nptrs)
+            large = [(off, addr[i], n) for i, off, n in plan.large_copies]
+        else:
+            large = [(off, ptrs[i], n) for i, off, n in plan.copies]
+        # The copies read the tensors by address: they are kept alive until finish() is done with them. An
+        # overlapped save's caller may drop its state dict at once (``save(step, {"w": torch.ones(3)})``),
+        # and a freed tensor's memory is reused or unmapped under the background copy.
+        sources: list[torch.Tensor] | None = flat.tensors
+        del flat
+
+        def finish() -> SlotRef:
+            nonlocal sources
+            try:
+                data = seg.base + seg.data_off(slot)
+                small = None
+                if native is not None and plan.small_copies_packed:
+                    def small() -> None:
+                        native.copy_storages(data, nptrs, plan.small_copies_packed)
+                self._copier.run([(data + off, src, n) for off, src, n in large], small, plan.small_copy_work)
+                if blob:
+                    off = seg.data_off(slot) + plan.tensor_bytes
+                    seg.mm[off: off + len(blob)] = blob
+                moff = seg.meta_off(slot)
+                seg.mm[moff: moff + len(meta)] = meta
+                if device_done is not None:
+                    device_done.synchronize()
+            except BaseException:
+                self._set_state(seg, slot, EMPTY)
+                raise
+            finally:
+                sources = None  # copied (or failed): the caller's tensors are free to go
+            h0 = seg.header(slot)
+            gen = h0.generation
+            seg.write_header(slot, SlotHeader(COMPLETE, 0, step, gen, len(meta), xxhash.xxh64_intdigest(meta),
+                                              plan.tensor_bytes, len(blob), time.time(), h0.seq, self._owner,
+                                              self._world))
+            return SlotRef(seg.path, slot, gen, step)
+
+        return finish
+
+    def _check_loadable(self, root: Any, opaque: list[Any], blob: bytes, lengths: list[int]) -> None:
+        """Refuses, before anything is written, an opaque leaf that ``torch.load(weights_only=True)`` (and
+        a memory load under the same rules) would refuse at resume time. Each distinct leaf (by its
+        pickle's digest) is checked once, so a training loop saving the same objects pays a hash per
+        leaf, and a state dict of tensors and plain values nothing at all."""
+        import io
+
+        from torch import _weights_only_unpickler
+
+        pos = 0
+        for x, n in zip(opaque, lengths, strict=True):
+            raw = blob[pos:pos + n]
+            pos += n
+            key = xxhash.xxh64_intdigest(raw)
+            if key in self._loadable:
+                continue
+            try:
+                _weights_only_unpickler.load(io.BytesIO(raw), encoding="utf-8")
+            except Exception as e:
+                cls = type(x)
+                found = re.search(r"GLOBAL ([\w.]+)", str(e))
+                name = found.group(1) if found else f"{cls.__module__}.{cls.__qualname__}"
+                raise E.InvalidStateDictError(
+                    f"save(): the value at {_key_str(_path_to(root, x))} ({cls.__module__}.{cls.__qualname__}) would "
+                    f"not load back: weights_only loading, the default, refuses {name}. Nothing was saved. Either "
+                    f"allow it, before saving and loading: torch.serialization.add_safe_globals([{name}]); or, for "
+                    "checkpoints you trust, construct the engine / checkpointer with weights_only=False; or save "
+                    "plain values instead (e.g. vars(args) for an argparse.Namespace)") from e
+            if len(self._loadable) >= 4096:
+                self._loadable.clear()
+            self._loadable.add(key)
+
+    def _meta_json(self, step: int, name: str, flat: Flat, plan: SnapshotPlan, lengths: list[int]) -> bytes:
+        head = json.dumps({"v": 1, "step": step, "name": name, "opaque": lengths}, separators=(",", ":"))
+        # The tree's JSON is reused while the tree (plain leaves included) is unchanged: comparing the
+        # skeletons is much cheaper than encoding thousands of entries again.
+        cached = self._tree_cache
+        if cached is not None and cached[0] is plan and (cached[1] is flat.skeleton or cached[1] == flat.skeleton):
+            tail = cached[2]
+        else:
+            tree = json.dumps(flat.skeleton, separators=(",", ":"))
+            tail = ',"tree":' + tree + ',"tensors":' + plan.metas_json + "}"
+            self._tree_cache = (plan, flat.skeleton, tail)
+        return (head[:-1] + tail).encode()
+
+    def _segment_for(self, meta_len: int, data_len: int) -> Segment:
+        seg = self._seg
+        if seg is None:
+            paths = segment_paths(self.job_dir, self.local_rank)
+            if paths:
+                seg = self._seg = Segment(paths[-1][1])
+        if seg is not None and meta_len <= seg.meta_cap and data_len <= seg.data_cap:
+            return seg
+        if self._allocate is None:
+            raise E.SharedMemoryError("this SharedMemoryHandler is read-only (no allocator)")
+        meta_cap = max(2 * meta_len, 64 << 10)
+        data_cap = data_len + max(data_len // 64, 64 << 10)  # slack for growing plain leaves
+        path = self._allocate(self.local_rank, meta_cap, data_cap)
+        if self._seg is not None:
+            self._unregister(self._seg)
+            self._seg.close()
+        self._seg = Segment(path)
+        return self._seg
+
+    def _next_seq(self, seg: Segment) -> int:
+        """The save sequence number of a new snapshot: above every snapshot of this local rank in memory
+        (all live segments, the first time; a restarted trainer goes on from what it finds)."""
+        if self._seq < 0:
+            for _epoch, path in segment_paths(self.job_dir, self.local_rank):
+                try:
+                    other = self._open(path)
+                except (FileNotFoundError, E.FlashCheckpointError):
+                    continue  # removed since it was listed, or not a segment of ours
+                except OSError as e:  # a sequence below its snapshots' would make this save look older
+                    raise unreadable("open the shared-memory segment", path, e) from e
+                self._seq = max([self._seq] + [other.header(i).seq for i in range(other.nslots)])
+        self._seq = max([self._seq] + [seg.header(i).seq for i in range(seg.nslots)]) + 1
+        return self._seq
+
+    def _acquire_slot(self, seg: Segment, step: int) -> int:
+        """Claims a slot to write: never one held for a persist (or a backup), never (with two or more slots)
+        the one holding the newest COMPLETE snapshot; a reserved one first (empty, else the oldest), else a
+        spare, reserved now. When none is left (every slot held: more persists in flight than spares, or
+        /dev/shm cannot hold a spare) it waits, bounded, and logs the wait (``_wait_for_slot``)."""
+        slot, why, refused = self._claim(seg, spares=True)
+        return slot if slot is not None else self._wait_for_slot(seg, step, why, spares=not refused)
+
+    def _claim(self, seg: Segment, *, spares: bool) -> tuple[int | None, str, bool]:
+        """One try of ``_acquire_slot``: the slot claimed (WRITING, with a new generation and the next save
+        sequence number), or None and why no slot could be taken (what held the slots, or /dev/shm's refusal
+        of a spare); and whether /dev/shm refused a spare. ``spares``: reserving a spare may be tried."""
+        with self._lock:
+            hs = [seg.header(i) for i in range(seg.nslots)]
+            newest = max((i for i, h in enumerate(hs) if h.state == COMPLETE),
+                         key=lambda i: (hs[i].seq, i), default=None)
+            free = [i for i, h in enumerate(hs) if not h.flags & FLAGS_BUSY and (i != newest or seg.nslots == 1)]
+            free.sort(key=lambda i: (bool(hs[i].flags & FLAG_UNRESERVED), hs[i].state == COMPLETE, hs[i].seq))
+            for i in free:
+                h = hs[i]
+                if h.flags & FLAG_UNRESERVED:
+                    if not spares:
+                        break
+                    self._drop_registration((seg.path, i))  # it pins the pages the saver gave back
+                    try:
+                        seg.reserve(i)
+                    except OSError as e:  # the other spares would not fit either
+                        return None, (f"/dev/shm cannot hold another slot ({seg.slot_size} bytes: {e}); "
+                                      f"held: {_holders(hs, newest)}"), True
+                seq = self._next_seq(seg)
+                seg.write_header(i, SlotHeader(WRITING, 0, h.step, h.generation + 1, 0, 0, 0, 0, 0.0, seq))
+                return i, "", False
+            return None, f"every slot was held: {_holders(hs, newest)}", False
+
+    def _wait_for_slot(self, seg: Segment, step: int, why: str, *, spares: bool) -> int:
+        """Waits (bounded by ``slot_wait_timeout``) until a slot is free, claims it, and logs the wait once,
+        at WARNING: its step, how long it took and ``why`` (what held the slots when it began). A snapshot is
+        never skipped. ``spares`` False (/dev/shm refused one): only reserved slots are tried."""
+        t0 = time.monotonic()
+        delay = 0.0005
+        while True:
+            if time.monotonic() - t0 >= self.slot_wait_timeout:
+                raise E.CheckpointTimeoutError(
+                    f"save(step {step}): no shared-memory slot of local rank {self.local_rank} became free within "
+                    f"{self.slot_wait_timeout:.0f} s ({why}); storage is slower than the persist interval. "
+                    "Persist less often, or check that the saver is alive (flashckpt ls).")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+            slot, _, _ = self._claim(seg, spares=spares)
+            if slot is not None:
+                log.warning("save(step %d): waited %.3f s for a snapshot slot of local rank %d: %s. A snapshot waits "
+                            "only while every slot is held (up to FLASHCKPT_SPARE_SLOTS spare slots, one per "
+                            "persist in flight) or /dev/shm cannot hold another: persist less often, enlarge "
+                            "/dev/shm or raise FLASHCKPT_SPARE_SLOTS", step, time.monotonic() - t0,
+                            self.local_rank, why)
+                return slot
+
+    def _set_state(self, seg: Segment, slot: int, state: int) -> None:
+        with self._lock:
+            struct.pack_into("<I", seg.mm, seg.slot_off(slot), state)
+
+    def _copy_cuda(self, seg: Segment, slot: int, items: list[tuple[torch.Tensor, int, int]]) -> Any:
+        """Queues device-to-host copies on a side stream into the slot (page-locked at its first use),
+        ordered after the work already queued on the current stream; returns the event that completes
+        them (``_cuda``)."""
+        key = (seg.path, slot)
+        if key not in self._cuda_registered:
+            addr = seg.base + seg.slot_off(slot)
+            self._cuda_registered[key] = addr if _cuda.register(addr, seg.slot_size) else 0
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        data = seg.base + seg.data_off(slot)
+        return _cuda.copy_to_host(self._stream, [(t, data + off, n) for t, off, n in items])
+
+    def _release_stale_registrations(self, seg: Segment) -> None:
+        """Unregisters the slots of ``seg`` the saver gave back since they were registered: their pages
+        left the file (a later reserve maps new ones), and the registration alone still pins the old."""
+        for key in [k for k in self._cuda_registered if k[0] == seg.path]:
+            if seg.header(key[1]).flags & FLAG_UNRESERVED:
+                self._drop_registration(key)
+
+    def _drop_registration(self, key: tuple[str, int]) -> None:
+        addr = self._cuda_registered.pop(key, 0)
+        if addr:
+            _cuda.unregister(addr)
+
+    def mark_pending(self, ref: SlotRef) -> None:
+        """Flags ``ref``'s slot as awaiting a persist, so no later snapshot overwrites it first."""
+        seg = self._open(ref.path)
+        with self._lock:
+            if not seg.hold_pending(ref.slot, ref.generation, ref.step):
+                raise E.FlashCheckpointError(f"step {ref.step}: its slot was overwritten before its persist")
+
+    def clear_pending(self, ref: SlotRef) -> None:
+        seg = self._open(ref.path)
+        with self._lock:
+            seg.release_pending(ref.slot, ref.generation)
+
+    def _holds_lease(self, local_rank: int) -> bool:
+        return local_rank == self.local_rank and self._lease is not None and self._lease.locked()
+
+    def _open(self, path: str) -> Segment:
+        """The segment at ``path``: the one we write, else a cached read-only mapping."""
+        if self._seg is not None and self._seg.path == path:
+            return self._seg
+        return super()._open(path)
+
+    def _unregister(self, seg: Segment) -> None:
+        for key in [k for k in self._cuda_registered if k[0] == seg.path]:
+            self._drop_registration(key)
+
+    def segment_gone(self) -> bool:
+        """Whether the segment this writer maps was removed or replaced under it (a wiped runtime dir): what
+        it copies there no longer reaches anyone."""
+        return self._seg is not None and self._seg.replaced()
+
+    def forget_segments(self) -> None:
+        """Drops everything bound to the job's runtime dir as it was, after it was removed: the mappings, the
+        writer lease (its file went with the dir) and the save sequence. The next save takes a new lease
+        and a new segment from the new saver."""
+        try:
+            if self._seg is not None:
+                self._unregister(self._seg)
+                self._seg.close()
+                self._seg = None
+            super().forget_segments()
+        finally:
+            self._seq = -1
+            if self._lease is not None:
+                self._lease.release(unlink=False)
+                self._lease = None
+
+    def close(self) -> None:
+        try:
+            self._close_segments()
+        finally:
+            if self._lease is not None:
+                self._lease.release(unlink=False)  # the saver removes it with the runtime dir
+                self._lease = None
+
+    def _close_segments(self) -> None:
+        try:
+            if self._seg is not None:
+                self._unregister(self._seg)
+                self._seg.close()
+                self._seg = None
+        finally:
+            super().close()

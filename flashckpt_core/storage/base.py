@@ -1,0 +1,280 @@
+"""Where persisted files go: the storage ABC (``CheckpointStorage``), the record of a persisted file
+(``FileRecord``) and its checksum. Backends are picked by URL in ``flashckpt.storage.registry``.
+
+A checkpoint dir is a plain path or a URL. ``file://`` URLs and plain paths are served by
+``PosixDiskStorage`` (``storage_posix``); other schemes by the backend registered for them: in code (``register_storage``) or
+by an installed distribution through the entry-point group ``flashckpt.storage`` (name: the scheme;
+object: a ``CheckpointStorage`` subclass, built with ``from_url(url)``). See docs/storage.md.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import xxhash
+from flashckpt import errors as E
+from flashckpt.storage import locations
+from flashckpt.storage.locations import local_dir, url_scheme
+
+if TYPE_CHECKING:
+    from flashckpt.commit.records_home import RecordsHome
+
+__all__ = ["FileRecord", "CheckpointStorage", "file_checksum", "HashingWriter", "url_scheme", "local_dir"]
+
+_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """A persisted file: its path, size in bytes and xxh3-64 checksum (hex).
+
+    Files of a ``FileSet`` also carry their ``name`` in the set, ``fmt`` ("torch" or "raw"), ``kind``
+    ("file", "commit", "tracker") and, until the commit moves them into place, where they are ``staged``."""
+
+    path: str
+    size: int
+    xxh3: str
+    fmt: str = "torch"
+    name: str = ""
+    kind: str = "file"
+    staged: str = ""
+
+
+def file_checksum(path: str) -> tuple[int, str]:
+    """(size, xxh3-64 hex) of a local file, read in chunks."""
+    h = xxhash.xxh3_64()
+    size = 0
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()
+
+
+class HashingWriter:
+    """A binary file wrapper that checksums (xxh3-64) and counts what is written through it."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self._h = xxhash.xxh3_64()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        self._h.update(data)
+        n = self._f.write(data)
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+class CheckpointStorage(ABC):
+    """Where a checkpoint dir's files and commit records are stored: one backend per URL scheme.
+
+    Locations are absolute, in the checkpoint dir's form (``locations``): local paths for the POSIX
+    backend, ``scheme://...`` URLs for the others. Only the saver and its persist worker write and remove
+    (``write_parts``, ``write_bytes``, ``move``, ``remove*``); trainers, the CLI and adapters read.
+
+    Call order for one persisted file: the persist worker calls ``write_parts(path, parts)``, which streams
+    the parts (bytes and tensors viewing the snapshot in shared memory) to the store and makes the file
+    visible under ``path`` at once and whole when it returns (POSIX: a temp file, fsync, rename; object
+    stores: the completed upload); a failure leaves nothing under ``path``. The commit protocol then writes
+    small records with ``write_bytes`` (the same guarantee), reads them with ``read_bytes``/``listdir``/
+    ``exists``, and at most ``move``s a staged file into place; deletions come last (``remove``,
+    ``remove_tree``, then ``prune_empty_dirs``). Readers see a file whole or not at all.
+
+    The defaults below are an object store's: no directories (``isdir``: any object below the prefix),
+    no rename (``move`` copies, then removes), lexical confinement, records inside the checkpoint dir with
+    leases kept alive by a heartbeat (``records.InsideRecords``). ``PosixDiskStorage`` overrides them.
+    Implementations must be safe to call from several threads at once for different locations.
+    """
+
+    #: whether ``move`` is an atomic rename (POSIX file systems); object stores have none
+    supports_rename: bool = False
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> CheckpointStorage:
+        """The backend for checkpoint dirs under ``url`` with the user's ``storage_options`` (the resolver
+        calls it); by default ``cls()``, which takes no options."""
+        if options:
+            raise E.InvalidArgumentError(f"storage_options {sorted(options)}: {cls.__name__} takes none")
+        return cls()
+
+    # -- locations -----------------------------------------------------------------------------------
+    def normpath(self, location: str) -> str:
+        """The canonical form of ``location`` (``locations.normpath``)."""
+        return locations.normpath(location)
+
+    def confined(self, location: str, root: str) -> bool:
+        """Whether ``location`` lies inside ``root`` as stored (POSIX also resolves symbolic links)."""
+        return locations.inside(location, root)
+
+    # -- writing (the saver and its persist worker) -------------------------------------------------
+    @abstractmethod
+    def write_bytes(self, path: str, data: bytes) -> FileRecord:
+        """Atomically creates or replaces ``path`` with ``data``."""
+
+    def write_new(self, path: str, data: bytes) -> FileRecord:
+        """Creates ``path`` with ``data`` only when it does not exist (a commit record two writers might
+        race for). FileExistsError when it does. The default checks first (not atomic: a backend with an
+        atomic create-if-absent overrides it)."""
+        if self.exists(path):
+            raise E.AlreadyExistsError(17, "exists", path)
+        return self.write_bytes(path, data)
+
+    def write_parts(self, path: str, parts: Sequence[Any], *,
+                    crc_slots: dict[int, list[tuple[int, int]]] | None = None) -> FileRecord:
+        """Atomically creates ``path`` with the concatenation of ``parts`` (``bytes``/``bytearray``/
+        ``memoryview`` or CPU tensors; see ``filewriter.write_parts`` for ``crc_slots``, whose CRC-32s are
+        filled in while the parts stream, so a backend must send ``parts[j]`` only after every earlier
+        part). Returns the file's record (size, xxh3-64 of its bytes). The default writes a local temporary
+        file through ``write_file``; object stores stream instead."""
+        from flashckpt.format.filewriter import write_parts  # torch: never imported by the saver daemon itself
+
+        return self.write_file(path, lambda tmp: write_parts(tmp, parts, crc_slots=crc_slots))
+
+    def write_file(self, path: str, fill: Callable[[str], tuple[int, str] | None]) -> FileRecord:
+        """Atomically creates ``path`` with what ``fill(tmp)`` writes into the local file ``tmp`` (``fill``
+        may return the (size, xxh3 hex) it computed on the way). The default fills a local temporary
+        file and uploads it with ``write_bytes`` (a backend that can stream overrides it)."""
+        import tempfile
+
+        fd, tmp = tempfile.mkstemp(prefix="flashckpt-")
+        os.close(fd)
+        try:
+            fill(tmp)
+            with open(tmp, "rb") as f:
+                return self.write_bytes(path, f.read())
+        finally:
+            os.unlink(tmp)
+
+    def move(self, src: str, dst: str) -> None:
+        """Atomically replaces ``dst`` with the complete file ``src`` (which then no longer exists).
+        Backends without a rename copy, then remove ``src`` (a reader sees ``dst`` whole either way)."""
+        self.write_bytes(dst, self.read_bytes(src))
+        self.remove(src)
+
+    # -- reading -------------------------------------------------------------------------------------
+    @abstractmethod
+    def read_bytes(self, path: str) -> bytes:
+        """The whole content of ``path``; FileNotFoundError when it does not exist."""
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        """Fills ``out`` with ``len(out)`` bytes of ``path`` from ``offset`` (object stores: ranged
+        reads, several at once). The default reads through ``open_read``."""
+        with self.open_read(path) as f:
+            f.seek(offset)
+            got = 0
+            while got < len(out):
+                n = f.readinto(out[got:])  # type: ignore[attr-defined]
+                if not n:
+                    raise E.CheckpointCorruptError(f"{path}: {len(out) - got} bytes short at offset {offset + got}")
+                got += n
+
+    def read_scatter(self, path: str, segments: Sequence[tuple[int, memoryview]]) -> None:
+        """Fills each ``(offset, out)`` of ``segments`` with ``len(out)`` bytes of ``path`` from ``offset``
+        (object stores: ranges that cover several contiguous segments are one request, several at once).
+        The default reads each segment with ``read_into``."""
+        for offset, out in segments:
+            if len(out):
+                self.read_into(path, offset, out)
+
+    @abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists. False only when it does not: an error that leaves it unknown (a
+        refused request, EACCES, EIO...) is raised, never taken for absence."""
+
+    def isdir(self, path: str) -> bool:
+        """Whether ``path`` holds anything below it (object stores have no empty directories)."""
+        return bool(self.listdir(path))
+
+    @abstractmethod
+    def listdir(self, path: str) -> list[str]:
+        """Names directly below ``path`` (files and prefixes); [] when there is none."""
+
+    @abstractmethod
+    def checksum(self, path: str) -> tuple[int, str]:
+        """(size, xxh3-64 hex) of the stored file; FileNotFoundError when it does not exist."""
+
+    def size(self, path: str) -> int:
+        """The size of the stored file in bytes; FileNotFoundError when it does not exist."""
+        return len(self.read_bytes(path))
+
+    def local_path(self, path: str) -> str | None:
+        """A local file system path for ``path`` when the backend has one (for torch.load), else None."""
+        return None
+
+    def open_read(self, path: str) -> BinaryIO:
+        """A readable, seekable binary stream of ``path`` (for ``torch.load``); the default reads it whole."""
+        import io
+
+        return io.BytesIO(self.read_bytes(path))
+
+    # -- removing (the saver) ------------------------------------------------------------------------
+    @abstractmethod
+    def remove(self, path: str) -> None:
+        """Removes a file; a missing file is not an error."""
+
+    @abstractmethod
+    def remove_tree(self, path: str) -> None:
+        """Removes everything at and below ``path``; missing is not an error."""
+
+    def remove_many(self, paths: Sequence[str]) -> None:
+        """Removes files (object stores: in batches); missing ones are not an error."""
+        for p in paths:
+            self.remove(p)
+
+    #: the suffix of the temporary name a write uses before its file is visible (removed with the file
+    #: after a failure); None where writes have no temporary name (object stores)
+    temp_suffix: str | None = None
+
+    def prune_empty_dirs(self, dirs: Sequence[str], root: str) -> None:
+        """Removes the directories in ``dirs`` and their parents up to (not including) ``root`` that the
+        removals left empty. Object stores have no directories: nothing to do."""
+        return None
+
+    # -- the checkpoint dir and its records -----------------------------------------------------------
+    def prepare_dir(self, root: str, shown: str) -> None:
+        """Creates the checkpoint dir ``root`` when the store needs that and checks that this process may
+        write there, before a saver starts (``shown``: the dir as the user gave it, for messages).
+
+        Raises:
+            CheckpointDirError: ``root`` cannot be used (the message says why and what to do).
+        """
+        probe = locations.join(root, f".flashckpt-probe-{uuid.uuid4().hex}")
+        try:
+            self.write_bytes(probe, b"ok")
+            self.remove(probe)
+        except OSError as e:
+            raise E.CheckpointDirError(f"CheckpointEngine({shown!r}): cannot write to {root} ({e}); check the "
+                                       "credentials and permissions for it") from e
+
+    def records_home(self, root: str) -> RecordsHome:
+        """Where the commit records of checkpoint dir ``root`` live and how jobs hold them
+        (``records.RecordsHome``); by default inside it, with heartbeat leases."""
+        from flashckpt.commit.records_home import InsideRecords
+
+        return InsideRecords(self, root)
+
+    def close(self) -> None:
+        """Releases what the backend holds (connections); it may be used again afterwards."""
+        return None
+
+    def tidy(self, root: str, *, dry_run: bool = False) -> list[str]:
+        """``flashckpt gc``: removes what an interrupted write of this backend left under ``root`` (object
+        stores: unfinished multipart uploads); returns what was removed (or would be), a line each."""
+        return []

@@ -1,0 +1,181 @@
+"""The CUDA side of snapshots and restores: page-locking ranges of a shared-memory segment and the copies
+between CUDA tensors and a segment.
+
+A snapshot copies device-to-host straight into the slot it writes: the slot is page-locked once
+(``cudaHostRegister``), so the copies are asynchronous DMA on a side stream and a snapshot's pause is the
+time to queue them (overlapped) or the PCIe transfer itself (blocking). Only the slot's own range is
+registered, never the whole segment: registering pins (and so allocates) every page of its range, and a
+segment's spare slot is meant to hold no memory until it is needed. A slot that the saver gave back
+(``FLAG_UNRESERVED``: its pages punched out of the file) is unregistered before anything is copied into
+it again, since its registration still pins the pages that left the file.
+
+A restore copies host-to-device straight from the segment into the model's CUDA tensors (or new ones), on
+the current stream of each device, and waits for them before the slot's generation is checked again (a
+torn snapshot is never returned). How, by ``FLASHCKPT_CUDA_LOAD``:
+
+- ``staged`` (default): through a few pinned staging buffers of 64 MiB, filled by the copy threads (``preadv``
+  from the segment file) while the previous buffer's DMA runs: no page-locking of the slot, whose cost
+  (about 0.1 s per GB, measured on an H100 host) is paid once per slot by a writer but would be paid by
+  every restore;
+- ``register``: the slot's range page-locked for the restore, one DMA straight from it;
+- ``pageable``: plain copies from the mapping (the driver stages them through its own buffers).
+
+``benchmarks/bench_gpu.py`` measures the three against the PCIe limits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Callable, Iterable
+
+import torch
+from flashckpt.config import knob
+
+__all__ = ["register", "unregister", "copy_to_host", "copy_to_device", "copy_to_device_staged", "load_mode"]
+
+log = logging.getLogger(__name__)
+_warned = False
+_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+
+
+def _clear_last_error() -> None:
+    """A failed runtime call leaves its error as the thread's last error, which the next kernel launch
+    check of torch would report as its own: read it back (and so reset it) where libcudart is loaded."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # only the copy torch loaded
+        except OSError:
+            continue
+        try:
+            lib.cudaGetLastError()
+        except AttributeError:
+            continue
+        return
+
+
+def register(addr: int, nbytes: int) -> bool:
+    """Page-locks ``[addr, addr + nbytes)`` for DMA; True when the caller must ``unregister`` it. False where
+    the range is page-locked already (by this process's writer), or where the driver refuses (one warning
+    per process): the copies then still work, synchronously through the driver's staging buffers."""
+    global _warned
+    if nbytes <= 0:
+        return False
+    rc = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 0))
+    if rc == 0:
+        return True
+    _clear_last_error()
+    if rc == _ALREADY_REGISTERED:  # this process's writer page-locked the slot: the copies are DMA already
+        return False
+    if not _warned:
+        _warned = True
+        log.warning("cudaHostRegister of %d bytes of shared memory failed (CUDA error %d): snapshots and restores "
+                    "of CUDA tensors copy through pageable memory (slower, correct)", nbytes, rc)
+    return False
+
+
+def unregister(addr: int) -> None:
+    if int(torch.cuda.cudart().cudaHostUnregister(addr)) != 0:
+        _clear_last_error()
+
+
+def load_mode() -> str:
+    """How a restore copies to the GPU: ``FLASHCKPT_CUDA_LOAD`` (staged, register or pageable)."""
+    return str(knob("cuda_load"))
+
+
+def _bytes_of(st: torch.UntypedStorage, byte_offset: int, nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor over ``nbytes`` of storage ``st`` from ``byte_offset`` (any device)."""
+    return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, byte_offset, (nbytes,), (1,))
+
+
+def _host(addr: int, nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor over ``nbytes`` of (mapped) memory at ``addr``: no copy, no ownership."""
+    buf = (ctypes.c_uint8 * nbytes).from_address(addr)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+
+
+def copy_to_host(stream: torch.cuda.Stream, items: Iterable[tuple[torch.Tensor, int, int]]) -> torch.cuda.Event:
+    """Queues ``(tensor, host address, nbytes)`` device-to-host copies of whole storages on ``stream``,
+    after the work already queued on the current stream; returns the event that completes them. The
+    caller keeps the tensors alive (and unchanged) until the event completed."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for t, addr, n in items:
+            _host(addr, n).copy_(_bytes_of(t.untyped_storage(), 0, n), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return done
+
+
+def copy_to_device(items: list[tuple[torch.UntypedStorage, int, int, int]]) -> None:
+    """Copies ``(CUDA storage, byte offset in it, host address, nbytes)`` host-to-device, on the current
+    stream of each storage's device, and returns once every copy is done (the source may be overwritten
+    after that)."""
+    devices = set()
+    for st, start, addr, n in items:
+        _bytes_of(st, start, n).copy_(_host(addr, n), non_blocking=True)
+        devices.add(st.device)
+    for d in devices:
+        torch.cuda.current_stream(d).synchronize()
+
+
+STAGE_BYTES = 64 << 20
+_STAGES = 3
+
+
+def copy_to_device_staged(items: list[tuple[torch.UntypedStorage, int, int, int]],
+                          read: Callable[[list[tuple[int, int, int]]], None]) -> None:
+    """Copies ``(CUDA storage, byte offset in it, source, nbytes)`` host-to-device through pinned staging
+    buffers: ``read([(buffer address, source, nbytes), ...])`` fills a buffer (the copy threads), then its
+    DMA is queued on the current stream of each device it feeds while the next buffer is filled. Returns
+    once every copy is done."""
+    total = sum(n for *_, n in items)
+    size = min(STAGE_BYTES, total)
+    bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(min(_STAGES, -(-total // size)))]
+    pending: list[list[torch.cuda.Event]] = [[] for _ in bufs]
+    chunk: list[tuple[torch.UntypedStorage, int, int, int]] = []
+    filled = 0
+    k = 0
+
+    def flush() -> None:
+        nonlocal chunk, filled, k
+        b = k % len(bufs)
+        for ev in pending[b]:
+            ev.synchronize()  # the buffer's previous DMA is done: it may be refilled
+        buf = bufs[b]
+        base = buf.data_ptr()
+        tasks, pos = [], 0
+        for _st, _off, src, n in chunk:
+            tasks.append((base + pos, src, n))
+            pos += n
+        read(tasks)
+        devices = set()
+        pos = 0
+        for st, off, _src, n in chunk:
+            _bytes_of(st, off, n).copy_(buf[pos:pos + n], non_blocking=True)
+            devices.add(st.device)
+            pos += n
+        events = []
+        for d in devices:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(d))
+            events.append(ev)
+        pending[b] = events
+        chunk, filled, k = [], 0, k + 1
+
+    for st, off, src, n in items:
+        pos = 0
+        while pos < n:
+            take = min(n - pos, size - filled)
+            chunk.append((st, off + pos, src + pos, take))
+            filled += take
+            pos += take
+            if filled == size:
+                flush()
+    if chunk:
+        flush()
+    for events in pending:
+        for ev in events:
+            ev.synchronize()

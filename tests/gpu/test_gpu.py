@@ -1,0 +1,291 @@
+"""The CUDA path (tier ``gpu``; skips on a machine without a GPU).
+
+A snapshot of CUDA tensors is copied device-to-host asynchronously, on a side stream ordered after the work
+already queued, straight into its slot of the shared-memory segment, which is page-locked slot by slot
+(``cudaHostRegister``; ``flashckpt_core/util/cuda.py``). A restore copies host-to-device straight from the
+segment into the model's CUDA tensors (or new ones on the device they were saved from). Checked, with real
+processes, real signals and the real frameworks on one GPU:
+
+- bit-exact loads: to the saved device, into existing CUDA tensors in place (pinned and pageable restore),
+  tied storage, views, bf16, mixed CPU and CUDA leaves; a new engine after a close; the persisted file
+  read by plain ``torch.load``;
+- ordering: a snapshot taken right after kernels were queued holds their result, blocking and overlapped;
+  an overlapped snapshot holds the values at ``save`` even when training changes them after
+  ``wait_snapshot``;
+- registration: per slot, never the unreserved spare slot, all of it undone at close;
+- a trainer killed with SIGKILL and a new process resuming from memory into its CUDA model;
+- FSDP2 (``fully_shard`` on a CUDA mesh, NCCL) through ``FsdpShardCheckpointer``: a restarted process
+  resumes from memory and trains on bit for bit;
+- ``FlashCkptTrainer`` on the GPU: killed with SIGKILL mid-run, resumed from memory, the final weights equal
+  a vanilla Trainer's.
+
+Run: ``bash scripts/gpu.sh`` on a machine with a GPU (``scripts/test.sh -m gpu`` inside the project's venv).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from flashckpt import StorageType
+from helpers import assert_same_tree, run_ranks, tree_digest, wait_for
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DISK, MEMORY = StorageType.DISK, StorageType.MEMORY
+TESTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")  # the support code's folder
+REPO = os.path.dirname(os.path.dirname(TESTS_DIR))
+
+
+def _cuda_state(seed: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(1024, 1024, device="cuda", generator=g)
+    return {"model": {"w": w,
+                      "b": torch.randn(1024, device="cuda", generator=g).to(torch.bfloat16),
+                      "view": torch.randn(64, 64, device="cuda", generator=g).t(),
+                      "tied": w},
+            "cpu_side": torch.arange(10), "step": seed}
+
+
+def _child_env(**extra: str) -> dict:
+    """The environment of a child Python process that imports flashckpt and the tests' helpers."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS_DIR, os.environ.get("PYTHONPATH", "")]), **extra)
+
+
+def _to_cpu(sd: dict) -> dict:
+    return {"model": {k: v.cpu() for k, v in sd["model"].items()}, "cpu_side": sd["cpu_side"], "step": sd["step"]}
+
+
+def test_cuda_tensors_snapshot_and_load_bit_exact(make_engine, ckpt_dir):
+    eng = make_engine()
+    sd = _cuda_state(1)
+    eng.save(1, sd, storage_type=MEMORY)
+    expected = _to_cpu(sd)
+    sd["model"]["w"].add_(1.0)  # training goes on: the snapshot holds the values at save time
+    torch.cuda.synchronize()
+    got = eng.load_memory(1)
+    assert got["model"]["w"].device == sd["model"]["w"].device  # back on the GPU it was saved from
+    assert got["model"]["tied"].untyped_storage().data_ptr() == got["model"]["w"].untyped_storage().data_ptr()
+    assert got["model"]["view"].stride() == sd["model"]["view"].stride()
+    assert_same_tree(_to_cpu(got), expected)
+    handler = eng._handler  # the writer's record of registered slots; no public accessor for it
+    assert handler._cuda_registered and all(handler._cuda_registered.values()), \
+        "the slot was not registered as pinned memory"
+    eng.close()
+
+
+@pytest.mark.parametrize("mode", ["staged", "register", "pageable"])
+def test_load_into_cuda_tensors_in_place(make_engine, monkeypatch, mode):
+    monkeypatch.setenv("FLASHCKPT_CUDA_LOAD", mode)
+    monkeypatch.setattr("flashckpt.util.cuda.STAGE_BYTES", 1 << 20)  # several staging rounds for a 4 MB tensor
+    eng = make_engine()
+    sd = _cuda_state(1)
+    eng.save(1, sd, storage_type=MEMORY)
+    expected = _to_cpu(sd)
+    into = _cuda_state(2)
+    ptrs = {k: v.data_ptr() for k, v in into["model"].items()}
+    got = eng.load(into=into)
+    assert eng.last_load.source == "memory"
+    for k in ("w", "b"):  # contiguous and matching: filled in place, returned in place
+        assert got["model"][k] is into["model"][k] and into["model"][k].data_ptr() == ptrs[k]
+        assert torch.equal(into["model"][k].cpu(), expected["model"][k])
+    assert_same_tree(_to_cpu(got), expected)
+    # a CPU snapshot goes straight into a CUDA tensor too
+    eng.save(2, {"x": torch.arange(1000, dtype=torch.float64)}, storage_type=MEMORY)
+    target = {"x": torch.zeros(1000, dtype=torch.float64, device="cuda")}
+    out = eng.load(into=target)
+    assert out["x"] is target["x"] and torch.equal(target["x"].cpu(), torch.arange(1000, dtype=torch.float64))
+    eng.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_snapshot_is_ordered_after_queued_kernels(make_engine, overlap):
+    eng = make_engine(overlap=overlap)
+    big = torch.zeros(64 << 20, device="cuda")  # 256 MB
+    eng.save(1, {"big": big}, storage_type=MEMORY)  # the segment exists and its slots are registered
+    eng.save(2, {"big": big}, storage_type=MEMORY)
+    for _ in range(200):  # tens of milliseconds of kernels still queued when save() is called
+        big.add_(1.0)
+    eng.save(3, {"big": big}, storage_type=MEMORY)  # copies queued after the additions, not before
+    eng.wait_snapshot()
+    big.add_(1.0)  # after wait_snapshot the snapshot no longer reads the tensor
+    got = eng.load_memory(3)
+    assert torch.equal(got["big"], torch.full_like(big, 200.0))
+    eng.close()
+
+
+def test_overlapped_training_snapshots_equal_the_state_at_save(make_engine):
+    """An overlapped save every step, the optimizer step fenced by wait_snapshot: each snapshot is
+    exactly the state at its save() (the reference clones taken at the same point)."""
+    eng = make_engine(overlap=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    expected = {}
+    for step in range(1, 6):
+        x = torch.randn(64, 512, device="cuda")
+        loss = model(x).square().mean()
+        loss.backward()
+        sd = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
+        eng.save(step, sd, storage_type=DISK if step == 3 else MEMORY)
+        expected[step] = tree_digest(sd)
+        eng.wait_snapshot()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    eng.wait()
+    assert tree_digest(eng.load_memory(5)) == expected[5]
+    on_disk = torch.load(eng.step_path(3), map_location="cuda", weights_only=True)
+    assert tree_digest(on_disk) == expected[3]
+    eng.close()
+
+
+def test_registration_is_per_slot_and_undone_at_close(make_engine):
+    eng = make_engine()
+    handler = eng._handler
+    for step in range(1, 4):
+        eng.save(step, {"w": torch.full((1 << 20,), float(step), device="cuda")}, storage_type=MEMORY)
+    seg = handler._seg
+    registered = {slot for (path, slot) in handler._cuda_registered if path == seg.path}
+    from flashckpt.format.segment import FLAG_UNRESERVED
+
+    # memory saves only: the writer alternates between the reserved slots; the spare stays unregistered
+    spare = [i for i in range(seg.nslots) if seg.header(i).flags & FLAG_UNRESERVED]
+    assert registered and not registered & set(spare)
+    eng.close()
+    assert not handler._cuda_registered
+
+
+_TRAINER = textwrap.dedent("""
+    import os, sys, torch
+    from flashckpt import CheckpointEngine, StorageType
+    ckpt, mode = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2048, 2048).cuda()
+    eng = CheckpointEngine(ckpt)
+    if mode == "crash":
+        with torch.no_grad():
+            model.weight.mul_(3.0)
+        eng.save(7, {"model": model.state_dict(), "step": 7}, storage_type=StorageType.MEMORY)
+        torch.save(model.state_dict(), os.path.join(os.path.dirname(ckpt), "expected.pt"))
+        os.kill(os.getpid(), 9)
+    into = {"model": model.state_dict()}
+    sd = eng.load(into=into)
+    exp = torch.load(os.path.join(os.path.dirname(ckpt), "expected.pt"), map_location="cuda", weights_only=True)
+    ok = all(torch.equal(model.state_dict()[k], exp[k]) for k in exp)
+    print("RESUMED", eng.last_load.source, eng.last_load.step, sd["step"], ok, model.weight.is_cuda, flush=True)
+    eng.close()
+""")
+
+
+def test_kill9_then_a_new_process_resumes_from_memory_into_its_cuda_model(tmp_path, runtime_dir):
+    ckpt = str(tmp_path / "ckpt")
+    env = _child_env(FLASHCKPT_JOB_ID="gpu-kill9", FLASHCKPT_LAST_WORDS="0")
+    p = subprocess.run([sys.executable, "-c", _TRAINER, ckpt, "crash"], env=env, capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, timeout=180)
+    assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
+    p = subprocess.run([sys.executable, "-c", _TRAINER, ckpt, "resume"], env=env, capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "RESUMED memory 7 7 True True" in p.stdout, p.stdout + p.stderr
+    from helpers import saver_pids
+
+    wait_for(lambda: not saver_pids(runtime_dir), 60, "the saver to exit after the last goodbye")
+
+
+# ------------------------------------------------------------------------------------------ FSDP2 on CUDA
+def fsdp_cuda_worker(ckpt_dir: str, steps: int, resume: bool, release: bool) -> dict:
+    """FSDP2 on one GPU (NCCL, world 1): trains ``steps`` steps with a memory snapshot every step, or
+    resumes first and trains on; returns the digest after every step. ``release=False`` leaves the
+    snapshots to the saver, as a crash would."""
+    import datetime
+
+    import torch.distributed as dist
+    from flashckpt.integrations.fsdp import FsdpShardCheckpointer
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method="file://" + os.path.join(os.path.dirname(ckpt_dir), f"rdzv-{os.getpid()}"),
+                            rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
+    try:
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cuda", (1,))
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
+        for m in model:
+            if isinstance(m, torch.nn.Linear):
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ckpt = FsdpShardCheckpointer(ckpt_dir)
+        out: dict = {"digests": {}}
+        start = 1
+        if resume:
+            extra = ckpt.load_checkpoint(model, opt)
+            out["resumed"] = [ckpt.last_load.source, ckpt.last_load.step, extra.get("step")]
+            start = int(extra["step"]) + 1
+        for step in range(start, steps + 1):
+            g = torch.Generator(device="cuda").manual_seed(step)
+            x = torch.randn(16, 64, device="cuda", generator=g)
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            msd, osd = get_state_dict(model, opt)
+            ckpt.save_checkpoint(step, {"model": msd, "optim": osd, "step": step}, f"step_{step}",
+                                 storage_type=MEMORY)
+            out["digests"][step] = tree_digest({"model": msd, "optim": osd})
+        ckpt.close(release=release)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_on_cuda_resumes_from_memory_bit_exact(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    env = {"FLASHCKPT_JOB_ID": "gpu-fsdp"}
+    ref = run_ranks(fsdp_cuda_worker, 1, str(tmp_path / "ref"), dist=False, env={"FLASHCKPT_JOB_ID": "gpu-ref"},
+                    args={"ckpt_dir": str(tmp_path / "refckpt"), "steps": 5, "resume": False, "release": True})[0]
+    first = run_ranks(fsdp_cuda_worker, 1, str(tmp_path / "a"), dist=False, env=env,
+                      args={"ckpt_dir": ckpt, "steps": 3, "resume": False, "release": False})[0]
+    again = run_ranks(fsdp_cuda_worker, 1, str(tmp_path / "b"), dist=False, env=env,
+                      args={"ckpt_dir": ckpt, "steps": 5, "resume": True, "release": True})[0]
+    assert again["resumed"] == ["memory", 3, 3]
+    assert first["digests"]["3"] == ref["digests"]["3"]
+    assert again["digests"]["5"] == ref["digests"]["5"]
+
+
+# ------------------------------------------------------------------------------------------ HF Trainer on CUDA
+def test_hf_trainer_on_gpu_kill9_resumes_from_memory(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    import test_hf as hf
+
+    ref_dir, out = str(tmp_path / "vanilla"), str(tmp_path / "flash")
+    ref = hf.make_trainer(ref_dir, vanilla=True, use_cpu=False)
+    ref.train()
+    assert next(ref.model.parameters()).is_cuda
+    ref_w = hf.weights(ref.model)
+    env = _child_env(FLASHCKPT_LAST_WORDS="0", FLASHCKPT_JOB_ID="gpu-hf")
+    half = hf.N_STEPS // 2
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "hf-crash", out, str(half)],
+                       env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stdout.decode()[-3000:] + p.stderr.decode()[-3000:]
+    monkeypatch.setenv("FLASHCKPT_JOB_ID", "gpu-hf")
+    resumed = hf.make_trainer(out, use_cpu=False)
+    resumed.train(resume_from_checkpoint=True)
+    loc = resumed.flashckpt_last_resume
+    assert (loc.source, loc.step) == ("memory", half)
+    hf.assert_weights_equal(ref_w, hf.weights(resumed.model))
+
+
+if __name__ == "__main__" and sys.argv[1] == "hf-crash":
+    sys.path[:0] = [TESTS_DIR, os.path.join(os.path.dirname(TESTS_DIR), "framework")]
+    import test_hf as hf
+
+    trainer = hf.make_trainer(sys.argv[2], use_cpu=False, callbacks=[hf._stopper(int(sys.argv[3]), "kill")])
+    trainer.train()
+    raise SystemExit("the run was supposed to be killed")
