@@ -144,36 +144,60 @@ def _memory_column(held: dict[str, set[int]] | None) -> str:
     return "; ".join(p for p in parts if p).replace("-1", "?")
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
-    layout = _layout(args)
-    if layout is None:
-        return 2
+def _warn_stale(layout: CommitLayout) -> None:
+    """Say on stderr when the commit records of `layout` are stale (and so not used)."""
     stale = layout.stale_reason() if layout.storage.isdir(layout.meta) else None
     if stale:
         print(f"the commit records in {layout.meta} are stale ({stale}); they are not used: a saver starting on "
               f"{layout.root} sets them aside (gives them to the dir they describe when it was renamed in its "
               f"parent), `flashckpt gc {layout.root}` removes them", file=sys.stderr)
-    committed = layout.committed_steps()
-    pending = layout.uncommitted_steps()
-    latest = layout.tracker_step()
-    memory = _in_memory(layout.root)
+
+
+def _committed_row(layout: CommitLayout, step: int, latest: int | None) -> tuple[Any, ...]:
+    """The `ls` row of a committed step: its size, age and files, or "damaged" with why."""
+    try:
+        m = layout.read_manifest(step)
+    except E.CheckpointCorruptError as e:
+        return (step, "damaged", "-", "-", str(e))
+    files = m.all_files()
+    return (step, "committed" + (" (latest)" if step == latest else ""),
+            _size(sum(f.size for f in files)), _age(m.time), ", ".join(f.path for f in files))
+
+
+def _ls_rows(layout: CommitLayout, committed: list[int], pending: list[int], latest: int | None,
+             memory: dict[int, dict[str, set[int]]]) -> list[tuple[Any, ...]]:
+    """One row (step, state, size, age, files) per step committed, pending or held in this node's memory."""
     rows = []
     for step in sorted(set(committed) | set(pending) | set(memory)):
         if step not in committed and step not in pending:
             rows.append((step, "in memory", "-", "-", "(this node's shared memory)"))
         elif step in committed:
-            try:
-                m = layout.read_manifest(step)
-            except E.CheckpointCorruptError as e:
-                rows.append((step, "damaged", "-", "-", str(e)))
-                continue
-            files = m.all_files()
-            rows.append((step, "committed" + (" (latest)" if step == latest else ""),
-                         _size(sum(f.size for f in files)), _age(m.time), ", ".join(f.path for f in files)))
+            rows.append(_committed_row(layout, step, latest))
         else:
             mtime = _mtime(layout, layout.step_dir(step))
             rows.append((step, "not committed", "-", "-" if mtime is None else _age(mtime),
                          "in progress, or left by a crash"))
+    return rows
+
+
+def _print_ls_table(table: list[tuple[Any, ...]]) -> None:
+    """Print the `ls` rows as aligned columns under a header, the files column last and unpadded."""
+    head = ("STEP", "STATE", "SIZE", "AGE", "MEMORY", "FILES")
+    widths = [max(len(str(r[i])) for r in table + [head]) for i in range(5)]
+    for r in [head] + table:
+        print("  ".join(str(v).ljust(w) for v, w in zip(r[:5], widths)) + "  " + str(r[5]))
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    layout = _layout(args)
+    if layout is None:
+        return 2
+    _warn_stale(layout)
+    committed = layout.committed_steps()
+    pending = layout.uncommitted_steps()
+    latest = layout.tracker_step()
+    memory = _in_memory(layout.root)
+    rows = _ls_rows(layout, committed, pending, latest, memory)
     # Which ranks' snapshots of each step this node holds in memory, its own and backups of other nodes'.
     table: list[tuple[Any, ...]] = [(*r[:4], _memory_column(memory.get(r[0])), r[4]) for r in rows]
     note = None if committed else unrecorded(layout)
@@ -185,10 +209,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not table:
         print(f"no flashckpt checkpoints in {layout.root}")
         return 0
-    head = ("STEP", "STATE", "SIZE", "AGE", "MEMORY", "FILES")
-    widths = [max(len(str(r[i])) for r in table + [head]) for i in range(5)]
-    for r in [head] + table:
-        print("  ".join(str(v).ljust(w) for v, w in zip(r[:5], widths)) + "  " + str(r[5]))
+    _print_ls_table(table)
     return 0
 
 

@@ -199,6 +199,77 @@ def _same(fd: int, name: str, dir_fd: int | None) -> bool:
     return (st.st_ino, st.st_dev) == (own.st_ino, own.st_dev)
 
 
+def _open_top(top: str, *, lock: bool) -> int | None:
+    """An fd of ``top``, created 0755 first with ``lock``; None when it is to be opened again.
+
+    Raises:
+        CheckpointDirError: ``top`` is a symbolic link, not a directory, or another user's."""
+    if lock:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(top, 0o755)
+    try:
+        return os.open(top, _DIR_FLAGS)
+    except FileNotFoundError:
+        if not lock:
+            raise
+        return None  # removed by the last user of another parent lock between our mkdir and open
+    except OSError as e:
+        st = _lstat(top)
+        why = _unusable(top, st) if st else ""
+        if not why:
+            raise unreadable("open", top, e) from e
+        raise E.CheckpointDirError(f"{why}; flashckpt keeps the commit records of the checkpoint dirs beside it "
+                                   "there") from e
+
+
+def _check_top(top: str, fd: int) -> None:
+    """Raises CheckpointDirError unless the opened ``top`` is a real directory of this user."""
+    why = _unusable(top, os.fstat(fd))
+    if why:
+        raise E.CheckpointDirError(f"{why}; flashckpt keeps the commit records of the checkpoint dirs "
+                                   "beside it there: remove it, or ask its owner")
+
+
+def _take_lock(fd: int, top: str, deadline: float, timeout: float) -> int | None:
+    """An fd of ``top``'s lock file (``fd``: ``top``'s), locked by this process; None when ``top`` was
+    removed meanwhile (try again).
+
+    Raises:
+        CheckpointDirError: the lock stayed held until ``deadline`` (``timeout`` seconds after the start)."""
+    try:
+        lfd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
+    except FileNotFoundError:
+        return None
+    try:
+        while True:
+            try:
+                fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return lfd
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise E.CheckpointDirError(f"{os.path.join(top, LOCK_NAME)} stayed locked for "
+                                               f"{timeout:.0f} s; is a flashckpt process hung there?") from None
+                time.sleep(0.005)
+    except BaseException:
+        os.close(lfd)
+        raise
+
+
+def _leave_top(top: str, fd: int, lfd: int, *, lock: bool) -> None:
+    """Closes ``locked_parent``'s fds; with ``lock``, first removes the lock file (waiters find their file
+    gone and start over), and ``top`` when empty."""
+    try:
+        if lock:
+            os.unlink(LOCK_NAME, dir_fd=fd)  # waiters find their file gone and start over
+            if not os.listdir(fd):
+                os.rmdir(top)  # only when empty: a claim that just started there keeps it
+    except OSError:
+        pass
+    if lfd >= 0:
+        os.close(lfd)
+    os.close(fd)
+
+
 @contextlib.contextmanager
 def locked_parent(top: str, *, timeout: float = 60.0, lock: bool = True) -> Iterator[int]:
     """An fd of ``top`` (``<parent>/.flashckpt``), created 0755 when missing, checked to be a real
@@ -211,49 +282,22 @@ def locked_parent(top: str, *, timeout: float = 60.0, lock: bool = True) -> Iter
     """
     deadline = time.monotonic() + timeout
     while True:
-        if lock:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(top, 0o755)
-        try:
-            fd = os.open(top, _DIR_FLAGS)
-        except FileNotFoundError:
-            if not lock:
-                raise
-            continue  # removed by the last user of another parent lock between our mkdir and open
-        except OSError as e:
-            st = _lstat(top)
-            why = _unusable(top, st) if st else ""
-            if not why:
-                raise unreadable("open", top, e) from e
-            raise E.CheckpointDirError(f"{why}; flashckpt keeps the commit records of the checkpoint dirs beside it "
-                                       "there") from e
+        fd = _open_top(top, lock=lock)
+        if fd is None:
+            continue
         lfd = -1
         try:
-            why = _unusable(top, os.fstat(fd))
-            if why:
-                raise E.CheckpointDirError(f"{why}; flashckpt keeps the commit records of the checkpoint dirs "
-                                           "beside it there: remove it, or ask its owner")
+            _check_top(top, fd)
             if not lock:
                 break
-            try:
-                lfd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
-            except FileNotFoundError:
-                os.close(fd)
-                continue
-            while True:
-                try:
-                    fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise E.CheckpointDirError(f"{os.path.join(top, LOCK_NAME)} stayed locked for "
-                                                   f"{timeout:.0f} s; is a flashckpt process hung there?") from None
-                    time.sleep(0.005)
+            got = _take_lock(fd, top, deadline, timeout)
         except BaseException:
-            if lfd >= 0:
-                os.close(lfd)
             os.close(fd)
             raise
+        if got is None:
+            os.close(fd)
+            continue
+        lfd = got
         if _same(lfd, LOCK_NAME, fd) and _same(fd, top, None):
             break
         os.close(lfd)  # the lock file or ``top`` was removed while we waited: take the new one
@@ -261,16 +305,7 @@ def locked_parent(top: str, *, timeout: float = 60.0, lock: bool = True) -> Iter
     try:
         yield fd
     finally:
-        try:
-            if lock:
-                os.unlink(LOCK_NAME, dir_fd=fd)  # waiters find their file gone and start over
-                if not os.listdir(fd):
-                    os.rmdir(top)  # only when empty: a claim that just started there keeps it
-        except OSError:
-            pass
-        if lfd >= 0:
-            os.close(lfd)
-        os.close(fd)
+        _leave_top(top, fd, lfd, lock=lock)
 
 
 def _write_binding(dir_fd: int, root: str, ino: int) -> None:

@@ -130,6 +130,39 @@ def multi_node(ranks: RankInfo, group: Any = None) -> bool:
     return ranks.world_size > ranks.local_world_size and world(group) is not None
 
 
+def _saved_at_ranks(layout: CommitLayout, committed: list[int]) -> dict[str, float]:
+    """The newest commit's ``saved_at_ranks`` (rank -> wall time of the snapshot its files came from); empty
+    when nothing is committed or the manifest is damaged or does not record it."""
+    if not committed:
+        return {}
+    try:
+        return {str(k): float(v) for k, v in
+                layout.read_manifest(committed[-1]).extra.get("saved_at_ranks", {}).items()}
+    except (E.CheckpointCorruptError, TypeError, ValueError):
+        return {}
+
+
+def _bring_here(fetch: Callable[[int, int, list[dict[str, Any]]], Any], me: dict[str, Any],
+                holders: list[dict[str, Any]], step: int, ranks: RankInfo, *, replicated: bool) -> bool:
+    """Has this rank's saver fetch its snapshot of ``step`` into its own local rank's segment unless it is
+    there already (``me``: this node's inventory; ``holders``: where copies are). False when the fetch
+    failed (logged)."""
+    here = any(h["instance"] == me.get("instance") and h["kind"] == "own" and h["local_rank"] == ranks.local_rank
+               for h in holders)
+    if here:
+        return True
+    # This node first (a backup or another local rank's segment here), then own copies before backups.
+    order = sorted(holders, key=lambda h: (h["instance"] != me.get("instance"), h["kind"] != "own"))
+    sources = [{"host": h["host"], "port": h["port"]} for h in order if h["port"]]
+    try:
+        fetch(-1 if replicated else ranks.rank, step, sources)
+    except E.FlashCheckpointError as e:
+        log.warning("load(): could not bring rank %d's snapshot of step %d into this node's memory: %s",
+                    ranks.rank, step, e)
+        return False
+    return True
+
+
 def memory_across_nodes(inventory: Callable[[], dict[str, Any]], fetch: Callable[[int, int, list[dict[str, Any]]], Any],
                         layout: CommitLayout, ranks: RankInfo, committed: list[int], *, replicated: bool,
                         writes_snapshots: bool, group: Any = None) -> int | None:
@@ -147,13 +180,7 @@ def memory_across_nodes(inventory: Callable[[], dict[str, Any]], fetch: Callable
     rows: list[Any] = [None] * n
     dist.all_gather_object(rows, inventory(), group=group)
     members = dist.get_process_group_ranks(group) if group is not None else list(range(n))
-    saved_at: dict[str, float] = {}
-    if committed:
-        try:
-            saved_at = {str(k): float(v) for k, v in
-                        layout.read_manifest(committed[-1]).extra.get("saved_at_ranks", {}).items()}
-        except (E.CheckpointCorruptError, TypeError, ValueError):
-            saved_at = {}
+    saved_at = _saved_at_ranks(layout, committed)
     plan = across_nodes(rows, members, replicated=replicated, saved_at=saved_at,
                         newest_committed=committed[-1] if committed else -1, world_size=ranks.world_size)
     if plan.step is None:
@@ -165,19 +192,7 @@ def memory_across_nodes(inventory: Callable[[], dict[str, Any]], fetch: Callable
     me = rows[members.index(ranks.rank)]
     ok = True
     if writes_snapshots:
-        holders = plan.sources.get(ranks.rank, [])
-        here = any(h["instance"] == me.get("instance") and h["kind"] == "own" and h["local_rank"] == ranks.local_rank
-                   for h in holders)
-        if not here:
-            # This node first (a backup or another local rank's segment here), then own copies before backups.
-            order = sorted(holders, key=lambda h: (h["instance"] != me.get("instance"), h["kind"] != "own"))
-            sources = [{"host": h["host"], "port": h["port"]} for h in order if h["port"]]
-            try:
-                fetch(-1 if replicated else ranks.rank, plan.step, sources)
-            except E.FlashCheckpointError as e:
-                log.warning("load(): could not bring rank %d's snapshot of step %d into this node's memory: %s",
-                            ranks.rank, plan.step, e)
-                ok = False
+        ok = _bring_here(fetch, me, plan.sources.get(ranks.rank, []), plan.step, ranks, replicated=replicated)
     if not all_ranks(ok, group):
         if ranks.rank == members[0]:
             log.warning("load(): a rank could not fetch its snapshot of step %d from a peer; loading from storage",

@@ -131,6 +131,46 @@ def _open(path: str) -> tuple[int, bool]:
     return os.open(path, base, 0o644), False
 
 
+def _part_bytes(p: Any) -> tuple[memoryview, int, int]:
+    """One part's bytes: (a view of them, their length, their address for ``memmove`` or 0 to copy from
+    the view). The view holds the tensor whose address is returned (numpy keeps it as its base)."""
+    if isinstance(p, torch.Tensor):
+        u8 = host_bytes(p)
+        n = u8.numel()
+        addr = u8.data_ptr() if n else 0
+        src = memoryview(u8.numpy()) if n else memoryview(b"")  # type: ignore[arg-type]
+        return src, n, addr
+    src = memoryview(p).cast("B")
+    return src, len(src), 0
+
+
+def _pad_tail(buf: mmap.mmap, fill: int) -> int:
+    """Zeroes ``buf`` from ``fill`` up to the next block boundary (O_DIRECT writes whole blocks); returns
+    the padded length."""
+    padded = -(-fill // _ALIGN) * _ALIGN
+    memoryview(buf)[fill:padded] = bytes(padded - fill)
+    return padded
+
+
+def _finish(writer: _Writer, size: int) -> None:
+    """Waits for ``writer`` to write every queued buffer, raises its error, and cuts the file's block
+    padding off to ``size``."""
+    writer.full.put(None)
+    writer.join()
+    if writer.error is not None:
+        raise writer.error
+    if os.fstat(writer.fd).st_size != size:
+        os.ftruncate(writer.fd, size)
+
+
+def _abort(writer: _Writer) -> None:
+    """Stops ``writer`` after a failure: it writes nothing more of what is queued."""
+    if writer.is_alive():
+        writer.error = writer.error or RuntimeError("aborted")
+        writer.full.put(None)
+        writer.join()
+
+
 def write_parts(path: str, parts: Sequence[Any], *,
                 crc_slots: dict[int, list[tuple[int, int]]] | None = None) -> tuple[int, str]:
     """Writes the concatenation of ``parts`` to ``path`` (created or truncated); returns (size, xxh3 hex).
@@ -169,16 +209,9 @@ def write_parts(path: str, parts: Sequence[Any], *,
 
     try:
         for i, p in enumerate(parts):
-            if isinstance(p, torch.Tensor):
-                u8 = host_bytes(p)
-                n = u8.numel()
-                addr = u8.data_ptr() if n else 0
-                src = memoryview(u8.numpy()) if n else memoryview(b"")  # type: ignore[arg-type]
-            else:
-                src = memoryview(p).cast("B")
-                n = len(src)
-                addr = 0
-            want_crc = crc_slots is not None and i in crc_slots
+            src, n, addr = _part_bytes(p)
+            slots = None if crc_slots is None else crc_slots.get(i)
+            want_crc = slots is not None
             crc = 0
             off = 0
             while off < n:
@@ -199,26 +232,13 @@ def write_parts(path: str, parts: Sequence[Any], *,
                 if fill == BUFFER_BYTES:
                     flush(fill)
             size += n
-            if want_crc:
-                assert crc_slots is not None
-                for j, at in crc_slots[i]:
-                    parts[j][at:at + 4] = crc.to_bytes(4, "little")
-        if fill:
-            assert cur is not None
-            padded = -(-fill // _ALIGN) * _ALIGN
-            memoryview(cur)[fill:padded] = bytes(padded - fill)
-            flush(padded)
-        writer.full.put(None)
-        writer.join()
-        if writer.error is not None:
-            raise writer.error
-        if os.fstat(fd).st_size != size:
-            os.ftruncate(fd, size)
+            for j, at in slots or ():
+                parts[j][at:at + 4] = crc.to_bytes(4, "little")
+        if cur is not None and fill:
+            flush(_pad_tail(cur, fill))
+        _finish(writer, size)
     except BaseException:
-        if writer.is_alive():
-            writer.error = writer.error or RuntimeError("aborted")
-            writer.full.put(None)
-            writer.join()
+        _abort(writer)
         raise
     finally:
         os.close(fd)

@@ -211,6 +211,54 @@ def _u32(b: Any, at: int) -> int:
     return int.from_bytes(b[at:at + 4], "little")
 
 
+def _zip_layout_error(why: str) -> FlashCheckpointError:
+    return FlashCheckpointError(f"zip_crc_slots: {why}; torch {torch.__version__} writes archives in a "
+                                "layout flashckpt does not expect")
+
+
+def _descriptor_slots(parts: list[Any]) -> tuple[dict[bytes, int], dict[int, list[tuple[int, int]]]]:
+    """The record name of each storage part ({name: part index}) and its data descriptor's CRC slot
+    ({part index: [(bytes part index, offset)]}); turns each descriptor's part into a ``bytearray``."""
+    names: dict[bytes, int] = {}
+    slots: dict[int, list[tuple[int, int]]] = {}
+    for i, p in enumerate(parts):
+        if not isinstance(p, torch.Tensor):
+            continue
+        if i == 0 or i + 1 >= len(parts) or isinstance(parts[i - 1], torch.Tensor) \
+                or isinstance(parts[i + 1], torch.Tensor):
+            raise _zip_layout_error(f"storage part {i} is not between two headers")
+        head, tail = parts[i - 1], parts[i + 1]
+        lh = bytes(head).rfind(b"PK\x03\x04")
+        if lh < 0:
+            raise _zip_layout_error("no local file header before a storage")
+        n_name, n_extra = _u16(head, lh + 26), _u16(head, lh + 28)
+        if lh + 30 + n_name + n_extra != len(head) or bytes(tail[:4]) != b"PK\x07\x08":
+            raise _zip_layout_error("a storage's local header or data descriptor is not where expected")
+        names[bytes(head[lh + 30:lh + 30 + n_name])] = i
+        parts[i + 1] = bytearray(tail)
+        slots[i] = [(i + 1, 4)]
+    return names, slots
+
+
+def _central_directory(end: bytearray, start_of_last: int) -> tuple[int, int]:
+    """(entry count, offset in the archive) of the central directory, from the end of central directory
+    record in ``end`` (the archive's last part, starting at ``start_of_last``), zip64 included."""
+    eocd = bytes(end).rfind(b"PK\x05\x06")
+    if eocd < 0:
+        raise _zip_layout_error("no end of central directory record")
+    count, cd = _u16(end, eocd + 10), _u32(end, eocd + 16)
+    if cd == 0xFFFFFFFF or count == 0xFFFF:  # zip64: the locator before the record points at the zip64 record
+        loc = eocd - 20
+        if bytes(end[loc:loc + 4]) != b"PK\x06\x07":
+            raise _zip_layout_error("no zip64 locator")
+        z = int.from_bytes(end[loc + 8:loc + 16], "little") - start_of_last
+        if bytes(end[z:z + 4]) != b"PK\x06\x06":
+            raise _zip_layout_error("no zip64 end of central directory record")
+        count = int.from_bytes(end[z + 32:z + 40], "little")
+        cd = int.from_bytes(end[z + 48:z + 56], "little")
+    return count, cd
+
+
 def zip_crc_slots(parts: list[Any]) -> dict[int, list[tuple[int, int]]]:
     """Where the CRC-32 of each storage of ``torch_save_parts`` output belongs: {tensor part index:
     [(bytes part index, offset), ...]}, its data descriptor (the record's ``PK\\x07\\x08`` right after the
@@ -220,59 +268,26 @@ def zip_crc_slots(parts: list[Any]) -> dict[int, list[tuple[int, int]]]:
     Raises:
         FlashCheckpointError: the parts are not laid out as ``torch.save`` writes a zip archive.
     """
-    def bad(why: str) -> FlashCheckpointError:
-        return FlashCheckpointError(f"zip_crc_slots: {why}; torch {torch.__version__} writes archives in a "
-                                    "layout flashckpt does not expect")
-
-    names: dict[bytes, int] = {}
-    slots: dict[int, list[tuple[int, int]]] = {}
-    for i, p in enumerate(parts):
-        if not isinstance(p, torch.Tensor):
-            continue
-        if i == 0 or i + 1 >= len(parts) or isinstance(parts[i - 1], torch.Tensor) \
-                or isinstance(parts[i + 1], torch.Tensor):
-            raise bad(f"storage part {i} is not between two headers")
-        head, tail = parts[i - 1], parts[i + 1]
-        lh = bytes(head).rfind(b"PK\x03\x04")
-        if lh < 0:
-            raise bad("no local file header before a storage")
-        n_name, n_extra = _u16(head, lh + 26), _u16(head, lh + 28)
-        if lh + 30 + n_name + n_extra != len(head) or bytes(tail[:4]) != b"PK\x07\x08":
-            raise bad("a storage's local header or data descriptor is not where expected")
-        names[bytes(head[lh + 30:lh + 30 + n_name])] = i
-        parts[i + 1] = bytearray(tail)
-        slots[i] = [(i + 1, 4)]
+    names, slots = _descriptor_slots(parts)
     if not slots:
         return slots
     last = len(parts) - 1
     if isinstance(parts[last], torch.Tensor):
-        raise bad("the archive does not end with its directory")
+        raise _zip_layout_error("the archive does not end with its directory")
     end = parts[last] = bytearray(parts[last])
     start_of_last = parts_size(parts[:last])
-    eocd = bytes(end).rfind(b"PK\x05\x06")
-    if eocd < 0:
-        raise bad("no end of central directory record")
-    count, cd = _u16(end, eocd + 10), _u32(end, eocd + 16)
-    if cd == 0xFFFFFFFF or count == 0xFFFF:  # zip64: the locator before the record points at the zip64 record
-        loc = eocd - 20
-        if bytes(end[loc:loc + 4]) != b"PK\x06\x07":
-            raise bad("no zip64 locator")
-        z = int.from_bytes(end[loc + 8:loc + 16], "little") - start_of_last
-        if bytes(end[z:z + 4]) != b"PK\x06\x06":
-            raise bad("no zip64 end of central directory record")
-        count = int.from_bytes(end[z + 32:z + 40], "little")
-        cd = int.from_bytes(end[z + 48:z + 56], "little")
+    count, cd = _central_directory(end, start_of_last)
     at = cd - start_of_last
     for _ in range(count):
         if at < 0 or bytes(end[at:at + 4]) != b"PK\x01\x02":
-            raise bad("a central directory entry is not where expected")
+            raise _zip_layout_error("a central directory entry is not where expected")
         n_name, n_extra, n_comment = _u16(end, at + 28), _u16(end, at + 30), _u16(end, at + 32)
         i = names.pop(bytes(end[at + 46:at + 46 + n_name]), -1)
         if i >= 0:
             slots[i].append((last, at + 16))
         at += 46 + n_name + n_extra + n_comment
     if names:
-        raise bad("storages missing from the central directory")
+        raise _zip_layout_error("storages missing from the central directory")
     return slots
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -195,6 +196,44 @@ class _Bad(E.ProtocolError):
     """A field's value does not fit its annotation (``from_wire`` names the request and the field)."""
 
 
+def _as_bool(_origin: type, _args: tuple[Any, ...], value: Any) -> Any:
+    if not isinstance(value, bool):
+        raise _Bad("a boolean is needed")
+    return value
+
+
+def _as_number(origin: type, _args: tuple[Any, ...], value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _Bad(f"a number is needed, not {type(value).__name__}")
+    if origin is int and value != int(value):
+        raise _Bad("an integer is needed")
+    return origin(value)
+
+
+def _as_str(_origin: type, _args: tuple[Any, ...], value: Any) -> Any:
+    if not isinstance(value, str):
+        raise _Bad(f"a string is needed, not {type(value).__name__}")
+    return value
+
+
+def _as_list(_origin: type, args: tuple[Any, ...], value: Any) -> Any:
+    if not isinstance(value, list):
+        raise _Bad(f"a list is needed, not {type(value).__name__}")
+    return [_convert(args[0], v) for v in value] if args else list(value)
+
+
+def _as_dict(_origin: type, _args: tuple[Any, ...], value: Any) -> Any:
+    if not isinstance(value, dict):
+        raise _Bad(f"an object is needed, not {type(value).__name__}")
+    return dict(value)
+
+
+# A field's type (its annotation's origin: ``list`` for ``list[int]``) -> its converter (origin, type args, value).
+_CONVERTERS: dict[Any, Callable[[Any, tuple[Any, ...], Any], Any]] = {
+    bool: _as_bool, int: _as_number, float: _as_number, str: _as_str, list: _as_list, dict: _as_dict,
+}
+
+
 def _convert(hint: Any, value: Any) -> Any:
     """``value`` as the annotated type (JSON gives ints for floats and lists for tuples)."""
     if hint is Any:
@@ -206,29 +245,10 @@ def _convert(hint: Any, value: Any) -> Any:
         (hint,) = [a for a in args if a is not type(None)]
         args = typing.get_args(hint)
     origin = typing.get_origin(hint) or hint
-    if origin is bool:
-        if not isinstance(value, bool):
-            raise _Bad("a boolean is needed")
-        return value
-    if origin in (int, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _Bad(f"a number is needed, not {type(value).__name__}")
-        if origin is int and value != int(value):
-            raise _Bad("an integer is needed")
-        return origin(value)
-    if origin is str:
-        if not isinstance(value, str):
-            raise _Bad(f"a string is needed, not {type(value).__name__}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise _Bad(f"a list is needed, not {type(value).__name__}")
-        return [_convert(args[0], v) for v in value] if args else list(value)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise _Bad(f"an object is needed, not {type(value).__name__}")
-        return dict(value)
-    raise _Bad(f"unsupported field type {hint!r}")  # a programming error in this module
+    convert = _CONVERTERS.get(origin)
+    if convert is None:
+        raise _Bad(f"unsupported field type {hint!r}")  # a programming error in this module
+    return convert(origin, args, value)
 
 
 @dataclass(frozen=True)

@@ -252,6 +252,42 @@ class NodePlan:
     missing: tuple[int, ...] = ()
 
 
+def _by_instance(inventories: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The inventories by saver instance (else host:port), the first of each kept: one per node."""
+    nodes: dict[str, dict[str, Any]] = {}
+    for inv in inventories:
+        nodes.setdefault(str(inv.get("instance") or f"{inv.get('host')}:{inv.get('port')}"), inv)
+    return nodes
+
+
+def _usable(e: dict[str, Any], *, replicated: bool, saved_at: dict[str, float], newest_committed: int,
+            world_size: int | None) -> bool:
+    """Whether held snapshot ``e`` may serve a restore (the rules of ``across_nodes``)."""
+    rank, step, t = int(e.get("rank", -1)), int(e.get("step", -1)), float(e.get("wall_time", 0.0))
+    if rank < 0 or step < 0:
+        return False  # a slot of an older version: whose it is is not recorded
+    if world_size and not replicated and int(e.get("world", 0)) != world_size:
+        return False  # a rank's state of another number of ranks (or not recorded)
+    ref = saved_at.get(str(rank)) if (not replicated or rank == 0) else None
+    return not ((t < ref) if ref else (step < newest_committed))
+
+
+def _copies_by_step(nodes: dict[str, dict[str, Any]], *, replicated: bool, saved_at: dict[str, float],
+                    newest_committed: int, world_size: int | None) -> dict[int, dict[int, list[dict[str, Any]]]]:
+    """{step: {rank: [holder: node, instance, host, port, kind, local_rank]}} of the usable snapshots that
+    the nodes (by instance) hold."""
+    avail: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    for key, inv in nodes.items():
+        for e in inv.get("held", []):
+            if not _usable(e, replicated=replicated, saved_at=saved_at, newest_committed=newest_committed,
+                           world_size=world_size):
+                continue
+            avail.setdefault(int(e.get("step", -1)), {}).setdefault(int(e.get("rank", -1)), []).append(
+                {"node": inv.get("node", -1), "instance": key, "host": inv.get("host", ""),
+                 "port": int(inv.get("port", 0)), "kind": e.get("kind", "own"), "local_rank": e.get("local_rank", -1)})
+    return avail
+
+
 def across_nodes(inventories: Sequence[dict[str, Any]], ranks: Sequence[int], *, replicated: bool,
                  saved_at: dict[str, float], newest_committed: int, world_size: int | None = None) -> NodePlan:
     """Picks, from what every node holds (its saver's ``Inventory`` reply: own snapshots and backups), the
@@ -259,23 +295,8 @@ def across_nodes(inventories: Sequence[dict[str, Any]], ranks: Sequence[int], *,
     than the newest commit (``saved_at``: rank -> the wall time of the snapshot its committed files came from;
     unknown: a step not lower than ``newest_committed``); with ``world_size``, only copies saved by a job of
     that many ranks (replicated state: any). Pure: the caller gathers the inventories."""
-    nodes: dict[str, dict[str, Any]] = {}
-    for inv in inventories:
-        nodes.setdefault(str(inv.get("instance") or f"{inv.get('host')}:{inv.get('port')}"), inv)
-    avail: dict[int, dict[int, list[dict[str, Any]]]] = {}
-    for key, inv in nodes.items():
-        for e in inv.get("held", []):
-            rank, step, t = int(e.get("rank", -1)), int(e.get("step", -1)), float(e.get("wall_time", 0.0))
-            if rank < 0 or step < 0:
-                continue  # a slot of an older version: whose it is is not recorded
-            if world_size and not replicated and int(e.get("world", 0)) != world_size:
-                continue  # a rank's state of another number of ranks (or not recorded)
-            ref = saved_at.get(str(rank)) if (not replicated or rank == 0) else None
-            if (t < ref) if ref else (step < newest_committed):
-                continue
-            avail.setdefault(step, {}).setdefault(rank, []).append(
-                {"node": inv.get("node", -1), "instance": key, "host": inv.get("host", ""),
-                 "port": int(inv.get("port", 0)), "kind": e.get("kind", "own"), "local_rank": e.get("local_rank", -1)})
+    avail = _copies_by_step(_by_instance(inventories), replicated=replicated, saved_at=saved_at,
+                            newest_committed=newest_committed, world_size=world_size)
     need = set(ranks)
     if replicated:
         valid = [s for s, by in avail.items() if by]
