@@ -22,7 +22,7 @@ from flashckpt import errors as E
 from flashckpt.commit import records_store as _records
 from flashckpt.commit.layout import CommitLayout
 from flashckpt.commit.manifest import Manifest
-from flashckpt.commit.records_store import META
+from flashckpt.format.names import META
 from flashckpt.storage.registry import storage_for
 
 __all__ = ["unrecorded", "adopt", "copied_from"]

@@ -46,12 +46,12 @@ from flashckpt import errors as E
 from flashckpt.commit.manifest import Manifest, check_rel, need, record_from_json
 from flashckpt.commit.records_home import Held
 from flashckpt.commit.records_read import unreadable
-from flashckpt.commit.records_store import META
 from flashckpt.errors import TrackerUpdateError
+from flashckpt.format.names import META
 from flashckpt.storage import locations
 from flashckpt.storage.base import CheckpointStorage, FileRecord
 
-__all__ = ["META", "Manifest", "CommitLayout", "TrackerUpdateError", "record_from_json", "commit_spec"]
+__all__ = ["Manifest", "CommitLayout", "TrackerUpdateError", "record_from_json", "commit_spec"]
 
 
 def commit_spec(world_size: int, replicated: bool) -> dict[str, Any]:

@@ -31,8 +31,8 @@ from flashckpt import errors as E
 from flashckpt.commit import records_store as _records
 from flashckpt.commit import records_upkeep as upkeep
 from flashckpt.commit.records_read import unreadable
-from flashckpt.commit.records_store import META
 from flashckpt.config import knob
+from flashckpt.format.names import META
 from flashckpt.storage import locations
 from flashckpt.util.lease import Lease, held
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from flashckpt.commit.layout import CommitLayout
     from flashckpt.storage.base import CheckpointStorage, FileRecord
 
-__all__ = ["RecordsHome", "PosixRecords", "InsideRecords", "ObjectLease", "Held", "META"]
+__all__ = ["RecordsHome", "PosixRecords", "InsideRecords", "ObjectLease", "Held"]
 
 log = logging.getLogger(__name__)
 

@@ -31,13 +31,13 @@ from flashckpt.launch.warm import record_modules
 from flashckpt.memory.reader import SnapshotReader
 from flashckpt.memory.writer import SharedMemoryHandler
 from flashckpt.storage import locations
-from flashckpt.storage.locations import checkpoint_location, local_dir, resolve_in
-from flashckpt.storage.registry import storage_for, storage_spec
+from flashckpt.storage.locations import local_dir, resolve_in
+from flashckpt.storage.registry import checkpoint_location, storage_for, storage_spec
 from flashckpt.transport import messages as M
 from flashckpt.transport.link import SaverLink, agent_pid, restart_expected
 from flashckpt.transport.messages import RP
-from flashckpt.transport.wire import process_cpu_seconds
 from flashckpt.util.copy import Copier
+from flashckpt.util.procfs import process_cpu_seconds
 
 __all__ = ["CheckpointEngine", "LoadResult", "Located", "local_dir", "resolve_in"]
 

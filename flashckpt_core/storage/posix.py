@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import xxhash
 from flashckpt import errors as E
 from flashckpt.storage.base import CheckpointStorage, FileRecord, file_checksum
-from flashckpt.transport.wire import fsync_dir
+from flashckpt.util.durable import fsync_dir
 
 if TYPE_CHECKING:
     from flashckpt.commit.records_home import RecordsHome

@@ -20,8 +20,9 @@ import textwrap
 
 import pytest
 from _fault_helpers import FaultEnv, fault_env_fixture, kill9, make_state, run_cli  # noqa: F401
-from flashckpt.commit.layout import META, CommitLayout
+from flashckpt.commit.layout import CommitLayout
 from flashckpt.errors import PersistError
+from flashckpt.format.names import META
 from flashckpt.storage.base import FileRecord, file_checksum
 from flashckpt.storage.posix import PosixDiskStorage
 from helpers import wait_for
