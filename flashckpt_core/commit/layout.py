@@ -43,8 +43,9 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from flashckpt import errors as E
+from flashckpt.commit.checkpoint_dir import confined
 from flashckpt.commit.manifest import Manifest, check_rel, need, record_from_json
-from flashckpt.commit.records_home import Held
+from flashckpt.commit.records_home import Held, home_for
 from flashckpt.commit.records_read import unreadable
 from flashckpt.errors import TrackerUpdateError
 from flashckpt.format.names import META
@@ -68,13 +69,13 @@ class CommitLayout:
     """Reads and writes the commit records of one checkpoint dir through a storage backend.
 
     ``job`` is the job key of the job writing through it (a saver's); its markers and manifests carry it.
-    Where the records live and how a job holds them is the backend's (``records.RecordsHome``).
+    Where the records live and how a job holds them depends on the backend (``records_home.home_for``).
     """
 
     def __init__(self, checkpoint_dir: str, storage: CheckpointStorage, *, job: str = "") -> None:
         self.storage = storage
         self.root = storage.normpath(checkpoint_dir)
-        self.home = storage.records_home(self.root)
+        self.home = home_for(storage, self.root)
         self.job = job
 
     # the records dir -----------------------------------------------------
@@ -160,7 +161,7 @@ class CommitLayout:
 
     def _confined(self, path: str, within: str | None = None) -> bool:
         """Whether ``path`` lies inside the checkpoint dir (or ``within``) as stored (``storage.confined``)."""
-        return self.storage.confined(path, within or self.root)
+        return confined(self.storage, path, within or self.root)
 
     def _inside(self, path: str, base: str) -> bool:
         return path == base or locations.inside(path, base, strict=True)
@@ -192,7 +193,7 @@ class CommitLayout:
                         ("flashckpt's commit records (manifests, tracker.json)" if records == self.meta else
                          "a name flashckpt reserves for its commit records") + "; choose a path outside it")
         self.rel(path)
-        for s, m in self._committed_manifests().items():
+        for s, m in self.committed_manifests().items():
             if s == step:
                 continue
             for b in m.extra.get("bases", {}).values():
@@ -211,7 +212,7 @@ class CommitLayout:
                             f"save(step={step}): {t} would be a file where committed step {s} keeps {p}; save "
                             "each step to its own path")
 
-    def _committed_manifests(self) -> dict[int, Manifest]:
+    def committed_manifests(self) -> dict[int, Manifest]:
         """Step -> manifest of every committed step whose manifest is sound, in commit order (each
         manifest read once; ``committed_steps`` also lists the damaged ones)."""
         out = []
@@ -453,7 +454,7 @@ class CommitLayout:
             What was repaired, one line each (empty when nothing was).
         """
         done = []
-        manifests = self._committed_manifests()
+        manifests = self.committed_manifests()
         for s, m in manifests.items():  # in commit order
             for old in m.extra.get("supersedes", []):
                 # Only a commit older than this one: a step committed again since is not superseded.
@@ -664,7 +665,7 @@ class CommitLayout:
 
     def _committed_files(self) -> dict[int, set[str]]:
         """Committed step -> the paths (relative) its manifest lists; damaged manifests are left out."""
-        return {s: {f.path for f in m.all_files()} for s, m in self._committed_manifests().items()}
+        return {s: {f.path for f in m.all_files()} for s, m in self.committed_manifests().items()}
 
     def _committed_paths(self) -> set[str]:
         return {locations.join(self.root, p) for paths in self._committed_files().values() for p in paths}

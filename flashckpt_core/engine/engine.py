@@ -18,6 +18,7 @@ from typing import Any, TypeVar, cast
 
 from flashckpt import errors as E
 from flashckpt.commit.adopt import unrecorded
+from flashckpt.commit.checkpoint_dir import prepare_dir
 from flashckpt.commit.layout import CommitLayout, commit_spec
 from flashckpt.commit.retention import CheckpointDeletionStrategy, KeepLatestStepStrategy, uses_clean_up
 from flashckpt.config import Knobs, RankInfo, StorageType, dir_identity, job_dir
@@ -160,7 +161,7 @@ class CheckpointEngine:
         self._given_dir = checkpoint_location(checkpoint_dir)
         self.storage = storage_for(self._given_dir, storage_options)
         self.checkpoint_dir = self.storage.normpath(self._given_dir)
-        self.storage.prepare_dir(self.checkpoint_dir, self._given_dir)
+        prepare_dir(self.storage, self.checkpoint_dir, self._given_dir)
         self.save_mem_interval = save_mem_interval
         self.save_storage_interval = save_storage_interval
         self.replicated = replicated

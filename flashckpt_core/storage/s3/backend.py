@@ -26,7 +26,6 @@ import io
 import logging
 import os
 import threading
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, BinaryIO
@@ -51,6 +50,8 @@ class S3Storage(CheckpointStorage):
     """Checkpoint dirs at ``s3://bucket/prefix`` (see the module docstring)."""
 
     supports_rename = False
+    access_hint = ("check the AWS configuration (credentials, region, AWS_ENDPOINT_URL or storage_options endpoint_url) "
+                   "and that the bucket exists")
 
     def __init__(self, options: S3Options | None = None) -> None:
         self.options = options or S3Options.from_env()
@@ -491,20 +492,7 @@ class S3Storage(CheckpointStorage):
             keys.append(path)
         self.remove_many(keys)
 
-    # -- the checkpoint dir --------------------------------------------------------------------------
-    def prepare_dir(self, root: str, shown: str) -> None:
-        """Writes and removes a probe object: credentials, the bucket and the endpoint are checked before a
-        saver starts."""
-        bucket, _key = self._split(root)
-        probe = locations.join(root, f".flashckpt-probe-{uuid.uuid4().hex}")
-        try:
-            self.write_bytes(probe, b"ok")
-            self.remove(probe)
-        except Exception as e:  # credentials, a missing bucket, an unreachable endpoint
-            raise E.CheckpointDirError(f"CheckpointEngine({shown!r}): cannot write to bucket {bucket!r}: {e}. Check "
-                                       "the AWS configuration (credentials, region, AWS_ENDPOINT_URL or "
-                                       "storage_options endpoint_url) and that the bucket exists") from e
-
+    # -- the backend's own upkeep --------------------------------------------------------------------
     def tidy(self, root: str, *, dry_run: bool = False) -> list[str]:
         """Aborts the unfinished multipart uploads under ``root`` (left by a saver killed mid-upload)."""
         bucket, key = self._split(root)
