@@ -19,7 +19,8 @@ from typing import Any, TypeVar, cast
 from flashckpt import errors as E
 from flashckpt.commit.adopt import unrecorded
 from flashckpt.commit.checkpoint_dir import prepare_dir
-from flashckpt.commit.layout import CommitLayout, commit_spec
+from flashckpt.commit.layout import CommitLayout
+from flashckpt.commit.protocol import commit_spec
 from flashckpt.commit.retention import CheckpointDeletionStrategy, KeepLatestStepStrategy, uses_clean_up
 from flashckpt.config import Knobs, RankInfo, StorageType, dir_identity, job_dir
 from flashckpt.engine.agreement import agree, all_ranks, memory_across_nodes, multi_node, newer_in_memory, verified_step
