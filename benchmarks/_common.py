@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from flashckpt.saver import SAVER_MODULE
-from flashckpt.transport.wire import process_cpu_seconds
+from flashckpt.util.procfs import process_cpu_seconds
 
 __all__ = [
     "REPO_ROOT", "GB", "GPTConfig", "gpt_config_for_bytes", "gpt_param_shapes", "build_gpt_state_dict",

@@ -121,7 +121,8 @@ class FlashCkpt(Client):
 
     def __init__(self, srv: LocalS3, *, unsigned: bool = False) -> None:
         super().__init__(srv)
-        from flashckpt.storage.s3.backend import S3Options, S3Storage
+        from flashckpt.storage.s3.backend import S3Storage
+        from flashckpt.storage.s3.options import S3Options
 
         self.st = S3Storage(S3Options(endpoint_url=srv.endpoint, addressing_style="path", part_size_mb=PART // MIB,
                                       concurrency=THREADS))

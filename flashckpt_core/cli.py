@@ -25,8 +25,7 @@ from flashckpt.commit.adopt import adopt, unrecorded
 from flashckpt.commit.layout import CommitLayout
 from flashckpt.config import Knobs, job_key_digest
 from flashckpt.storage.base import CheckpointStorage
-from flashckpt.storage.locations import checkpoint_location
-from flashckpt.storage.registry import storage_for
+from flashckpt.storage.registry import checkpoint_location, storage_for
 from flashckpt.transport.wire import Client
 from flashckpt.util import owned_dirs as _owned_dirs
 

@@ -172,7 +172,7 @@ class ReplicaKnobs:
 @dataclass(frozen=True)
 class S3Knobs:
     """The S3 backend's options from the environment, ``FLASHCKPT_S3_<FIELD>`` for each field of
-    ``flashckpt.storage.s3.backend.S3Options`` (which documents them); None: not set (``storage_options`` given
+    ``flashckpt.storage.s3.options.S3Options`` (which documents them); None: not set (``storage_options`` given
     to the engine win over these, and ``S3Options``' defaults hold for what neither sets).
 
     Attributes:

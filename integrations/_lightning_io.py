@@ -23,7 +23,7 @@ from flashckpt.commit.layout import CommitLayout
 from flashckpt.integrations._kit import path_inside
 from flashckpt.integrations._kit_files import SnapshotDir, scratch_root
 from flashckpt.memory.reader import SnapshotReader, job_in_memory
-from flashckpt.storage import locations
+from flashckpt.storage import locations, registry
 from flashckpt.storage.base import FileRecord, file_checksum, local_dir, url_scheme
 from flashckpt.storage.registry import storage_for
 
@@ -50,7 +50,7 @@ Args:
     weights_only: how Python objects in memory snapshots are decoded (torch's weights-only rules).
     teardown_timeout_s: how long ``teardown`` waits for the persists (None: no bound).
     load_wait_s: how long a rank that does not hold a checkpoint in memory waits for it on storage.
-    storage_options: options of the store's backend (``s3://``: ``flashckpt.storage.s3.backend.S3Options`` fields
+    storage_options: options of the store's backend (``s3://``: ``flashckpt.storage.s3.options.S3Options`` fields
         such as ``endpoint_url``); the node's saver gets them too.
     scratch_dir: where a checkpoint loaded from a store is downloaded for Lightning's reader (default
         ``/dev/shm`` when writable, else the system temp dir); removed after the load.
@@ -90,7 +90,7 @@ def _dir_of(d: str | os.PathLike[str] | None, what: str) -> str | None:
     is refused, naming those installed)."""
     if not d:
         return None
-    loc = locations.checkpoint_location(d, what)
+    loc = registry.checkpoint_location(d, what)
     return loc if locations.is_url(loc) else os.path.abspath(loc)
 
 

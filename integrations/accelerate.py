@@ -88,7 +88,7 @@ class AcceleratorCheckpointer(Adapter):
             the store downloads the step into ``scratch_dir`` first.
         config: a ``flashckpt.integrations.hf.FlashCkptConfig``; its ``scratch_dir`` and ``storage_options``
             are used (the other fields are the Trainer's).
-        storage_options: options of the store's backend (``s3://``: ``flashckpt.storage.s3.backend.S3Options``
+        storage_options: options of the store's backend (``s3://``: ``flashckpt.storage.s3.options.S3Options``
             fields such as ``endpoint_url``); default: the config's.
 
     Example::

@@ -60,10 +60,10 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 from flashckpt import CheckpointEngine as FlashEngine
 from flashckpt import FlashCheckpointError, LoadResult, StorageType
 from flashckpt import errors as E
-from flashckpt.commit.layout import META
 from flashckpt.commit.retention import CheckpointDeletionStrategy
 from flashckpt.engine.engine import Located
 from flashckpt.format.files import FileSet
+from flashckpt.format.names import META
 from flashckpt.integrations._kit import Adapter, exchange_files, path_inside, rank, swapped, world
 from flashckpt.integrations._kit_files import Capture, SnapshotDir, scratch_root
 from flashckpt.storage import locations

@@ -57,7 +57,7 @@ from flashckpt.format.files import FileEntry
 from flashckpt.integrations._kit import barrier, step_of
 from flashckpt.integrations._kit_files import Capture, SnapshotDir, all_ranks_files, scratch, scratch_root
 from flashckpt.integrations.accelerate import AcceleratorCheckpointer, committed_step_of, fetch_step
-from flashckpt.storage import locations
+from flashckpt.storage import locations, registry
 from flashckpt.storage.registry import storage_for
 
 try:
@@ -102,7 +102,7 @@ class FlashCkptConfig:
         checkpoint_dir: where the ``checkpoint-N/`` folders go, instead of ``args.output_dir``: a local
             directory or the URL of a store (``s3://bucket/run``; see docs/storage.md). ``output_dir``
             stays local: the Trainer writes its logs and the final model there. None: ``output_dir``.
-        storage_options: options of the store's backend (``s3://``: ``flashckpt.storage.s3.backend.S3Options``
+        storage_options: options of the store's backend (``s3://``: ``flashckpt.storage.s3.options.S3Options``
             fields such as ``endpoint_url``, ``part_size_mb``); the node's saver gets them too.
     """
 
@@ -117,7 +117,7 @@ class FlashCkptConfig:
             raise E.InvalidArgumentError(f"FlashCkptConfig(memory_snapshot_steps={self.memory_snapshot_steps!r}): "
                              "must be an integer >= 0 (0 turns memory-only snapshots off)")
         if self.checkpoint_dir is not None:  # a URL no backend serves is refused here, before any training
-            locations.checkpoint_location(self.checkpoint_dir, "FlashCkptConfig(checkpoint_dir)")
+            registry.checkpoint_location(self.checkpoint_dir, "FlashCkptConfig(checkpoint_dir)")
 
 
 # ---------------------------------------------------------------------------------------------- lookup
@@ -128,7 +128,7 @@ def _step_of(path: str) -> int | None:
 def _location(d: str) -> str:
     """A checkpoint location as the engine names it: a local path absolute, a URL normalized (a URL that no
     storage backend serves is refused, naming those installed)."""
-    loc = locations.checkpoint_location(d, "FlashCkptTrainer")
+    loc = registry.checkpoint_location(d, "FlashCkptTrainer")
     return loc if locations.is_url(loc) else os.path.abspath(loc)
 
 
@@ -142,7 +142,7 @@ def get_last_checkpoint(folder: str, *, verify: bool = False, storage_options: d
     be the URL of a store (``s3://bucket/run``, with the backend's ``storage_options``); there only
     committed checkpoints count, and the answer is their URL.
     """
-    folder = locations.checkpoint_location(folder, "get_last_checkpoint")
+    folder = registry.checkpoint_location(folder, "get_last_checkpoint")
     storage = storage_for(folder, storage_options)
     try:
         return _last_checkpoint(folder, CommitLayout(folder, storage), verify)

@@ -22,7 +22,9 @@ from flashckpt import errors as E
 from flashckpt.commit import records_store as _records
 from flashckpt.commit.layout import CommitLayout
 from flashckpt.commit.manifest import Manifest
-from flashckpt.commit.records_store import META
+from flashckpt.commit.protocol import repair
+from flashckpt.commit.removal import intent_paths
+from flashckpt.format.names import META
 from flashckpt.storage.registry import storage_for
 
 __all__ = ["unrecorded", "adopt", "copied_from"]
@@ -34,7 +36,7 @@ _LIMIT = 10000  # files looked at in a dir without records
 
 def _files(layout: CommitLayout, local: str) -> list[str]:
     """Files in ``local`` (relative, at most ``_LIMIT``) that no uncommitted step of this dir is writing."""
-    pending = {p for s in layout.uncommitted_steps() for p in layout._intent_paths(s)}
+    pending = {p for s in layout.uncommitted_steps() for p in intent_paths(layout, s)}
     suffix = layout.storage.temp_suffix or "\0"
     out: list[str] = []
     for top, dirs, names in os.walk(local):
@@ -194,4 +196,4 @@ def _write(target: CommitLayout, manifests: dict[int, Manifest]) -> None:
     """Writes ``manifests`` into ``target``'s records, then its tracker."""
     for s, m in manifests.items():
         target.storage.write_bytes(target.manifest_path(s), m.to_json())
-    target.repair()
+    repair(target)

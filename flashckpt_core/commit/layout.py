@@ -1,4 +1,9 @@
-"""The commit protocol on storage: intents, per-rank done markers, manifests and the tracker.
+"""The layout of a checkpoint dir's commit records, and the queries on them: ``CommitLayout`` names the
+records (intents, per-rank done markers, manifests, the tracker), writes and reads the markers, and
+answers which steps are committed, in which order, and whether their files verify. The commit protocol
+that writes manifests is ``commit.protocol``; removing steps is ``commit.removal``; where the records live
+is ``commit.records_home``. Imports the storage layer and the rest of ``commit`` below it; torch-free.
+Readers (trainers, the CLI, adapters) may query from any process at once; only the saver writes.
 
 The records of checkpoint dir ``D`` live in ``<parent(D)>/.flashckpt/<basename(D)>/`` (``D/.flashckpt/``
 for checkpoint dirs written by older versions and a few other cases; ``_records`` decides, in one
@@ -37,29 +42,20 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
 from flashckpt import errors as E
+from flashckpt.commit import checkpoint_dir
 from flashckpt.commit.manifest import Manifest, check_rel, need, record_from_json
-from flashckpt.commit.records_home import Held
+from flashckpt.commit.records_home import Held, home_for
 from flashckpt.commit.records_read import unreadable
-from flashckpt.commit.records_store import META
 from flashckpt.errors import TrackerUpdateError
+from flashckpt.format.names import META
 from flashckpt.storage import locations
 from flashckpt.storage.base import CheckpointStorage, FileRecord
 
-__all__ = ["META", "Manifest", "CommitLayout", "TrackerUpdateError", "record_from_json", "commit_spec"]
-
-
-def commit_spec(world_size: int, replicated: bool) -> dict[str, Any]:
-    """What committing a step of a job needs (a ``Persist`` request's ``commit``): the ranks whose done
-    markers make it whole (replicated state: rank 0's only), the world size, and whether state is replicated.
-    Global rank 0's engine sends it; a survivor that commits for a lost rank 0 builds the same."""
-    return {"ranks": [0] if replicated else list(range(world_size)), "world_size": world_size,
-            "replicated": replicated, "extra": {}}
+__all__ = ["Manifest", "CommitLayout", "TrackerUpdateError", "record_from_json"]
 
 
 log = logging.getLogger(__name__)
@@ -68,13 +64,13 @@ class CommitLayout:
     """Reads and writes the commit records of one checkpoint dir through a storage backend.
 
     ``job`` is the job key of the job writing through it (a saver's); its markers and manifests carry it.
-    Where the records live and how a job holds them is the backend's (``records.RecordsHome``).
+    Where the records live and how a job holds them depends on the backend (``records_home.home_for``).
     """
 
     def __init__(self, checkpoint_dir: str, storage: CheckpointStorage, *, job: str = "") -> None:
         self.storage = storage
         self.root = storage.normpath(checkpoint_dir)
-        self.home = storage.records_home(self.root)
+        self.home = home_for(storage, self.root)
         self.job = job
 
     # the records dir -----------------------------------------------------
@@ -122,7 +118,7 @@ class CommitLayout:
     def step_dir(self, step: int) -> str:
         return locations.join(self.meta, "steps", f"{step:012d}")
 
-    def _marker(self, step: int, kind: str, rank: int) -> str:
+    def marker_path(self, step: int, kind: str, rank: int) -> str:
         return locations.join(self.step_dir(step), f"{kind}_rank_{rank}.json")
 
     def manifest_path(self, step: int) -> str:
@@ -139,7 +135,7 @@ class CommitLayout:
             CheckpointDirError: ``path`` lies outside it (or reaches outside through a symbolic link)."""
         p = self.storage.normpath(path)
         rel = locations.relpath(p, self.root)
-        if rel is None or (rel != "." and not self._confined(p)):
+        if rel is None or (rel != "." and not self.is_confined(p)):
             raise E.CheckpointDirError(f"{path} is outside the checkpoint dir {self.root} (or reaches outside "
                                        "through a symlink); persist paths must lie inside it so retention and "
                                        "verification can find them")
@@ -153,14 +149,14 @@ class CommitLayout:
             CheckpointCorruptError: ``rel`` is not confined (the record naming it is damaged or crafted).
         """
         path = locations.join(self.root, check_rel(rel, "a recorded path"))
-        if not self._confined(path):
+        if not self.is_confined(path):
             raise E.CheckpointCorruptError(f"a recorded path: {rel!r} leads outside the checkpoint dir "
                                            f"{self.root} through a symlink")
         return path
 
-    def _confined(self, path: str, within: str | None = None) -> bool:
+    def is_confined(self, path: str, within: str | None = None) -> bool:
         """Whether ``path`` lies inside the checkpoint dir (or ``within``) as stored (``storage.confined``)."""
-        return self.storage.confined(path, within or self.root)
+        return checkpoint_dir.confined(self.storage, path, within or self.root)
 
     def _inside(self, path: str, base: str) -> bool:
         return path == base or locations.inside(path, base, strict=True)
@@ -192,7 +188,7 @@ class CommitLayout:
                         ("flashckpt's commit records (manifests, tracker.json)" if records == self.meta else
                          "a name flashckpt reserves for its commit records") + "; choose a path outside it")
         self.rel(path)
-        for s, m in self._committed_manifests().items():
+        for s, m in self.committed_manifests().items():
             if s == step:
                 continue
             for b in m.extra.get("bases", {}).values():
@@ -211,11 +207,11 @@ class CommitLayout:
                             f"save(step={step}): {t} would be a file where committed step {s} keeps {p}; save "
                             "each step to its own path")
 
-    def _committed_manifests(self) -> dict[int, Manifest]:
+    def committed_manifests(self) -> dict[int, Manifest]:
         """Step -> manifest of every committed step whose manifest is sound, in commit order (each
         manifest read once; ``committed_steps`` also lists the damaged ones)."""
         out = []
-        for name in self._step_names():
+        for name in self.step_names():
             if name.isdigit():
                 try:
                     out.append((int(name), self.read_manifest(int(name))))
@@ -226,7 +222,7 @@ class CommitLayout:
     # markers -------------------------------------------------------------
     def write_intent(self, step: int, rank: int, paths: list[str]) -> None:
         body = json.dumps({"rank": rank, "paths": [self.rel(p) for p in paths], "job": self.job}).encode()
-        self.storage.write_bytes(self._marker(step, "intent", rank), body)
+        self.storage.write_bytes(self.marker_path(step, "intent", rank), body)
 
     def write_done(self, step: int, rank: int, files: list[FileRecord], base: str = "", saved_at: float = 0.0) -> None:
         """Rank ``rank``'s files of ``step`` are durable; ``base`` is where the rank's set lives, ``saved_at``
@@ -235,13 +231,13 @@ class CommitLayout:
                 for f in files]
         body = {"rank": rank, "files": recs, "base": self.rel(base) if base else "", "job": self.job,
                 "saved_at": saved_at}
-        self.storage.write_bytes(self._marker(step, "done", rank), json.dumps(body).encode())
+        self.storage.write_bytes(self.marker_path(step, "done", rank), json.dumps(body).encode())
 
     def clear_markers(self, step: int, rank: int) -> None:
         """Removes rank ``rank``'s done and failed markers of ``step`` left by an earlier save of the same
         step, before its new persist begins, so a commit never takes them for the new one's."""
         for kind in ("done", "failed"):
-            self.storage.remove(self._marker(step, kind, rank))
+            self.storage.remove(self.marker_path(step, kind, rank))
 
     def staged_path(self, step: int, rank: int, index: int) -> str:
         """Where a rank's commit-time or tracker file waits for the commit."""
@@ -250,11 +246,11 @@ class CommitLayout:
     def _staged_rel(self, path: str) -> str:
         """How markers and manifests name a staged file: relative to the records dir (``steps/...``)."""
         rel = locations.relpath(self.storage.normpath(path), self.meta)
-        if rel is None or rel == "." or not self._confined(path, self.meta):
+        if rel is None or rel == "." or not self.is_confined(path, self.meta):
             raise E.CheckpointDirError(f"{path} is not a staged file in the commit records {self.meta}")
         return rel
 
-    def _staged_abs(self, rel: str) -> str:
+    def staged_abs(self, rel: str) -> str:
         """The staged file a record names: relative to the records dir, or, in records written by older
         versions (``.flashckpt/steps/...``), relative to the checkpoint dir. Confined to either.
 
@@ -265,25 +261,25 @@ class CommitLayout:
         if rel.split("/")[0] == META:
             return self.abs(rel)
         path = locations.join(self.meta, rel)
-        if not self._confined(path, self.meta):
+        if not self.is_confined(path, self.meta):
             raise E.CheckpointCorruptError(f"a staged path: {rel!r} leads outside the commit records {self.meta} "
                                            "through a symlink")
         return path
 
     def write_failed(self, step: int, rank: int, error: str) -> None:
         try:
-            self.storage.write_bytes(self._marker(step, "failed", rank),
+            self.storage.write_bytes(self.marker_path(step, "failed", rank),
                                      json.dumps({"rank": rank, "error": error, "job": self.job}).encode())
         except OSError:  # the storage that failed may refuse this too; the commit then times out
             log.exception("could not write the failure marker of step %d rank %d", step, rank)
 
-    def _read_marker(self, step: int, kind: str, rank: int) -> dict[str, Any] | None:
+    def read_marker(self, step: int, kind: str, rank: int) -> dict[str, Any] | None:
         """A marker's JSON object; None when it does not exist (yet).
 
         Raises:
             CheckpointCorruptError: it is not a JSON object with the fields its kind needs.
         """
-        path = self._marker(step, kind, rank)
+        path = self.marker_path(step, kind, rank)
         try:
             d = json.loads(self.storage.read_bytes(path))
         except FileNotFoundError:
@@ -306,11 +302,11 @@ class CommitLayout:
             raise E.CheckpointCorruptError(f"{path} is damaged: {e}") from None
         return d
 
-    def _own_marker(self, step: int, kind: str, rank: int) -> dict[str, Any] | None:
+    def own_marker(self, step: int, kind: str, rank: int) -> dict[str, Any] | None:
         """Rank ``rank``'s marker of ``step`` when this job wrote it (or it names no job). Another job's
         marker counts as absent while that job is dead (this job's rank overwrites it) and is an error
         while it is alive: two live jobs save the same step into one checkpoint dir."""
-        m = self._read_marker(step, kind, rank)
+        m = self.read_marker(step, kind, rank)
         if m is None or not self.job:
             return m
         other = m.get("job", self.job) if isinstance(m, dict) else ""
@@ -327,115 +323,9 @@ class CommitLayout:
     def markers_complete(self, step: int, ranks: list[int]) -> bool:
         """Whether every one of ``ranks`` has this job's done marker for ``step``."""
         try:
-            return bool(ranks) and all(self._own_marker(step, "done", r) is not None for r in ranks)
+            return bool(ranks) and all(self.own_marker(step, "done", r) is not None for r in ranks)
         except E.CheckpointCorruptError:
             return False
-
-    def commit(self, step: int, ranks: list[int], world_size: int, *, replicated: bool,
-               extra: dict[str, Any], timeout: float, stopping: Callable[[], bool] = lambda: False,
-               waiting: Callable[[list[int], float], None] | None = None) -> Manifest:
-        """Waits for every rank's done marker, moves the staged commit-time files into place, then writes
-        the manifest, the tracker and the framework tracker files, in that order.
-
-        Raises:
-            PersistError: a rank reported a failure, or the step's files are gone from the checkpoint dir
-                (``RecordsHome.before_commit``).
-            CheckpointTimeoutError: markers missing after ``timeout`` seconds.
-
-        ``waiting(missing ranks, seconds waited)`` is called while ranks are missing; it may raise to give up
-        sooner (the saver's: a rank lost with its node that nobody holds).
-        """
-        start = time.monotonic()
-        deadline = start + timeout
-        files: dict[int, list[FileRecord]] = {}
-        bases: dict[int, str] = {}
-        saved_at = 0.0
-        ranks_at: dict[str, float] = {}  # rank -> the wall time of the snapshot its files came from
-        delay = 0.002
-        while True:
-            for r in ranks:
-                if r in files:
-                    continue
-                try:
-                    failed = self._own_marker(step, "failed", r)
-                    done = None if failed is not None else self._own_marker(step, "done", r)
-                except E.CheckpointCorruptError as e:
-                    raise E.PersistError(f"step {step}: rank {r}'s commit record is unusable: {e}") from e
-                if failed is not None:
-                    raise E.PersistError(f"step {step}: rank {r} failed to persist: {failed.get('error')}")
-                if done is not None:
-                    files[r] = list(done["files"])
-                    bases[r] = str(done.get("base", ""))
-                    saved_at = max(saved_at, float(done.get("saved_at", 0.0)))
-                    ranks_at[str(r)] = float(done.get("saved_at", 0.0))
-            if len(files) == len(ranks):
-                break
-            if waiting is not None:
-                waiting(sorted(set(ranks) - set(files)), time.monotonic() - start)
-            if time.monotonic() >= deadline or stopping():
-                missing = sorted(set(ranks) - set(files))
-                raise E.CheckpointTimeoutError(f"step {step}: ranks {missing} did not finish persisting "
-                                               f"within {timeout:.0f} s; the step is not committed")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-        trackers: list[FileRecord] = []
-        for r, recs in files.items():
-            kept = []
-            for f in recs:
-                if f.kind == "tracker":
-                    trackers.append(f)
-                    continue
-                if f.staged:  # commit-time files, and files that replace an existing one
-                    self._move_staged(f)
-                    f = replace(f, staged="")
-                kept.append(f)
-            files[r] = kept
-        self.home.before_commit(self, step, [f for fs in files.values() for f in fs])
-        # Older steps listing a path this step wrote (a fixed path reused across steps): the file holds
-        # this step's data now, so they stop counting as committed once this manifest is written.
-        mine = {f.path for fs in files.values() for f in fs}
-        supersedes = [s for s, paths in self._committed_files().items() if s != step and paths & mine]
-        order = self.commit_order()
-        manifest = Manifest(step, world_size, files, replicated, time.time(),
-                            {**extra, "bases": {str(r): b for r, b in bases.items() if b},
-                             "trackers": [asdict(f) for f in trackers], "supersedes": supersedes,
-                             "saved_at": saved_at, "saved_at_ranks": ranks_at},
-                            self.job, seq=max((q for q, _s in order), default=0) + 1)
-        self._write_manifest(step, manifest.to_json())
-        # Committed. Nothing below may report the step as failed: it is loadable whatever happens now.
-        problems = []
-        try:
-            self.write_tracker(step)
-        except OSError as e:
-            problems.append(f"updating {self.tracker_path} failed: {e}")
-        for f in trackers:
-            try:
-                self._move_staged(f)
-            except (OSError, E.CheckpointCorruptError) as e:
-                problems.append(f"writing the framework tracker file {f.path} failed: {e}")
-        for s in supersedes:
-            try:
-                self.delete_step(s)
-                log.info("step %d superseded step %d (it rewrote that step's files)", step, s)
-            except OSError as e:
-                problems.append(f"removing superseded step {s} failed: {e}")
-        if problems:
-            raise TrackerUpdateError(step, problems)
-        return manifest
-
-    def _write_manifest(self, step: int, body: bytes) -> None:
-        """The commit point. A first commit of ``step`` creates its manifest only if none appeared meanwhile
-        (``write_new``: an atomic create-if-absent where the backend has one); a step committed again
-        replaces its earlier manifest."""
-        path = self.manifest_path(step)
-        if self.storage.exists(path):
-            self.storage.write_bytes(path, body)
-            return
-        try:
-            self.storage.write_new(path, body)
-        except FileExistsError:
-            raise E.PersistError(f"step {step}: another writer committed it at the same moment ({path}); give each "
-                                 f"job its own checkpoint dir") from None
 
     def write_tracker(self, step: int | None) -> None:
         """Points ``tracker.json`` at ``step`` (removes it for None)."""
@@ -443,55 +333,6 @@ class CommitLayout:
             self.storage.remove(self.tracker_path)
         else:
             self.storage.write_bytes(self.tracker_path, json.dumps({"step": step}).encode())
-
-    def repair(self) -> list[str]:
-        """Completes what a crash or a failed write left after the newest commits (a new saver calls it
-        at start): removes steps that a committed step supersedes, points the tracker at the newest
-        step with a sound manifest, and writes that step's staged framework tracker files.
-
-        Returns:
-            What was repaired, one line each (empty when nothing was).
-        """
-        done = []
-        manifests = self._committed_manifests()
-        for s, m in manifests.items():  # in commit order
-            for old in m.extra.get("supersedes", []):
-                # Only a commit older than this one: a step committed again since is not superseded.
-                if (old != s and old in manifests and manifests[old].seq <= m.seq
-                        and self.storage.exists(self.manifest_path(old))):
-                    self.delete_step(old)
-                    done.append(f"removed step {old}, superseded by step {s}")
-        newest = next((s for s in reversed(list(manifests)) if self.storage.exists(self.manifest_path(s))), None)
-        tracked = self.tracker_step()
-        if tracked != newest and (newest is not None or self.storage.exists(self.tracker_path)):
-            self.write_tracker(newest)
-            done.append(f"tracker.json named step {tracked}; now names step {newest}, the newest committed step")
-        self.finish_trackers()
-        return done
-
-    def finish_trackers(self) -> None:
-        """Writes the framework tracker files of the newest committed step if a crash between its
-        manifest and its trackers left them staged (a new saver calls this at start)."""
-        steps = self.committed_steps()
-        if not steps:
-            return
-        try:
-            m = self.read_manifest(steps[-1])
-        except E.CheckpointCorruptError:
-            return
-        for t in m.extra.get("trackers", []):
-            try:
-                f = record_from_json(t, "extra.trackers")
-                if f.staged and self.storage.exists(self._staged_abs(f.staged)):
-                    self._move_staged(f)
-            except E.CheckpointCorruptError as e:
-                log.error("step %d: not writing a framework tracker file: %s", steps[-1], e)
-
-    def _move_staged(self, f: FileRecord) -> None:
-        src = self._staged_abs(f.staged)
-        if not self.storage.exists(src) and self.storage.exists(self.abs(f.path)):
-            return  # moved by an earlier attempt at this commit
-        self.storage.move(src, self.abs(f.path))
 
     # reading -------------------------------------------------------------
     def committed_steps(self) -> list[int]:
@@ -504,7 +345,7 @@ class CommitLayout:
         by its step among those without a seq; one that cannot be read (an OSError other than its removal)
         raises."""
         out = []
-        for name in self._step_names():
+        for name in self.step_names():
             if name.isdigit() and self._has_manifest(int(name)):
                 path = self.manifest_path(int(name))
                 try:
@@ -523,9 +364,9 @@ class CommitLayout:
         return sorted(out)
 
     def uncommitted_steps(self) -> list[int]:
-        return sorted(int(n) for n in self._step_names() if n.isdigit() and not self._has_manifest(int(n)))
+        return sorted(int(n) for n in self.step_names() if n.isdigit() and not self._has_manifest(int(n)))
 
-    def _step_names(self) -> list[str]:
+    def step_names(self) -> list[str]:
         """The names in the records' ``steps`` dir; [] when there is none.
 
         Raises:
@@ -629,129 +470,9 @@ class CommitLayout:
                 problems.append(f"{path}: checksum {digest} != {f.xxh3} in the manifest")
         return problems
 
-    # deleting ------------------------------------------------------------
-    def delete_step(self, step: int) -> None:
-        """Removes a step: its manifest first (so it stops counting as committed), then its files.
-
-        A file that another committed step also lists (a path reused across steps) is kept."""
-        try:
-            m: Manifest | None = self.read_manifest(step)
-        except E.CheckpointCorruptError:
-            m = None
-        self.storage.remove(self.manifest_path(step))
-        paths = self._confined_paths([f.path for f in m.all_files()], f"the manifest of step {step}") if m else []
-        paths += self._intent_paths(step)
-        self._remove_files(paths)
-        self._remove_step_dir(step)
-
-    def _remove_step_dir(self, step: int) -> None:
-        d = self.step_dir(step)
-        if not self._confined(d, self.meta):
-            log.error("not removing %s: it leads outside the commit records %s through a symlink", d, self.meta)
-            return
-        self.storage.remove_tree(d)
-
-    def _confined_paths(self, rels: list[Any], what: str) -> list[str]:
-        """The absolute paths of ``rels``; a path that is not confined to the checkpoint dir is reported
-        and skipped, never acted on."""
-        out = []
-        for r in rels:
-            try:
-                out.append(self.abs(r))
-            except E.CheckpointCorruptError as e:
-                log.error("%s: skipped %s", what, e)
-        return out
-
-    def _committed_files(self) -> dict[int, set[str]]:
+    def committed_files(self) -> dict[int, set[str]]:
         """Committed step -> the paths (relative) its manifest lists; damaged manifests are left out."""
-        return {s: {f.path for f in m.all_files()} for s, m in self._committed_manifests().items()}
+        return {s: {f.path for f in m.all_files()} for s, m in self.committed_manifests().items()}
 
-    def _committed_paths(self) -> set[str]:
-        return {locations.join(self.root, p) for paths in self._committed_files().values() for p in paths}
-
-    def _intent_paths(self, step: int) -> list[str]:
-        out = []
-        for name in self.storage.listdir(self.step_dir(step)):
-            if name.startswith("intent_rank_"):
-                path = locations.join(self.step_dir(step), name)
-                try:
-                    body = json.loads(self.storage.read_bytes(path))
-                    need(isinstance(body, dict) and isinstance(body.get("paths"), list), "no list of 'paths'")
-                except (OSError, ValueError, E.CheckpointCorruptError) as e:
-                    log.error("%s: skipped, unreadable or damaged (%s)", path, e)
-                    continue
-                out += self._confined_paths(body["paths"], path)
-        return out
-
-    def remove_rank_files(self, step: int, rank: int) -> None:
-        """Removes what this job's failed persist of ``step`` wrote for ``rank`` (its intent's files and
-        their temp files, its staged files, its done marker), so a full disk gets its space back at once.
-        A file a committed manifest lists is kept; so is everything when another job wrote the intent."""
-        try:
-            intent = self._read_marker(step, "intent", rank)
-        except E.CheckpointCorruptError as e:
-            log.error("not removing the files of the failed persist of step %d rank %d: %s", step, rank, e)
-            return
-        if intent is None or (self.job and intent.get("job", self.job) != self.job):
-            return
-        self._remove_files(self._confined_paths(intent["paths"], self._marker(step, "intent", rank)))
-        self.storage.remove_tree(locations.join(self.step_dir(step), "staged", f"rank_{rank}"))
-        self.storage.remove(self._marker(step, "done", rank))
-
-    def _remove_files(self, paths: list[str]) -> None:
-        keep = self._committed_paths()
-        dirs = set()
-        doomed: list[str] = []
-        for p in paths:
-            if p in keep or not self._confined(p):  # callers pass confined paths; checked again just before
-                continue
-            doomed.append(p)
-            if self.storage.temp_suffix:
-                doomed.append(p + self.storage.temp_suffix)
-            dirs.add(locations.parent(p))
-        self.storage.remove_many(doomed)
-        self.storage.prune_empty_dirs(sorted(dirs), self.root)  # directories left empty, up to the root
-
-    def _writer_jobs(self, step: int) -> set[str]:
-        """The jobs whose markers lie in ``step``'s dir ("" for a marker that names none)."""
-        jobs = set()
-        for name in self.storage.listdir(self.step_dir(step)):
-            if name.endswith(".json") and "_rank_" in name:
-                try:
-                    body = json.loads(self.storage.read_bytes(locations.join(self.step_dir(step), name)))
-                    jobs.add(str(body.get("job", "")) if isinstance(body, dict) else "")
-                except (FileNotFoundError, ValueError):
-                    jobs.add("")
-        return jobs
-
-    def clean_uncommitted(self, keep: frozenset[int] | set[int] = frozenset()) -> list[int]:
-        """Removes half-written steps (no manifest) left by a crash, except those in ``keep`` and those
-        another live job is writing.
-
-        Called by a saver that just started: no persist of this job can be running then. Another job's
-        step is removed only when that job's savers are all gone (its job lock is free); a step whose
-        writer is unknown (no marker yet, or markers older than the job field) only when no other job
-        is alive on this checkpoint dir."""
-        cleaned = []
-        others: list[str] | None = None
-        for step in self.uncommitted_steps():
-            if step in keep:
-                continue
-            writers = self._writer_jobs(step)
-            if any(self.job_alive(j) for j in writers if j != self.job):
-                log.info("step %d is being written by live job(s) %s; left alone", step, sorted(writers - {self.job}))
-                continue
-            if not writers or "" in writers:
-                others = self.live_jobs() if others is None else others
-                if others:
-                    log.info("step %d names no writer and jobs %s are alive; left alone", step, others)
-                    continue
-            self.discard_uncommitted(step)
-            cleaned.append(step)
-        return cleaned
-
-    def discard_uncommitted(self, step: int) -> None:
-        """Removes what the persists of ``step``, which has no manifest, wrote: the files its intents name
-        (a file a committed manifest lists is kept) and its records. Only for a step nobody writes now."""
-        self._remove_files(self._intent_paths(step))
-        self._remove_step_dir(step)
+    def committed_paths(self) -> set[str]:
+        return {locations.join(self.root, p) for paths in self.committed_files().values() for p in paths}

@@ -9,9 +9,10 @@ the storage backend; what depends on the kind of store is here:
   so deleting the prefix deletes them too; a job holds them with a lease object that its saver keeps
   alive (``ObjectLease``: rewritten every third of its time to live), since a store has no locks.
 
-Call order: a saver starting on a checkpoint dir calls ``claim(job)`` (records readied, stale ones
-removed, this job's lease taken and held for the saver's life); anyone calls ``job_alive``/``live_jobs``
-(start-up clean-up leaves live jobs' steps alone) and ``stale_reason``; ``flashckpt gc`` calls ``tidy``.
+``home_for(storage, root)`` picks one by the backend's capability ``posix_files``. Call order: a saver
+starting on a checkpoint dir calls ``claim(job)`` (records readied, stale ones removed, this job's lease
+taken and held for the saver's life); anyone calls ``job_alive``/``live_jobs`` (start-up clean-up leaves
+live jobs' steps alone) and ``stale_reason``; ``flashckpt gc`` calls ``tidy``.
 Torch-free: the saver daemon uses it.
 """
 
@@ -31,18 +32,33 @@ from flashckpt import errors as E
 from flashckpt.commit import records_store as _records
 from flashckpt.commit import records_upkeep as upkeep
 from flashckpt.commit.records_read import unreadable
-from flashckpt.commit.records_store import META
 from flashckpt.config import knob
+from flashckpt.format.names import META
 from flashckpt.storage import locations
 from flashckpt.util.lease import Lease, held
 
 if TYPE_CHECKING:
-    from flashckpt.commit.layout import CommitLayout
+    from flashckpt.commit.manifest import Manifest
     from flashckpt.storage.base import CheckpointStorage, FileRecord
 
-__all__ = ["RecordsHome", "PosixRecords", "InsideRecords", "ObjectLease", "Held", "META"]
+__all__ = ["home_for", "Steps", "RecordsHome", "PosixRecords", "InsideRecords", "ObjectLease", "Held"]
 
 log = logging.getLogger(__name__)
+
+
+def home_for(storage: CheckpointStorage, root: str) -> RecordsHome:
+    """Where the commit records of checkpoint dir ``root`` on ``storage`` live and how jobs hold them: beside
+    the dir with ``flock`` job locks on a file system (the backend's ``posix_files``: ``PosixRecords``),
+    else inside it with lease objects (``InsideRecords``)."""
+    return PosixRecords(storage, root) if storage.posix_files else InsideRecords(storage, root)
+
+
+class Steps(Protocol):
+    """What a home reads of the steps its records describe (``CommitLayout`` is one)."""
+
+    def committed_manifests(self) -> dict[int, Manifest]: ...
+
+    def step_dir(self, step: int) -> str: ...
 
 
 class Held(Protocol):
@@ -72,7 +88,7 @@ class RecordsHome(ABC):
         return locations.join(self.meta, "jobs")
 
     @abstractmethod
-    def claim(self, job: str, layout: CommitLayout) -> Held | None:
+    def claim(self, job: str, layout: Steps) -> Held | None:
         """Readies the records for a saver of ``job`` starting on the checkpoint dir and takes the job's
         hold on them (with what else the backend keeps for the saver's life); None when it could not be
         taken (logged: other jobs may clean up this job's steps).
@@ -90,10 +106,10 @@ class RecordsHome(ABC):
         jobs = {n.rsplit(".", 1)[0] for n in names if n.endswith((".lock", ".lease"))}
         return sorted(j for j in jobs if j != exclude and self.job_alive(j))
 
-    def stale_reason(self, layout: CommitLayout) -> str | None:
+    def stale_reason(self, layout: Steps) -> str | None:
         """Why the records describe files that are gone (every committed step's files are missing), or
         None. Reads only."""
-        manifests = layout._committed_manifests()
+        manifests = layout.committed_manifests()
         paths = [locations.join(self.root, f.path) for m in manifests.values() for f in m.all_files()]
         if paths and not any(self._exists(p) for p in paths):
             return f"no file of their committed steps {sorted(manifests)} exists in {self.root}"
@@ -107,12 +123,12 @@ class RecordsHome(ABC):
         except OSError as e:
             raise unreadable("look up", path, e) from e
 
-    def before_commit(self, layout: CommitLayout, step: int, files: list[FileRecord]) -> None:
+    def before_commit(self, layout: Steps, step: int, files: list[FileRecord]) -> None:
         """Called by a commit of ``step`` with its files (all ranks', staged ones in place) just before its
         manifest is written; may raise ``PersistError`` (the step is not committed). Nothing by default."""
         return None
 
-    def tidy(self, layout: CommitLayout, *, dry_run: bool = False) -> list[str]:
+    def tidy(self, layout: Steps, *, dry_run: bool = False) -> list[str]:
         """``flashckpt gc``: removes stale records that no live job holds, and what the backend's
         interrupted writes left (``CheckpointStorage.tidy``); returns what was removed (or would be)."""
         done = []
@@ -188,7 +204,7 @@ class InsideRecords(RecordsHome):
     def _lease_path(self, job: str) -> str:
         return locations.join(self.jobs_dir(), f"{job}.lease")
 
-    def claim(self, job: str, layout: CommitLayout) -> Held | None:
+    def claim(self, job: str, layout: Steps) -> Held | None:
         ttl = float(knob("lease_ttl_s"))
         try:
             return ObjectLease(self.storage, self._lease_path(job), ttl_s=ttl).acquire()
@@ -249,7 +265,7 @@ class PosixRecords(RecordsHome):
         except OSError as e:
             raise unreadable("probe the job lock", path, e) from e
 
-    def claim(self, job: str, layout: CommitLayout) -> Held | None:
+    def claim(self, job: str, layout: Steps) -> Held | None:
         """Beside the checkpoint dir, under the parent's lock: records found under another name (the dir
         was renamed in its parent, or is reached through a symbolic link) are moved to its name; stale
         records (``stale_reason``) that no live job holds a lock in are set aside (retired when the dir's
@@ -285,7 +301,7 @@ class PosixRecords(RecordsHome):
                 log.warning("the commit records of %s were in %s (%s); moved to %s", self.root, src, why, want)
         return not self.beside or self.meta == want
 
-    def _renew(self, top_fd: int, top: str, name: str, layout: CommitLayout) -> bool:
+    def _renew(self, top_fd: int, top: str, name: str, layout: Steps) -> bool:
         """Sets stale records aside, binds (or creates) them; False when, the stale ones gone, the rule
         now keeps the records inside (``meta`` changed)."""
         st = _records._lstat(self.meta)
@@ -319,9 +335,9 @@ class PosixRecords(RecordsHome):
                 log.info("%s", line)
         return True
 
-    def _whole(self, layout: CommitLayout) -> list[int]:
+    def _whole(self, layout: Steps) -> list[int]:
         """The committed steps whose every file the checkpoint dir holds with its committed size."""
-        return _records.whole_steps(layout._committed_manifests(), os.path.realpath(self.root))
+        return _records.whole_steps(layout.committed_manifests(), os.path.realpath(self.root))
 
     def _swept(self, top_fd: int, *, orphans: bool = False, dry_run: bool = False) -> list[str]:
         top = os.path.dirname(_records.home(self.root))
@@ -362,7 +378,7 @@ class PosixRecords(RecordsHome):
             log.warning("could not take the job lock %s (%s); other jobs may clean up this job's steps", path, e)
         return None
 
-    def stale_reason(self, layout: CommitLayout) -> str | None:
+    def stale_reason(self, layout: Steps) -> str | None:
         """Why the records beside the checkpoint dir describe an earlier directory of its name (it was
         deleted and made again, or all its checkpoint files are gone), or None. Records bound to another
         directory whose committed steps the checkpoint dir holds whole are its (a copy, or a move, with its
@@ -381,7 +397,7 @@ class PosixRecords(RecordsHome):
                     "which was deleted (or moved elsewhere)")
         return super().stale_reason(layout)
 
-    def before_commit(self, layout: CommitLayout, step: int, files: list[FileRecord]) -> None:
+    def before_commit(self, layout: Steps, step: int, files: list[FileRecord]) -> None:
         """Checks, before ``step``'s manifest is written, that its files are in the checkpoint dir, and
         that the records are still bound to it. A checkpoint dir deleted under this job (and made again by
         its persists, or by a user) leaves the records bound to the deleted one: they are bound to the dir
@@ -402,7 +418,7 @@ class PosixRecords(RecordsHome):
             bound, ino = _records.read_binding(self.meta), os.stat(self.root).st_ino
             if bound == ino:
                 return
-            gone = [s for s in layout._committed_manifests() if s != step and s not in self._whole(layout)]
+            gone = [s for s in layout.committed_manifests() if s != step and s not in self._whole(layout)]
             for s in gone:
                 self.storage.remove_tree(layout.step_dir(s))  # their files went with the deleted dir
             _records.rebind(self.meta, self.root)
@@ -415,7 +431,7 @@ class PosixRecords(RecordsHome):
                     "committed steps %s, whose files went with the deleted dir, no longer count", self.root, bound,
                     ino, gone)
 
-    def tidy(self, layout: CommitLayout, *, dry_run: bool = False) -> list[str]:
+    def tidy(self, layout: Steps, *, dry_run: bool = False) -> list[str]:
         """Removes this checkpoint dir's stale records (records of a renamed dir move to its new name), the
         records of sibling dirs that no longer exist and retired records, when no live job holds a lock in
         them."""

@@ -20,11 +20,10 @@ from flashckpt import errors as E
 from flashckpt.commit.manifest import Manifest
 from flashckpt.config import _DIR_FLAGS
 
-__all__ = ["META", "DIR_JSON", "MANIFEST", "RECORDS_FORMAT", "LOCK_NAME", "LEFTOVERS", "RETIRED", "ASIDE", "NEW",
+__all__ = ["DIR_JSON", "MANIFEST", "RECORDS_FORMAT", "LOCK_NAME", "LEFTOVERS", "RETIRED", "ASIDE", "NEW",
            "read_binding", "bound_dir", "committed_at", "committed_in", "whole_steps", "describes", "absent",
            "unreadable"]
 
-META = ".flashckpt"
 DIR_JSON = "dir.json"
 MANIFEST = "manifest.json"
 RECORDS_FORMAT = "flashckpt-records/1"

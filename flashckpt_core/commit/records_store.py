@@ -58,7 +58,6 @@ from flashckpt.commit.records_read import (
     LEFTOVERS,
     LOCK_NAME,
     MANIFEST,
-    META,
     NEW,
     OURS,
     RECORDS_FORMAT,
@@ -78,8 +77,9 @@ from flashckpt.commit.records_read import (
     whole_steps,
 )
 from flashckpt.config import _DIR_FLAGS
+from flashckpt.format.names import META
 
-__all__ = ["META", "DIR_JSON", "MANIFEST", "RECORDS_FORMAT", "LOCK_NAME", "LEFTOVERS", "RETIRED", "ASIDE",
+__all__ = ["DIR_JSON", "MANIFEST", "RECORDS_FORMAT", "LOCK_NAME", "LEFTOVERS", "RETIRED", "ASIDE",
            "Placement", "place", "home", "records_dir", "locked_parent", "bind", "rebind", "read_binding", "bound_dir",
            "committed_at", "committed_in", "whole_steps", "describes", "moved", "usable_top"]
 

@@ -19,7 +19,6 @@ from flashckpt.commit.records_read import (
     ASIDE,
     LEFTOVERS,
     LOCK_NAME,
-    META,
     RETIRED,
     _dir_of,
     _fd_path,
@@ -32,6 +31,7 @@ from flashckpt.commit.records_read import (
     unreadable,
 )
 from flashckpt.commit.records_store import _rule
+from flashckpt.format.names import META
 from flashckpt.util.lease import held
 
 __all__ = ["bring", "live_jobs_at", "discard", "renamed_to", "retire", "settle", "sweep"]

@@ -18,7 +18,9 @@ from typing import Any, TypeVar, cast
 
 from flashckpt import errors as E
 from flashckpt.commit.adopt import unrecorded
-from flashckpt.commit.layout import CommitLayout, commit_spec
+from flashckpt.commit.checkpoint_dir import prepare_dir
+from flashckpt.commit.layout import CommitLayout
+from flashckpt.commit.protocol import commit_spec
 from flashckpt.commit.retention import CheckpointDeletionStrategy, KeepLatestStepStrategy, uses_clean_up
 from flashckpt.config import Knobs, RankInfo, StorageType, dir_identity, job_dir
 from flashckpt.engine.agreement import agree, all_ranks, memory_across_nodes, multi_node, newer_in_memory, verified_step
@@ -31,13 +33,13 @@ from flashckpt.launch.warm import record_modules
 from flashckpt.memory.reader import SnapshotReader
 from flashckpt.memory.writer import SharedMemoryHandler
 from flashckpt.storage import locations
-from flashckpt.storage.locations import checkpoint_location, local_dir, resolve_in
-from flashckpt.storage.registry import storage_for, storage_spec
+from flashckpt.storage.locations import local_dir, resolve_in
+from flashckpt.storage.registry import checkpoint_location, storage_for, storage_spec
 from flashckpt.transport import messages as M
 from flashckpt.transport.link import SaverLink, agent_pid, restart_expected
 from flashckpt.transport.messages import RP
-from flashckpt.transport.wire import process_cpu_seconds
 from flashckpt.util.copy import Copier
+from flashckpt.util.procfs import process_cpu_seconds
 
 __all__ = ["CheckpointEngine", "LoadResult", "Located", "local_dir", "resolve_in"]
 
@@ -160,7 +162,7 @@ class CheckpointEngine:
         self._given_dir = checkpoint_location(checkpoint_dir)
         self.storage = storage_for(self._given_dir, storage_options)
         self.checkpoint_dir = self.storage.normpath(self._given_dir)
-        self.storage.prepare_dir(self.checkpoint_dir, self._given_dir)
+        prepare_dir(self.storage, self.checkpoint_dir, self._given_dir)
         self.save_mem_interval = save_mem_interval
         self.save_storage_interval = save_storage_interval
         self.replicated = replicated

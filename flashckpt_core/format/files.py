@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from flashckpt import errors as E
-from flashckpt.commit.records_store import META
+from flashckpt.format.names import META
 
 __all__ = ["FileSet", "FileEntry", "FILES_KEY", "is_fileset_tree", "safetensors_dtype", "tensor_view", "host_bytes"]
 

@@ -29,7 +29,8 @@ import socket
 import sys
 
 from flashckpt.launch.warm import launch_event
-from flashckpt.transport.wire import proc_stat, read_frame
+from flashckpt.transport.wire import read_frame
+from flashckpt.util.procfs import proc_stat
 
 
 def _take_streams(fds: list[int]) -> None:

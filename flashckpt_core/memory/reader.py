@@ -51,7 +51,7 @@ from flashckpt.format.tree import (
     tensor_paths,
     unflatten,
 )
-from flashckpt.storage import locations
+from flashckpt.storage import locations, registry
 from flashckpt.util import cuda as _cuda
 from flashckpt.util.copy import Copier, file_reader
 from flashckpt.util.lease import describe_holder, live_holder
@@ -98,7 +98,7 @@ def job_in_memory(checkpoint_dir: str | os.PathLike[str]) -> bool:
 
 
 def _job_dir_of(checkpoint_dir: str | os.PathLike[str], knobs: Knobs) -> str:
-    return job_dir(locations.normpath(locations.checkpoint_location(checkpoint_dir, "SnapshotReader")), knobs)
+    return job_dir(locations.normpath(registry.checkpoint_location(checkpoint_dir, "SnapshotReader")), knobs)
 
 
 def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None = None,

@@ -9,6 +9,8 @@ from typing import Any
 
 from flashckpt import errors as E
 from flashckpt.commit.layout import TrackerUpdateError
+from flashckpt.commit.protocol import commit_step
+from flashckpt.commit.removal import delete_step, discard_uncommitted
 from flashckpt.saver._base import SaverBase, _CommitJob, _DeleteJob, _StepState, log
 from flashckpt.storage import locations
 
@@ -43,12 +45,12 @@ class CommitPart(SaverBase):
 
     def _commit(self, step: int, spec: dict[str, Any]) -> None:
         try:
-            self.layout.commit(step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
-                               replicated=bool(spec.get("replicated", False)),
-                               extra=dict(spec.get("extra", {})),
-                               timeout=self.knobs.commit_timeout_s,
-                               stopping=lambda: self._stop.is_set() and not self._signalled,
-                               waiting=self._commit_waiting(step))
+            commit_step(self.layout, step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
+                        replicated=bool(spec.get("replicated", False)),
+                        extra=dict(spec.get("extra", {})),
+                        timeout=self.knobs.commit_timeout_s,
+                        stopping=lambda: self._stop.is_set() and not self._signalled,
+                        waiting=self._commit_waiting(step))
             self._committed_now(step)
             log.info("event=commit step=%d ranks=%s", step, spec["ranks"])
             self._finish(step, None, committed=True)
@@ -68,7 +70,7 @@ class CommitPart(SaverBase):
         its files were found gone, say), removes what they wrote at once rather than at the next start."""
         try:
             if self.layout.markers_complete(step, ranks) and not self.storage.exists(self.layout.manifest_path(step)):
-                self.layout.discard_uncommitted(step)
+                discard_uncommitted(self.layout, step)
         except (OSError, E.FlashCheckpointError) as e:  # the next start's clean-up removes it then
             log.warning("could not remove the remains of the failed commit of step %d: %s", step, e)
 
@@ -199,7 +201,7 @@ class CommitPart(SaverBase):
             return
         if steps:
             for s in steps:
-                self.layout.delete_step(s)
+                delete_step(self.layout, s)
             with self._cv:
                 self._committed = [s for s in self._committed if s not in steps]
         if self.storage.isdir(path):
@@ -220,7 +222,7 @@ class CommitPart(SaverBase):
         for s in steps:
             if (s == committed[-1] and not newest) or s not in committed:
                 continue
-            self.layout.delete_step(s)
+            delete_step(self.layout, s)
             deleted.append(s)
         with self._cv:
             self._committed = [s for s in self._committed if s not in deleted]

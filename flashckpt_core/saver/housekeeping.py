@@ -23,6 +23,8 @@ import time
 from typing import Any, ClassVar
 
 from flashckpt import errors as E
+from flashckpt.commit.protocol import repair
+from flashckpt.commit.removal import clean_uncommitted
 from flashckpt.saver._base import SaverBase, log
 from flashckpt.transport import messages as M
 
@@ -79,7 +81,7 @@ class HousekeepingPart(SaverBase):
         committed = self.layout.committed_steps()
         with self._cv:
             self._committed = committed
-        cleaned = [] if peers_alive else self.layout.clean_uncommitted()
+        cleaned = [] if peers_alive else clean_uncommitted(self.layout)
         if cleaned:
             log.warning("removed half-written, uncommitted steps %s left by an earlier run", cleaned)
         if not self.layout.live_jobs():  # unfinished uploads of a killed saver (object stores); no one else's
@@ -94,7 +96,7 @@ class HousekeepingPart(SaverBase):
         """Completes what a crash or a failed write left after the last commits: the tracker is derived
         from the manifests (``CommitLayout.repair``). A storage that refuses is reported, not fatal."""
         try:
-            for line in self.layout.repair():
+            for line in repair(self.layout):
                 log.warning("repaired %s: %s", self.layout.meta, line)
         except OSError as e:
             log.error("could not repair the commit records in %s: %s; the next saver tries again", self.layout.meta, e)

@@ -9,6 +9,7 @@ import queue
 import time
 
 from flashckpt import errors as E
+from flashckpt.commit.removal import remove_rank_files
 from flashckpt.format.segment import (
     COMPLETE,
     FLAG_PENDING,
@@ -57,7 +58,7 @@ class PersistPart(SaverBase):
             except Exception as e:  # reported to the trainer; the saver keeps serving
                 log.exception("persist of step %d rank %d failed", job.step, job.rank)
                 try:  # give the space back now (a full disk), not at the next start
-                    self.layout.remove_rank_files(job.step, job.rank)
+                    remove_rank_files(self.layout, job.step, job.rank)
                 except Exception:
                     log.exception("removing the files of the failed persist of step %d rank %d", job.step, job.rank)
                 self.layout.write_failed(job.step, job.rank, f"{type(e).__name__}: {e}")

@@ -127,7 +127,7 @@ class _Writer:
         other file, written in place): the committed step's file stays intact until this step is
         committed. A file no committed step lists (a leftover of a failed persist) is simply replaced,
         and whatever blocks its path fails this persist, as it would fail a plain write."""
-        if not self.storage.exists(final) or self.storage.normpath(final) not in self.layout._committed_paths():
+        if not self.storage.exists(final) or self.storage.normpath(final) not in self.layout.committed_paths():
             return ""
         return self.layout.staged_path(job.step, job.rank, index)
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import xxhash
 from flashckpt import errors as E
-from flashckpt.commit.layout import commit_spec
+from flashckpt.commit.protocol import commit_spec
 from flashckpt.format.segment import (
     COMPLETE,
     EMPTY,

@@ -1,28 +1,26 @@
-"""Where persisted files go: the storage ABC (``CheckpointStorage``), the record of a persisted file
-(``FileRecord``) and its checksum. Backends are picked by URL in ``flashckpt.storage.registry``.
+"""The storage interface: the ABC of byte I/O (``CheckpointStorage``, its call order in its docstring), the
+record of a persisted file (``FileRecord``) and its checksum. Backends are picked by URL in
+``flashckpt.storage.registry``.
 
 A checkpoint dir is a plain path or a URL. ``file://`` URLs and plain paths are served by
-``PosixDiskStorage`` (``storage_posix``); other schemes by the backend registered for them: in code (``register_storage``) or
-by an installed distribution through the entry-point group ``flashckpt.storage`` (name: the scheme;
-object: a ``CheckpointStorage`` subclass, built with ``from_url(url)``). See docs/storage.md.
+``PosixDiskStorage`` (``flashckpt.storage.posix``); other schemes by the backend registered for them: in code
+(``register_storage``) or by an installed distribution through the entry-point group ``flashckpt.storage``
+(name: the scheme; object: a ``CheckpointStorage`` subclass, built with ``from_url(url)``). See
+docs/storage.md. Imports only the leaf layer and ``locations`` (``format.filewriter`` in ``write_parts``).
 """
 
 from __future__ import annotations
 
 import os
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import xxhash
 from flashckpt import errors as E
 from flashckpt.storage import locations
 from flashckpt.storage.locations import local_dir, url_scheme
-
-if TYPE_CHECKING:
-    from flashckpt.commit.records_home import RecordsHome
 
 __all__ = ["FileRecord", "CheckpointStorage", "file_checksum", "HashingWriter", "url_scheme", "local_dir"]
 
@@ -83,28 +81,51 @@ class HashingWriter:
 
 
 class CheckpointStorage(ABC):
-    """Where a checkpoint dir's files and commit records are stored: one backend per URL scheme.
+    """Byte I/O for the files and commit records of checkpoint dirs: one backend per URL scheme.
 
     Locations are absolute, in the checkpoint dir's form (``locations``): local paths for the POSIX
-    backend, ``scheme://...`` URLs for the others. Only the saver and its persist worker write and remove
-    (``write_parts``, ``write_bytes``, ``move``, ``remove*``); trainers, the CLI and adapters read.
+    backend, ``scheme://...`` URLs for the others. A backend stores and reads bytes; what to write where,
+    and when a step counts as committed, is the commit layer's (``flashckpt.commit``): it reads the
+    capabilities ``supports_rename``, ``posix_files`` and ``temp_suffix`` and calls only the methods below.
 
-    Call order for one persisted file: the persist worker calls ``write_parts(path, parts)``, which streams
-    the parts (bytes and tensors viewing the snapshot in shared memory) to the store and makes the file
-    visible under ``path`` at once and whole when it returns (POSIX: a temp file, fsync, rename; object
-    stores: the completed upload); a failure leaves nothing under ``path``. The commit protocol then writes
-    small records with ``write_bytes`` (the same guarantee), reads them with ``read_bytes``/``listdir``/
-    ``exists``, and at most ``move``s a staged file into place; deletions come last (``remove``,
-    ``remove_tree``, then ``prune_empty_dirs``). Readers see a file whole or not at all.
+    A subclass should expect this sequence of calls (which processes make them in brackets):
 
-    The defaults below are an object store's: no directories (``isdir``: any object below the prefix),
-    no rename (``move`` copies, then removes), lexical confinement, records inside the checkpoint dir with
-    leases kept alive by a heartbeat (``records.InsideRecords``). ``PosixDiskStorage`` overrides them.
-    Implementations must be safe to call from several threads at once for different locations.
+    0) (any) ``from_url(url, **storage_options)`` builds it; ``normpath`` gives locations their canonical
+       form.
+    1) (the saver's persist worker) ``write_parts(path, parts)`` for each persisted file: it streams the
+       parts (bytes and tensors viewing the snapshot in shared memory) to the store and makes the file
+       visible under ``path`` at once and whole when it returns (POSIX: a temp file, fsync, rename; object
+       stores: the completed upload); a failure leaves nothing under ``path``. ``write_file`` is the same
+       for a file written locally first.
+    2) (the saver: the commit protocol) small records with ``write_bytes`` (same guarantee) and
+       ``write_new`` (create-if-absent), read back with ``read_bytes``/``listdir``/``exists``/``isdir``;
+       at most ``move`` of a staged file into place before the manifest is written.
+    3) (trainers, the CLI, adapters; any thread) reads: ``read_bytes``, ``read_into``, ``read_scatter``,
+       ``open_read``, ``local_path``, ``size``, ``checksum``. Readers see a file whole or not at all.
+    4) (the saver) deletions come last: ``remove``, ``remove_many``, ``remove_tree``, then
+       ``prune_empty_dirs``.
+    5) (``flashckpt gc``) ``tidy(root)`` removes what this backend's interrupted writes left; (any)
+       ``close()`` releases connections.
+
+    The defaults below are an object store's: no directories (``isdir``: any object below the prefix), no
+    rename (``move`` copies, then removes). ``PosixDiskStorage`` overrides them. Only the saver and its
+    persist worker write and remove; implementations must be safe to call from several threads at once
+    for different locations.
     """
 
     #: whether ``move`` is an atomic rename (POSIX file systems); object stores have none
     supports_rename: bool = False
+
+    #: whether locations are paths of this machine's file systems, with directories, symbolic links,
+    #: inode numbers and ``flock`` (``PosixDiskStorage``). The commit layer reads it: records beside the
+    #: checkpoint dir, bound to its inode and held by ``flock`` job locks, and confinement that resolves
+    #: symbolic links (``flashckpt.commit.checkpoint_dir``); otherwise records inside the dir with lease
+    #: objects, and lexical confinement.
+    posix_files: bool = False
+
+    #: what a user should check when the store refuses this process (the end of the message that says the
+    #: checkpoint dir cannot be written)
+    access_hint: str = "check the credentials and permissions for it"
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> CheckpointStorage:
@@ -118,10 +139,6 @@ class CheckpointStorage(ABC):
     def normpath(self, location: str) -> str:
         """The canonical form of ``location`` (``locations.normpath``)."""
         return locations.normpath(location)
-
-    def confined(self, location: str, root: str) -> bool:
-        """Whether ``location`` lies inside ``root`` as stored (POSIX also resolves symbolic links)."""
-        return locations.inside(location, root)
 
     # -- writing (the saver and its persist worker) -------------------------------------------------
     @abstractmethod
@@ -247,29 +264,7 @@ class CheckpointStorage(ABC):
         removals left empty. Object stores have no directories: nothing to do."""
         return None
 
-    # -- the checkpoint dir and its records -----------------------------------------------------------
-    def prepare_dir(self, root: str, shown: str) -> None:
-        """Creates the checkpoint dir ``root`` when the store needs that and checks that this process may
-        write there, before a saver starts (``shown``: the dir as the user gave it, for messages).
-
-        Raises:
-            CheckpointDirError: ``root`` cannot be used (the message says why and what to do).
-        """
-        probe = locations.join(root, f".flashckpt-probe-{uuid.uuid4().hex}")
-        try:
-            self.write_bytes(probe, b"ok")
-            self.remove(probe)
-        except OSError as e:
-            raise E.CheckpointDirError(f"CheckpointEngine({shown!r}): cannot write to {root} ({e}); check the "
-                                       "credentials and permissions for it") from e
-
-    def records_home(self, root: str) -> RecordsHome:
-        """Where the commit records of checkpoint dir ``root`` live and how jobs hold them
-        (``records.RecordsHome``); by default inside it, with heartbeat leases."""
-        from flashckpt.commit.records_home import InsideRecords
-
-        return InsideRecords(self, root)
-
+    # -- the backend's own upkeep --------------------------------------------------------------------
     def close(self) -> None:
         """Releases what the backend holds (connections); it may be used again afterwards."""
         return None

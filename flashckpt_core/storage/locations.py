@@ -19,7 +19,7 @@ import urllib.parse
 from flashckpt import errors as E
 
 __all__ = ["URL", "is_url", "split_url", "url_scheme", "normpath", "relpath", "inside", "join", "parent", "basename",
-           "local_dir", "checkpoint_location", "resolve_in"]
+           "local_dir", "resolve_in"]
 
 URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -129,31 +129,6 @@ def local_dir(checkpoint_dir: str | os.PathLike[str], what: str = "CheckpointEng
     if not d:
         raise E.CheckpointDirError(f"{what}(checkpoint_dir=''): give a directory")
     return d
-
-
-def checkpoint_location(checkpoint_dir: str | os.PathLike[str], what: str = "CheckpointEngine") -> str:
-    """The checkpoint dir a user gave, as flashckpt uses it: a local path as given (``file://`` mapped to
-    its path; relative paths stay relative), or the normalized URL of a backend that serves its scheme.
-
-    Raises:
-        CheckpointDirError: a URL no installed backend serves (the message lists those that are), or a
-            bad ``file://`` URL / empty path.
-        InvalidArgumentTypeError: not a path.
-    """
-    d = os.fspath(checkpoint_dir) if isinstance(checkpoint_dir, (str, os.PathLike)) else checkpoint_dir
-    if isinstance(d, str) and is_url(d):
-        from flashckpt.storage.registry import storage_for
-
-        try:
-            storage_for(d)
-        except E.InvalidArgumentError as e:
-            raise E.CheckpointDirError(f"{what}({d!r}): {e}; or mount the store (for example with mountpoint-s3 "
-                                       "or s3fs) and pass the mount's path") from None
-        head, path = split_url(normpath(d))
-        if path == "/" and not head.split("://", 1)[1]:
-            raise E.CheckpointDirError(f"{what}({d!r}): the URL names no bucket or container")
-        return normpath(d)
-    return local_dir(d, what)
 
 
 def resolve_in(root: str, given: str, path: str | os.PathLike[str], what: str = "path") -> str:

@@ -1,8 +1,9 @@
 """The POSIX backend: local and network file systems with rename (``file://`` URLs and plain paths).
 
 Every file is written to a temporary name, fsynced, renamed into place, and its directory fsynced; new
-directories are made durable too. Commit records live beside the checkpoint dir (``records.PosixRecords``),
-job locks are ``flock``s, and confinement resolves symbolic links.
+directories are made durable too. It declares ``posix_files``: the commit layer then keeps the commit
+records beside the checkpoint dir (``commit.records_home.PosixRecords``) with ``flock`` job locks, and
+resolves symbolic links when it confines a location (``commit.checkpoint_dir``).
 """
 
 from __future__ import annotations
@@ -10,17 +11,13 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO
 
 import xxhash
 from flashckpt import errors as E
 from flashckpt.storage.base import CheckpointStorage, FileRecord, file_checksum
-from flashckpt.transport.wire import fsync_dir
-
-if TYPE_CHECKING:
-    from flashckpt.commit.records_home import RecordsHome
+from flashckpt.util.durable import fsync_dir
 
 __all__ = ["PosixDiskStorage"]
 
@@ -29,6 +26,7 @@ class PosixDiskStorage(CheckpointStorage):
     """Local or network file systems with POSIX rename semantics (``file://`` URLs and plain paths)."""
 
     supports_rename = True
+    posix_files = True
     temp_suffix = ".flashckpt-tmp"
 
     def open_read(self, path: str) -> BinaryIO:
@@ -147,13 +145,6 @@ class PosixDiskStorage(CheckpointStorage):
     def normpath(self, location: str) -> str:
         return os.path.abspath(location)
 
-    def confined(self, location: str, root: str) -> bool:
-        """Whether ``location``'s directory, symbolic links resolved, lies inside ``root`` (the last
-        component may itself be a link: removing or replacing it does not touch its target)."""
-        r = os.path.realpath(root)
-        d = os.path.realpath(os.path.dirname(os.path.abspath(location)))
-        return d == r or d.startswith(r + os.sep)
-
     def isdir(self, path: str) -> bool:
         """Whether ``path`` is a directory (not a symbolic link to one). Only "not there" is False; an error
         that leaves it unknown (EACCES, EIO...) is raised, as by ``exists``."""
@@ -186,30 +177,3 @@ class PosixDiskStorage(CheckpointStorage):
                 except OSError:
                     break
                 d = os.path.dirname(d)
-
-    def prepare_dir(self, root: str, shown: str) -> None:
-        """Creates ``root`` when missing and checks that it is a writable directory."""
-        f = root
-        while f and not os.path.isdir(f):  # the nearest existing ancestor that is not a directory
-            # isdir asked again: another rank may have made the directory between the two checks
-            if os.path.lexists(f) and not os.path.isdir(f):
-                what = "is a file" if f == root else f"lies under {f}, which is a file"
-                raise E.CheckpointDirError(f"CheckpointEngine({shown!r}): the checkpoint dir {root} {what}, not a "
-                                           "directory; pass a directory (it is created when missing)")
-            up = os.path.dirname(f)
-            f = "" if up == f else up
-        try:
-            os.makedirs(root, exist_ok=True)
-            probe = os.path.join(root, f".flashckpt-probe-{uuid.uuid4().hex}")
-            with open(probe, "wb") as fh:
-                fh.write(b"ok")
-            os.unlink(probe)
-        except OSError as e:
-            raise E.CheckpointDirError(f"CheckpointEngine({shown!r}): the checkpoint dir {root} is not writable "
-                                       f"({e}); choose a writable directory or fix its permissions") from e
-
-    def records_home(self, root: str) -> RecordsHome:
-        """Beside the checkpoint dir where possible (``_records``), bound to it, with ``flock`` job locks."""
-        from flashckpt.commit.records_home import PosixRecords
-
-        return PosixRecords(self, root)

@@ -13,10 +13,11 @@ from typing import Any
 
 from flashckpt import errors as E
 from flashckpt.config import STORAGE_OPTIONS_ENV, knob
+from flashckpt.storage import locations
 from flashckpt.storage.base import CheckpointStorage
 from flashckpt.storage.locations import url_scheme
 
-__all__ = ["storage_for", "register_storage", "storage_spec", "storage_from_spec", "options_from_env", "OPTIONS_ENV",
+__all__ = ["storage_for", "register_storage", "storage_spec", "storage_from_spec", "options_from_env", "checkpoint_location", "OPTIONS_ENV",
            "ENTRY_POINT_GROUP"]
 
 ENTRY_POINT_GROUP = "flashckpt.storage"
@@ -31,10 +32,6 @@ def register_storage(scheme: str, backend: type[CheckpointStorage]) -> None:
         raise E.InvalidArgumentTypeError(f"register_storage({scheme!r}, {backend!r}): a CheckpointStorage subclass "
                                          "is needed")
     _REGISTRY[scheme.lower()] = backend
-
-
-
-
 
 #: the backends of this distribution, by scheme (also in its entry points, found without them)
 _BUILTIN = {"file": "flashckpt.storage.posix:PosixDiskStorage", "s3": "flashckpt.storage.s3.backend:S3Storage"}
@@ -62,6 +59,29 @@ def storage_for(url: str | os.PathLike[str], options: dict[str, Any] | None = No
             f"{', '.join(s + '://' for s in known)}. A backend registers for its scheme in the entry-point group "
             f"{ENTRY_POINT_GROUP!r} (or with flashckpt.storage.base.register_storage); see docs/storage.md")
     return _build(backend, os.fspath(url), options)
+
+
+def checkpoint_location(checkpoint_dir: str | os.PathLike[str], what: str = "CheckpointEngine") -> str:
+    """The checkpoint dir a user gave, as flashckpt uses it: a local path as given (``file://`` mapped to
+    its path; relative paths stay relative), or the normalized URL of a backend that serves its scheme.
+
+    Raises:
+        CheckpointDirError: a URL no installed backend serves (the message lists those that are), or a
+            bad ``file://`` URL / empty path.
+        InvalidArgumentTypeError: not a path.
+    """
+    d = os.fspath(checkpoint_dir) if isinstance(checkpoint_dir, (str, os.PathLike)) else checkpoint_dir
+    if isinstance(d, str) and locations.is_url(d):
+        try:
+            storage_for(d)
+        except E.InvalidArgumentError as e:
+            raise E.CheckpointDirError(f"{what}({d!r}): {e}; or mount the store (for example with mountpoint-s3 "
+                                       "or s3fs) and pass the mount's path") from None
+        head, path = locations.split_url(locations.normpath(d))
+        if path == "/" and not head.split("://", 1)[1]:
+            raise E.CheckpointDirError(f"{what}({d!r}): the URL names no bucket or container")
+        return locations.normpath(d)
+    return locations.local_dir(d, what)
 
 
 def _build(backend: type[CheckpointStorage], url: str, options: dict[str, Any] | None) -> CheckpointStorage:

@@ -18,8 +18,9 @@ from typing import Any, NoReturn, cast
 
 from flashckpt import errors as E
 from flashckpt.transport.messages import RP, Request
+from flashckpt.util.procfs import process_stopped
 
-__all__ = ["MAX_MESSAGE", "send_msg", "recv_msg", "Client", "ConnectionLost", "peer_uid", "proc_stat"]
+__all__ = ["MAX_MESSAGE", "send_msg", "recv_msg", "Client", "ConnectionLost", "peer_uid"]
 
 MAX_MESSAGE = 64 << 20
 _LEN = struct.Struct(">I")
@@ -189,7 +190,7 @@ class Client:
                 if now >= deadline:
                     raise E.CheckpointTimeoutError(f"{op}: the saver (pid {self.peer_pid}) did not answer "
                                                    f"within {limit:.0f} s")
-                if _stopped(self.peer_pid):
+                if process_stopped(self.peer_pid):
                     stopped_since = now if stopped_since is None else stopped_since
                     if now - stopped_since >= _STOPPED_S:
                         raise E.CheckpointTimeoutError(
@@ -324,66 +325,3 @@ def _result(reply: dict[str, Any]) -> dict[str, Any]:
         cls = _ERRORS.get(str(reply.get("kind")), E.SaverError)
         raise cls(str(reply.get("error", "saver error")))
     return reply
-
-
-def proc_stat(pid: int | str) -> list[str]:
-    """The fields of ``/proc/<pid>/stat`` after the command name (which may hold spaces and parentheses):
-    index 0 is stat(5)'s field 3 (the state), index ``k`` its field ``k + 3``. ``pid`` may be ``"self"``."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()
-
-
-def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped by a signal or a tracer (state T or t in /proc/<pid>/stat)."""
-    try:
-        return proc_stat(pid)[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
-
-
-def process_cpu_seconds(pid: int, *, children: bool = False) -> float | None:
-    """User + system CPU seconds process ``pid`` (all its threads) has used so far, from
-    ``/proc/<pid>/stat``; None where that cannot be read (not Linux, or the process is gone).
-
-    With ``children``, its children's too: those it reaped (cutime, cstime) and those alive now (the
-    saver's persist worker), found in ``/proc/<pid>/task/*/children``."""
-    try:
-        return _cpu_ticks(pid, children) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _cpu_ticks(pid: int, children: bool) -> int:
-    fields = proc_stat(pid)
-    ticks = int(fields[11]) + int(fields[12])  # utime, stime: stat(5) fields 14, 15
-    if children:
-        ticks += int(fields[13]) + int(fields[14])  # cutime, cstime: children it reaped
-        for kid in _live_children(pid):
-            try:
-                ticks += _cpu_ticks(kid, True)
-            except (OSError, ValueError, IndexError):
-                pass  # exited meanwhile
-    return ticks
-
-
-def _live_children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(x) for x in f.read().split()]
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -26,8 +26,8 @@ import tempfile
 import threading
 
 from flashckpt.errors import InvalidArgumentError
-from flashckpt.transport.wire import proc_stat
 from flashckpt.util.lease import pid_running
+from flashckpt.util.procfs import proc_stat
 
 __all__ = ["owned_dir", "sweep", "sweep_once", "scratch_roots"]
 

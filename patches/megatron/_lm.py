@@ -45,7 +45,7 @@ from flashckpt.errors import FlashCheckpointError
 from flashckpt.format.torchfile import load_parts, torch_save_parts
 from flashckpt.integrations._kit import exchange_files, rank, rel_inside, swapped, world
 from flashckpt.patches.megatron.dist_ckpt import TRACKER_NAME, MegatronCheckpointer, iteration_dir
-from flashckpt.storage import locations
+from flashckpt.storage import locations, registry
 
 __all__ = ["save_checkpoint", "load_checkpoint", "configure", "get_checkpointer", "finalize", "megatron_lm"]
 
@@ -97,7 +97,7 @@ def get_checkpointer(checkpoint_dir: str) -> MegatronCheckpointer:
     Raises:
         CheckpointDirError: a URL no storage backend serves, or a directory that cannot be used."""
     # file:// mapped to its path; a URL of a scheme no backend serves refused (before anything is made)
-    key = locations.normpath(locations.checkpoint_location(checkpoint_dir, "get_checkpointer"))
+    key = locations.normpath(registry.checkpoint_location(checkpoint_dir, "get_checkpointer"))
     ck = _CHECKPOINTERS.get(key)
     if ck is None:
         ck = MegatronCheckpointer(key, **_OPTIONS)

@@ -20,8 +20,10 @@ import textwrap
 
 import pytest
 from _fault_helpers import FaultEnv, fault_env_fixture, kill9, make_state, run_cli  # noqa: F401
-from flashckpt.commit.layout import META, CommitLayout
+from flashckpt.commit.layout import CommitLayout
+from flashckpt.commit.protocol import commit_step
 from flashckpt.errors import PersistError
+from flashckpt.format.names import META
 from flashckpt.storage.base import FileRecord, file_checksum
 from flashckpt.storage.posix import PosixDiskStorage
 from helpers import wait_for
@@ -297,5 +299,5 @@ def test_a_commit_whose_files_vanished_fails_clearly(tmp_path) -> None:
     layout.write_done(3, 0, [FileRecord(path, size, digest)])
     shutil.rmtree(os.path.dirname(path))
     with pytest.raises(PersistError, match=r"step 3: 1 of its files are gone from .*step_3/rank_00000.pt"):
-        layout.commit(3, [0], 1, replicated=False, extra={}, timeout=10)
+        commit_step(layout, 3, [0], 1, replicated=False, extra={}, timeout=10)
     assert layout.committed_steps() == []

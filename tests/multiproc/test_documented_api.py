@@ -390,6 +390,7 @@ def test_a_file_given_as_the_checkpoint_dir_is_named_a_file(runtime_dir, tmp_pat
 def test_a_dir_another_rank_makes_between_the_checks_is_not_called_a_file(tmp_path, monkeypatch):
     """Ranks make a missing checkpoint dir at once: the one that saw it missing, then present, takes it as the
     directory it now is (CI saw a DDP rank refuse the dir its peer had just made as "a file")."""
+    from flashckpt.commit.checkpoint_dir import prepare_dir
     from flashckpt.storage.posix import PosixDiskStorage
 
     root = tmp_path / "runs" / "s01"
@@ -401,7 +402,7 @@ def test_a_dir_another_rank_makes_between_the_checks_is_not_called_a_file(tmp_pa
         return lexists(p)
 
     monkeypatch.setattr(os.path, "lexists", made_meanwhile)
-    PosixDiskStorage().prepare_dir(str(root), "runs/s01")
+    prepare_dir(PosixDiskStorage(), str(root), "runs/s01")
     assert root.is_dir()
 
 

@@ -445,7 +445,7 @@ def test_saver_cpu_seconds_counts_the_persist_work(make_engine, runtime_dir, mon
     """saver_cpu_seconds() reads the CPU time of the saver daemon and its children: it is the saver's pid,
     and a persist of 64 MB (xxh3 + CRC-32 + copy of every byte, in the saver's persist worker) makes it
     grow, still counted once that worker exited (and was reaped)."""
-    from flashckpt.transport.wire import process_cpu_seconds
+    from flashckpt.util.procfs import process_cpu_seconds
 
     monkeypatch.setenv("FLASHCKPT_PERSIST_WORKER_IDLE_S", "1")
     engine = make_engine()

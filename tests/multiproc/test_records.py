@@ -18,9 +18,10 @@ import pytest
 import torch
 from _fault_helpers import FaultEnv, close_and_wait, fault_env_fixture, make_state, run_cli  # noqa: F401
 from flashckpt import CheckpointEngine, StorageType
-from flashckpt.commit.layout import META, CommitLayout
+from flashckpt.commit.layout import CommitLayout
 from flashckpt.commit.records_store import records_dir
 from flashckpt.format.files import FileSet
+from flashckpt.format.names import META
 from flashckpt.storage.posix import PosixDiskStorage
 from flashckpt.util.lease import Lease
 from helpers import assert_same_tree, run_ranks, wait_savers_gone

@@ -18,7 +18,8 @@ import xxhash
 from flashckpt import PersistError
 from flashckpt.format.torchfile import torch_save_parts, zip_crc_slots
 from flashckpt.storage.registry import storage_for
-from flashckpt.storage.s3.backend import S3Options, S3Storage
+from flashckpt.storage.s3.backend import S3Storage
+from flashckpt.storage.s3.options import S3Options
 from s3_fixtures import moto_server_fixture, s3_fixture, s3_proxied_fixture  # noqa: F401
 from s3_proxy import Fault
 

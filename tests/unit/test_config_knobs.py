@@ -80,7 +80,7 @@ def test_every_knob_is_documented_where_it_is_declared():
 
 def test_s3_knobs_are_the_s3_options():
     pytest.importorskip("xxhash")
-    from flashckpt.storage.s3.backend import S3Options
+    from flashckpt.storage.s3.options import S3Options
 
     assert [f.name for f in dataclasses.fields(config.S3Knobs)] == [f.name for f in dataclasses.fields(S3Options)]
     for f in dataclasses.fields(S3Options):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from flashckpt import CheckpointTimeoutError, FileSet, StorageType
 from flashckpt.commit.layout import CommitLayout
+from flashckpt.commit.protocol import commit_step
 from flashckpt.storage.base import FileRecord
 from flashckpt.storage.posix import PosixDiskStorage
 from helpers import assert_same_tree, launch_ranks, run_ranks, saver_pids, wait_for, wait_savers_gone
@@ -134,12 +135,12 @@ def test_commit_time_file_waits_for_every_rank(ckpt_dir):
                              FileRecord(final, meta.size, meta.xxh3, "raw", ".metadata", "commit", staged)],
                       base=os.path.join(ckpt_dir, "ck"))
     with pytest.raises(CheckpointTimeoutError):
-        layout.commit(7, [0, 1], 2, replicated=False, extra={}, timeout=0.3)
+        commit_step(layout, 7, [0, 1], 2, replicated=False, extra={}, timeout=0.3)
     assert not os.path.exists(final) and layout.committed_steps() == []
     rec = st.write_bytes(os.path.join(ckpt_dir, "ck", "__1_0.distcp"), b"rank1")
     layout.write_done(7, 1, [FileRecord(rec.path, rec.size, rec.xxh3, "raw", "__1_0.distcp")],
                       base=os.path.join(ckpt_dir, "ck"))
-    layout.commit(7, [0, 1], 2, replicated=False, extra={}, timeout=5)
+    commit_step(layout, 7, [0, 1], 2, replicated=False, extra={}, timeout=5)
     with open(final, "rb") as f:
         assert f.read() == b"METADATA"
     assert layout.committed_steps() == [7] and layout.verify(7) == []

@@ -14,33 +14,30 @@ CompleteMultipartUpload is checked before anything is redone: the object's ETag 
 its parts make. botocore's own retries are off (one policy, ours).
 
 Configuration: the standard AWS configuration (environment, profile, ``AWS_ENDPOINT_URL``), plus
-``S3Options`` fields given as ``storage_options`` (``CheckpointEngine(storage_options=...)``) or as
+``S3Options`` fields (``options``) given as ``storage_options`` (``CheckpointEngine(storage_options=...)``) or as
 ``FLASHCKPT_S3_*`` environment variables (``config.S3Knobs``; ``S3Options.from_env``). boto3 is imported on first use.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import io
 import logging
 import os
 import threading
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import xxhash
 from flashckpt import errors as E
-from flashckpt.config import knob
 from flashckpt.storage import locations
 from flashckpt.storage.base import CheckpointStorage, FileRecord
 from flashckpt.storage.s3.io import Body, Retry, b64_crc, chunks, crc32, error_code, status
+from flashckpt.storage.s3.options import S3Options
 
-__all__ = ["S3Storage", "S3Options"]
+__all__ = ["S3Storage"]
 
 log = logging.getLogger(__name__)
 
@@ -48,79 +45,13 @@ _MIB = 1 << 20
 _PIECE = _MIB  # hashing granularity (cache-sized)
 
 
-@dataclass(frozen=True)
-class S3Options:
-    """How the S3 backend talks to the store (defaults are fast on AWS and on local servers).
-
-    Attributes:
-        endpoint_url: the store's endpoint (default: the AWS configuration's, e.g. ``AWS_ENDPOINT_URL``).
-        region: the region (default: the AWS configuration's, else us-east-1).
-        profile: an AWS profile name.
-        addressing_style: ``"auto"``, ``"path"`` or ``"virtual"`` (S3-compatible stores often need path).
-        part_size_mb: multipart part size; files up to it go in one PutObject.
-        concurrency: parts of one file uploaded (or ranges downloaded) at once, at most.
-        max_attempts: attempts per request before the file fails (within ``deadline_s``).
-        deadline_s: a file's upload (or download) gives up after this long, retries included.
-        read_timeout_s: a request with no answer for this long is abandoned and retried (botocore's
-            ``read_timeout``).
-        checksums: send each part's CRC-32 as its S3 checksum (``x-amz-checksum-crc32``).
-        conditional_writes: commit records are created with ``If-None-Match: *`` (a concurrent writer of
-            the same record is an error, not an overwrite).
-    """
-
-    endpoint_url: str | None = None
-    region: str | None = None
-    profile: str | None = None
-    addressing_style: str = "auto"
-    part_size_mb: int = 64
-    concurrency: int = 8
-    max_attempts: int = 10
-    deadline_s: float = 1800.0
-    read_timeout_s: float = 120.0
-    checksums: bool = True
-    conditional_writes: bool = True
-
-    @classmethod
-    def from_env(cls, **given: Any) -> S3Options:
-        """``given`` fields, else ``FLASHCKPT_S3_<FIELD>`` from the environment (``config.S3Knobs``), else
-        the defaults.
-
-        Raises:
-            InvalidArgumentError: an unknown field, or a value of the wrong type (given or in the environment).
-        """
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = set(given) - set(fields)
-        if unknown:
-            raise E.InvalidArgumentError(f"storage_options {sorted(unknown)}: unknown for s3:// (known: "
-                                         f"{', '.join(sorted(fields))})")
-        kw: dict[str, Any] = {}
-        env = knob("s3").given()
-        for name, f in fields.items():
-            raw = given.get(name, env.get(name))
-            if raw is None:
-                continue
-            kind: type[Any] = type(f.default) if f.default is not None else str
-            try:
-                if kind is bool and isinstance(raw, str):
-                    kw[name] = raw.strip().lower() in ("1", "true", "yes", "on")
-                else:
-                    kw[name] = kind(raw)
-            except (TypeError, ValueError):
-                raise E.InvalidArgumentError(f"storage option {name}={raw!r}: a {kind.__name__} is needed") from None
-        opts = cls(**kw)
-        if opts.part_size_mb < 5 or opts.concurrency < 1 or opts.max_attempts < 1 or opts.read_timeout_s <= 0:
-            raise E.InvalidArgumentError(f"{opts}: part_size_mb >= 5 (S3's minimum), concurrency and max_attempts >= 1, "
-                                         "read_timeout_s > 0")
-        if opts.addressing_style not in ("auto", "path", "virtual"):
-            raise E.InvalidArgumentError(f"addressing_style={opts.addressing_style!r}: auto, path or virtual")
-        return opts
-
-
 # ------------------------------------------------------------------------------------------ the backend
 class S3Storage(CheckpointStorage):
     """Checkpoint dirs at ``s3://bucket/prefix`` (see the module docstring)."""
 
     supports_rename = False
+    access_hint = ("check the AWS configuration (credentials, region, AWS_ENDPOINT_URL or storage_options endpoint_url) "
+                   "and that the bucket exists")
 
     def __init__(self, options: S3Options | None = None) -> None:
         self.options = options or S3Options.from_env()
@@ -561,20 +492,7 @@ class S3Storage(CheckpointStorage):
             keys.append(path)
         self.remove_many(keys)
 
-    # -- the checkpoint dir --------------------------------------------------------------------------
-    def prepare_dir(self, root: str, shown: str) -> None:
-        """Writes and removes a probe object: credentials, the bucket and the endpoint are checked before a
-        saver starts."""
-        bucket, _key = self._split(root)
-        probe = locations.join(root, f".flashckpt-probe-{uuid.uuid4().hex}")
-        try:
-            self.write_bytes(probe, b"ok")
-            self.remove(probe)
-        except Exception as e:  # credentials, a missing bucket, an unreachable endpoint
-            raise E.CheckpointDirError(f"CheckpointEngine({shown!r}): cannot write to bucket {bucket!r}: {e}. Check "
-                                       "the AWS configuration (credentials, region, AWS_ENDPOINT_URL or "
-                                       "storage_options endpoint_url) and that the bucket exists") from e
-
+    # -- the backend's own upkeep --------------------------------------------------------------------
     def tidy(self, root: str, *, dry_run: bool = False) -> list[str]:
         """Aborts the unfinished multipart uploads under ``root`` (left by a saver killed mid-upload)."""
         bucket, key = self._split(root)

@@ -17,7 +17,7 @@ from flashckpt import errors as E
 from flashckpt.format.rawio import ViewsReader, part_view
 
 if TYPE_CHECKING:
-    from flashckpt.storage.s3.backend import S3Options
+    from flashckpt.storage.s3.options import S3Options
 
 try:  # ISA-L's CRC-32 (~20 GB/s), zlib's otherwise: the same values
     from isal.isal_zlib import crc32 as crc32

@@ -10,6 +10,9 @@ instead of its storage backend fails or leaves a stray ``lobj:`` directory behin
 It registers through the entry-point group ``flashckpt.storage`` of a distribution beside it
 (``flashckpt_lobj-0.1.dist-info``): with ``tests/support/plugins`` on ``sys.path`` (and on ``PYTHONPATH``, for the
 saver daemon and its persist worker) ``storage_for("lobj://...")`` finds it as it would an installed one.
+
+It implements only byte I/O, as every backend does (the ``CheckpointStorage`` call order): the commit
+records, their leases and the checkpoint dir's probe are the commit layer's, written through this API.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ ROOT_ENV = "FLASHCKPT_LOBJ_ROOT"
 class LocalObjectStorage(CheckpointStorage):
     """Objects by key in flat files; every operation goes through this API (see the module docstring)."""
 
-    supports_rename = False
+    supports_rename = False  # move copies, then removes
+    posix_files = False  # the commit layer keeps its records inside the dir, held by lease objects
 
     def __init__(self) -> None:
         root = os.environ.get(ROOT_ENV)
