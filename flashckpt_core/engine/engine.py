@@ -27,7 +27,6 @@ from flashckpt.engine.interval import AutoIntervals, default_failure_rates, stor
 from flashckpt.engine.loader import StorageLoader
 from flashckpt.format.files import FileSet, is_fileset_tree
 from flashckpt.format.tree import gc_paused
-from flashckpt.launch.warm import record_modules
 from flashckpt.memory.reader import SnapshotReader
 from flashckpt.memory.writer import SharedMemoryHandler
 from flashckpt.storage import locations
@@ -38,6 +37,7 @@ from flashckpt.transport.link import SaverLink, agent_pid, restart_expected
 from flashckpt.transport.messages import RP
 from flashckpt.transport.wire import process_cpu_seconds
 from flashckpt.util.copy import Copier
+from flashckpt.util.module_record import record_modules
 
 __all__ = ["CheckpointEngine", "LoadResult", "Located", "local_dir", "resolve_in"]
 
