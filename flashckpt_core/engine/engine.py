@@ -1,4 +1,13 @@
-"""CheckpointEngine: the trainer's entry point. Snapshots go to shared memory; the saver persists."""
+"""CheckpointEngine: the trainer's entry point. Snapshots go to shared memory; the saver persists.
+
+The engine is a facade: each public method states its contract here (those docstrings are over a third
+of this module) and hands the work to the parts of the engine package, one job each:
+``interval.SavePolicy`` (what ``save(storage_type=None)`` takes), ``snapshot.Snapshots`` (the copy into
+shared memory, overlapped or not), ``session.SaverSession`` (persist requests, the saver's replies and
+errors, a lost runtime dir), ``deletions.Deletions`` (when the deletion strategy runs), ``restore.Restorer``
+(locate and the storage load) and ``guard`` (who may call, and when; the goodbye at exit). The engine owns
+the wiring between them and the ``SaverLink`` (``transport.link``).
+"""
 
 from __future__ import annotations
 
@@ -13,11 +22,12 @@ from flashckpt import errors as E
 from flashckpt.commit.adopt import unrecorded
 from flashckpt.commit.layout import CommitLayout
 from flashckpt.commit.retention import CheckpointDeletionStrategy, KeepLatestStepStrategy
-from flashckpt.config import Knobs, RankInfo, StorageType, job_dir
+from flashckpt.config import Knobs, StorageType, job_dir
 from flashckpt.engine.deletions import Deletions
 from flashckpt.engine.guard import CallGuard, engine_call, open_engines
 from flashckpt.engine.interval import SavePolicy
 from flashckpt.engine.loader import StorageLoader
+from flashckpt.engine.ranks import RankInfo
 from flashckpt.engine.restore import LoadResult, Located, Restorer
 from flashckpt.engine.session import SaverSession, commit_spec_for
 from flashckpt.engine.snapshot import Snapshots, open_memory

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _EXIT_WAIT_S = 10.0  # at exit, how long a close waits for a call still running in another (daemon) thread
+_HERE = (lambda: None).__code__.co_filename  # this module's file, as its frames name it (close_at_exit's calls)
 
 
 class CallGuard:
@@ -110,7 +111,8 @@ class Guarded(Protocol):
 def engine_call(op: str, *, renew: bool = True, forked_detaches: bool = False) -> Callable[[_F], _F]:
     """Runs an engine method as one call under the engine's ``CallGuard`` (``_guard``: the opening process
     only, one call at a time, no re-entry from a signal handler). A nested call made from the decorated
-    method's own module (the engine calling itself) is the running call's own. The outermost call first
+    method's own module (the engine calling itself), or from this one (``close_at_exit``), is the running
+    call's own. The outermost call first
     makes sure the job's runtime dir still holds the engine's shared memory (``renew``: ``_ensure_runtime``).
     ``forked_detaches``: in a forked child the call only marks the child's copy closed (``close``)."""
     def wrap(fn: _F) -> _F:
@@ -121,7 +123,8 @@ def engine_call(op: str, *, renew: bool = True, forked_detaches: bool = False) -
             if forked_detaches and not self._guard.owner():
                 self._closed = True  # a forked child's copy: only the opening process ends the engine
                 return None
-            with self._guard.call(op, internal=sys._getframe(1).f_code.co_filename == here) as outer:
+            caller = sys._getframe(1).f_code.co_filename
+            with self._guard.call(op, internal=caller == here or caller == _HERE) as outer:
                 if outer and renew and not self._closed:
                     self._ensure_runtime(op)
                 return fn(self, *args, **kw)
