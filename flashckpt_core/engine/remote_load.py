@@ -24,7 +24,8 @@ import xxhash
 from flashckpt import errors as E
 from flashckpt.format.into import Into
 from flashckpt.format.rawio import SeekableReader
-from flashckpt.format.tree import map_tree, set_value_bits, tensors_by_path, value_bits
+from flashckpt.format.tensormeta import set_value_bits, value_bits
+from flashckpt.format.tree import map_tree, tensors_by_path
 from flashckpt.storage.base import CheckpointStorage
 
 __all__ = ["RangeFile", "load_remote"]

@@ -21,9 +21,9 @@ from typing import Any
 
 from flashckpt import errors as E
 from flashckpt.commit.layout import CommitLayout
-from flashckpt.config import RankInfo
 from flashckpt.engine.agreement import agree, all_ranks, memory_across_nodes, multi_node, newer_in_memory, verified_step
 from flashckpt.engine.loader import StorageLoader
+from flashckpt.engine.ranks import RankInfo
 from flashckpt.memory.reader import SnapshotReader
 from flashckpt.transport import messages as M
 

@@ -19,7 +19,8 @@ from typing import Any
 
 from flashckpt import errors as E
 from flashckpt.commit.layout import commit_spec
-from flashckpt.config import RankInfo, StorageType, dir_identity
+from flashckpt.config import StorageType, dir_identity
+from flashckpt.engine.ranks import RankInfo
 from flashckpt.memory.reader import SnapshotReader
 from flashckpt.memory.writer import SharedMemoryHandler
 from flashckpt.transport import messages as M

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from flashckpt.config import RankInfo, StorageType
+from flashckpt.config import StorageType
+from flashckpt.engine.ranks import RankInfo
 from flashckpt.memory.reader import SnapshotReader
 from flashckpt.memory.writer import Allocator, SharedMemoryHandler
 from flashckpt.util.copy import Copier

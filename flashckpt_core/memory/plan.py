@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from flashckpt import errors as E
-from flashckpt.format.tree import TensorMeta, dtype_name, value_bits
+from flashckpt.format.tensormeta import TensorMeta, dtype_name, value_bits
 from flashckpt.util.copy import SMALL_COPY
 
 __all__ = ["ALIGN", "SnapshotPlan", "signature_of", "plan_snapshot"]

@@ -40,17 +40,8 @@ from flashckpt.format.segment import (
     unreadable,
     writer_lease_path,
 )
-from flashckpt.format.tree import (
-    TensorMeta,
-    build_tensor,
-    contiguous_strides,
-    decode_opaque,
-    dtype_from_name,
-    gc_paused,
-    split_opaque,
-    tensor_paths,
-    unflatten,
-)
+from flashckpt.format.tensormeta import TensorMeta, build_tensor, contiguous_strides, dtype_from_name
+from flashckpt.format.tree import decode_opaque, gc_paused, split_opaque, tensor_paths, unflatten
 from flashckpt.storage import locations
 from flashckpt.util import cuda as _cuda
 from flashckpt.util.copy import Copier, file_reader
