@@ -13,7 +13,6 @@ import array
 import io
 import json
 import logging
-import os
 import re
 import struct
 import time
@@ -40,7 +39,6 @@ from flashckpt.format.segment import (
     lock_path,
     segment_paths,
     unreadable,
-    writer_lease_path,
 )
 from flashckpt.format.tree import (
     Flat,
@@ -55,10 +53,11 @@ from flashckpt.format.tree import (
 from flashckpt.memory.device import DeviceCopies
 from flashckpt.memory.plan import SnapshotPlan, plan_snapshot, signature_of
 from flashckpt.memory.reader import SnapshotReader
+from flashckpt.memory.writer_lease import take_writer_lease
 from flashckpt.transport.ipc import SharedLock
 from flashckpt.util import native as _native
 from flashckpt.util.copy import Copier
-from flashckpt.util.lease import Lease, describe_holder, pid_running, read_holder
+from flashckpt.util.lease import Lease
 
 __all__ = ["SharedMemoryHandler", "Allocator"]
 
@@ -66,34 +65,6 @@ log = logging.getLogger(__name__)
 
 Allocator = Callable[[int, int, int], str]
 """(local_rank, meta_cap, data_cap) -> path of a new segment created by the saver."""
-
-
-_DEAD_HOLDER_WAIT_S = 10.0
-_PROBE_S = 0.05
-
-
-def _take_writer_lease(job_dir: str, local_rank: int, info: dict[str, Any]) -> Lease:
-    """The writer lease of ``local_rank``'s segments, or SharedMemoryError naming its holder."""
-    path = writer_lease_path(job_dir, local_rank)
-    lease = Lease(path)
-    try:
-        # A moment's retry: a reader probing whether a live writer holds it (``_lease.live_holder``)
-        # locks it for an instant.
-        ok = lease.try_acquire({"local_rank": local_rank, **info}, timeout=_PROBE_S)
-    except OSError as e:
-        raise E.SharedMemoryError(f"could not take the writer lease {path}: {e}") from e
-    holder = read_holder(path) if not ok else {}
-    pid = holder.get("pid")
-    if not ok and isinstance(pid, int) and pid != os.getpid() and not pid_running(pid):
-        # A holder that was just killed: its threads may still be exiting (its pid already a zombie) and
-        # its files still open for a moment. Its lease frees when they are gone.
-        ok = lease.try_acquire({"local_rank": local_rank, **info}, timeout=_DEAD_HOLDER_WAIT_S)
-    if ok:
-        return lease
-    raise E.SharedMemoryError(
-        f"local rank {local_rank}'s shared-memory snapshots in {job_dir} are already written by "
-        f"{describe_holder(holder)}; two writers would tear each other's checkpoints. Close "
-        "the other CheckpointEngine first, or give each job its own FLASHCKPT_JOB_ID or checkpoint dir.")
 
 
 def _holders(hs: list[SlotHeader], newest: int | None) -> str:
@@ -209,7 +180,7 @@ class SharedMemoryHandler(SnapshotReader):
             CheckpointTimeoutError: no slot became free within ``slot_wait_timeout``.
         """
         if self._lease is None and self._allocate is not None:
-            self._lease = _take_writer_lease(self.job_dir, self.local_rank, self._writer_info)
+            self._lease = take_writer_lease(self.job_dir, self.local_rank, self._writer_info)
         # The walk allocates ~5 containers per tensor: no garbage collection in the middle of the pause.
         with gc_paused():
             native = _native.get()
