@@ -87,7 +87,7 @@ def child(pkg_dir: str, what: str, ckpt: str, size_gb: float, saves: int) -> Non
         t0 = time.perf_counter()
         sd = engine.load()
         out["restore_s"] = time.perf_counter() - t0
-        assert sd and engine.last_load.source == "memory", engine.last_load
+        assert sd and engine.last_load is not None and engine.last_load.source == "memory", engine.last_load
         engine.close()
     print(TAG + json.dumps(out), flush=True)
 

@@ -1,4 +1,11 @@
-"""Environment knobs, job identity and rank discovery, read in one place."""
+"""Environment knobs and the job's identity, read in one place.
+
+``Knobs`` holds every ``FLASHCKPT_*`` variable flashckpt reads (with ``ReplicaKnobs`` and ``S3Knobs``), each
+with its default and parser; ``knob`` reads one. The job's identity follows from them and the checkpoint
+dir: its job key, its private runtime dir (``job_dir``) and the checks that keep that dir this user's.
+Where a process sits in the job (rank, world size) is ``engine.ranks.RankInfo``. Imports only ``errors``;
+everything here may be called from any thread.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ from typing import Any, TypeVar
 from flashckpt import errors as E
 
 __all__ = ["StorageType", "Knobs", "ReplicaKnobs", "S3Knobs", "knob", "knob_variables", "JOB_ID_ENV", "AGENT_PID_ENV",
-           "LAST_WORDS_ENV", "WARM_MODULES_DIR_ENV", "STORAGE_OPTIONS_ENV", "RankInfo", "job_key", "runtime_root", "job_dir", "make_private_dir",
+           "LAST_WORDS_ENV", "WARM_MODULES_DIR_ENV", "STORAGE_OPTIONS_ENV", "job_key", "runtime_root", "job_dir", "make_private_dir",
            "open_private_dir", "dir_identity", "is_default_runtime_dir", "is_job_key_of", "job_key_digest"]
 
 
@@ -504,30 +511,3 @@ def dir_identity(path: str) -> tuple[int, int] | None:
 def job_dir(checkpoint_dir: str, knobs: Knobs | None = None) -> str:
     knobs = knobs or Knobs.from_env()
     return os.path.join(knobs.runtime_dir, job_key(checkpoint_dir))
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """Where this process sits in the job."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-
-    @staticmethod
-    def current() -> RankInfo:
-        """From torch.distributed when it is initialized, else from torchrun's environment, else 1 rank."""
-        import torch.distributed as dist
-
-        env = os.environ
-        if dist.is_available() and dist.is_initialized():
-            rank, world = dist.get_rank(), dist.get_world_size()
-        else:
-            rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-        # Without torchrun's variables all ranks are taken to be on one node.
-        local_rank = int(env.get("LOCAL_RANK", rank))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-        node_rank = int(env.get("GROUP_RANK", env.get("NODE_RANK", 0)))
-        return RankInfo(rank, world, local_rank, local_world, node_rank)

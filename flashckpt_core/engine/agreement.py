@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from flashckpt import errors as E
 from flashckpt.commit.layout import CommitLayout
-from flashckpt.config import RankInfo
+from flashckpt.engine.ranks import RankInfo
 from flashckpt.transport.peers import NodePlan, across_nodes
 
 __all__ = ["newer_in_memory", "agree", "verified_step", "all_ranks", "world", "across_nodes", "NodePlan",

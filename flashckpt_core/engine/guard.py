@@ -11,19 +11,36 @@
   interrupted it, or a callback) is refused: it would run in the middle of the other call's work. The
   engine's own nested calls (``save`` waiting for an overlapped snapshot, ``load`` reading memory, the
   delete function a deletion strategy is given) are told apart by their caller's code, which lies in the
-  engine's own module.
+  engine's own module (``engine_call`` decorates its methods).
+- At exit, engines still open say goodbye (``close_at_exit``), bounded, from the process that opened them.
+
+Imports only ``errors`` and ``transport.link`` (whether a restart is coming); the engine is seen through
+the ``Guarded`` protocol.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
+import logging
 import os
+import sys
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any, Protocol, TypeVar, cast
 
 from flashckpt import errors as E
+from flashckpt.transport.link import restart_expected
 
-__all__ = ["CallGuard"]
+__all__ = ["CallGuard", "Guarded", "engine_call", "open_engines"]
+
+log = logging.getLogger(__name__)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_EXIT_WAIT_S = 10.0  # at exit, how long a close waits for a call still running in another (daemon) thread
+_HERE = (lambda: None).__code__.co_filename  # this module's file, as its frames name it (close_at_exit's calls)
 
 
 class CallGuard:
@@ -78,3 +95,63 @@ class CallGuard:
                     self._op = ""
         finally:
             self._lock.release()
+
+
+class Guarded(Protocol):
+    """What ``engine_call`` and ``close_at_exit`` use of an engine."""
+
+    _guard: CallGuard
+    _closed: bool
+
+    def _ensure_runtime(self, op: str) -> None: ...
+
+    def _close(self, intent: str) -> None: ...
+
+
+def engine_call(op: str, *, renew: bool = True, forked_detaches: bool = False) -> Callable[[_F], _F]:
+    """Runs an engine method as one call under the engine's ``CallGuard`` (``_guard``: the opening process
+    only, one call at a time, no re-entry from a signal handler). A nested call made from the decorated
+    method's own module (the engine calling itself), or from this one (``close_at_exit``), is the running
+    call's own. The outermost call first
+    makes sure the job's runtime dir still holds the engine's shared memory (``renew``: ``_ensure_runtime``).
+    ``forked_detaches``: in a forked child the call only marks the child's copy closed (``close``)."""
+    def wrap(fn: _F) -> _F:
+        here = fn.__code__.co_filename
+
+        @functools.wraps(fn)
+        def call(self: Guarded, *args: Any, **kw: Any) -> Any:
+            if forked_detaches and not self._guard.owner():
+                self._closed = True  # a forked child's copy: only the opening process ends the engine
+                return None
+            caller = sys._getframe(1).f_code.co_filename
+            with self._guard.call(op, internal=caller == here or caller == _HERE) as outer:
+                if outer and renew and not self._closed:
+                    self._ensure_runtime(op)
+                return fn(self, *args, **kw)
+
+        return cast(_F, call)
+
+    return wrap
+
+
+#: The engines not closed yet (``close_at_exit`` ends them).
+open_engines: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@atexit.register
+def close_at_exit() -> None:
+    """Engines still open when the interpreter exits say goodbye, so their saver does not wait out its
+    grace period for a restart that will not come: after a normal exit, or an uncaught exception with
+    no restart expected, it persists what is newer than the last commit and exits; after an uncaught
+    exception with a restart coming, it keeps the snapshots."""
+    crashed = getattr(sys, "last_value", None) is not None  # set by the uncaught-exception handler
+    for eng in list(open_engines):
+        if not eng._guard.owner():  # a forked child's exit ends nothing of its parent's engines
+            continue
+        try:
+            # A daemon thread still inside a call of it (a long wait()) holds it for at most this long; then
+            # the saver sees this process gone, as after a crash.
+            with eng._guard.call("close", internal=True, timeout=_EXIT_WAIT_S):
+                eng._close("keep" if crashed and restart_expected() else "persist")
+        except Exception as e:  # at exit: report, never raise
+            log.warning("closing a CheckpointEngine at exit: %s", e)

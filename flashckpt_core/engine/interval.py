@@ -16,10 +16,14 @@ Without measured failure rates, ``default_failure_rates`` assumes the rate Meta 
 pre-training of Llama 3 405B: 419 unexpected interruptions in a 54-day snapshot on 16,384 H100 GPUs,
 about 78% of them attributed to confirmed or suspected hardware issues (A. Grattafiori et al., "The
 Llama 3 Herd of Models", arXiv:2407.21783, 2024, section 3.3.4 and table 5).
+
+``SavePolicy`` is what an engine's ``save(storage_type=None)`` asks: the fixed intervals, or ``AutoIntervals``
+with ``auto_save``. Pure policy: nothing here does I/O but log lines; one engine call at a time uses it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -27,7 +31,9 @@ from flashckpt import errors as E
 from flashckpt.config import StorageType
 
 __all__ = ["storage_type_for", "daly_interval", "young_interval", "expected_goodput", "IntervalChoice", "optimal_interval", "AutoIntervals",
-           "mtbf_from_failures_per_day", "FailureRates", "default_failure_rates"]
+           "mtbf_from_failures_per_day", "FailureRates", "default_failure_rates", "SavePolicy"]
+
+log = logging.getLogger(__name__)
 
 # Llama 3 405B pre-training (arXiv:2407.21783, section 3.3.4): unexpected interruptions, days, GPUs, and
 # the share attributed to (confirmed or suspected) hardware.
@@ -242,3 +248,72 @@ class AutoIntervals:
         """Records how long the saver took to persist a snapshot."""
         if seconds > 0:
             self.persist_cost_s = self._ewma(self.persist_cost_s or None, seconds)
+
+
+class SavePolicy:
+    """Which snapshot ``CheckpointEngine.save(storage_type=None)`` takes at a step: the fixed intervals
+    (``memory_interval``, ``storage_interval``: 0 turns one off) or, with ``auto``, ``AutoIntervals``; and
+    what the engine measured (snapshot pauses, persist times) for ``auto``.
+
+    Args:
+        memory_interval / storage_interval: the engine's ``save_mem_interval`` / ``save_storage_interval``.
+        auto: the interval chooser of ``auto_save`` (``for_auto_save`` makes it); None without.
+    """
+
+    def __init__(self, memory_interval: int, storage_interval: int, auto: AutoIntervals | None = None) -> None:
+        self.memory_interval, self.storage_interval, self.auto = memory_interval, storage_interval, auto
+
+    @staticmethod
+    def for_auto_save(process_mtbf_s: float | None, node_mtbf_s: float | None, world_size: int) -> AutoIntervals:
+        """``auto_save``'s interval chooser, with the default failure rates when none are given."""
+        if process_mtbf_s is None and node_mtbf_s is None:
+            rates = default_failure_rates(world_size)
+            log.info("auto_save: no failure rates given; assuming %s. Pass process_mtbf_s / node_mtbf_s (seconds) "
+                     "to use your cluster's own", rates.describe())
+            return AutoIntervals(process_mtbf_s=rates.process_mtbf_s, node_mtbf_s=rates.node_mtbf_s)
+        return AutoIntervals(process_mtbf_s=math.inf if process_mtbf_s is None else process_mtbf_s,
+                             node_mtbf_s=math.inf if node_mtbf_s is None else node_mtbf_s)
+
+    def choose(self, step: int, storage_type: StorageType | None, now: float) -> tuple[StorageType | None, str | None]:
+        """The snapshot to take at ``step`` (None: skip the step) for ``save``'s ``storage_type`` (None:
+        the intervals decide), and ``auto``'s kind of it ("memory", "storage"; None when ``auto`` did not
+        decide); ``now``: a monotonic clock.
+
+        Raises:
+            InvalidArgumentError: ``storage_type`` is neither MEMORY nor DISK, or None without any interval.
+        """
+        auto_kind = None
+        if storage_type is None and self.auto is not None:
+            auto_kind = self.auto.decide(step, now)
+            if auto_kind is None:
+                return None, None
+            storage_type = StorageType.DISK if auto_kind == "storage" else StorageType.MEMORY
+        if storage_type is None:
+            if not (self.memory_interval or self.storage_interval):
+                raise E.InvalidArgumentError(f"save(step={step}, storage_type=None): no interval is set, so nothing would "
+                                 "be saved; pass storage_type=StorageType.MEMORY or DISK, or construct the "
+                                 "engine with save_mem_interval / save_storage_interval")
+            return storage_type_for(step, self.memory_interval, self.storage_interval), None
+        if storage_type not in (StorageType.MEMORY, StorageType.DISK):
+            raise E.InvalidArgumentError(f"save(storage_type={storage_type!r}): use StorageType.MEMORY or StorageType.DISK")
+        return storage_type, auto_kind
+
+    def observe_snapshot(self, step: int, auto_kind: str | None, blocked: float) -> None:
+        """A snapshot ``auto`` decided (``auto_kind``) paused training ``blocked`` seconds; logs the
+        intervals when they change."""
+        auto = self.auto
+        if auto_kind is None or auto is None:
+            return
+        before = auto.choice
+        auto.observe_snapshot(step, auto_kind, blocked)
+        if auto.choice is not None and (before is None or (before.memory_steps, before.storage_steps)
+                                        != (auto.choice.memory_steps, auto.choice.storage_steps)):
+            c = auto.choice
+            log.info("event=auto_intervals memory_steps=%d storage_steps=%d step_s=%.4f snapshot_s=%.4f "
+                     "persist_s=%.3f expected_goodput=%.4f", c.memory_steps, c.storage_steps, auto.step_time_s or 0,
+                     auto.snapshot_cost_s or 0, auto.persist_cost_s, c.expected_goodput)
+
+    def observe_persist(self, seconds: float) -> None:
+        """The saver reported the time of its last persist (for ``auto``)."""
+        if self.auto is not None:
+            self.auto.observe_persist(seconds)

@@ -22,7 +22,8 @@ import logging
 from typing import Any
 
 import torch
-from flashckpt.format.tree import _key_str, dtype_name, map_tree_paths, tensors_by_path, value_bits
+from flashckpt.format.tensormeta import dtype_name, value_bits
+from flashckpt.format.tree import _key_str, map_tree_paths, tensors_by_path
 
 __all__ = ["Into", "fits"]
 

@@ -18,6 +18,11 @@ big ints as JSON numbers; they still decode.
 Opaque leaves (anything else) are pickled by the trainer into a blob that only a trainer decodes; the
 saver never unpickles them (its persist worker splices each pickle, unread, into the file it writes:
 ``torchfile``).
+
+One concept, both ways: this module is the skeleton format (encode: ``flatten``, ``flatten_like``; decode:
+``unflatten``), its opaque leaves, the key paths of a tree's leaves (``map_tree_paths``, ``tensor_paths``)
+and the messages that name the key of a leaf that cannot be stored; a tensor's own metadata lives in
+``format.tensormeta``. Pure functions of their arguments: any thread may call them.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ from typing import Any
 
 import torch
 from flashckpt.errors import InvalidStateDictError
+from flashckpt.format.tensormeta import dtype_from_name, dtype_name
 
-__all__ = ["TensorMeta", "Flat", "flatten", "flatten_like", "unflatten", "encode_opaque", "decode_opaque", "map_tree",
+__all__ = ["Flat", "flatten", "flatten_like", "unflatten", "encode_opaque", "decode_opaque", "map_tree",
            "map_tree_paths", "gc_paused", "check_tensor"]
 
 _PLAIN = (str, int, float, bool, type(None))
@@ -97,59 +103,6 @@ def _map(tree: Any, fn: Callable[[Any, Any], Any], leaves: tuple[type, ...], pat
     return tree
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise InvalidStateDictError(f"unknown dtype {name!r} in snapshot metadata (torch {torch.__version__})")
-    return dt
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Where one tensor lives in a slot and how to rebuild it.
-
-    Attributes:
-        shape: the tensor's shape.
-        dtype: dtype name without the ``torch.`` prefix (``"bfloat16"``).
-        offset: byte offset of the tensor's storage region inside the slot's data area (64-aligned).
-        nbytes: size in bytes of that storage region; tensors that share storage share offset and nbytes.
-        stride: the tensor's strides, in elements.
-        storage_offset: the tensor's offset into its storage, in elements.
-        device: the device the tensor came from (``"cpu"``, ``"cuda:0"``).
-        requires_grad: whether the tensor required grad.
-        parameter: whether the tensor was an ``nn.Parameter``.
-        conj: the tensor's conjugate bit (``z.conj()``: a lazy conjugate of the bytes it views).
-        neg: the tensor's negative bit (``z.conj().imag``: a lazy negation of the bytes it views).
-            Both change its values as ``torch.save`` keeps them (``torch._utils.get_tensor_metadata``).
-    """
-
-    shape: tuple[int, ...]
-    dtype: str
-    offset: int
-    nbytes: int
-    stride: tuple[int, ...] = ()
-    storage_offset: int = 0
-    device: str = "cpu"
-    requires_grad: bool = False
-    parameter: bool = False
-    conj: bool = False
-    neg: bool = False
-
-    def to_json(self) -> list[Any]:
-        out = [list(self.shape), self.dtype, self.offset, self.nbytes, list(self.stride),
-               self.storage_offset, self.device, self.requires_grad, self.parameter]
-        return out + [self.conj, self.neg] if self.conj or self.neg else out
-
-    @staticmethod
-    def from_json(v: list[Any]) -> TensorMeta:
-        bits = (bool(v[9]), bool(v[10])) if len(v) > 10 else (False, False)  # older snapshots: no bits
-        return TensorMeta(tuple(v[0]), v[1], v[2], v[3], tuple(v[4]), v[5], v[6], v[7], v[8], *bits)
-
-
 @dataclass
 class Flat:
     """A flattened state dict: skeleton, tensors in traversal order and opaque leaves."""
@@ -186,16 +139,24 @@ def flatten(obj: Any, *, check_tensors: bool = True, weights_only: bool = False)
             ``weights_only``) an int too large to load, naming its key.
     """
     tensors: list[torch.Tensor] = []
-    opaque: list[Any] = []
+    leaves = _Leaves(obj, weights_only)
+    skeleton = _encoder(obj, tensors, leaves, check_tensors)(obj)
+    return Flat(skeleton, tensors, leaves.opaque)
+
+
+def _encoder(root: Any, tensors: list[torch.Tensor], leaves: _Leaves, check_tensors: bool) -> Callable[[Any], Any]:
+    """``flatten``'s walk over the tree ``root``: tensors, strs, ints, dicts and sequences here (the bulk of a
+    state dict), any other leaf and dict keys that are not strs or ints by ``leaves``."""
     add_tensor = tensors.append
     tensor_t, param_t, strided = torch.Tensor, torch.nn.Parameter, torch.strided
     str_t, int_t, lo, hi = str, int, _I64_MIN, _I64_MAX
+    big_int, enc_key, enc_leaf = leaves.big_int, leaves.key, leaves.value
 
     def enc(x: Any) -> Any:
         tx = type(x)
         if tx is tensor_t or tx is param_t:
             if check_tensors and not (x.layout is strided and not x.is_meta and not x.is_quantized):
-                _check_tensor(x, _path_to(obj, x))
+                _check_tensor(x, _path_to(root, x))
             add_tensor(x)
             return ["T", len(tensors) - 1]
         if tx is str_t or x is None:
@@ -205,60 +166,73 @@ def flatten(obj: Any, *, check_tensors: bool = True, weights_only: bool = False)
         if tx is dict or tx is OrderedDict:
             items = [[k if type(k) is str_t or (type(k) is int_t and lo <= k <= hi) else enc_key(k), enc(v)]
                      for k, v in x.items()]
-            if tx is OrderedDict:
-                # nn.Module.state_dict() attaches per-module versions as ``_metadata``; torch.save keeps it.
-                md = getattr(x, "_metadata", None)
-                if md is not None:
-                    return ["od", items, enc(md)]
-                return ["od", items]
-            return ["d", items]
+            if tx is dict:
+                return ["d", items]
+            # nn.Module.state_dict() attaches per-module versions as ``_metadata``; torch.save keeps it.
+            md = getattr(x, "_metadata", None)
+            return ["od", items] if md is None else ["od", items, enc(md)]
         if tx is list or tx is tuple:
             return ["l" if tx is list else "t", [enc(v) for v in x]]
+        return enc_leaf(x)
+
+    return enc
+
+
+class _Leaves:
+    """``flatten``'s encoding of the leaves other than tensors, strs and small ints, and of dict keys
+    other than strs and small ints; collects the opaque leaves (of the tree ``root``, for messages)."""
+
+    __slots__ = ("root", "weights_only", "opaque")
+
+    def __init__(self, root: Any, weights_only: bool) -> None:
+        self.root, self.weights_only = root, weights_only
+        self.opaque: list[Any] = []
+
+    def value(self, x: Any) -> Any:
+        tx = type(x)
         if tx is float:
-            return ["f", x.hex() if x == x else nan_code(x)]
+            return ["f", x.hex() if x == x else _nan_code(x)]
         if tx is bool:
             return ["B", x]
         if isinstance(x, torch.Tensor):
-            _check_tensor(x, _path_to(obj, x))
+            _check_tensor(x, _path_to(self.root, x))
         if tx is bytes:
             return ["b", base64.b64encode(x).decode("ascii")]
         if tx is complex:
-            return ["c", float_code(x.real), float_code(x.imag)]
+            return ["c", _float_code(x.real), _float_code(x.imag)]
         if tx is torch.dtype:
             return ["dt", dtype_name(x)]
         if tx is torch.Size:
             return ["sz", list(x)]
         if tx is torch.device:
             return ["dev", str(x)]
-        opaque.append(x)  # pickled by encode_opaque, which refuses what cannot be
-        return ["o", len(opaque) - 1]
+        return self._opaque(x)  # pickled by encode_opaque, which refuses what cannot be
 
-    def big_int(x: int) -> list[Any]:
-        if weights_only and len(pickle.encode_long(x)) >= _LONG1_BYTES:
+    def key(self, k: Any) -> Any:
+        if type(k) in _RAW:
+            return k if type(k) is not int or _I64_MIN <= k <= _I64_MAX else self.big_int(k)
+        if type(k) is float:
+            return ["f", _float_code(k)]
+        if type(k) is bool:
+            return ["B", k]
+        if type(k) is tuple:
+            return ["t", [self.key(v) for v in k]]
+        if type(k) is bytes:
+            return ["b", base64.b64encode(k).decode("ascii")]
+        return self._opaque(k)
+
+    def big_int(self, x: int) -> list[Any]:
+        if self.weights_only and len(pickle.encode_long(x)) >= _LONG1_BYTES:
             raise InvalidStateDictError(
-                f"save(): the int at {_key_str(_path_to(obj, x))} ({x.bit_length()} bits) would not load back: "
+                f"save(): the int at {_key_str(_path_to(self.root, x))} ({x.bit_length()} bits) would not load back: "
                 "torch.load(weights_only=True), the default, reads ints of up to 255 bytes. Nothing was saved. "
                 "Store it another way (for example hex(x), read back with int(s, 16)), or, for checkpoints you "
                 "trust, construct the engine / checkpointer with weights_only=False.")
         return ["I", format(x, "x")]
 
-    def enc_key(k: Any) -> Any:
-        if type(k) in _RAW:
-            return k if type(k) is not int or lo <= k <= hi else big_int(k)
-        if type(k) is float:
-            return ["f", float_code(k)]
-        if type(k) is bool:
-            return ["B", k]
-        if type(k) is tuple:
-            return ["t", [enc_key(v) for v in k]]
-        if type(k) is bytes:
-            return ["b", base64.b64encode(k).decode("ascii")]
-        opaque.append(k)
-        return ["o", len(opaque) - 1]
-
-    nan_code, float_code = _nan_code, _float_code
-    skeleton = enc(obj)
-    return Flat(skeleton, tensors, opaque)
+    def _opaque(self, x: Any) -> list[Any]:
+        self.opaque.append(x)
+        return ["o", len(self.opaque) - 1]
 
 
 def _nan_code(x: float) -> str:
@@ -287,6 +261,17 @@ def flatten_like(obj: Any, skeleton: Any, *, check_tensors: bool = True) -> Flat
     The common case of a training loop (the same keys every step, new tensor objects) without building
     a new skeleton: no allocation per item, and nothing to free after the save."""
     tensors: list[torch.Tensor] = []
+    if not _matcher(tensors, check_tensors)(obj, skeleton):
+        return None
+    return Flat(skeleton, tensors, [])
+
+
+_Match = Callable[[Any, Any], bool]
+
+
+def _matcher(tensors: list[torch.Tensor], check_tensors: bool) -> _Match:
+    """``flatten_like``'s walk: whether a value matches its skeleton, appending its tensors to ``tensors``.
+    Dicts are matched by ``_dict_matcher`` (the tensors of a dict's values without a call each)."""
     add_tensor = tensors.append
     tensor_t, param_t, strided = torch.Tensor, torch.nn.Parameter, torch.strided
     raw = _RAW
@@ -306,43 +291,54 @@ def flatten_like(obj: Any, skeleton: Any, *, check_tensors: bool = True) -> Flat
         if type(sk) is not list:
             return False
         if tx is dict or tx is OrderedDict:
-            if sk[0] != ("d" if tx is dict else "od"):
-                return False
-            items = sk[1]
-            if len(items) != len(x):
-                return False
-            for (k, v), pair in zip(x.items(), items):
-                if type(k) not in raw or type(pair[0]) is not type(k) or pair[0] != k:
-                    return False
-                sv = pair[1]
-                tv = type(v)
-                if tv is tensor_t or tv is param_t:
-                    if type(sv) is not list or sv[0] != "T" or sv[1] != len(tensors) or not ok_tensor(v):
-                        return False
-                elif not match(v, sv):
-                    return False
-            if tx is OrderedDict:
-                md = getattr(x, "_metadata", None)
-                if (md is None) != (len(sk) == 2) or (md is not None and not match(md, sk[2])):
-                    return False
-            return True
+            return match_dict(x, sk, tx)
         if tx is list or tx is tuple:
             vals = sk[1]
             if sk[0] != ("l" if tx is list else "t") or len(vals) != len(x):
                 return False
-            for v, sv in zip(x, vals):
-                if not match(v, sv):
-                    return False
-            return True
-        if tx is float:
-            return sk[0] == "f" and sk[1] == (x.hex() if x == x else _nan_code(x))
-        if tx is bool:
-            return sk[0] == "B" and sk[1] is x
-        return False  # bytes, dtypes, opaque leaves, ...: the full walk
+            return all(map(match, x, vals))
+        return _plain_matches(x, sk, tx)
 
-    if not match(obj, skeleton):
-        return None
-    return Flat(skeleton, tensors, [])
+    match_dict = _dict_matcher(match, ok_tensor, tensors)
+    return match
+
+
+def _dict_matcher(match: _Match, ok_tensor: Callable[[Any], bool],
+                  tensors: list[torch.Tensor]) -> Callable[[Any, Any, type], bool]:
+    """``flatten_like``'s match of a dict (of type ``tx``: dict or OrderedDict) and its skeleton ``sk``."""
+    tensor_t, param_t = torch.Tensor, torch.nn.Parameter
+    raw = _RAW
+
+    def match_dict(x: Any, sk: Any, tx: type) -> bool:
+        items = sk[1]
+        if sk[0] != ("d" if tx is dict else "od") or len(items) != len(x):
+            return False
+        for (k, v), pair in zip(x.items(), items):
+            if type(k) not in raw or type(pair[0]) is not type(k) or pair[0] != k:
+                return False
+            sv = pair[1]
+            tv = type(v)
+            if tv is tensor_t or tv is param_t:
+                if type(sv) is not list or sv[0] != "T" or sv[1] != len(tensors) or not ok_tensor(v):
+                    return False
+            elif not match(v, sv):
+                return False
+        if tx is OrderedDict:
+            md = getattr(x, "_metadata", None)
+            return (md is None) == (len(sk) == 2) and (md is None or match(md, sk[2]))
+        return True
+
+    return match_dict
+
+
+def _plain_matches(x: Any, sk: list[Any], tx: type) -> bool:
+    """Whether a leaf other than a tensor, str, int or None matches its skeleton ``sk`` (a list): floats
+    and bools; anything else (bytes, dtypes, opaque leaves, ...) is left to the full walk."""
+    if tx is float:
+        return sk[0] == "f" and sk[1] == (x.hex() if x == x else _nan_code(x))
+    if tx is bool:
+        return sk[0] == "B" and sk[1] is x
+    return False
 
 
 def _path_to(root: Any, target: Any) -> list[Any]:
@@ -478,23 +474,7 @@ def unflatten(skeleton: Any, tensors: list[Any], opaque: list[Any], *, empty_byt
             return tuple(dec(v) for v in x[1])
         if tag == "o":
             return opaque[x[1]]
-        if tag == "f":
-            return _float_of(x[1])
-        if tag == "I":
-            return int(x[1], 16)
-        if tag == "B":
-            return bool(x[1])
-        if tag == "b":
-            return base64.b64decode(x[1]) if x[1] else empty_bytes
-        if tag == "c":
-            return complex(_float_of(x[1]), _float_of(x[2]))
-        if tag == "dt":
-            return dtype_from_name(x[1])
-        if tag == "sz":
-            return torch.Size(x[1])
-        if tag == "dev":
-            return torch.device(x[1])
-        raise InvalidStateDictError(f"unknown tag {tag!r} in snapshot metadata")
+        return _decode_leaf(x, empty_bytes)
 
     def dec_key(k: Any) -> Any:
         if type(k) is not list:
@@ -504,6 +484,29 @@ def unflatten(skeleton: Any, tensors: list[Any], opaque: list[Any], *, empty_byt
         return dec(k)
 
     return dec(skeleton)
+
+
+def _decode_leaf(x: list[Any], empty_bytes: Any) -> Any:
+    """A tagged plain leaf of a skeleton (``unflatten``): float, big int, bool, bytes, complex, dtype,
+    Size or device."""
+    tag = x[0]
+    if tag == "f":
+        return _float_of(x[1])
+    if tag == "I":
+        return int(x[1], 16)
+    if tag == "B":
+        return bool(x[1])
+    if tag == "b":
+        return base64.b64decode(x[1]) if x[1] else empty_bytes
+    if tag == "c":
+        return complex(_float_of(x[1]), _float_of(x[2]))
+    if tag == "dt":
+        return dtype_from_name(x[1])
+    if tag == "sz":
+        return torch.Size(x[1])
+    if tag == "dev":
+        return torch.device(x[1])
+    raise InvalidStateDictError(f"unknown tag {tag!r} in snapshot metadata")
 
 
 def tensor_paths(skeleton: Any) -> list[tuple[Any, ...]]:
@@ -554,38 +557,3 @@ def tensors_by_path(tree: Any) -> dict[tuple[Any, ...], torch.Tensor]:
 
     walk(tree, ())
     return out
-
-
-def value_bits(t: torch.Tensor) -> tuple[bool, bool]:
-    """``t``'s conjugate and negative bits: lazy operations on the bytes it views, part of its values."""
-    return t.is_conj(), t.is_neg()
-
-
-def set_value_bits(t: torch.Tensor, *, conj: bool, neg: bool) -> None:
-    """Sets those of ``t``'s conjugate and negative bits that are True, as ``torch.load`` does
-    (``torch._utils.set_tensor_metadata``; it takes only the bits that are set, as ``get_tensor_metadata``
-    gives them: a False bit in the dict is not a clear)."""
-    bits = {k: True for k, on in (("conj", conj), ("neg", neg)) if on}
-    if bits:
-        torch._utils.set_tensor_metadata(t, bits)
-
-
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
-
-
-def build_tensor(storage: torch.UntypedStorage, meta: TensorMeta) -> torch.Tensor:
-    """A tensor of ``meta``'s dtype, shape, strides and conjugate/negative bits over ``storage`` (no copy)."""
-    t = torch.empty(0, dtype=dtype_from_name(meta.dtype), device=storage.device)
-    t.set_(storage, meta.storage_offset, meta.shape, meta.stride)
-    if meta.conj or meta.neg:
-        set_value_bits(t, conj=meta.conj, neg=meta.neg)
-    if meta.parameter:
-        return torch.nn.Parameter(t, requires_grad=meta.requires_grad)
-    if meta.requires_grad:
-        t.requires_grad_(True)
-    return t

@@ -32,7 +32,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,10 +39,11 @@ from typing import IO, Any
 
 from flashckpt.config import WARM_MODULES_DIR_ENV, knob
 from flashckpt.transport.wire import write_frame
+from flashckpt.util.module_record import modules_file
 from flashckpt.util.owned_dirs import owned_dir, sweep
 from flashckpt.util.pdeathsig import die_with_parent
 
-__all__ = ["ATTEMPT_KEYS", "WarmPool", "split_command", "script_imports", "record_modules", "launch_event"]
+__all__ = ["ATTEMPT_KEYS", "WarmPool", "split_command", "script_imports", "launch_event"]
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +122,10 @@ def script_imports(target: Sequence[str]) -> list[str]:
 
 
 MODULES_DIR_ENV = WARM_MODULES_DIR_ENV
-_recorded = False
 
 
 def make_modules_dir() -> str:
-    """A private directory for the workers' module records (``record_modules``), named after this agent
+    """A private directory for the workers' module records (``util.module_record.record_modules``), named after this agent
     (``_owned_dirs``). A launcher that is SIGKILLed cannot remove its own: the directories of agents that
     are gone are removed here first (``sweep_modules_dirs``)."""
     sweep_modules_dirs()
@@ -137,33 +136,6 @@ def sweep_modules_dirs() -> None:
     """Removes this user's directories in the system temp dir of processes that are gone (module records
     of killed launchers among them)."""
     sweep(None)
-
-
-def modules_file(directory: str, local_rank: int | str) -> str:
-    return os.path.join(directory, f"local_rank_{local_rank}.json")
-
-
-def record_modules() -> None:
-    """In a worker of ``flashckpt-run``: writes the names of the modules this process has imported, once
-    (the engine calls it after the first snapshot, when training is set up), for the next warm worker of
-    its local rank to import ahead (torch imports much lazily: DDP's first construction alone imports
-    torch._dynamo, 800 modules, 1-1.5 s here)."""
-    global _recorded
-    if _recorded:  # every save calls this: one flag test after the first
-        return
-    _recorded = True
-    directory = knob("warm_modules_dir")
-    if not directory:
-        return
-    names = [n for n, m in list(sys.modules.items()) if m is not None and not n.startswith("__")]
-    path = modules_file(directory, os.environ.get("LOCAL_RANK", "0"))
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(names, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass
 
 
 def _recorded_modules(directory: str | None, local_rank: int) -> list[str] | None:

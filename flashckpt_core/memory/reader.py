@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from flashckpt import errors as E
@@ -40,28 +40,24 @@ from flashckpt.format.segment import (
     unreadable,
     writer_lease_path,
 )
-from flashckpt.format.tree import (
-    TensorMeta,
-    build_tensor,
-    contiguous_strides,
-    decode_opaque,
-    dtype_from_name,
-    gc_paused,
-    split_opaque,
-    tensor_paths,
-    unflatten,
-)
+from flashckpt.format.tensormeta import TensorMeta, build_tensor, contiguous_strides, dtype_from_name
+from flashckpt.format.tree import decode_opaque, gc_paused, split_opaque, tensor_paths, unflatten
 from flashckpt.storage import locations, registry
 from flashckpt.util import cuda as _cuda
 from flashckpt.util.copy import Copier, file_reader
 from flashckpt.util.lease import describe_holder, live_holder
 
-if TYPE_CHECKING:
-    from flashckpt.engine.engine import CheckpointEngine
-
 __all__ = ["SnapshotReader", "SnapshotInfo", "Snapshot", "read_snapshot", "job_in_memory"]
 
 log = logging.getLogger(__name__)
+
+
+class EngineLike(Protocol):
+    """What a reader takes from a ``CheckpointEngine`` it is given (the engine room is above this one)."""
+
+    knobs: Knobs
+    job_dir: str
+    weights_only: bool
 
 _CPU = torch.device("cpu")
 
@@ -245,7 +241,7 @@ class SnapshotReader:
     another live process writes (see ``own_only``).
     """
 
-    def __init__(self, source: str | os.PathLike[str] | CheckpointEngine, local_rank: int = 0, *,
+    def __init__(self, source: str | os.PathLike[str] | EngineLike, local_rank: int = 0, *,
                  weights_only: bool | None = None, rank: int | None = None,
                  world_size: int | None = None) -> None:
         if isinstance(source, (str, os.PathLike)):

@@ -1,7 +1,7 @@
-"""The snapshot writer: plans a state dict's layout in a slot and copies it into shared memory.
+"""The snapshot writer: copies a state dict into a slot of shared memory, by its plan.
 
-``plan_snapshot`` lays out every distinct tensor storage once (64-byte aligned), and the plan is reused
-while the state dict's structure is unchanged (``signature_of``, or the native scan's signature).
+The plan (``memory.plan.plan_snapshot``) lays out every distinct tensor storage once (64-byte aligned), and
+is reused while the state dict's structure is unchanged (``signature_of``, or the native scan's signature).
 ``SharedMemoryHandler`` is the trainer's side of one local rank's segments: it claims a slot (never the
 newest COMPLETE one, nor one a persist holds; see ``segment``), copies the tensors and the opaque blob in
 and marks the slot COMPLETE. It reads snapshots back as a ``SnapshotReader`` does.
@@ -10,15 +10,12 @@ and marks the slot COMPLETE. It reads snapshots back as a ``SnapshotReader`` doe
 from __future__ import annotations
 
 import array
-import functools
 import io
 import json
 import logging
-import os
 import re
 import struct
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,228 +39,32 @@ from flashckpt.format.segment import (
     lock_path,
     segment_paths,
     unreadable,
-    writer_lease_path,
 )
 from flashckpt.format.tree import (
     Flat,
-    TensorMeta,
     _key_str,
     _path_to,
     check_tensor,
-    dtype_name,
     encode_opaque,
     flatten,
     flatten_like,
     gc_paused,
-    value_bits,
 )
+from flashckpt.memory.device import DeviceCopies
+from flashckpt.memory.plan import SnapshotPlan, plan_snapshot, signature_of
 from flashckpt.memory.reader import SnapshotReader
+from flashckpt.memory.writer_lease import take_writer_lease
 from flashckpt.transport.ipc import SharedLock
-from flashckpt.util import cuda as _cuda
 from flashckpt.util import native as _native
-from flashckpt.util.copy import SMALL_COPY, Copier
-from flashckpt.util.lease import Lease, describe_holder, pid_running, read_holder
+from flashckpt.util.copy import Copier
+from flashckpt.util.lease import Lease
 
-__all__ = ["SharedMemoryHandler", "SnapshotPlan", "signature_of", "plan_snapshot", "ALIGN"]
+__all__ = ["SharedMemoryHandler", "Allocator"]
 
 log = logging.getLogger(__name__)
 
-ALIGN = 64
-
-
-def _align(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
-
-
-@dataclass(frozen=True)
-class SnapshotPlan:
-    """The slot layout of a state dict's tensors, reused while its structure is unchanged.
-
-    Attributes:
-        signature: what must match for the plan to be reused (dtypes, shapes, strides, storage sharing).
-        regions: (offset, nbytes) per distinct storage, offsets relative to the data area, 64-aligned.
-        tensor_region: for each tensor, the index of its storage region.
-        metas: the TensorMeta of each tensor.
-        tensor_bytes: bytes of the data area taken by tensor storages.
-        metas_json: the metas, JSON-encoded once.
-        copies: (tensor index, region offset, nbytes) of the first tensor of every non-empty CPU region;
-            what a snapshot copies.
-        device_copies: the same for regions on an accelerator.
-        native_signature: the native scan's signature of the tensors (b"" without the extension).
-        small_copies_packed: ``copies`` below ``SMALL_COPY`` bytes as packed int64 triples, which the
-            native fast path copies in one call; large_copies: the others, which copy on threads;
-            small_copy_work: what the small copies cost, in bytes of large memmove (each copy counts
-            4 KiB more than its size: scattered small copies run far below memmove speed).
-    """
-
-    signature: tuple[Any, ...]
-    regions: tuple[tuple[int, int], ...]
-    tensor_region: tuple[int, ...]
-    metas: tuple[TensorMeta, ...]
-    tensor_bytes: int
-    metas_json: str
-    copies: tuple[tuple[int, int, int], ...] = ()
-    device_copies: tuple[tuple[int, int, int], ...] = ()
-    native_signature: bytes = b""
-    small_copies_packed: bytes = b""
-    large_copies: tuple[tuple[int, int, int], ...] = ()
-    small_copy_work: int = 0
-
-
-def signature_of(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], list[int]]:
-    """The structure of a tensor list (equal signatures reuse one plan) and each tensor's storage address.
-    The conjugate and negative bits are part of it (they change the values the bytes stand for).
-
-    Hot path: about ten cheap attribute reads per tensor, nothing that formats strings.
-
-    Raises:
-        RuntimeError: a tensor without the storage or sizes of a strided tensor (nested, zero tensors):
-            the caller names it (``check_tensor``)."""
-    seen: dict[tuple[int, int], int] = {}
-    sig: list[Any] = []
-    ptrs: list[int] = []
-    param = torch.nn.Parameter
-    for t in tensors:
-        st = t.untyped_storage()
-        n = st.nbytes()
-        ptr = st.data_ptr()
-        dev = t.get_device() if t.is_cuda else -1
-        if n:
-            group = seen.setdefault((dev, ptr), len(seen))
-        else:
-            group = -1
-        ptrs.append(ptr)
-        sig.append((t.dtype, t.shape, t.stride(), t.storage_offset(), n, group, dev,
-                    t.requires_grad, type(t) is param, t.is_conj(), t.is_neg()))
-    return tuple(sig), ptrs
-
-
-def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...], *,
-                  native_signature: bytes = b"", key_of: Callable[[int], str] = str) -> SnapshotPlan:
-    """Lay out every distinct storage once, 64-byte aligned, in traversal order.
-
-    Raises:
-        InvalidStateDictError: a tensor whose file would not load back (``key_of(i)`` names tensor ``i``;
-            the plan is made before anything is written): two tensors view one storage as types
-            ``torch.save`` cannot write together, a quantized dtype without a quantizer, or a tensor that
-            requires grad of a dtype this torch's ``torch.load`` cannot rebuild so (``_grad_loads``).
-    """
-    regions: list[tuple[int, int]] = []
-    group_region: dict[int, int] = {}
-    group_first: dict[int, int] = {}  # the first tensor of each storage, for the types check
-    tensor_region: list[int] = []
-    metas: list[TensorMeta] = []
-    as_bytes = torch.storage._new_dtypes()
-    off = 0
-    for i, (t, s) in enumerate(zip(tensors, signature)):
-        n, group = s[4], s[5]
-        if group >= 0 and group in group_region:
-            ri = group_region[group]
-            _check_one_storage_type(tensors, group_first[group], i, as_bytes, key_of)
-        else:
-            ri = len(regions)
-            regions.append((off, n))
-            off = _align(off + n)
-            if group >= 0:
-                group_region[group] = ri
-                group_first[group] = i
-        if t.dtype in _QUANTIZED:
-            raise E.InvalidStateDictError(
-                f"save(): the tensor at {key_of(i)} has the quantized dtype {t.dtype} but no quantizer (a view of "
-                "integer data); torch.save cannot write its rebuilt form. Nothing was saved. Save it as its integer "
-                "type (t.view(torch.int8) / torch.uint8 / torch.int32), or as a quantized tensor.")
-        if t.requires_grad and t.dtype in as_bytes and type(t) is not torch.nn.Parameter and not _grad_loads(t.dtype):
-            raise E.InvalidStateDictError(
-                f"save(): the tensor at {key_of(i)} ({t.dtype}, requires_grad=True) would not load back: torch.load "
-                f"{torch.__version__} cannot rebuild a {t.dtype} tensor that requires grad (torch.save writes it). "
-                "Nothing was saved. Save it as an nn.Parameter, or t.detach() (and set requires_grad after loading).")
-        tensor_region.append(ri)
-        r_off, r_n = regions[ri]
-        metas.append(TensorMeta(tuple(t.shape), dtype_name(t.dtype), r_off, r_n, tuple(t.stride()),
-                                int(t.storage_offset()), str(t.device), bool(t.requires_grad),
-                                type(t) is torch.nn.Parameter, *value_bits(t)))
-    metas_json = json.dumps([m.to_json() for m in metas], separators=(",", ":"))
-    copies: list[tuple[int, int, int]] = []
-    device_copies: list[tuple[int, int, int]] = []
-    first: set[int] = set()
-    for i, (ri, s) in enumerate(zip(tensor_region, signature)):
-        if ri in first or not regions[ri][1]:
-            continue
-        first.add(ri)
-        (device_copies if s[6] >= 0 else copies).append((i, regions[ri][0], regions[ri][1]))
-    small_list = [c for c in copies if c[2] < SMALL_COPY]
-    small = array.array("q", [v for c in small_list for v in c])
-    large = tuple(c for c in copies if c[2] >= SMALL_COPY)
-    work = sum(c[2] + 4096 for c in small_list)
-    return SnapshotPlan(signature, tuple(regions), tuple(tensor_region), tuple(metas), off, metas_json,
-                        tuple(copies), tuple(device_copies), native_signature, small.tobytes(), large, work)
-
-
-_QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)}
-
-
-@functools.cache
-def _grad_loads(dtype: torch.dtype) -> bool:
-    """Whether ``torch.load`` reads back a tensor of ``dtype`` (one ``torch.save`` writes untyped) that
-    requires grad: torch 2.13's ``_rebuild_tensor_v3`` makes it requiring grad, then ``set_``s its storage,
-    which autograd refuses. Asked of this torch once per dtype."""
-    buf = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (torch warns that some of these dtypes are experimental)
-        torch.save(torch.empty(1, dtype=dtype).requires_grad_(), buf)
-        buf.seek(0)
-        try:
-            torch.load(buf, weights_only=True)
-        except RuntimeError:
-            return False
-    return True
-
-
-def _check_one_storage_type(tensors: list[torch.Tensor], first: int, i: int, as_bytes: set[torch.dtype],
-                            key_of: Callable[[int], str]) -> None:
-    """Refuses tensors ``first`` and ``i``, views of one storage, when ``torch.save`` would refuse them: it
-    writes a storage once, as one type (the tensor's dtype, or bytes for the dtypes it writes untyped:
-    float8, complex32, uint16-64), and refuses "multiple tensors or storages that view the same data as
-    different types"."""
-    a, b = tensors[first].dtype, tensors[i].dtype
-    if a == b or (a in as_bytes or a == torch.uint8) and (b in as_bytes or b == torch.uint8):
-        return
-    raise E.InvalidStateDictError(
-        f"save(): the tensors at {key_of(i)} ({b}) and {key_of(first)} ({a}) view one storage as different "
-        "types, which torch.save cannot write (a persist would fail). Nothing was saved. Save a copy of one of "
-        "them (.clone()), or both as one type.")
-
-
 Allocator = Callable[[int, int, int], str]
 """(local_rank, meta_cap, data_cap) -> path of a new segment created by the saver."""
-
-
-_DEAD_HOLDER_WAIT_S = 10.0
-_PROBE_S = 0.05
-
-
-def _take_writer_lease(job_dir: str, local_rank: int, info: dict[str, Any]) -> Lease:
-    """The writer lease of ``local_rank``'s segments, or SharedMemoryError naming its holder."""
-    path = writer_lease_path(job_dir, local_rank)
-    lease = Lease(path)
-    try:
-        # A moment's retry: a reader probing whether a live writer holds it (``_lease.live_holder``)
-        # locks it for an instant.
-        ok = lease.try_acquire({"local_rank": local_rank, **info}, timeout=_PROBE_S)
-    except OSError as e:
-        raise E.SharedMemoryError(f"could not take the writer lease {path}: {e}") from e
-    holder = read_holder(path) if not ok else {}
-    pid = holder.get("pid")
-    if not ok and isinstance(pid, int) and pid != os.getpid() and not pid_running(pid):
-        # A holder that was just killed: its threads may still be exiting (its pid already a zombie) and
-        # its files still open for a moment. Its lease frees when they are gone.
-        ok = lease.try_acquire({"local_rank": local_rank, **info}, timeout=_DEAD_HOLDER_WAIT_S)
-    if ok:
-        return lease
-    raise E.SharedMemoryError(
-        f"local rank {local_rank}'s shared-memory snapshots in {job_dir} are already written by "
-        f"{describe_holder(holder)}; two writers would tear each other's checkpoints. Close "
-        "the other CheckpointEngine first, or give each job its own FLASHCKPT_JOB_ID or checkpoint dir.")
 
 
 def _holders(hs: list[SlotHeader], newest: int | None) -> str:
@@ -279,6 +80,24 @@ def _holders(hs: list[SlotHeader], newest: int | None) -> str:
         if what:
             out.append(f"step {h.step} ({', '.join(what)})")
     return ", ".join(out) or "none"
+
+
+@dataclass(frozen=True)
+class _HostCopy:
+    """What ``start_save`` leaves to its ``finish``: the claimed slot of ``seg``, the plan, the metadata and
+    opaque blob to write, the large host copies as (offset, source address, bytes), the native extension
+    (None without it) with the storage addresses it copies the small ones from, and the device copies' event."""
+
+    seg: Segment
+    slot: int
+    step: int
+    plan: SnapshotPlan
+    meta: bytes
+    blob: bytes
+    large: list[tuple[int, int, int]]
+    native: Any
+    ptrs: Any
+    device_done: Any
 
 
 def _refuse(root: Any, t: torch.Tensor) -> None:
@@ -334,9 +153,7 @@ class SharedMemoryHandler(SnapshotReader):
         self._seg: Segment | None = None
         self._plan: SnapshotPlan | None = None
         self._tree_cache: tuple[SnapshotPlan, Any, str] | None = None
-        # (segment path, slot) -> the registered address (0: the driver refused; copied unpinned)
-        self._cuda_registered: dict[tuple[str, int], int] = {}
-        self._stream: Any = None
+        self._device = DeviceCopies()
         self.slot_wait_timeout = slot_wait_timeout
         self._seq = -1  # the highest save sequence number seen; -1 until the live segments were read
         self._loadable: set[int] = set()  # digests of opaque leaves known to load under weights_only
@@ -363,61 +180,32 @@ class SharedMemoryHandler(SnapshotReader):
             CheckpointTimeoutError: no slot became free within ``slot_wait_timeout``.
         """
         if self._lease is None and self._allocate is not None:
-            self._lease = _take_writer_lease(self.job_dir, self.local_rank, self._writer_info)
+            self._lease = take_writer_lease(self.job_dir, self.local_rank, self._writer_info)
         # The walk allocates ~5 containers per tensor: no garbage collection in the middle of the pause.
         with gc_paused():
             native = _native.get()
-            cached = self._tree_cache
-            if cached and native is not None:
-                ts = native.flatten_like(state_dict, cached[1], torch.nn.Parameter, OrderedDict)
-                flat = Flat(cached[1], ts, []) if ts is not None else None
-            else:
-                flat = flatten_like(state_dict, cached[1], check_tensors=native is None) if cached else None
-            if flat is None:
-                flat = flatten(state_dict, check_tensors=native is None, weights_only=self.weights_only)
-            tensors = flat.tensors
-
-            def key_of(i: int) -> str:
-                return _key_str(_path_to(state_dict, tensors[i]))
-
-            if native is not None:
-                # One C++ call for the signature and storage addresses (and the tensor checks).
-                nsig, nptrs, bad = native.scan(flat.tensors, torch.nn.Parameter)
-                if bad >= 0:
-                    _refuse(state_dict, flat.tensors[bad])
-                plan = self._plan
-                if plan is None or plan.native_signature != nsig:
-                    sig, _ = signature_of(flat.tensors)
-                    plan = self._plan = plan_snapshot(flat.tensors, sig, native_signature=nsig, key_of=key_of)
-            else:
-                try:
-                    sig, ptrs = signature_of(flat.tensors)
-                except RuntimeError:
-                    for t in flat.tensors:
-                        check_tensor(t, _path_to(state_dict, t))  # raises, naming the key
-                    raise
-                if self._plan is None or self._plan.signature != sig:
-                    self._plan = plan_snapshot(flat.tensors, sig, key_of=key_of)
-                plan = self._plan
+            flat = self._flatten(state_dict, native)
+            plan, ptrs = self._plan_for(state_dict, flat.tensors, native)
             blob, lengths = encode_opaque(flat.opaque, state_dict)
             if self.weights_only and flat.opaque:
                 self._check_loadable(state_dict, flat.opaque, blob, lengths)
             meta = self._meta_json(step, ckpt_name, flat, plan, lengths)
             seg = self._segment_for(len(meta), plan.tensor_bytes + len(blob))
-            if self._cuda_registered:
-                self._release_stale_registrations(seg)
+            if self._device.registered:
+                self._device.release_stale(seg)
             slot = self._acquire_slot(seg, step)
             try:
-                device_done = self._copy_cuda(seg, slot, [(flat.tensors[i], off, n) for i, off, n in plan.device_copies]) \
+                device_done = self._device.copy(seg, slot, [(flat.tensors[i], off, n) for i, off, n in plan.device_copies]) \
                     if plan.device_copies else None
             except BaseException:
                 self._set_state(seg, slot, EMPTY)
                 raise
         if native is not None:
-            addr = array.array("q", nptrs)
+            addr = array.array("q", ptrs)
             large = [(off, addr[i], n) for i, off, n in plan.large_copies]
         else:
             large = [(off, ptrs[i], n) for i, off, n in plan.copies]
+        copy = _HostCopy(seg, slot, step, plan, meta, blob, large, native, ptrs, device_done)
         # The copies read the tensors by address: they are kept alive until finish() is done with them. An
         # overlapped save's caller may drop its state dict at once (``save(step, {"w": torch.ones(3)})``),
         # and a freed tensor's memory is reused or unmapped under the background copy.
@@ -427,39 +215,93 @@ class SharedMemoryHandler(SnapshotReader):
         def finish() -> SlotRef:
             nonlocal sources
             try:
-                data = seg.base + seg.data_off(slot)
-                small = None
-                if native is not None and plan.small_copies_packed:
-                    def small() -> None:
-                        native.copy_storages(data, nptrs, plan.small_copies_packed)
-                self._copier.run([(data + off, src, n) for off, src, n in large], small, plan.small_copy_work)
-                if blob:
-                    off = seg.data_off(slot) + plan.tensor_bytes
-                    seg.mm[off: off + len(blob)] = blob
-                moff = seg.meta_off(slot)
-                seg.mm[moff: moff + len(meta)] = meta
-                if device_done is not None:
-                    device_done.synchronize()
-            except BaseException:
-                self._set_state(seg, slot, EMPTY)
-                raise
+                self._copy_host(copy)
             finally:
                 sources = None  # copied (or failed): the caller's tensors are free to go
-            h0 = seg.header(slot)
-            gen = h0.generation
-            seg.write_header(slot, SlotHeader(COMPLETE, 0, step, gen, len(meta), xxhash.xxh64_intdigest(meta),
-                                              plan.tensor_bytes, len(blob), time.time(), h0.seq, self._owner,
-                                              self._world))
-            return SlotRef(seg.path, slot, gen, step)
+            return self._complete(copy)
 
         return finish
+
+    def _flatten(self, state_dict: Any, native: Any) -> Flat:
+        """The state dict's tensors, skeleton and opaque leaves: the last snapshot's skeleton reused while the
+        tree keeps its structure and plain leaves (``flatten_like``, or the native extension's), else a new
+        walk (``flatten``). The tensor checks are the native scan's when the extension is there."""
+        cached = self._tree_cache
+        if cached and native is not None:
+            ts = native.flatten_like(state_dict, cached[1], torch.nn.Parameter, OrderedDict)
+            flat = Flat(cached[1], ts, []) if ts is not None else None
+        else:
+            flat = flatten_like(state_dict, cached[1], check_tensors=native is None) if cached else None
+        if flat is None:
+            flat = flatten(state_dict, check_tensors=native is None, weights_only=self.weights_only)
+        return flat
+
+    def _plan_for(self, state_dict: Any, tensors: list[torch.Tensor], native: Any) -> tuple[SnapshotPlan, Any]:
+        """The plan for ``tensors`` (the last one while their signature is unchanged) and their storage
+        addresses (the native scan's, or a list). Raises InvalidStateDictError naming an unstorable tensor."""
+
+        def key_of(i: int) -> str:
+            return _key_str(_path_to(state_dict, tensors[i]))
+
+        if native is not None:
+            # One C++ call for the signature and storage addresses (and the tensor checks).
+            nsig, nptrs, bad = native.scan(tensors, torch.nn.Parameter)
+            if bad >= 0:
+                _refuse(state_dict, tensors[bad])
+            plan = self._plan
+            if plan is None or plan.native_signature != nsig:
+                sig, _ = signature_of(tensors)
+                plan = self._plan = plan_snapshot(tensors, sig, native_signature=nsig, key_of=key_of)
+            return plan, nptrs
+        try:
+            sig, ptrs = signature_of(tensors)
+        except RuntimeError:
+            for t in tensors:
+                check_tensor(t, _path_to(state_dict, t))  # raises, naming the key
+            raise
+        if self._plan is None or self._plan.signature != sig:
+            self._plan = plan_snapshot(tensors, sig, key_of=key_of)
+        return self._plan, ptrs
+
+    def _copy_host(self, c: _HostCopy) -> None:
+        """``finish``'s copies into the claimed slot: the host tensors (small ones in one native call, large
+        ones on the copier's threads), the opaque blob and the metadata; then waits for the device copies.
+        On any failure the slot is left EMPTY."""
+        seg, slot, plan = c.seg, c.slot, c.plan
+        try:
+            data = seg.base + seg.data_off(slot)
+            small = None
+            native = c.native
+            if native is not None and plan.small_copies_packed:
+                def small() -> None:
+                    native.copy_storages(data, c.ptrs, plan.small_copies_packed)
+            self._copier.run([(data + off, src, n) for off, src, n in c.large], small, plan.small_copy_work)
+            if c.blob:
+                off = seg.data_off(slot) + plan.tensor_bytes
+                seg.mm[off: off + len(c.blob)] = c.blob
+            moff = seg.meta_off(slot)
+            seg.mm[moff: moff + len(c.meta)] = c.meta
+            if c.device_done is not None:
+                c.device_done.synchronize()
+        except BaseException:
+            self._set_state(seg, slot, EMPTY)
+            raise
+
+    def _complete(self, c: _HostCopy) -> SlotRef:
+        """Marks the slot of a finished copy COMPLETE (its header: step, metadata digest, sizes, owner)."""
+        seg, slot = c.seg, c.slot
+        h0 = seg.header(slot)
+        gen = h0.generation
+        seg.write_header(slot, SlotHeader(COMPLETE, 0, c.step, gen, len(c.meta), xxhash.xxh64_intdigest(c.meta),
+                                          c.plan.tensor_bytes, len(c.blob), time.time(), h0.seq, self._owner,
+                                          self._world))
+        return SlotRef(seg.path, slot, gen, c.step)
 
     def _check_loadable(self, root: Any, opaque: list[Any], blob: bytes, lengths: list[int]) -> None:
         """Refuses, before anything is written, an opaque leaf that ``torch.load(weights_only=True)`` (and
         a memory load under the same rules) would refuse at resume time. Each distinct leaf (by its
         pickle's digest) is checked once, so a training loop saving the same objects pays a hash per
         leaf, and a state dict of tensors and plain values nothing at all."""
-        import io
 
         from torch import _weights_only_unpickler
 
@@ -513,7 +355,7 @@ class SharedMemoryHandler(SnapshotReader):
         data_cap = data_len + max(data_len // 64, 64 << 10)  # slack for growing plain leaves
         path = self._allocate(self.local_rank, meta_cap, data_cap)
         if self._seg is not None:
-            self._unregister(self._seg)
+            self._device.forget(self._seg)
             self._seg.close()
         self._seg = Segment(path)
         return self._seg
@@ -556,7 +398,7 @@ class SharedMemoryHandler(SnapshotReader):
                 if h.flags & FLAG_UNRESERVED:
                     if not spares:
                         break
-                    self._drop_registration((seg.path, i))  # it pins the pages the saver gave back
+                    self._device.drop((seg.path, i))  # it pins the pages the saver gave back
                     try:
                         seg.reserve(i)
                     except OSError as e:  # the other spares would not fit either
@@ -594,31 +436,6 @@ class SharedMemoryHandler(SnapshotReader):
         with self._lock:
             struct.pack_into("<I", seg.mm, seg.slot_off(slot), state)
 
-    def _copy_cuda(self, seg: Segment, slot: int, items: list[tuple[torch.Tensor, int, int]]) -> Any:
-        """Queues device-to-host copies on a side stream into the slot (page-locked at its first use),
-        ordered after the work already queued on the current stream; returns the event that completes
-        them (``_cuda``)."""
-        key = (seg.path, slot)
-        if key not in self._cuda_registered:
-            addr = seg.base + seg.slot_off(slot)
-            self._cuda_registered[key] = addr if _cuda.register(addr, seg.slot_size) else 0
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        data = seg.base + seg.data_off(slot)
-        return _cuda.copy_to_host(self._stream, [(t, data + off, n) for t, off, n in items])
-
-    def _release_stale_registrations(self, seg: Segment) -> None:
-        """Unregisters the slots of ``seg`` the saver gave back since they were registered: their pages
-        left the file (a later reserve maps new ones), and the registration alone still pins the old."""
-        for key in [k for k in self._cuda_registered if k[0] == seg.path]:
-            if seg.header(key[1]).flags & FLAG_UNRESERVED:
-                self._drop_registration(key)
-
-    def _drop_registration(self, key: tuple[str, int]) -> None:
-        addr = self._cuda_registered.pop(key, 0)
-        if addr:
-            _cuda.unregister(addr)
-
     def mark_pending(self, ref: SlotRef) -> None:
         """Flags ``ref``'s slot as awaiting a persist, so no later snapshot overwrites it first."""
         seg = self._open(ref.path)
@@ -640,10 +457,6 @@ class SharedMemoryHandler(SnapshotReader):
             return self._seg
         return super()._open(path)
 
-    def _unregister(self, seg: Segment) -> None:
-        for key in [k for k in self._cuda_registered if k[0] == seg.path]:
-            self._drop_registration(key)
-
     def segment_gone(self) -> bool:
         """Whether the segment this writer maps was removed or replaced under it (a wiped runtime dir): what
         it copies there no longer reaches anyone."""
@@ -655,7 +468,7 @@ class SharedMemoryHandler(SnapshotReader):
         and a new segment from the new saver."""
         try:
             if self._seg is not None:
-                self._unregister(self._seg)
+                self._device.forget(self._seg)
                 self._seg.close()
                 self._seg = None
             super().forget_segments()
@@ -676,7 +489,7 @@ class SharedMemoryHandler(SnapshotReader):
     def _close_segments(self) -> None:
         try:
             if self._seg is not None:
-                self._unregister(self._seg)
+                self._device.forget(self._seg)
                 self._seg.close()
                 self._seg = None
         finally:

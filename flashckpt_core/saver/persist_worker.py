@@ -49,8 +49,9 @@ from flashckpt.config import knob
 from flashckpt.format.files import FileSet, is_fileset_tree
 from flashckpt.format.rawpickle import EMPTY_BYTES, RawPickle
 from flashckpt.format.segment import COMPLETE, Segment
+from flashckpt.format.tensormeta import TensorMeta, build_tensor
 from flashckpt.format.torchfile import SPLICING_MODULE, torch_save_parts, zip_crc_slots
-from flashckpt.format.tree import TensorMeta, build_tensor, split_opaque, unflatten
+from flashckpt.format.tree import split_opaque, unflatten
 from flashckpt.storage import locations
 from flashckpt.storage.base import CheckpointStorage, FileRecord, HashingWriter
 from flashckpt.storage.registry import options_from_env, storage_from_spec

@@ -74,7 +74,7 @@ def test_cuda_tensors_snapshot_and_load_bit_exact(make_engine, ckpt_dir):
     assert got["model"]["view"].stride() == sd["model"]["view"].stride()
     assert_same_tree(_to_cpu(got), expected)
     handler = eng._handler  # the writer's record of registered slots; no public accessor for it
-    assert handler._cuda_registered and all(handler._cuda_registered.values()), \
+    assert handler._device.registered and all(handler._device.registered.values()), \
         "the slot was not registered as pinned memory"
     eng.close()
 
@@ -150,14 +150,14 @@ def test_registration_is_per_slot_and_undone_at_close(make_engine):
     for step in range(1, 4):
         eng.save(step, {"w": torch.full((1 << 20,), float(step), device="cuda")}, storage_type=MEMORY)
     seg = handler._seg
-    registered = {slot for (path, slot) in handler._cuda_registered if path == seg.path}
+    registered = {slot for (path, slot) in handler._device.registered if path == seg.path}
     from flashckpt.format.segment import FLAG_UNRESERVED
 
     # memory saves only: the writer alternates between the reserved slots; the spare stays unregistered
     spare = [i for i in range(seg.nslots) if seg.header(i).flags & FLAG_UNRESERVED]
     assert registered and not registered & set(spare)
     eng.close()
-    assert not handler._cuda_registered
+    assert not handler._device.registered
 
 
 _TRAINER = textwrap.dedent("""

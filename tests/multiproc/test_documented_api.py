@@ -96,7 +96,7 @@ class Recorder(CheckpointDeletionStrategy):
 def test_an_exception_in_clean_up_is_logged_never_raised_into_training(make_engine, ckpt_dir, caplog):
     strategy = Recorder()
     eng = make_engine(deletion_strategy=strategy)
-    with caplog.at_level(logging.ERROR, logger="flashckpt.engine.engine"):
+    with caplog.at_level(logging.ERROR, logger="flashckpt.engine"):
         for step in (1, 2):
             eng.save(step, sd(step), storage_type=DISK)
             eng.wait(60)
@@ -270,7 +270,7 @@ def test_a_file_url_maps_to_its_local_path(make_engine, tmp_path):
 def test_auto_save_without_failure_rates_uses_the_published_default(make_engine, caplog):
     from flashckpt.engine.interval import default_failure_rates
 
-    with caplog.at_level(logging.INFO, logger="flashckpt.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="flashckpt.engine"):
         eng = make_engine(auto_save=True, max_to_keep=0)
     assert "419 unexpected interruptions in 54 days on 16,384 GPUs" in caplog.text
     rates = default_failure_rates(1)

@@ -300,7 +300,7 @@ def test_damaged_newest_committed_step_falls_back_to_the_previous_one(make_engin
         f.write(bytes(b ^ 0xFF for b in chunk))
 
     second = make_engine(max_to_keep=0)
-    with caplog.at_level(logging.WARNING, logger="flashckpt.engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="flashckpt.engine"):
         sd = second.load()
     assert (second.last_load.source, second.last_load.step) == ("storage", 1)
     assert_same_tree(model_sd(1), sd)
@@ -361,7 +361,7 @@ def test_auto_save_measures_then_checkpoints_by_the_optimum(make_engine, ckpt_di
     eng.wait(60)
     assert committed(ckpt_dir) == [2]
     assert eng.memory_steps()[0] == 2
-    assert eng._auto.choice is not None and eng._auto.choice.memory_steps > 100
+    assert eng._policy.auto.choice is not None and eng._policy.auto.choice.memory_steps > 100
     eng.close()
 
 

@@ -312,7 +312,7 @@ def test_corrupted_file_in_newest_step(fault_env: FaultEnv, caplog: pytest.LogCa
 
     engine = CheckpointEngine(ckpt, max_to_keep=0)
     try:
-        with caplog.at_level(logging.WARNING, logger="flashckpt.engine.engine"):
+        with caplog.at_level(logging.WARNING, logger="flashckpt.engine"):
             sd = engine.load()
         assert (engine.last_load.source, engine.last_load.step) == ("storage", 1)
         assert_state_of(sd, 1, mb)

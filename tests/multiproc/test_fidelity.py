@@ -27,7 +27,7 @@ import xxhash
 from flashckpt import FlashCheckpointError, InvalidStateDictError, StorageType
 from flashckpt.commit.layout import CommitLayout
 from flashckpt.engine.remote_load import load_remote
-from flashckpt.memory.writer import _grad_loads
+from flashckpt.memory.plan import _grad_loads
 from flashckpt.storage.posix import PosixDiskStorage
 from flashckpt.util import native as _native
 from helpers import assert_same_tree, wait_savers_gone

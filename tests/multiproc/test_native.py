@@ -14,7 +14,7 @@ import pytest
 import torch
 from flashckpt import InvalidStateDictError, StorageType
 from flashckpt.format.tree import flatten
-from flashckpt.memory.writer import signature_of
+from flashckpt.memory.plan import signature_of
 from flashckpt.util import native as _native
 from helpers import assert_same_tree
 

@@ -129,7 +129,7 @@ def test_the_engine_recovers_from_a_killed_saver(make_engine, runtime_dir, ckpt_
         if seg_lock.locked():
             seg_lock.release()
 
-    with caplog.at_level(logging.WARNING, logger="flashckpt.engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="flashckpt.engine"):
         assert eng.save(3, state(3), storage_type=MEMORY)  # no saver needed
         with pytest.raises(PersistError, match=rf"step\(s\) \[2\] were lost.*pid {old}"):
             eng.save(4, state(4), storage_type=DISK)  # attaches a new saver; step 4's persist is scheduled

@@ -115,7 +115,7 @@ _ROUNDS = """
 import json, os, signal, sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
-from flashckpt.launch.warm import record_modules
+from flashckpt.util.module_record import record_modules
 
 out, rounds, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 n = int(os.environ["TORCHELASTIC_RESTART_COUNT"])

@@ -16,7 +16,8 @@ import time  # noqa: E402
 
 import _warm_probe_helper  # noqa: E402  (the user's own module, beside the script: never imported ahead)
 import torch  # noqa: E402, F401
-from flashckpt.launch.warm import ATTEMPT_KEYS, record_modules  # noqa: E402
+from flashckpt.launch.warm import ATTEMPT_KEYS  # noqa: E402
+from flashckpt.util.module_record import record_modules  # noqa: E402
 
 
 def main() -> int:

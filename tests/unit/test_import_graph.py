@@ -94,10 +94,7 @@ CYCLE_RULES: dict[str, frozenset[str]] = {
 #: branch fixes it, so that they turn into errors (XPASS) once it lands and the mark must go
 OPEN = {
     "patches import no private integrations._* module": "adapters",
-    "the engine does not import launch": "corecx",
     "transport does not import the saver": "saver",
-    "memory does not import the engine": "corecx",
-    "the engine and memory import no cycle": "corecx",
     "the hf and accelerate adapters import no cycle": "adapters",
 }
 

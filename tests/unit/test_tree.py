@@ -23,7 +23,7 @@ import pytest
 import torch
 from flashckpt import CheckpointEngine, FlashCheckpointError, InvalidStateDictError, StorageType
 from flashckpt.format.tree import Flat, flatten, flatten_like, unflatten
-from flashckpt.memory.writer import ALIGN, plan_snapshot, signature_of
+from flashckpt.memory.plan import ALIGN, plan_snapshot, signature_of
 from helpers import assert_bit_identical, assert_same_tree, leftovers, wait_savers_gone
 
 DTYPES = {

@@ -1,0 +1,150 @@
+"""The engine's load path: where the newest checkpoint every rank has lives, and reading it from storage.
+
+``Restorer.locate`` agrees with every rank of the process group on the step to load (memory, a peer's
+memory across nodes, or a committed step verified on every rank); ``Restorer.newest`` locates and, from
+storage, loads it, going back a committed step while a step turns out damaged on some rank. A memory
+snapshot is read by the engine (``CheckpointEngine.load_memory``). ``LoadResult`` and ``Located`` are
+what a load and a locate report.
+
+Imports ``commit``, ``transport.messages``, ``memory.reader`` and the engine's ``agreement`` and
+``loader``; the engine hands in its commit records, its storage loader and how to ask its saver (all made
+lazily). Collective: every rank of the group calls ``locate`` and ``newest`` together; one engine call at
+a time uses a ``Restorer``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from flashckpt import errors as E
+from flashckpt.commit.layout import CommitLayout
+from flashckpt.engine.agreement import agree, all_ranks, memory_across_nodes, multi_node, newer_in_memory, verified_step
+from flashckpt.engine.loader import StorageLoader
+from flashckpt.engine.ranks import RankInfo
+from flashckpt.memory.reader import SnapshotReader
+from flashckpt.transport import messages as M
+
+__all__ = ["LoadResult", "Located", "Restorer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What the last ``load()`` found: the step, where it came from ("memory", "storage" or "none"),
+    seconds it took and bytes of tensor data."""
+
+    step: int | None
+    source: str
+    seconds: float
+    nbytes: int
+    note: str = ""  # with source "none": why files the checkpoint dir holds were not used (``adopt.unrecorded``)
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where the newest checkpoint every rank has lives: ``step``, ``source`` ("memory", "storage" or
+    "none") and ``path``: this rank's file (or ``FileSet`` directory) as given to ``save``."""
+
+    step: int | None
+    source: str
+    path: str | None
+
+
+class Restorer:
+    """One engine's load path.
+
+    Args:
+        ranks / group: this rank and the process group whose ranks agree (None: the default group).
+        replicated / snapshots: the engine's replicated mode, and whether this rank writes snapshots.
+        reader: this rank's reader of memory snapshots.
+        layout / loader: the engine's commit records and storage loader (asked for when needed).
+        call: sends a request to the node's saver (the engine's ``_client_call``).
+    """
+
+    def __init__(self, *, ranks: RankInfo, group: Any, replicated: bool, snapshots: bool, reader: SnapshotReader,
+                 layout: Callable[[], CommitLayout], loader: Callable[[], StorageLoader],
+                 call: Callable[[Any], Any]) -> None:
+        self.ranks, self.group, self.replicated, self.snapshots = ranks, group, replicated, snapshots
+        self.reader, self._layout, self._loader, self._call = reader, layout, loader, call
+        self.downloads = False  # a load from an object store may have left a shared download
+
+    def locate(self, *, memory: bool, deep: bool, exclude: frozenset[int] | set[int] = frozenset()) -> Located:
+        """``CheckpointEngine.locate``; ``deep=False`` verifies storage steps by size only (for a load that
+        checks the checksums while it reads), ``exclude``: steps found damaged by such a load."""
+        layout = self._layout()
+        committed = layout.committed_steps()
+        if memory and multi_node(self.ranks, self.group):
+            found = self._across_nodes(layout, committed)
+            if found is not None:
+                return Located(found, "memory", self.reader.snapshot_name(found) or None)
+            memory = False
+        mem = newer_in_memory(self.reader.memory_snapshots(), layout, self.ranks, committed)[:2] if memory else []
+        step, source = agree(mem, committed, self.group)
+        if source == "memory" and step is not None:
+            return Located(step, "memory", self.reader.snapshot_name(step) or None)
+        if source == "storage":
+            step = verified_step(layout, self.ranks.rank, committed, step, self.group, deep=deep,
+                                 exclude=exclude, world_size=self.ranks.world_size)
+            return Located(step, "storage", self._loader().path_of(step))
+        return Located(None, "none", None)
+
+    def _across_nodes(self, layout: CommitLayout, committed: list[int]) -> int | None:
+        """The step memory holds for every rank across nodes (a rank's snapshot may be on a peer: a backup
+        of a lost node's, or ranks that moved), or None; None at once when a rank's segments are another
+        live training's (logged by its reader)."""
+        if not all_ranks(self.reader.written_by_another() is None, self.group):
+            return None
+        return memory_across_nodes(
+            lambda: self._call(M.Inventory()).to_wire(),
+            lambda rank, step, sources: self._call(M.Fetch(local_rank=self.ranks.local_rank, rank=rank,
+                                                           step=step, sources=sources)),
+            layout, self.ranks, committed, replicated=self.replicated, writes_snapshots=self.snapshots,
+            group=self.group)
+
+    def newest(self, *, deep: bool, into: Any) -> tuple[Located, Any, int]:
+        """Locates the newest checkpoint every rank has and, from storage, loads it: (where, the state dict,
+        bytes of tensor data); a memory snapshot is only located (the state dict None). A step damaged on a
+        rank (``CheckpointCorruptError``) is excluded on every rank and the previous one tried; ``deep``:
+        verify storage steps by checksum before reading (else the read verifies them).
+
+        Raises:
+            whatever a rank's load raised, on that rank; ``FlashCheckpointError`` on the others.
+        """
+        damaged: set[int] = set()
+        while True:
+            loc = self.locate(memory=not damaged, deep=deep, exclude=damaged)
+            if loc.source != "storage" or loc.step is None:
+                return loc, None, 0
+            ok, sd, nbytes = self._load_step(loc.step, into)
+            if ok:
+                return loc, sd, nbytes
+            log.warning("load(): step %d is damaged on a rank; falling back to the previous committed step", loc.step)
+            damaged.add(loc.step)
+
+    def _load_step(self, step: int, into: Any) -> tuple[bool, Any, int]:
+        """Committed ``step`` from storage on every rank: (True, its state dict, bytes), or (False, None, 0)
+        when it is damaged on some rank."""
+        loader = self._loader()
+        failed: BaseException | None = None
+        try:
+            sd, nbytes = loader.load_step(step, into=into), loader.last_bytes
+            ok = True
+        except E.CheckpointCorruptError as e:
+            log.warning("load(): step %d is damaged on this rank (%s)", step, e)
+            sd, nbytes, ok = None, 0, False
+        except Exception as e:  # raised on every rank below, never a rank left waiting for the others
+            sd, nbytes, failed, ok = None, 0, e, False
+        self.downloads = True
+        if not all_ranks(failed is None, self.group):
+            if failed is not None:
+                raise failed
+            raise E.FlashCheckpointError(
+                f"load(): step {step} could not be loaded on another rank (its error says why); nothing "
+                "was loaded")
+        if all_ranks(ok, self.group):
+            return True, sd, nbytes
+        return False, None, 0
