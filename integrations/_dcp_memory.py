@@ -217,6 +217,20 @@ def _index_key(idx: MetadataIndex) -> tuple[str, tuple[int, ...]]:
     return idx.fqn, tuple(idx.offset or ())
 
 
+def _held(fileset: FileSet | None) -> tuple[dict[str, list[Any]], bytes | None]:
+    """This rank's data files in ``fileset`` (name -> parts) and the ``.metadata`` it holds (the coordinator's)."""
+    files: dict[str, list[Any]] = {}
+    meta_bytes: bytes | None = None
+    if fileset is None:
+        return files, meta_bytes
+    for name, e in fileset.items():
+        if name == METADATA_NAME:
+            meta_bytes = fileset.raw_bytes(name)
+        elif DATA_FILE.match(name) and e.format == "raw":
+            files[name] = e.data if isinstance(e.data, list) else [e.data]
+    return files, meta_bytes
+
+
 def open_memory_reader(fileset: FileSet | None, path: str | os.PathLike[str], *,
                        process_group: Any = None) -> FileSetStorageReader | None:
     """A reader over the ranks' in-memory sets of one checkpoint, or None (on every rank) when they cannot
@@ -231,18 +245,8 @@ def open_memory_reader(fileset: FileSet | None, path: str | os.PathLike[str], *,
         path: the checkpoint's directory (its ``checkpoint_id``).
         process_group: the group DCP loads with.
     """
-    names: list[str] | None = None
-    meta_bytes: bytes | None = None
-    files: dict[str, list[Any]] = {}
-    if fileset is not None:
-        names = []
-        for name, e in fileset.items():
-            if name == METADATA_NAME:
-                meta_bytes = fileset.raw_bytes(name)
-            elif DATA_FILE.match(name) and e.format == "raw":
-                names.append(name)
-                files[name] = e.data if isinstance(e.data, list) else [e.data]
-    gathered = all_gather((names, meta_bytes), process_group)
+    files, meta_bytes = _held(fileset)
+    gathered = all_gather((None if fileset is None else list(files), meta_bytes), process_group)
     if any(g[0] is None for g in gathered):
         log.info("open_memory_reader: a rank holds no snapshot of the checkpoint; reading from storage")
         return None

@@ -132,21 +132,25 @@ def map_tensors(tree: Any, map_location: Any) -> Any:
             return t if dev == t.device else t.to(dev)
         return t.to(map_location)
 
-    def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return move(x)
-        if isinstance(x, dict):
-            out = type(x)() if type(x) is not dict else {}
-            for k, v in x.items():
-                out[k] = walk(v)
-            return out
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        if isinstance(x, tuple) and not hasattr(x, "_fields"):
-            return tuple(walk(v) for v in x)
-        return x
+    return _walk(tree, move)
 
-    return walk(tree)
+
+def _walk(x: Any, move: Any) -> Any:
+    """``x`` with ``move`` applied to its tensors (dicts, lists and plain tuples walked; a dict keeps its type)."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return move(x)
+    if isinstance(x, dict):
+        out = type(x)() if type(x) is not dict else {}
+        for k, v in x.items():
+            out[k] = _walk(v, move)
+        return out
+    if isinstance(x, list):
+        return [_walk(v, move) for v in x]
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_walk(v, move) for v in x)
+    return x
 
 
 def find_resume_path(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> str | None:
