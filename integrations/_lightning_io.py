@@ -180,27 +180,8 @@ class _FlashIOImpl:
         if storage is None:
             self._torch_save(checkpoint, path, storage_options)
             return
-        target = local_path(path, "save_checkpoint")
+        target = self._flash_target(checkpoint, path, storage)
         if target is None:
-            if storage == StorageType.MEMORY:
-                raise FlashCheckpointError(
-                    f"FlashCheckpointIO.save_checkpoint({os.fspath(path)!r}): a memory-only snapshot needs a path "
-                    "flashckpt writes (its persist after a crash is written by flashckpt): a local path or a store it "
-                    "serves (s3://); give FlashMemorySnapshot(dirpath=...) or FlashCheckpointIO(checkpoint_dir=...) one")
-            self._torch_save(checkpoint, path, None)
-            return
-        if self._elsewhere(target):
-            engine = self._engine
-            assert engine is not None  # _elsewhere says so
-            if storage == StorageType.MEMORY:
-                raise FlashCheckpointError(self._outside("save_checkpoint", target, engine.checkpoint_dir))
-            if not self._warned_outside:
-                self._warned_outside = True
-                log.warning("FlashCheckpointIO: %s is outside %s, the directory this plugin took from its first save; "
-                            "Lightning's TorchCheckpointIO saves it (synchronously, without a flash snapshot), as every "
-                            "other path outside it. Construct FlashCheckpointIO(checkpoint_dir=...) with a directory "
-                            "that contains every path you save, to flash them all.", target, engine.checkpoint_dir)
-            self._torch_save(checkpoint, path, None)
             return
         context = self._caller()
         engine = self._ensure_engine(target, "save_checkpoint")
@@ -235,6 +216,37 @@ class _FlashIOImpl:
         # teardown reports this error with it.
         log.error("FlashCheckpointIO.save_checkpoint(%s) while fit fails: %s", target, error)
         self._late_error = self._late_error or error
+
+    def _flash_target(self, checkpoint: dict[str, Any], path: Any, storage: StorageType) -> str | None:
+        """Where flashckpt saves ``path``; None when Lightning's ``TorchCheckpointIO`` saved it instead (a URL no
+        flashckpt backend serves, a path outside the directory this plugin chose by itself).
+
+        Raises:
+            FlashCheckpointError: a memory-only snapshot of such a path (nothing written).
+        """
+        target = local_path(path, "save_checkpoint")
+        if target is None:
+            if storage == StorageType.MEMORY:
+                raise FlashCheckpointError(
+                    f"FlashCheckpointIO.save_checkpoint({os.fspath(path)!r}): a memory-only snapshot needs a path "
+                    "flashckpt writes (its persist after a crash is written by flashckpt): a local path or a store it "
+                    "serves (s3://); give FlashMemorySnapshot(dirpath=...) or FlashCheckpointIO(checkpoint_dir=...) one")
+            self._torch_save(checkpoint, path, None)
+            return None
+        if self._elsewhere(target):
+            engine = self._engine
+            assert engine is not None  # _elsewhere says so
+            if storage == StorageType.MEMORY:
+                raise FlashCheckpointError(self._outside("save_checkpoint", target, engine.checkpoint_dir))
+            if not self._warned_outside:
+                self._warned_outside = True
+                log.warning("FlashCheckpointIO: %s is outside %s, the directory this plugin took from its first save; "
+                            "Lightning's TorchCheckpointIO saves it (synchronously, without a flash snapshot), as every "
+                            "other path outside it. Construct FlashCheckpointIO(checkpoint_dir=...) with a directory "
+                            "that contains every path you save, to flash them all.", target, engine.checkpoint_dir)
+            self._torch_save(checkpoint, path, None)
+            return None
+        return target
 
     def _elsewhere(self, target: str) -> bool:
         """Whether a save to ``target`` falls outside the directory this plugin chose by itself (no
