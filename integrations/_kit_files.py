@@ -11,12 +11,15 @@ out as files for a framework to read.
   after its process, so that one a killed process left is removed by the next one made in the same place
   and by ``flashckpt gc`` (``flashckpt.util.owned_dirs``).
 - ``scratch_root`` / ``scratch``: where such directories go (``/dev/shm`` when it is writable).
+- ``committed_step_of`` / ``fetch_step``: a committed step of a directory in a store, downloaded and checked
+  against its manifest (for the HF Trainer and Accelerate, whose loaders read a local directory).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import shutil
 import sys
@@ -25,12 +28,19 @@ from collections.abc import Iterator
 from typing import Any, Self
 
 import torch
+from flashckpt import errors as E
+from flashckpt.commit.layout import CommitLayout
+from flashckpt.engine.collective import exchange_files, world
+from flashckpt.engine.routing import rel_inside, swapped
 from flashckpt.format.files import FileEntry, FileSet
-from flashckpt.integrations._kit import exchange_files, rel_inside, swapped, world
-from flashckpt.storage.base import CheckpointStorage
+from flashckpt.storage import locations
+from flashckpt.storage.base import CheckpointStorage, file_checksum
 from flashckpt.util.owned_dirs import owned_dir, scratch_roots, sweep_once
 
-__all__ = ["Capture", "SnapshotDir", "scratch_root", "scratch", "write_entry", "all_ranks_files"]
+log = logging.getLogger(__name__)
+
+__all__ = ["Capture", "SnapshotDir", "scratch_root", "scratch", "write_entry", "all_ranks_files", "committed_step_of",
+           "fetch_step"]
 
 _TREE_MIN_BYTES = 1 << 16  # torch.save'd trees with fewer tensor bytes are captured as their exact bytes
 _PATCH_LOCK = threading.Lock()
@@ -230,3 +240,41 @@ def all_ranks_files(mine: FileSet, *, group: Any = None) -> FileSet:
     for name, (fmt, kind, data) in sorted(got.items()):
         merged[name] = FileEntry(fmt, data, kind)
     return merged
+
+
+# ------------------------------------------------------------------------------------------ store copies
+def committed_step_of(layout: CommitLayout, base: str) -> int | None:
+    """The most recently committed step whose rank-0 file set lives in the directory ``base``, or None."""
+    want = locations.normpath(base)
+    for step in reversed(layout.committed_steps()):
+        try:
+            if layout.base(step, 0) == want:
+                return step
+        except E.CheckpointCorruptError as e:  # a damaged manifest: not this one (one that cannot be read raises)
+            log.warning("%s: step %d: %s", layout.root, step, e)
+    return None
+
+
+def fetch_step(view: SnapshotDir, layout: CommitLayout, step: int, base: str) -> None:
+    """Downloads committed ``step``'s files under the directory ``base`` (every rank's: frameworks read
+    other ranks' files, such as rank 0's weights) into ``view``, each under its name inside ``base``, and
+    checks each copy against the manifest (size and xxh3), for a framework that reads a local directory.
+
+    Raises:
+        CheckpointCorruptError: a copy does not match the manifest (the stored file is damaged).
+    """
+    manifest = layout.read_manifest(step)
+    rel = layout.rel(base)
+    prefix = "" if rel == "." else rel.rstrip("/") + "/"
+    done: set[str] = set()
+    for f in manifest.all_files():
+        if not f.path.startswith(prefix) or f.path[len(prefix):] in done:
+            continue  # a tracker file outside the step's directory, or a name another rank lists too
+        name = f.path[len(prefix):]
+        # The stored size, not the manifest's: a damaged, shorter object then fails the check below rather
+        # than a ranged read past its end (SnapshotDir.fetch's mmap then hides that error behind a BufferError).
+        local = view.fetch(name, layout.storage, layout.abs(f.path))
+        if file_checksum(local) != (f.size, f.xxh3):
+            raise E.CheckpointCorruptError(f"{layout.abs(f.path)} does not match the manifest of step {step} "
+                                           "(damaged in the store); resume from an older committed step")
+        done.add(name)

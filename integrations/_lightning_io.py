@@ -1,7 +1,18 @@
 """The body of ``FlashCheckpointIO`` (``lightning``) and ``PLFlashCheckpointIO`` (``pytorch_lightning``): the
 ``CheckpointIO`` plugin that snapshots every checkpoint Lightning saves and has the node's saver persist it
 to its ``.ckpt`` path, local or in a store (``s3://...``) (see ``flashckpt.integrations.lightning`` and
-docs/lightning.md)."""
+docs/lightning.md).
+
+One concept, hence one module past 500 lines: Lightning's ``CheckpointIO`` contract (``save_checkpoint``,
+``load_checkpoint``, ``remove_checkpoint``, ``teardown``) over one bookkeeping that all four share and
+change together: the saves still being persisted (``_pending``), the committed steps of each path
+(``_live``), the removals that wait for a persist (``_doomed``) and the empty files that stand for pending
+saves. The path helpers and the reads from a store are in ``_lightning_paths``; the load protocol is the
+adapter base's (``flashckpt.engine.adapter.resolve_load``).
+
+Imports Lightning lazily (the classes are built per package in ``_lightning_classes`` / ``_pl_classes``).
+Lightning calls the plugin from the training thread only; ``_wait_at_exit`` runs at interpreter exit.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +21,6 @@ import contextlib
 import importlib
 import logging
 import os
-import shutil
 import sys
 import time
 import weakref
@@ -19,13 +29,22 @@ from typing import Any
 
 from flashckpt import CheckpointEngine, FlashCheckpointError, PersistError, StorageType
 from flashckpt import errors as E
-from flashckpt.commit.layout import CommitLayout
-from flashckpt.integrations._kit import path_inside
-from flashckpt.integrations._kit_files import SnapshotDir, scratch_root
+from flashckpt.engine.adapter import LoadAttempt, Opened, resolve_load
+from flashckpt.engine.engine import Located
+from flashckpt.engine.routing import path_inside
+from flashckpt.integrations._lightning_paths import (
+    dir_of,
+    find_resume_path,
+    link_target,
+    local_path,
+    map_tensors,
+    read_stored,
+    remove_path,
+    single_file_steps,
+    storage_type_of,
+)
 from flashckpt.memory.reader import SnapshotReader, job_in_memory
-from flashckpt.storage import locations, registry
-from flashckpt.storage.base import FileRecord, file_checksum, local_dir, url_scheme
-from flashckpt.storage.registry import storage_for
+from flashckpt.storage import locations
 
 log = logging.getLogger("flashckpt.integrations.lightning")
 
@@ -59,188 +78,6 @@ Thread safety: Lightning calls it from the training thread only; so must you.
 """
 
 
-# ---------------------------------------------------------------------------------------- helpers
-_SERVED: dict[str, bool] = {}  # URL scheme -> whether a flashckpt storage backend serves it
-
-
-def _served(url: str) -> bool:
-    """Whether a flashckpt storage backend serves ``url``'s scheme (``s3``; backends registered later count)."""
-    scheme = url_scheme(url)
-    if not _SERVED.get(scheme):
-        try:
-            storage_for(url).close()
-            _SERVED[scheme] = True
-        except E.InvalidArgumentError:
-            return False
-    return True
-
-
-def _local_path(path: Any, op: str) -> str | None:
-    """Where flashckpt writes ``path``: its absolute local path, or its normalized URL in a store a flashckpt
-    backend serves (``s3://...``); None for other URLs (``memory://``, ...), which ``TorchCheckpointIO``
-    handles through fsspec."""
-    p = os.fspath(path)
-    if url_scheme(p) != "file":
-        return locations.normpath(p) if _served(p) else None
-    return os.path.abspath(local_dir(p, op))
-
-
-def _dir_of(d: str | os.PathLike[str] | None, what: str) -> str | None:
-    """A checkpoint dir as the plugin keeps it: absolute local path or normalized URL (a URL no backend serves
-    is refused, naming those installed)."""
-    if not d:
-        return None
-    loc = registry.checkpoint_location(d, what)
-    return loc if locations.is_url(loc) else os.path.abspath(loc)
-
-
-def _link_target(path: str) -> str:
-    """``path`` with a final symbolic link resolved (``save_last="link"`` makes ``last.ckpt`` one); a URL as is."""
-    if locations.is_url(path):
-        return path
-    seen = 0
-    while os.path.islink(path) and seen < 40:
-        path = os.path.abspath(os.path.join(os.path.dirname(path), os.readlink(path)))
-        seen += 1
-    return path
-
-
-def _remove_path(path: str) -> None:
-    """Removes a file, a symbolic link or a directory (DeepSpeed checkpoints are directories); nothing for a
-    URL (a store's objects are removed by the saver)."""
-    if locations.is_url(path):
-        return
-    if os.path.islink(path) or os.path.isfile(path):
-        os.remove(path)
-    elif os.path.isdir(path):
-        shutil.rmtree(path)
-
-
-def _storage_type(storage_options: Any, memory_only: bool) -> StorageType | None:
-    """What ``storage_options`` asks of flashckpt; None for options that are not flashckpt's (they go
-    to Lightning's ``TorchCheckpointIO``, as with a Trainer without the plugin)."""
-    if memory_only:
-        return StorageType.MEMORY
-    if storage_options is None:
-        return StorageType.DISK
-    if isinstance(storage_options, StorageType):
-        return storage_options
-    if isinstance(storage_options, str) and storage_options.lower() in ("memory", "mem", "disk"):
-        return StorageType.DISK if storage_options.lower() == "disk" else StorageType.MEMORY
-    return None
-
-
-def _single_file_steps(layout: CommitLayout) -> dict[int, str]:
-    """Committed steps of ``layout`` whose manifest lists one file: step -> its absolute path."""
-    out = {}
-    for step in layout.committed_steps():
-        try:
-            files = layout.read_manifest(step).files_for(0)
-        except E.CheckpointCorruptError:  # damaged: not this one (a manifest that cannot be read is raised)
-            continue
-        if len(files) == 1 and not files[0].name:
-            out[step] = layout.abs(files[0].path)
-    return out
-
-
-def _map_tensors(tree: Any, map_location: Any) -> Any:
-    """Applies a ``torch.load``-style ``map_location`` to the CPU tensors of a memory snapshot."""
-    import torch
-
-    if map_location is None:
-        return tree
-    if isinstance(map_location, dict):
-        map_location = map_location.get("cpu")
-        if map_location is None:
-            return tree
-
-    def move(t: torch.Tensor) -> torch.Tensor:
-        if callable(map_location):
-            st = map_location(t.untyped_storage(), "cpu")
-            dev = st.device if isinstance(st, (torch.UntypedStorage, torch.TypedStorage)) else t.device
-            return t if dev == t.device else t.to(dev)
-        return t.to(map_location)
-
-    def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return move(x)
-        if isinstance(x, dict):
-            out = type(x)() if type(x) is not dict else {}
-            for k, v in x.items():
-                out[k] = walk(v)
-            return out
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        if isinstance(x, tuple) and not hasattr(x, "_fields"):
-            return tuple(walk(v) for v in x)
-        return x
-
-    return walk(tree)
-
-
-def find_resume_path(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> str | None:
-    """The path of the newest checkpoint flashckpt saved under ``checkpoint_dir``, or None.
-
-    Looks at this node's shared memory (snapshots the job's saver still holds, including memory-only
-    ones and saves whose persist has not finished) and at the committed checkpoints on storage whose
-    file exists, and returns the path of the newest. Pass it as ``trainer.fit(ckpt_path=...)``:
-    ``FlashCheckpointIO.load_checkpoint`` then serves it from memory when memory holds it, even if
-    the file is not (yet) on storage. Reads only; safe to call in every process before ``fit``.
-    The job is found as the engine finds it (the checkpoint dir, ``FLASHCKPT_JOB_ID`` /
-    ``TORCHELASTIC_RUN_ID``), so call it with the same environment as the run that saved.
-
-    ``checkpoint_dir`` may be a store's URL (``s3://bucket/run``, with the backend's ``storage_options``):
-    there a committed checkpoint counts only when its object matches its manifest (size and checksum:
-    the object is read), falling back to the previous committed one.
-    """
-    root = _dir_of(checkpoint_dir, "find_resume_path")
-    assert root is not None  # _dir_of refuses an empty dir
-    best: tuple[int, str | None] = (-1, None)
-    with SnapshotReader(root, local_rank=0) as reader:  # sees nothing where the job has no runtime dir here
-        for info in reader.snapshots():
-            if info.name:
-                best = (info.step, info.name)
-                break
-    storage = storage_for(root, storage_options)
-    try:
-        layout = CommitLayout(root, storage)
-        if layout.records_in_use():  # records of a deleted dir of this name are not ours
-            for step, path in sorted(_single_file_steps(layout).items(), reverse=True):
-                if step <= best[0]:
-                    break
-                if not locations.is_url(path):
-                    if os.path.exists(path):
-                        best = (step, path)
-                        break
-                    continue
-                problems = layout.verify(step)
-                if not problems:
-                    best = (step, path)
-                    break
-                log.warning("find_resume_path(%s): %s is damaged (%s); trying the previous committed checkpoint",
-                            root, path, "; ".join(problems[:3]))
-    finally:
-        storage.close()
-    return best[1]
-
-
-def _stored_record(layout: CommitLayout, path: str) -> FileRecord | None:
-    """The record of ``path`` in the most recently committed manifest that lists it, or None."""
-    try:
-        rel = layout.rel(path)
-    except E.CheckpointDirError:
-        return None
-    for step in reversed(layout.committed_steps()):
-        try:
-            files = layout.read_manifest(step).all_files()
-        except E.CheckpointCorruptError:
-            continue
-        for f in files:
-            if f.path == rel:
-                return f
-    return None
-
-
 # ---------------------------------------------------------------------------------------- the plugin
 class _FlashIOImpl:
     """The body of ``FlashCheckpointIO`` (mixed into each Lightning package's ``CheckpointIO``)."""
@@ -261,7 +98,7 @@ class _FlashIOImpl:
         super().__init__()
         if teardown_timeout_s is not None and teardown_timeout_s <= 0:
             raise E.InvalidArgumentError(f"FlashCheckpointIO(teardown_timeout_s={teardown_timeout_s!r}): must be > 0 or None")
-        self.checkpoint_dir = _dir_of(checkpoint_dir, "FlashCheckpointIO")
+        self.checkpoint_dir = dir_of(checkpoint_dir, "FlashCheckpointIO")
         self.weights_only = weights_only
         self.teardown_timeout_s = teardown_timeout_s
         self.load_wait_s = load_wait_s
@@ -339,31 +176,12 @@ class _FlashIOImpl:
             PersistError: an earlier persist failed (raised after this snapshot was taken); outside
                 ``fit``, this one failed.
         """
-        storage = _storage_type(storage_options, self._memory_only > 0)
+        storage = storage_type_of(storage_options, self._memory_only > 0)
         if storage is None:
             self._torch_save(checkpoint, path, storage_options)
             return
-        target = _local_path(path, "save_checkpoint")
+        target = self._flash_target(checkpoint, path, storage)
         if target is None:
-            if storage == StorageType.MEMORY:
-                raise FlashCheckpointError(
-                    f"FlashCheckpointIO.save_checkpoint({os.fspath(path)!r}): a memory-only snapshot needs a path "
-                    "flashckpt writes (its persist after a crash is written by flashckpt): a local path or a store it "
-                    "serves (s3://); give FlashMemorySnapshot(dirpath=...) or FlashCheckpointIO(checkpoint_dir=...) one")
-            self._torch_save(checkpoint, path, None)
-            return
-        if self._elsewhere(target):
-            engine = self._engine
-            assert engine is not None  # _elsewhere says so
-            if storage == StorageType.MEMORY:
-                raise FlashCheckpointError(self._outside("save_checkpoint", target, engine.checkpoint_dir))
-            if not self._warned_outside:
-                self._warned_outside = True
-                log.warning("FlashCheckpointIO: %s is outside %s, the directory this plugin took from its first save; "
-                            "Lightning's TorchCheckpointIO saves it (synchronously, without a flash snapshot), as every "
-                            "other path outside it. Construct FlashCheckpointIO(checkpoint_dir=...) with a directory "
-                            "that contains every path you save, to flash them all.", target, engine.checkpoint_dir)
-            self._torch_save(checkpoint, path, None)
             return
         context = self._caller()
         engine = self._ensure_engine(target, "save_checkpoint")
@@ -399,6 +217,37 @@ class _FlashIOImpl:
         log.error("FlashCheckpointIO.save_checkpoint(%s) while fit fails: %s", target, error)
         self._late_error = self._late_error or error
 
+    def _flash_target(self, checkpoint: dict[str, Any], path: Any, storage: StorageType) -> str | None:
+        """Where flashckpt saves ``path``; None when Lightning's ``TorchCheckpointIO`` saved it instead (a URL no
+        flashckpt backend serves, a path outside the directory this plugin chose by itself).
+
+        Raises:
+            FlashCheckpointError: a memory-only snapshot of such a path (nothing written).
+        """
+        target = local_path(path, "save_checkpoint")
+        if target is None:
+            if storage == StorageType.MEMORY:
+                raise FlashCheckpointError(
+                    f"FlashCheckpointIO.save_checkpoint({os.fspath(path)!r}): a memory-only snapshot needs a path "
+                    "flashckpt writes (its persist after a crash is written by flashckpt): a local path or a store it "
+                    "serves (s3://); give FlashMemorySnapshot(dirpath=...) or FlashCheckpointIO(checkpoint_dir=...) one")
+            self._torch_save(checkpoint, path, None)
+            return None
+        if self._elsewhere(target):
+            engine = self._engine
+            assert engine is not None  # _elsewhere says so
+            if storage == StorageType.MEMORY:
+                raise FlashCheckpointError(self._outside("save_checkpoint", target, engine.checkpoint_dir))
+            if not self._warned_outside:
+                self._warned_outside = True
+                log.warning("FlashCheckpointIO: %s is outside %s, the directory this plugin took from its first save; "
+                            "Lightning's TorchCheckpointIO saves it (synchronously, without a flash snapshot), as every "
+                            "other path outside it. Construct FlashCheckpointIO(checkpoint_dir=...) with a directory "
+                            "that contains every path you save, to flash them all.", target, engine.checkpoint_dir)
+            self._torch_save(checkpoint, path, None)
+            return None
+        return target
+
     def _elsewhere(self, target: str) -> bool:
         """Whether a save to ``target`` falls outside the directory this plugin chose by itself (no
         ``checkpoint_dir`` given: the first save's directory); such saves go to ``TorchCheckpointIO``."""
@@ -408,7 +257,7 @@ class _FlashIOImpl:
     def _torch_save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any) -> None:
         """Saves with Lightning's ``TorchCheckpointIO``: URLs, paths outside the directory the plugin
         chose by itself, and ``storage_options`` that are not flashckpt's."""
-        if storage_options is None and not self._warned_url and _local_path(path, "save_checkpoint") is None:
+        if storage_options is None and not self._warned_url and local_path(path, "save_checkpoint") is None:
             self._warned_url = True
             log.warning("FlashCheckpointIO: %s is a URL that no flashckpt storage backend serves, so Lightning's "
                         "TorchCheckpointIO saves it (synchronously, without a flash snapshot) and every other such URL "
@@ -524,10 +373,10 @@ class _FlashIOImpl:
             FileNotFoundError: neither memory nor storage has ``path``.
             CheckpointCorruptError: the file in the store does not match its manifest.
         """
-        target = _local_path(path, "load_checkpoint")
+        target = local_path(path, "load_checkpoint")
         seq = None
         if target is not None:
-            target = _link_target(target)
+            target = link_target(target)
             root = self.checkpoint_dir or (self._engine.checkpoint_dir if self._engine else locations.parent(target))
             # An engine is made for a load only where a saver of this job may hold snapshots (its runtime
             # dir exists): loading someone else's checkpoint never starts a saver or writes into its dir.
@@ -536,52 +385,33 @@ class _FlashIOImpl:
                 seq = self._memory_choice(target)
         own = target
         target, seq = self._agree(target, seq)
-        if target is not None and seq is not None and self._engine is not None:
-            if seq in self._engine.memory_steps() and self._names is not None and \
-                    self._names.snapshot_name(seq) == target:
-                sd = self._engine.load_memory(seq)
-                self.last_load = ("memory", target)
-                log.info("event=lightning_load path=%s engine_step=%d source=memory", target, seq)
-                return _map_tensors(sd, map_location)
-            self._wait_committed(target, seq)
-        io = self._torch_io_cls()
-        kw: dict[str, Any] = {"weights_only": weights_only}
-        if map_location is not None:
-            kw["map_location"] = map_location
-        if target is not None and locations.is_url(target):
-            sd = self._load_stored(target, io, kw)
-        else:
-            # The caller's own path as given (Lightning's messages name it so); another rank's choice as chosen.
-            sd = io.load_checkpoint(path if target == own else target, **kw)
-        self.last_load = ("storage", str(target if target is not None else path))
-        log.info("event=lightning_load path=%s source=storage", target or path)
-        return sd
+        engine, names = self._engine, self._names
+        in_memory = (target is not None and seq is not None and engine is not None and names is not None
+                     and seq in engine.memory_steps() and names.snapshot_name(seq) == target)
 
-    def _load_stored(self, target: str, io: Any, kw: dict[str, Any]) -> dict[str, Any]:
-        """``target`` in a store: downloaded into a private scratch dir, checked against the manifest that
-        lists it, read by ``TorchCheckpointIO`` (Lightning's own reader), removed."""
-        engine = self._engine
-        if engine is not None and path_inside(target, engine.checkpoint_dir):
-            return self._read_copy(engine.layout, target, io, kw)
-        root = self.checkpoint_dir if self.checkpoint_dir and path_inside(target, self.checkpoint_dir) \
-            else locations.parent(target)
-        storage = storage_for(root, self.storage_options)
-        try:
-            return self._read_copy(CommitLayout(root, storage), target, io, kw)
-        finally:
-            storage.close()
+        def from_storage(_attempt: LoadAttempt) -> Opened:
+            if target is not None and seq is not None and engine is not None:
+                self._wait_committed(target, seq)
+            io = self._torch_io_cls()
+            kw: dict[str, Any] = {"weights_only": weights_only}
+            if map_location is not None:
+                kw["map_location"] = map_location
+            if target is not None and locations.is_url(target):
+                sd = read_stored(target, io, kw, engine=engine, checkpoint_dir=self.checkpoint_dir,
+                                 storage_options=self.storage_options, scratch_dir=self.scratch_dir)
+            else:
+                # The caller's own path as given (Lightning's messages name it so); another rank's choice as chosen.
+                sd = io.load_checkpoint(path if target == own else target, **kw)
+            return Opened(sd, seq, str(target if target is not None else path))
 
-    def _read_copy(self, layout: CommitLayout, target: str, io: Any, kw: dict[str, Any]) -> dict[str, Any]:
-        record = _stored_record(layout, target)
-        with SnapshotDir(scratch_root(self.scratch_dir), "load", prefix="flashckpt-lightning-") as d:
-            name = locations.basename(target)
-            local = d.fetch(name, layout.storage, target)
-            if record is not None and file_checksum(local) != (record.size, record.xxh3):
-                raise E.CheckpointCorruptError(
-                    f"FlashCheckpointIO.load_checkpoint({target!r}): the object does not match its manifest (damaged "
-                    "in the store); resume from FlashCheckpointIO.resume_path(), which falls back to the previous "
-                    "committed checkpoint")
-            return dict(io.load_checkpoint(local, **kw))
+        # Each rank loads on its own (replicated state): from its node's memory, else from storage.
+        r = resolve_load(engine, op="FlashCheckpointIO.load_checkpoint()", event="lightning_load", logger=log,
+                         locate=lambda: Located(seq, "memory" if in_memory else "storage", target), agree=False,
+                         from_memory=lambda loc, sd: Opened(map_tensors(sd, map_location), seq, target),
+                         from_storage=from_storage)
+        self.last_load = (r.source, str(r.path))
+        out: dict[str, Any] = r.value
+        return out
 
     def remove_checkpoint(self, path: Any) -> None:
         """Removes ``path`` at once, and again once every persist of it scheduled so far is done.
@@ -590,7 +420,7 @@ class _FlashIOImpl:
         persist's file is removed when it lands, at a later call (the next save, removal or
         ``teardown``), so a removed checkpoint never stays. A path saved again after its removal is kept.
         """
-        target = _local_path(path, "remove_checkpoint")
+        target = local_path(path, "remove_checkpoint")
         local = None if target is None or locations.is_url(target) else target
         if local is not None and os.path.isdir(local) and not os.path.islink(local) and not self._warned_dir:
             self._warned_dir = True
@@ -599,7 +429,7 @@ class _FlashIOImpl:
                         "are not flash checkpoints; see flashckpt.integrations.lightning.check_strategy", target)
         if target is None or self._engine is None or not path_inside(target, self._engine.checkpoint_dir):
             if local is not None:
-                _remove_path(local)
+                remove_path(local)
             else:  # through fsspec (a store's objects outside this plugin's dir: only with s3fs)
                 self._torch_io_cls().remove_checkpoint(path)
             return
@@ -609,7 +439,7 @@ class _FlashIOImpl:
             self._removed_seqs.update(s for s, p in self._pending.items() if p == target)
             self.deferred_removals += 1
             self._placeholders.discard(target)
-            _remove_path(target)  # what is there now (the empty file of a pending save, an older save)
+            remove_path(target)  # what is there now (the empty file of a pending save, an older save)
             log.debug("removal of %s waits for its persist", target)
             return
         self._delete(target)
@@ -713,7 +543,7 @@ class _FlashIOImpl:
     def _scan(self, engine: CheckpointEngine) -> None:
         """Learns the committed checkpoints on storage and the next engine step (after every step on
         storage or in memory, so a restarted run never reuses one)."""
-        steps = _single_file_steps(engine.layout)
+        steps = single_file_steps(engine.layout)
         for step, path in sorted(steps.items()):
             self._live.setdefault(path, []).append(step)
         used = list(steps) + engine.layout.uncommitted_steps() + engine.memory_steps() + engine.committed_steps()
@@ -781,7 +611,7 @@ class _FlashIOImpl:
         if locations.is_url(path) and not steps and self._engine is not None:
             with contextlib.suppress(FileNotFoundError):  # nothing there: as a removal of a missing file
                 self._engine.delete_checkpoint(path)
-        _remove_path(path)
+        remove_path(path)
         log.debug("removed checkpoint %s", path)
 
     def _memory_choice(self, target: str) -> int | None:

@@ -14,64 +14,37 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from flashckpt import CheckpointEngine, FileSet, StorageType
 from flashckpt import errors as E
-from flashckpt.commit.layout import CommitLayout
+from flashckpt.engine.adapter import AdapterBase, LoadAttempt, Opened
+from flashckpt.engine.collective import barrier
 from flashckpt.engine.engine import Located
-from flashckpt.integrations._kit import Adapter, barrier
-from flashckpt.integrations._kit_files import Capture, SnapshotDir, all_ranks_files, scratch, scratch_root
+from flashckpt.integrations._kit_files import (
+    Capture,
+    SnapshotDir,
+    all_ranks_files,
+    committed_step_of,
+    fetch_step,
+    scratch,
+    scratch_root,
+)
 from flashckpt.storage import locations
-from flashckpt.storage.base import file_checksum
 
-if TYPE_CHECKING:
-    from flashckpt.integrations.hf import FlashCkptConfig
-
-__all__ = ["AcceleratorCheckpointer", "StorageType", "fetch_step", "committed_step_of"]
+__all__ = ["AcceleratorCheckpointer", "StorageType"]
 
 log = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------------------------------------- store copies
-def committed_step_of(layout: CommitLayout, base: str) -> int | None:
-    """The most recently committed step whose rank-0 file set lives in the directory ``base``, or None."""
-    want = locations.normpath(base)
-    for step in reversed(layout.committed_steps()):
-        try:
-            if layout.base(step, 0) == want:
-                return step
-        except E.CheckpointCorruptError as e:  # a damaged manifest: not this one (one that cannot be read raises)
-            log.warning("%s: step %d: %s", layout.root, step, e)
-    return None
+class _Config(Protocol):
+    """What ``AcceleratorCheckpointer`` reads of a ``flashckpt.integrations.hf.FlashCkptConfig``."""
+
+    scratch_dir: str | None
+    storage_options: dict[str, Any] | None
 
 
-def fetch_step(view: SnapshotDir, layout: CommitLayout, step: int, base: str) -> None:
-    """Downloads committed ``step``'s files under the directory ``base`` (every rank's: frameworks read
-    other ranks' files, such as rank 0's weights) into ``view``, each under its name inside ``base``, and
-    checks each copy against the manifest (size and xxh3), for a framework that reads a local directory.
-
-    Raises:
-        CheckpointCorruptError: a copy does not match the manifest (the stored file is damaged).
-    """
-    manifest = layout.read_manifest(step)
-    rel = layout.rel(base)
-    prefix = "" if rel == "." else rel.rstrip("/") + "/"
-    done: set[str] = set()
-    for f in manifest.all_files():
-        if not f.path.startswith(prefix) or f.path[len(prefix):] in done:
-            continue  # a tracker file outside the step's directory, or a name another rank lists too
-        name = f.path[len(prefix):]
-        # The stored size, not the manifest's: a damaged, shorter object then fails the check below rather
-        # than a ranged read past its end (SnapshotDir.fetch's mmap then hides that error behind a BufferError).
-        local = view.fetch(name, layout.storage, layout.abs(f.path))
-        if file_checksum(local) != (f.size, f.xxh3):
-            raise E.CheckpointCorruptError(f"{layout.abs(f.path)} does not match the manifest of step {step} "
-                                           "(damaged in the store); resume from an older committed step")
-        done.add(name)
-
-
-class AcceleratorCheckpointer(Adapter):
+class AcceleratorCheckpointer(AdapterBase):
     """``Accelerator.save_state`` / ``load_state`` through flashckpt: memory first, persisted in the
     background in Accelerate's own layout (``model.safetensors``, ``optimizer.bin``, ``scheduler.bin``,
     ``random_states_<rank>.pkl``, ...), so ``accelerator.load_state(dir)`` reads it without flashckpt.
@@ -104,7 +77,7 @@ class AcceleratorCheckpointer(Adapter):
     """
 
     def __init__(self, accelerator: Any, checkpoint_dir: str | None = None, *,
-                 config: FlashCkptConfig | None = None, storage_options: dict[str, Any] | None = None) -> None:
+                 config: _Config | None = None, storage_options: dict[str, Any] | None = None) -> None:
         pc = accelerator.project_configuration
         self.accelerator = accelerator
         self.config = config
@@ -187,21 +160,35 @@ class AcceleratorCheckpointer(Adapter):
                 checkpoint dir.
             CheckpointCorruptError: the checkpoint in the store does not match its manifest.
         """
-        loc = self.engine.locate()
         want = self._target(input_dir) if input_dir is not None else None
-        if loc.source == "memory" and loc.step is not None and loc.path and (want is None or want == loc.path):
-            files = all_ranks_files(self.engine.load_memory(loc.step))
+
+        def refuse(loc: Located) -> str:
+            return f"{want} is asked for" if not loc.path or (want is not None and want != loc.path) else ""
+
+        def from_memory(loc: Located, fs: Any) -> Opened:
+            assert loc.path is not None  # refuse() passed it
+            files = all_ranks_files(fs)
             with SnapshotDir(scratch_root(self.scratch_dir), locations.basename(loc.path),
                              prefix="flashckpt-hf-resume-") as view:
                 for name, e in files.items():
                     if e.kind != "tracker":
                         view.write(name, e)
                 self.accelerator.load_state(view.dir, **kwargs)
-        elif want is not None:
-            self._load_from(want, None, **kwargs)
-            loc = Located(None, "storage", want)
-        elif loc.source == "storage" and loc.path:
+            return Opened(None, loc.step, loc.path)
+
+        def from_storage(attempt: LoadAttempt) -> Opened | None:
+            if want is not None:
+                self._load_from(want, None, **kwargs)
+                return Opened(None, None, want)
+            loc = attempt.stored()
+            if loc.source != "storage" or not loc.path:
+                return None
             self._load_from(loc.path, loc.step, **kwargs)
+            return Opened(None, loc.step, loc.path)
+
+        r = self.resolve_load(op="load_state()", event="accelerate_load", logger=log, refuse=refuse,
+                              from_memory=from_memory, from_storage=from_storage)
+        loc = Located(r.step, r.source, r.path)
         if self.automatic and loc.source != "none":
             m = re.search(r"(\d+)$", locations.basename(loc.path or ""))
             if m:

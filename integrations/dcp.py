@@ -44,39 +44,30 @@ one ``all_gather_object`` inside ``read_data``, which DCP calls on every rank.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import io
 import logging
 import os
 import pickle
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from flashckpt import FileSet
 from flashckpt import errors as E
-from flashckpt.errors import CheckpointCorruptError, FlashCheckpointError
-from flashckpt.format.files import tensor_view
-from flashckpt.format.torchfile import torch_save_parts
-from flashckpt.integrations._dcp_store import BackendStorageReader, fill_target
-from flashckpt.integrations._kit import exchange_files
+from flashckpt.errors import FlashCheckpointError
+from flashckpt.integrations._dcp_format import METADATA_NAME, data_file_name, torch_save_frame
+from flashckpt.integrations._dcp_memory import FileSetStorageReader, open_memory_reader
+from flashckpt.integrations._dcp_store import BackendStorageReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
-    DEFAULT_SUFFIX,
     FileSystem,
-    FileSystemReader,
     _StorageInfo,
 )
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
     SavePlan,
     SavePlanner,
     WriteItem,
@@ -89,46 +80,6 @@ __all__ = ["FileSetStorageWriter", "FileSetStorageReader", "BackendStorageReader
            "open_memory_reader", "torch_save_frame", "data_file_name", "METADATA_NAME"]
 
 log = logging.getLogger(__name__)
-
-METADATA_NAME = ".metadata"
-_DATA_FILE = re.compile(r"^__(\d+)_(\d+)" + re.escape(DEFAULT_SUFFIX) + "$")
-
-
-def data_file_name(rank: int) -> str:
-    """The data file of ``rank`` (its rank in the checkpoint's process group): ``__{rank}_0.distcp``."""
-    return f"__{rank}_0{DEFAULT_SUFFIX}"
-
-
-# ------------------------------------------------------------------------------------- tensor records
-_FRAMES: dict[tuple[torch.dtype, tuple[int, ...]], tuple[bytes, bytes]] = {}
-
-
-def torch_save_frame(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, bytes]:
-    """The bytes ``torch.save`` writes before and after the data of a contiguous CPU tensor of this dtype
-    and shape: ``head + data (C order) + tail`` is a ``torch.save`` file of that tensor.
-
-    Computed once per (dtype, shape) and cached; no tensor data is allocated or touched.
-
-    Raises:
-        FlashCheckpointError: this torch writes ``torch.save`` files in a way the split does not expect.
-    """
-    key = (dtype, tuple(shape))
-    frame = _FRAMES.get(key)
-    if frame is not None:
-        return frame
-    # The tensor is never touched (skip_data only records its size): no pages are used.
-    parts = torch_save_parts(torch.empty(shape, dtype=dtype))
-    if len(parts) == 1 and isinstance(parts[0], bytes):  # no data (a zero-size tensor)
-        frame = (parts[0], b"")
-    elif len(parts) == 3 and isinstance(parts[0], bytes) and isinstance(parts[2], bytes):
-        frame = (parts[0], parts[2])
-    else:
-        raise FlashCheckpointError(f"torch_save_frame({dtype}, {tuple(shape)}): torch {torch.__version__} wrote the "
-                                   "tensor's data in an unexpected way; flashckpt's DCP writer does not support this "
-                                   "torch version")
-    _FRAMES[key] = frame
-    return frame
-
 
 # ------------------------------------------------------------------------------------------- planning
 class CachingSavePlanner(DefaultSavePlanner):
@@ -317,233 +268,3 @@ class FileSetStorageWriter(StorageWriter):
         return fs
 
 
-# ------------------------------------------------------------------------------------------- reader
-class _Parts:
-    """A data file held as parts (bytes and tensors) with their file offsets."""
-
-    def __init__(self, parts: list[Any]) -> None:
-        self.parts = parts
-        self.starts: list[int] = []
-        pos = 0
-        for p in parts:
-            self.starts.append(pos)
-            pos += len(p) if isinstance(p, bytes) else p.numel() * p.element_size()
-        self.size = pos
-
-    def _span(self, i: int) -> tuple[int, int]:
-        end = self.starts[i + 1] if i + 1 < len(self.parts) else self.size
-        return self.starts[i], end
-
-    def _overlapping(self, offset: int, length: int) -> range:
-        """Indices of the parts that overlap bytes [offset, offset + length) (and empty parts inside it)."""
-        first = max(bisect.bisect_right(self.starts, offset) - 1, 0)
-        last = bisect.bisect_left(self.starts, offset + length, lo=first)
-        return range(first, last)
-
-    def read(self, offset: int, length: int) -> bytes:
-        if offset < 0 or offset + length > self.size:
-            raise CheckpointCorruptError(f"bytes {offset}..{offset + length} lie outside the data file "
-                                         f"({self.size} bytes)")
-        out = bytearray()
-        for i in self._overlapping(offset, length):
-            p = self.parts[i]
-            s, e = self._span(i)
-            lo, hi = max(s, offset), min(e, offset + length)
-            if lo >= hi:
-                continue
-            view = memoryview(p) if isinstance(p, bytes) else tensor_view(p)
-            out += view[lo - s: hi - s]
-        return bytes(out)
-
-    def tensor_in(self, offset: int, length: int) -> torch.Tensor | None:
-        """The one non-empty tensor part inside bytes [offset, offset + length), if there is exactly one."""
-        found = None
-        for i in self._overlapping(offset, length):
-            p = self.parts[i]
-            if isinstance(p, bytes) or p.numel() == 0:
-                continue
-            s, e = self._span(i)
-            if s < offset or e > offset + length or found is not None:
-                return None
-            found = p
-        return found
-
-
-@dataclass(frozen=True)
-class _Routing:
-    """``LoadPlan.storage_data`` set by the coordinator: whether any rank reads items another rank holds
-    (then every rank joins the exchange) and which of this rank's items others read."""
-
-    exchange: bool
-    serve: tuple[MetadataIndex, ...]
-
-
-class FileSetStorageReader(FileSystemReader):
-    """A DCP ``StorageReader`` over the data files this rank holds in memory (see ``open_memory_reader``).
-
-    Items of this rank's file are served straight from memory (tensor records without re-parsing:
-    the snapshot's tensor is narrowed and copied into the target); items in other ranks' files are
-    exchanged between ranks inside ``read_data`` (one ``all_gather_object``, on every rank, only when
-    the coordinator's plan says some rank needs one). Reusable for several ``dcp.load`` calls.
-
-    Args:
-        path: the checkpoint's directory (its ``checkpoint_id``).
-        metadata: the checkpoint's ``Metadata``.
-        files: this rank's data files, name -> parts (bytes and tensors) as staged by the writer.
-        owners: every data file of the checkpoint -> the rank (in ``process_group``) holding it.
-        process_group: the group DCP loads with (the default group when None).
-    """
-
-    def __init__(self, path: str | os.PathLike[str], *, metadata: Metadata, files: dict[str, list[Any]],
-                 owners: dict[str, int], process_group: Any = None) -> None:
-        super().__init__(path)
-        self.metadata = metadata
-        self.files = {name: _Parts(parts) for name, parts in files.items()}
-        self.owners = dict(owners)
-        self.process_group = process_group
-        self.source = "memory"
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            raise FlashCheckpointError("FileSetStorageReader: the checkpoint has global metadata, not per-rank")
-        if self.metadata.storage_meta is None:
-            self.metadata.storage_meta = StorageMeta()
-        self.metadata.storage_meta.load_id = self.load_id
-        return self.metadata
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        serve: list[set[MetadataIndex]] = [set() for _ in plans]
-        for rank, plan in enumerate(plans):
-            for req in plan.items:
-                owner = self._owner(req.storage_index)
-                if owner != rank:
-                    if owner is None or owner >= len(plans):
-                        raise CheckpointCorruptError(f"FileSetStorageReader: {req.storage_index.fqn} lies in "
-                                                     f"{self._info(req.storage_index).relative_path}, which no rank "
-                                                     "holds in memory")
-                    serve[owner].add(req.storage_index)
-        exchange = any(serve)
-        return [dataclasses.replace(p, storage_data=_Routing(exchange, tuple(sorted(serve[i], key=_index_key))))
-                for i, p in enumerate(plans)]
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        routing = plan.storage_data if isinstance(plan.storage_data, _Routing) else _Routing(False, ())
-        received: dict[MetadataIndex, Any] = {}
-        if routing.exchange:
-            received = self._exchange(plan, routing.serve)
-        for req in plan.items:
-            info = self._info(req.storage_index)
-            mine = self.files.get(info.relative_path)
-            if req.type == LoadItemType.BYTE_IO:
-                raw = mine.read(info.offset, info.length) if mine is not None else received[req.storage_index]
-                planner.load_bytes(req, io.BytesIO(raw))
-                continue
-            tensor = self._local_tensor(req.storage_index, mine, info) if mine is not None else None
-            if tensor is None:
-                raw = mine.read(info.offset, info.length) if mine is not None else received[req.storage_index]
-                tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-            fill_target(planner, req, tensor, "FileSetStorageReader")
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
-
-    # ------------------------------------------------------------------ helpers
-    def _info(self, index: MetadataIndex) -> _StorageInfo:
-        try:
-            return self.metadata.storage_data[index]
-        except KeyError:
-            raise CheckpointCorruptError(f"FileSetStorageReader: the metadata has no storage entry for {index}") from None
-
-    def _owner(self, index: MetadataIndex) -> int | None:
-        return self.owners.get(self._info(index).relative_path)
-
-    def _local_tensor(self, index: MetadataIndex, parts: _Parts, info: _StorageInfo) -> torch.Tensor | None:
-        """The snapshot's tensor of a record in this rank's file, checked against the metadata; None when
-        the record must be parsed instead (the generic path)."""
-        t = parts.tensor_in(info.offset, info.length)
-        md = self.metadata.state_dict_metadata.get(index.fqn)
-        if t is None or not isinstance(md, TensorStorageMetadata) or t.dtype != md.properties.dtype:
-            return None
-        chunk = next((c for c in md.chunks if tuple(c.offsets) == tuple(index.offset or ())), None)
-        if chunk is None or tuple(t.shape) != tuple(chunk.sizes):
-            return None
-        head, tail = torch_save_frame(t.dtype, tuple(t.shape))
-        if len(head) + t.numel() * t.element_size() + len(tail) != info.length:
-            return None
-        return t
-
-    def _exchange(self, plan: LoadPlan, serve: tuple[MetadataIndex, ...]) -> dict[MetadataIndex, Any]:
-        """Every rank gets the records of ``plan`` that other ranks hold, and serves those others read from
-        it (``serve``, as the coordinator planned): data-parallel replicas restarting from memory get the
-        whole model from the rank that holds it. Errors on any rank are raised on every rank."""
-        wanted = list(dict.fromkeys(req.storage_index for req in plan.items
-                                    if self._info(req.storage_index).relative_path not in self.files))
-        return exchange_files(self._record, serve, wanted, group=self.process_group, what="FileSetStorageReader")
-
-    def _record(self, index: MetadataIndex) -> bytes:
-        info = self._info(index)
-        parts = self.files.get(info.relative_path)
-        if parts is None or info.offset + info.length > parts.size:
-            raise CheckpointCorruptError(f"{info.relative_path} bytes {info.offset}+{info.length} are not held by "
-                                         "this rank")
-        return parts.read(info.offset, info.length)
-
-
-def _index_key(idx: MetadataIndex) -> tuple[str, tuple[int, ...]]:
-    return idx.fqn, tuple(idx.offset or ())
-
-
-def open_memory_reader(fileset: FileSet | None, path: str | os.PathLike[str], *,
-                       process_group: Any = None) -> FileSetStorageReader | None:
-    """A reader over the ranks' in-memory sets of one checkpoint, or None (on every rank) when they cannot
-    serve it: a rank lacks its set, the coordinator's ``.metadata`` is missing, or the checkpoint has data
-    files that no current rank holds (it was saved by a different number of ranks or another layout).
-
-    Collective: every rank of ``process_group`` calls it (one ``all_gather_object``), passing its own set
-    (None when it has none). Single-process use needs no process group.
-
-    Args:
-        fileset: this rank's ``FileSet`` of the checkpoint (from ``CheckpointEngine.load_memory``).
-        path: the checkpoint's directory (its ``checkpoint_id``).
-        process_group: the group DCP loads with.
-    """
-    names: list[str] | None = None
-    meta_bytes: bytes | None = None
-    files: dict[str, list[Any]] = {}
-    if fileset is not None:
-        names = []
-        for name, e in fileset.items():
-            if name == METADATA_NAME:
-                meta_bytes = fileset.raw_bytes(name)
-            elif _DATA_FILE.match(name) and e.format == "raw":
-                names.append(name)
-                files[name] = e.data if isinstance(e.data, list) else [e.data]
-    distributed = dist.is_available() and dist.is_initialized()
-    if distributed:
-        gathered: list[Any] = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(gathered, (names, meta_bytes), group=process_group)
-    else:
-        gathered = [(names, meta_bytes)]
-    if any(g[0] is None for g in gathered):
-        log.info("open_memory_reader: a rank holds no snapshot of the checkpoint; reading from storage")
-        return None
-    meta_raw = gathered[0][1]
-    if meta_raw is None:
-        log.info("open_memory_reader: rank 0's snapshot has no %s; reading from storage", METADATA_NAME)
-        return None
-    metadata: Metadata = pickle.loads(meta_raw)  # the coordinator's own pickle (as DCP reads .metadata)
-    owners: dict[str, int] = {}
-    for rank, (rank_names, _) in enumerate(gathered):
-        for n in rank_names:
-            if n in owners:
-                log.info("open_memory_reader: ranks %d and %d both hold %s (snapshots of different runs); reading "
-                         "from storage", owners[n], rank, n)
-                return None
-            owners[n] = rank
-    needed = {info.relative_path for info in (metadata.storage_data or {}).values()}
-    missing = sorted(needed - set(owners))
-    if missing:
-        log.info("open_memory_reader: the checkpoint's files %s are held by no current rank (saved with another "
-                 "layout); reading from storage", missing[:4])
-        return None
-    return FileSetStorageReader(path, metadata=metadata, files=files, owners=owners, process_group=process_group)

@@ -23,13 +23,13 @@ from typing import Any
 
 from flashckpt import CheckpointEngine, StorageType
 from flashckpt.commit.retention import CheckpointDeletionStrategy
+from flashckpt.engine.adapter import AdapterBase
 from flashckpt.engine.engine import LoadResult
-from flashckpt.integrations._kit import Adapter
 
 __all__ = ["DdpCheckpointer", "StorageType"]
 
 
-class DdpCheckpointer(Adapter):
+class DdpCheckpointer(AdapterBase):
     """Checkpointer for DDP (replicated state).
 
     Args:

@@ -50,22 +50,22 @@ import os
 import posixpath
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from flashckpt import CheckpointEngine as FlashEngine
 from flashckpt import FlashCheckpointError, LoadResult, StorageType
 from flashckpt import errors as E
 from flashckpt.commit.retention import CheckpointDeletionStrategy
+from flashckpt.engine.adapter import AdapterBase, LoadAttempt, Opened
+from flashckpt.engine.collective import exchange_files, rank, world
 from flashckpt.engine.engine import Located
+from flashckpt.engine.routing import path_inside, swapped
 from flashckpt.format.files import FileSet
 from flashckpt.format.names import META
-from flashckpt.integrations._kit import Adapter, exchange_files, path_inside, rank, swapped, world
-from flashckpt.integrations._kit_files import Capture, SnapshotDir, scratch_root
+from flashckpt.integrations._deepspeed_engine import DsCapture, DsServe, FlashDeepSpeedCheckpointEngine
+from flashckpt.integrations._kit_files import SnapshotDir, scratch_root
 from flashckpt.storage import locations
 from flashckpt.storage.base import CheckpointStorage
 
@@ -76,104 +76,7 @@ log = logging.getLogger(__name__)
 LATEST = "latest"  # DeepSpeed's tracker file, in the save dir
 
 
-class _Capture(Capture):
-    """One ``save_checkpoint`` in progress: the files DeepSpeed hands over (through the checkpoint engine,
-    so nothing is patched: ``rel`` names them, ``files`` holds them), and how to commit them."""
-
-    def __init__(self, tag: str, set_dir: str, files: FileSet, on_commit: Callable[[_Capture], None]) -> None:
-        super().__init__(set_dir, files)
-        self.root = set_dir  # as given (normalized): Capture makes it a local absolute path, which a URL is not
-        self.tag = tag
-        self.on_commit = on_commit  # run at DeepSpeed's commit
-        self.committed = False
-        self.error: BaseException | None = None
-        self.pause_s = 0.0
-
-
-@dataclass(frozen=True)
-class _Serve:
-    """One served load in progress: DeepSpeed's reads of ``names`` under ``set_dir`` come from
-    ``read(name, map_location)`` (a snapshot's trees, or files read through the storage backend)."""
-
-    set_dir: str
-    names: frozenset[str]
-    read: Callable[[str, Any], Any]
-
-
-class FlashDeepSpeedCheckpointEngine(CheckpointEngine):
-    """DeepSpeed ``CheckpointEngine`` that ``DeepSpeedCheckpointer`` installs as ``engine.checkpoint_engine``.
-
-    DeepSpeed calls, on every rank: ``create(info)``, then ``makedirs`` / ``save(state_dict, path)`` for
-    each file this rank writes, then ``commit(info)``; on load, ``load(path)`` for each file it reads.
-    While the checkpointer captures a save, ``save`` collects the state dicts (no copy yet: DeepSpeed does
-    not touch them before ``commit``) and ``commit`` snapshots them; while it serves a memory load,
-    ``load`` returns the snapshot's trees. Otherwise every call goes to the engine it replaced.
-    """
-
-    def __init__(self, inner: CheckpointEngine) -> None:
-        super().__init__(None)
-        self.name = "FlashDeepSpeedCheckpointEngine"
-        self.inner = inner
-        self.capture: _Capture | None = None
-        self.serve: _Serve | None = None
-
-    def create(self, info: CheckpointCommitInfo) -> None:
-        if self.capture is None:
-            self.inner.create(info)
-        elif str(info.tag) != self.capture.tag:
-            raise FlashCheckpointError(f"DeepSpeed is saving tag {info.tag!r} while flashckpt captures tag "
-                                       f"{self.capture.tag!r}")
-
-    def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        # The saver creates the tag directory when it persists; a memory snapshot leaves no trace on storage;
-        # a store has no directories to make.
-        if self.capture is not None and (path_inside(path, self.capture.root) or locations.is_url(path)):
-            return
-        self.inner.makedirs(path, exist_ok=exist_ok)
-
-    def save(self, state_dict: Any, path: str) -> None:
-        cap = self.capture
-        if cap is None:
-            self.inner.save(state_dict, path)
-            return
-        name = cap.rel(path)
-        if name is None:
-            raise FlashCheckpointError(f"DeepSpeed saves {path}, outside the tag directory {cap.root} that "
-                                       "flashckpt captures; this DeepSpeed feature is not supported by "
-                                       "DeepSpeedCheckpointer (save it with engine.save_checkpoint)")
-        cap.files.add_torch(name, state_dict)
-
-    def load(self, path: str, map_location: Any = None) -> Any:
-        srv = self.serve
-        if srv is None:
-            return self.inner.load(path, map_location=map_location)
-        name = os.path.relpath(os.path.abspath(path), srv.set_dir).replace(os.sep, "/")
-        if name not in srv.names:
-            raise FlashCheckpointError(f"DeepSpeed reads {name!r}, which the checkpoint being loaded does not hold "
-                                       f"(it holds {sorted(srv.names)})")
-        return srv.read(name, map_location)
-
-    def commit(self, info: CheckpointCommitInfo) -> bool:
-        cap = self.capture
-        if cap is None:
-            return bool(self.inner.commit(info))
-        # An error here must not skip DeepSpeed's closing barrier (the other ranks would hang in it): it
-        # is kept and raised by save_checkpoint once DeepSpeed returns.
-        try:
-            cap.on_commit(cap)
-            cap.committed = True
-        except BaseException as e:  # noqa: B036 - re-raised by DeepSpeedCheckpointer.save_checkpoint
-            cap.error = e
-        return cap.committed
-
-    def is_data_parallel_writer(self, dp_rank: int) -> bool:
-        return bool(self.inner.is_data_parallel_writer(dp_rank))
-
-    def preserves_storage_sharing(self) -> bool:
-        return bool(self.inner.preserves_storage_sharing())
-
-
-class DeepSpeedCheckpointer(Adapter):
+class DeepSpeedCheckpointer(AdapterBase):
     """Flash checkpoints for a ``DeepSpeedEngine`` with DeepSpeed's ``save_checkpoint`` /
     ``load_checkpoint`` arguments, meaning and return values (deepspeed 0.19.8), plus ``storage_type``.
 
@@ -281,12 +184,12 @@ class DeepSpeedCheckpointer(Adapter):
             tracker = str(locations.relpath(locations.join(root, LATEST), self.checkpoint_dir)).replace(os.sep, "/")
             files.add_raw(tracker, tag.encode(), kind="tracker")
 
-        def snapshot(cap: _Capture) -> None:
+        def snapshot(cap: DsCapture) -> None:
             t0 = time.perf_counter()
             self._core.save(step, cap.files, path=cap.root, storage_type=storage_type)
             cap.pause_s = time.perf_counter() - t0
 
-        cap = _Capture(tag, set_dir, files, snapshot)
+        cap = DsCapture(tag, set_dir, files, snapshot)
         t0 = time.perf_counter()
         self._ds_engine.capture = cap
         # DeepSpeed copies its recovery scripts into save_dir with shutil, outside its checkpoint engine
@@ -379,36 +282,40 @@ class DeepSpeedCheckpointer(Adapter):
             FileNotFoundError: ``tag`` names no checkpoint in memory or in ``load_dir``.
         """
         self._check_open("load_checkpoint")
-        t0 = time.perf_counter()
         root = locations.normpath(load_dir)
-        loc = self._core.locate()  # every rank: agreement on the newest step
-        newest_tag = self._tag_in(root, loc)  # the newest checkpoint's tag, when it is a checkpoint of load_dir
-        want = newest_tag if tag is None else str(tag)
         kw = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                   load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                   custom_load_fn=custom_load_fn)
-        if loc.source == "memory" and want is not None and want == newest_tag:
-            why = self._memory_unsupported(load_optimizer_states)
-            if why:
-                log.warning("load_checkpoint: the newest checkpoint (%s, step %s) is in memory, but %s; loading "
-                            "from storage instead", newest_tag, loc.step, why)
-                if tag is None:
-                    want = None  # DeepSpeed's `latest`: the newest committed tag
-            else:
-                out = self._load_from_memory(load_dir, want, loc.step, kw)
-                if out is not None:
-                    self._loaded(loc.step, "memory", t0)
-                    return out
-                if tag is None:
-                    want = None
-        if locations.is_url(root):
-            return self._load_from_store(root, want, newest_tag, loc, kw, t0)
-        if want is not None and not os.path.isdir(os.path.join(root, want)):
-            raise self._no_tag(want, os.path.join(root, want), newest_tag, loc.source)
-        load_path, client_state = self.engine.load_checkpoint(load_dir, want, **kw)
-        step = loc.step if load_path is not None and want == newest_tag and loc.source == "storage" else None
-        self._loaded(step, "storage" if load_path is not None else "none", t0)
-        return load_path, client_state
+        newest: list[str | None] = [None]  # the newest checkpoint's tag, when it is a checkpoint of load_dir
+
+        def refuse(loc: Located) -> str:
+            newest[0] = self._tag_in(root, loc)
+            if newest[0] is None or (tag is not None and str(tag) != newest[0]):
+                return f"tag {tag!r} of {load_dir} is asked for" if tag is not None else f"it is not in {load_dir}"
+            return self._memory_unsupported(load_optimizer_states)
+
+        def from_memory(loc: Located, fs: Any) -> Opened | str:
+            out = self._load_from_memory(load_dir, newest[0] or "", fs, kw)
+            return Opened(out, loc.step) if not isinstance(out, str) else out
+
+        def from_storage(attempt: LoadAttempt) -> Opened | None:
+            loc = attempt.located
+            if loc.source != "memory":
+                newest[0] = self._tag_in(root, loc)
+            # memory held the newest but did not serve it: DeepSpeed's `latest` (the newest committed tag)
+            want = None if tag is None and loc.source == "memory" else newest[0] if tag is None else str(tag)
+            if locations.is_url(root):
+                return self._load_from_store(root, want, newest[0], attempt, kw)
+            if want is not None and not os.path.isdir(os.path.join(root, want)):
+                raise self._no_tag(want, os.path.join(root, want), newest[0], loc.source)
+            load_path, client_state = self.engine.load_checkpoint(load_dir, want, **kw)
+            step = loc.step if load_path is not None and want == newest[0] and loc.source == "storage" else None
+            return Opened((load_path, client_state), step, source="storage" if load_path is not None else "none")
+
+        r = self.resolve_load(op="load_checkpoint", event="ds_load", logger=log, refuse=refuse,
+                              from_memory=from_memory, from_storage=from_storage)
+        self.last_load = r.result()
+        return r.value if r.value is not None else (None, None)
 
     def _tag_in(self, root: str, loc: Located) -> str | None:
         """The tag of the checkpoint ``loc`` names, when its directory lies directly in ``root``."""
@@ -424,19 +331,18 @@ class DeepSpeedCheckpointer(Adapter):
                                          f"checkpoint is {newest_tag!r} (from {source}). Pass tag=None to load "
                                          "the newest")
 
-    def _load_from_store(self, root: str, want: str | None, newest_tag: str | None, loc: Located,
-                         kw: dict[str, Any], t0: float) -> tuple[Any, Any]:
+    def _load_from_store(self, root: str, want: str | None, newest_tag: str | None, attempt: LoadAttempt,
+                         kw: dict[str, Any]) -> Opened | None:
         """DeepSpeed's load of tag ``want`` (None: the newest committed one that verifies, else what
         ``<root>/latest`` names) from a checkpoint dir in a store: only a committed tag is read."""
         storage = self._core.storage
+        loc = attempt.located
         if want is None:
-            if loc.source == "memory":  # memory could not serve it: the newest committed step that verifies
-                loc = self._core.locate(memory=False)
+            loc = attempt.stored()  # memory could not serve it: the newest committed step that verifies
             want = self._tag_in(root, loc) or _read_text(storage, locations.join(root, LATEST))
             if want is None:
                 log.warning("load_checkpoint: no checkpoint in %s (no committed tag, no %s)", root, LATEST)
-                self._loaded(None, "none", t0)
-                return None, None
+                return None
         set_dir = locations.join(root, _check_tag(want))
         step = next((s for s in reversed(self._core.committed_steps()) if self._committed_dir(s) == set_dir), None)
         if step is None:
@@ -456,7 +362,7 @@ class DeepSpeedCheckpointer(Adapter):
             else:  # placeholders answer DeepSpeed's glob/exists; its reads go through the backend
                 for name in files:
                     view.touch(name)
-                self._ds_engine.serve = _Serve(view.dir, frozenset(files),
+                self._ds_engine.serve = DsServe(view.dir, frozenset(files),
                                                lambda name, at: _torch_load(storage, files[name], at))
                 try:
                     load_path, client_state = self.engine.load_checkpoint(view.base, want, **kw)
@@ -464,8 +370,7 @@ class DeepSpeedCheckpointer(Adapter):
                     self._ds_engine.serve = None
             if isinstance(load_path, str) and path_inside(load_path, view.base):
                 load_path = locations.join(root, os.path.relpath(load_path, view.base).replace(os.sep, "/"))
-        self._loaded(step if load_path is not None else None, "storage" if load_path is not None else "none", t0)
-        return load_path, client_state
+        return Opened((load_path, client_state), step, source="storage" if load_path is not None else "none")
 
     def _memory_unsupported(self, load_optimizer_states: bool) -> str:
         """Why DeepSpeed's load of this engine reads files itself, past its checkpoint engine, so that it
@@ -485,33 +390,21 @@ class DeepSpeedCheckpointer(Adapter):
             return "ZeRO elastic checkpoints read every rank's optimizer file"
         return ""
 
-    def _load_from_memory(self, load_dir: str, tag: str, step: int | None, kw: dict[str, Any]) -> tuple[Any, Any] | None:
-        """Runs DeepSpeed's load with its reads served from this rank's snapshot; None (on every rank)
-        when a rank cannot read its snapshot."""
-        files: dict[str, Any] = {}
-        ok = 1
-        try:
-            fs = self._core.load_memory(step)
-            files = {n: e.data for n, e in fs.items() if e.kind == "file" and e.format == "torch"}
-        except FlashCheckpointError as e:
-            log.warning("load_checkpoint: rank %d cannot read step %s from memory (%s)", rank(), step, e)
-            ok = 0
-        n_ranks = world(self.process_group)
-        if n_ranks > 1:
-            flag = torch.tensor([ok], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group)
-            ok = int(flag.item())
-        if not ok:
-            return None
-        if n_ranks > 1 and not self._share_model_states(files, tag):
-            return None
+    def _load_from_memory(self, load_dir: str, tag: str, fs: Any, kw: dict[str, Any]) -> tuple[Any, Any] | str:
+        """Runs DeepSpeed's load with its reads served from this rank's snapshot ``fs``; why not (on every
+        rank) when the model-states file is in no rank's snapshot."""
+        files = {n: e.data for n, e in fs.items() if e.kind == "file" and e.format == "torch"}
+        if world(self.process_group) > 1:
+            why = self._share_model_states(files, tag)
+            if why:
+                return why
         with SnapshotDir(None, tag, prefix="flashckpt-ds-") as view:
             vroot = view.base
             # DeepSpeed finds its files with glob and os.path.exists before it reads them through the
             # checkpoint engine: empty placeholders answer those, the reads come from memory.
             for name in files:
                 view.touch(name)
-            self._ds_engine.serve = _Serve(view.dir, frozenset(files), lambda name, _map_location: _fresh(files[name]))
+            self._ds_engine.serve = DsServe(view.dir, frozenset(files), lambda name, _map_location: _fresh(files[name]))
             try:
                 load_path, client_state = self.engine.load_checkpoint(vroot, tag, **kw)
             finally:
@@ -522,28 +415,23 @@ class DeepSpeedCheckpointer(Adapter):
                          if locations.is_url(load_dir) else os.path.join(load_dir, rel))
         return load_path, client_state
 
-    def _share_model_states(self, files: dict[str, Any], tag: str) -> bool:
+    def _share_model_states(self, files: dict[str, Any], tag: str) -> str:
         """DeepSpeed writes the model-states file of ZeRO 0-2 on data-parallel rank 0 only and every rank
-        reads it: ranks whose snapshot lacks the file they read get it from a rank that has it. False (on
-        every rank) when no rank has it."""
+        reads it: ranks whose snapshot lacks the file they read get it from a rank that has it. Why not (on
+        every rank) when no rank has it, else ""."""
         need = os.path.relpath(self.engine._get_ckpt_name("/", tag), posixpath.join("/", tag)).replace(os.sep, "/")
         try:
             files.update(exchange_files(files, sorted(files), [] if need in files else [need],
                                         group=self.process_group, what=f"load_checkpoint(tag={tag!r})"))
         except FlashCheckpointError as e:
-            log.warning("%s; loading from storage", e)
-            return False
-        return True
-
-    def _loaded(self, step: int | None, source: str, t0: float) -> None:
-        self.last_load = LoadResult(step, source, time.perf_counter() - t0, 0)
-        log.info("event=ds_load step=%s source=%s seconds=%.4f", step, source, self.last_load.seconds)
+            return str(e)
+        return ""
 
     # ------------------------------------------------------------------ wait / close
     def _flash_engine(self) -> FlashEngine:
         return self._core
 
-    wait_latest_checkpoint = Adapter.wait
+    wait_latest_checkpoint = AdapterBase.wait
 
     def close(self, release: bool = True) -> None:
         """Gives the engine its checkpoint engine back and detaches from the saver (persists in flight

@@ -42,9 +42,10 @@ from typing import Any
 from flashckpt import CheckpointEngine, FileSet, StorageType
 from flashckpt import errors as E
 from flashckpt.commit.retention import CheckpointDeletionStrategy
-from flashckpt.engine.engine import LoadResult
+from flashckpt.engine.adapter import AdapterBase, LoadAttempt, Opened, Resolved, log_load
+from flashckpt.engine.engine import LoadResult, Located
+from flashckpt.engine.routing import path_inside
 from flashckpt.errors import CheckpointCorruptError
-from flashckpt.integrations._kit import Adapter, path_inside
 from flashckpt.storage import locations
 
 __all__ = ["FsdpShardCheckpointer", "StorageType", "SaveTiming"]
@@ -69,7 +70,7 @@ class SaveTiming:
         return self.plan_s + self.snapshot_s
 
 
-class FsdpShardCheckpointer(Adapter):
+class FsdpShardCheckpointer(AdapterBase):
     """Checkpointer for sharded state dicts (DTensor / ShardedTensor), in DCP's format.
 
     Args:
@@ -171,7 +172,7 @@ class FsdpShardCheckpointer(Adapter):
             CheckpointCorruptError: ``resume_path`` is not a committed DCP checkpoint, or every
                 committed step is damaged.
         """
-        from flashckpt.integrations.dcp import METADATA_NAME, open_memory_reader
+        from flashckpt.integrations.dcp import METADATA_NAME
 
         t0 = time.perf_counter()
         if resume_path:
@@ -181,33 +182,35 @@ class FsdpShardCheckpointer(Adapter):
                                              f"{METADATA_NAME}, so it is not a committed DCP checkpoint")
             self._loaded(None, "storage", t0)
             return self._storage_reader(d)
-        loc = self.engine.locate()
-        if loc.source == "memory" and loc.step is not None:
+        return self._resolved(self.resolve_load(op="get_storage_reader()", event="fsdp_load", logger=log,
+                                                from_memory=self._open_memory, from_storage=self._open_stored))
+
+    def _open_memory(self, loc: Located, fs: Any) -> Opened | str:
+        """A reader over the ranks' snapshots of the located step (collective), or why not."""
+        from flashckpt.integrations.dcp import open_memory_reader
+
+        if fs is not None and not isinstance(fs, FileSet):
+            log.warning("get_storage_reader(): the snapshot of step %s is not a DCP checkpoint of this "
+                        "checkpointer; reading from storage", loc.step)
             fs = None
-            try:
-                fs = self.engine.load_memory(loc.step)
-            except Exception as e:  # the others still need this rank in the collective below
-                log.warning("get_storage_reader(): %s; reading from storage", e)
-            if fs is not None and not isinstance(fs, FileSet):
-                log.warning("get_storage_reader(): the snapshot of step %s is not a DCP checkpoint of this "
-                            "checkpointer; reading from storage", loc.step)
-                fs = None
-            reader = open_memory_reader(fs, loc.path or self.checkpoint_dir, process_group=self.process_group)
-            del fs
-            if reader is not None:
-                self._loaded(loc.step, "memory", t0)
-                return reader
-            loc = self.engine.locate(memory=False)
-        if loc.source == "storage" and loc.step is not None:
-            step, path = loc.step, loc.path
-        else:
-            self._loaded(None, "none", t0)
+        reader = open_memory_reader(fs, loc.path or self.checkpoint_dir, process_group=self.process_group)
+        return Opened(reader, loc.step, loc.path) if reader is not None else "the ranks' snapshots cannot serve it"
+
+    def _open_stored(self, attempt: LoadAttempt) -> Opened | None:
+        """A reader of the newest committed step that verifies (None when there is none)."""
+        from flashckpt.integrations.dcp import METADATA_NAME
+
+        loc = attempt.stored()
+        if loc.source != "storage" or loc.step is None:
             return None
-        if not path or not self._has_metadata(path):
-            raise CheckpointCorruptError(f"get_storage_reader(): committed step {step} at {path} has no "
+        if not loc.path or not self._has_metadata(loc.path):
+            raise CheckpointCorruptError(f"get_storage_reader(): committed step {loc.step} at {loc.path} has no "
                                          f"{METADATA_NAME}; it was not written by this checkpointer")
-        self._loaded(step, "storage", t0)
-        return self._storage_reader(path)
+        return Opened(self._storage_reader(loc.path), loc.step, loc.path)
+
+    def _resolved(self, r: Resolved) -> Any:
+        self.last_load = r.result()
+        return r.value
 
     def _has_metadata(self, d: str) -> bool:
         """Whether the DCP checkpoint directory ``d`` holds its ``.metadata`` (through the backend)."""
@@ -279,7 +282,7 @@ class FsdpShardCheckpointer(Adapter):
 
     def _loaded(self, step: int | None, source: str, t0: float) -> None:
         self.last_load = LoadResult(step, source, time.perf_counter() - t0, 0)
-        log.info("event=fsdp_load step=%s source=%s seconds=%.4f", step, source, self.last_load.seconds)
+        log_load(log, "fsdp_load", step, source, self.last_load.seconds)
 
     def _dir(self, path: str, op: str) -> str:
         d = self.engine.resolve(path)  # os.path.join(checkpoint_dir, str(step)) means that dir, as in DLRover's guide

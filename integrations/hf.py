@@ -38,27 +38,42 @@ Accelerate users get the same through ``AcceleratorCheckpointer(accelerator, che
 from __future__ import annotations
 
 import dataclasses
-import io
-import json
 import logging
 import os
-import re
 import warnings
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from flashckpt import CheckpointEngine, FileSet, StorageType
 from flashckpt import errors as E
-from flashckpt.commit.layout import CommitLayout
-from flashckpt.commit.retention import CheckpointDeletionStrategy
-from flashckpt.engine.engine import Located, local_dir
-from flashckpt.format.files import FileEntry
-from flashckpt.integrations._kit import barrier, step_of
-from flashckpt.integrations._kit_files import Capture, SnapshotDir, all_ranks_files, scratch, scratch_root
-from flashckpt.integrations.accelerate import AcceleratorCheckpointer, committed_step_of, fetch_step
+from flashckpt.engine.adapter import LoadAttempt, Opened, resolve_load
+from flashckpt.engine.collective import barrier
+from flashckpt.engine.engine import Located
+from flashckpt.integrations._hf_files import (
+    OPTIMIZER,
+    PREFIX,
+    SCHEDULER,
+    TRAINER_STATE,
+    MemoryView,
+    TrainerRetention,
+    check_committed,
+    checkpoint_location,
+    checkpoint_step,
+    delete_all_but,
+    fetch_view,
+    get_last_checkpoint,
+    last_checkpoint,
+    local_output_dir,
+    materialize,
+)
+from flashckpt.integrations._kit_files import (
+    Capture,
+    all_ranks_files,
+    scratch,
+    scratch_root,
+)
+from flashckpt.integrations.accelerate import AcceleratorCheckpointer
 from flashckpt.storage import locations, registry
-from flashckpt.storage.registry import storage_for
 
 try:
     import transformers
@@ -72,13 +87,6 @@ __all__ = ["FlashCkptTrainer", "FlashCkptConfig", "AcceleratorCheckpointer", "ge
 log = logging.getLogger(__name__)
 
 TESTED_TRANSFORMERS = "5.23.0"
-PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
-_CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
-_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_OPTIMIZER = "optimizer.pt"
-_SCHEDULER = "scheduler.pt"
-_TRAINER_STATE = "trainer_state.json"
-_WEIGHTS = "model.safetensors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,179 +128,6 @@ class FlashCkptConfig:
             registry.checkpoint_location(self.checkpoint_dir, "FlashCkptConfig(checkpoint_dir)")
 
 
-# ---------------------------------------------------------------------------------------------- lookup
-def _step_of(path: str) -> int | None:
-    return step_of(locations.basename(path) if locations.is_url(path) else path, _CHECKPOINT_RE)
-
-
-def _location(d: str) -> str:
-    """A checkpoint location as the engine names it: a local path absolute, a URL normalized (a URL that no
-    storage backend serves is refused, naming those installed)."""
-    loc = registry.checkpoint_location(d, "FlashCkptTrainer")
-    return loc if locations.is_url(loc) else os.path.abspath(loc)
-
-
-def get_last_checkpoint(folder: str, *, verify: bool = False, storage_options: dict[str, Any] | None = None) -> str | None:
-    """The newest ``checkpoint-N`` in ``folder`` that is safe to resume from, or None.
-
-    In a folder written by flashckpt only committed checkpoints count (never one still being persisted,
-    nor the remains of one a crash interrupted); with ``verify`` their checksums are checked too, falling
-    back to older ones. In a folder flashckpt never wrote to (a vanilla Trainer's), the newest
-    ``checkpoint-N`` holding a ``trainer_state.json`` (the file the Trainer writes last). ``folder`` may
-    be the URL of a store (``s3://bucket/run``, with the backend's ``storage_options``); there only
-    committed checkpoints count, and the answer is their URL.
-    """
-    folder = registry.checkpoint_location(folder, "get_last_checkpoint")
-    storage = storage_for(folder, storage_options)
-    try:
-        return _last_checkpoint(folder, CommitLayout(folder, storage), verify)
-    finally:
-        storage.close()
-
-
-def _last_checkpoint(folder: str, layout: CommitLayout, verify: bool) -> str | None:
-    # Records that describe an earlier directory of this name (deleted since) are not this folder's.
-    records = layout.records_in_use()
-    committed = layout.committed_steps() if records else []
-    if committed or (records and layout.uncommitted_steps()):
-        for step in reversed(committed):
-            try:
-                base = layout.base(step, 0)
-            except E.CheckpointCorruptError as e:  # a damaged manifest: fall back to the previous step
-                log.warning("get_last_checkpoint(%s): step %d: %s", folder, step, e)
-                continue
-            if not base or _step_of(base) is None or not (layout.storage.isdir(base) if locations.is_url(base)
-                                                          else os.path.isdir(base)):
-                continue
-            if verify:
-                problems = layout.verify(step)
-                if problems:
-                    log.warning("get_last_checkpoint(%s): %s is damaged (%s); trying an older one", folder, base,
-                                "; ".join(problems[:3]))
-                    continue
-            return base
-        return None
-    if locations.is_url(folder) or not os.path.isdir(folder):
-        return None
-    found = [(s, n) for n in os.listdir(folder) if (s := _step_of(n)) is not None
-             and os.path.isfile(os.path.join(folder, n, _TRAINER_STATE))]
-    return os.path.join(folder, max(found)[1]) if found else None
-
-
-class _TrainerRetention(CheckpointDeletionStrategy):
-    """``save_total_limit`` as the Trainer applies it: keep the newest ``limit`` committed checkpoints,
-    and always the newest one and the best one (``state.best_model_checkpoint``)."""
-
-    def __init__(self, limit: int, best_step: Callable[[], int | None]) -> None:
-        self.limit = limit
-        self.best_step = best_step
-
-    def steps_to_delete(self, committed_steps: Sequence[int]) -> list[int]:
-        steps = sorted(committed_steps)
-        if len(steps) <= self.limit:
-            return []
-        protected = {steps[-1]}
-        best = self.best_step()
-        if best in steps:
-            protected.add(best)
-        keep = max(self.limit, len(protected))
-        doomed: list[int] = []
-        remaining = len(steps)
-        for s in steps:
-            if remaining <= keep:
-                break
-            if s not in protected:
-                doomed.append(s)
-                remaining -= 1
-        return doomed
-
-
-# ---------------------------------------------------------------------------------------------- memory view
-class _MemoryView(SnapshotDir):
-    """A memory snapshot laid out for the Trainer: small files written into ``dir``; the model weights
-    and optimizer state (when the Trainer's plain path loads them) kept as tensors. Also a committed
-    checkpoint downloaded from a store (every file in ``dir``).
-
-    ``best``: the ``best_model_checkpoint`` of its ``trainer_state.json`` when that is in a store (the copy
-    in ``dir`` says None: the Trainer drops a best checkpoint it cannot find locally; it is restored after
-    the Trainer read the state)."""
-
-    def __init__(self, root: str, name: str, step: int, origin: str) -> None:
-        super().__init__(root, name, prefix="flashckpt-hf-resume-")
-        self.step = step
-        self.origin = origin
-        self.weights: dict[str, torch.Tensor] | None = None
-        self.optimizer: Any = None
-        self.best: str | None = None
-
-    def hide_stored_best(self) -> None:
-        """Moves a ``best_model_checkpoint`` in a store out of the copy's ``trainer_state.json`` into ``best``."""
-        path = self.path(_TRAINER_STATE)
-        if not os.path.isfile(path):
-            return
-        with open(path) as f:
-            state = json.load(f)
-        best = state.get("best_model_checkpoint")
-        if isinstance(best, str) and locations.is_url(best):
-            self.best, state["best_model_checkpoint"] = best, None
-            with open(path, "w") as f:
-                json.dump(state, f, indent=2, sort_keys=True)
-
-    def close(self) -> None:
-        self.weights = self.optimizer = None
-        super().close()
-
-
-def _safetensors_tensors(e: FileEntry) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors entry of a memory snapshot (no copy when the parts line up)."""
-    import safetensors.torch as st
-
-    parts = e.data if isinstance(e.data, list) else [e.data]
-    head = parts[0] if parts and isinstance(parts[0], bytes) else b""
-    if len(head) >= 8:
-        n = int.from_bytes(head[:8], "little")
-        header = json.loads(head[8:8 + n]) if len(head) >= 8 + n else None
-        if header is not None:
-            header.pop("__metadata__", None)
-            names = sorted(header, key=lambda k: (header[k]["data_offsets"][0], header[k]["data_offsets"][1], k))
-            body = parts[1:]
-            if len(body) == len(names) and all(isinstance(t, torch.Tensor) for t in body):
-                out = {}
-                for name, t in zip(names, body, strict=True):
-                    h = header[name]
-                    if list(t.shape) != h["shape"] or t.numel() * t.element_size() != h["data_offsets"][1] - h["data_offsets"][0]:
-                        break
-                    out[name] = t
-                else:
-                    return out
-    joined = b"".join(p if isinstance(p, bytes) else p.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                      for p in parts)
-    return st.load(joined)
-
-
-def _materialize(files: FileSet, root: str, name: str, origin: str, step: int, *,
-                 direct: Callable[[str], bool] = lambda _n: False) -> _MemoryView:
-    """Writes the set's files into a private ``<root>/.../<name>``, except those ``direct`` keeps."""
-    view = _MemoryView(root, name, step, origin)
-    try:
-        weights: dict[str, torch.Tensor] = {}
-        for n, e in files.items():
-            if e.kind == "tracker":
-                continue
-            if direct(n) and n == _OPTIMIZER:
-                view.optimizer = e.data if e.format == "torch" else torch.load(io.BytesIO(files.raw_bytes(n)),
-                                                                               weights_only=True)
-            elif direct(n) and (n == _WEIGHTS or _SHARD_RE.match(n)):
-                weights.update(_safetensors_tensors(e))
-            else:
-                view.write(n, e)
-        view.weights = weights or None
-    except BaseException:
-        view.close()
-        raise
-    return view
-
-
 # ---------------------------------------------------------------------------------------------- trainer
 class FlashCkptTrainer(Trainer):
     """``transformers.Trainer`` whose checkpoints go to host memory first and to storage in the background.
@@ -322,7 +157,7 @@ class FlashCkptTrainer(Trainer):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         output_dir = getattr(training_args, "output_dir", None)
         if output_dir:  # a URL is refused before the Trainer makes the dir
-            self._flash_dir(output_dir)
+            local_output_dir(output_dir)
         stored = flashckpt_config is not None and locations.is_url(flashckpt_config.checkpoint_dir or "")
         if stored and getattr(training_args, "push_to_hub", False):  # before the Trainer creates the Hub repo
             raise E.InvalidArgumentError(
@@ -343,7 +178,7 @@ class FlashCkptTrainer(Trainer):
                              "use the vanilla Trainer there")
         self.flashckpt_last_resume: Located | None = None  # where the last train() resumed from
         self._flash: CheckpointEngine | None = None
-        self._flash_view: _MemoryView | None = None
+        self._flash_view: MemoryView | None = None
         self._flash_disk_steps: set[int] = set()
         self._flash_last_step = -1
         self._flash_run_dir = ""
@@ -354,29 +189,17 @@ class FlashCkptTrainer(Trainer):
     def flashckpt_engine(self, run_dir: str | None = None) -> CheckpointEngine:
         """The engine of ``run_dir`` (default: the checkpoint dir: ``flashckpt_config.checkpoint_dir``, else
         ``args.output_dir``), created on first use."""
-        run_dir = _location(run_dir) if run_dir else self._flash_checkpoint_dir(getattr(self, "_trial", None))
+        run_dir = checkpoint_location(run_dir) if run_dir else self._flash_checkpoint_dir(getattr(self, "_trial", None))
         if self._flash is not None and self._flash.checkpoint_dir == run_dir:
             return self._flash
         self.flashckpt_close()
         limit = self.args.save_total_limit
-        strategy = _TrainerRetention(limit, self._flash_best_step) if limit and limit > 0 else None
+        strategy = TrainerRetention(limit, self._flash_best_step) if limit and limit > 0 else None
         self._flash = CheckpointEngine(run_dir, max_to_keep=0, deletion_strategy=strategy, replicated=False,
                                        weights_only=not self.is_deepspeed_enabled,
                                        storage_options=self.flashckpt_config.storage_options)
         self._flash_run_dir = self._flash.checkpoint_dir
         return self._flash
-
-    @staticmethod
-    def _flash_dir(output_dir: str) -> str:
-        """The absolute local dir of ``output_dir``; URLs (``s3://...``) are refused with what to do."""
-        if locations.is_url(os.fspath(output_dir)):
-            raise E.CheckpointDirError(
-                f"FlashCkptTrainer(args.output_dir={os.fspath(output_dir)!r}): the output dir holds the Trainer's logs "
-                "and final model and must be a local directory (a URL would become a local 's3:' directory). Put "
-                "the checkpoints in the store with FlashCkptTrainer(..., flashckpt_config=FlashCkptConfig("
-                f"checkpoint_dir={os.fspath(output_dir)!r})) and give a local output_dir (or mount the store and "
-                "pass the mount's path)")
-        return os.path.abspath(local_dir(output_dir, "FlashCkptTrainer(args.output_dir)"))
 
     @property
     def _flash_in_store(self) -> bool:
@@ -386,12 +209,12 @@ class FlashCkptTrainer(Trainer):
         """Where the ``checkpoint-N/`` folders of ``trial``'s run go: ``flashckpt_config.checkpoint_dir`` (a
         trial of a hyperparameter search in its run's subdirectory, as under ``output_dir``), else the
         run's output dir. Local dirs absolute, URLs normalized."""
-        out = self._flash_dir(self._get_output_dir(trial=trial))
+        out = local_output_dir(self._get_output_dir(trial=trial))
         given = self.flashckpt_config.checkpoint_dir
         if not given:
             return out
-        sub = os.path.relpath(out, self._flash_dir(self.args.output_dir or out))
-        root = _location(given)
+        sub = os.path.relpath(out, local_output_dir(self.args.output_dir or out))
+        root = checkpoint_location(given)
         return root if sub == "." else locations.normpath(locations.join(root, *sub.split(os.sep)))
 
     def flashckpt_wait(self, timeout: float | None = None) -> None:
@@ -421,7 +244,7 @@ class FlashCkptTrainer(Trainer):
         engine = self.flashckpt_engine(run_dir)
         loc = engine.locate()
         if loc.source == "none":
-            return _last_checkpoint(run_dir, engine.layout, False)
+            return last_checkpoint(run_dir, engine.layout, False)
         self._flash_located = (engine, loc)  # train() uses it rather than verifying the checksums again
         return loc.path
 
@@ -429,7 +252,7 @@ class FlashCkptTrainer(Trainer):
         best = self.state.best_model_checkpoint
         if not best or locations.parent(best) != self._flash_run_dir:
             return None
-        return _step_of(best)
+        return checkpoint_step(best)
 
     # ------------------------------------------------------------------ train
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
@@ -445,7 +268,7 @@ class FlashCkptTrainer(Trainer):
         self._flash_last_step = -1
         self._flash_disk_steps.clear()
         try:
-            self._flash_dir(self._get_output_dir(trial=trial))  # a URL is refused before any step
+            local_output_dir(self._get_output_dir(trial=trial))  # a URL is refused before any step
             resume = self._flash_resolve(resume_from_checkpoint, trial)
             out = super().train(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
                                 **kwargs)
@@ -467,78 +290,69 @@ class FlashCkptTrainer(Trainer):
         run_dir = self._flash_checkpoint_dir(trial)
         engine = self.flashckpt_engine(run_dir)
         cached, self._flash_located = self._flash_located, None
-        # Every rank locates (they agree on the step), or every rank uses get_last_checkpoint's answer.
-        loc = cached[1] if cached is not None and cached[0] is engine else engine.locate()
         want = None if resume is True else locations.normpath(os.fspath(resume))
-        if loc.source == "memory" and loc.step is not None and (want is None or want == loc.path):
-            self._flash_view = self._flash_memory_view(engine, loc)
-            self.flashckpt_last_resume = loc
-            log.info("event=resume step=%d source=memory path=%s", loc.step, loc.path)
-            return self._flash_view.dir
-        if want is None:
-            path = loc.path if loc.source == "storage" else _last_checkpoint(run_dir, engine.layout, False)
-            if path is None:
-                raise E.InvalidArgumentError(f"No valid checkpoint found in output directory ({run_dir}): nothing committed "
-                                 "by flashckpt, in memory, or written by a vanilla Trainer")
-            self.flashckpt_last_resume = loc if loc.source == "storage" else Located(_step_of(path), "storage", path)
-            log.info("event=resume step=%s source=storage path=%s", _step_of(path), path)
-            if locations.is_url(path):
-                return self._flash_download(engine, path, loc.step if loc.source == "storage" else None).dir
-            return path
-        step = _step_of(want)
-        if locations.parent(want) == run_dir and step is not None:
-            layout = engine.layout
-            if step in layout.uncommitted_steps() and step not in layout.committed_steps():
-                raise E.InvalidArgumentError(f"resume_from_checkpoint={resume!r}: this checkpoint is not committed (it is "
-                                 "still being persisted, or a crash interrupted it); pass "
-                                 "resume_from_checkpoint=True to resume from the newest committed or in-memory one")
-        self.flashckpt_last_resume = Located(step, "storage", want)
-        if locations.is_url(want):
-            return self._flash_download(engine, want, None).dir
-        return os.fspath(resume)  # type: ignore[arg-type]
 
-    def _flash_download(self, engine: CheckpointEngine, path: str, step: int | None) -> _MemoryView:
+        def refuse(loc: Located) -> str:
+            return f"{want} is asked for" if want is not None and want != loc.path else ""
+
+        def from_memory(loc: Located, fs: Any) -> Opened:
+            self._flash_view = self._flash_memory_view(loc, fs)
+            return Opened(self._flash_view.dir, loc.step, loc.path)
+
+        def from_storage(attempt: LoadAttempt) -> Opened:
+            if want is None:
+                return self._flash_newest_stored(engine, run_dir, attempt.stored())
+            return self._flash_given(engine, run_dir, want, resume)  # type: ignore[arg-type]
+
+        # Every rank locates (they agree on the step), or every rank uses get_last_checkpoint's answer.
+        r = resolve_load(engine, op="train(resume_from_checkpoint)", event="resume", logger=log, refuse=refuse,
+                         from_memory=from_memory, from_storage=from_storage,
+                         locate=lambda: cached[1] if cached is not None and cached[0] is engine else engine.locate())
+        self.flashckpt_last_resume = Located(r.step, r.source, r.path)
+        out: str = r.value
+        return out
+
+    def _flash_newest_stored(self, engine: CheckpointEngine, run_dir: str, loc: Located) -> Opened:
+        """The newest committed checkpoint (``loc``), else a vanilla Trainer's newest ``checkpoint-N``."""
+        path = loc.path if loc.source == "storage" else last_checkpoint(run_dir, engine.layout, False)
+        if path is None:
+            raise E.InvalidArgumentError(f"No valid checkpoint found in output directory ({run_dir}): nothing committed "
+                                         "by flashckpt, in memory, or written by a vanilla Trainer")
+        step = loc.step if loc.source == "storage" else checkpoint_step(path)
+        if locations.is_url(path):
+            return Opened(self._flash_download(engine, path, loc.step if loc.source == "storage" else None).dir,
+                          step, path)
+        return Opened(path, step, path)
+
+    def _flash_given(self, engine: CheckpointEngine, run_dir: str, want: str, resume: str) -> Opened:
+        """``resume_from_checkpoint=<path>`` (``want`` normalized): refused when it is not committed."""
+        step = check_committed(engine, run_dir, want, resume)
+        if locations.is_url(want):
+            return Opened(self._flash_download(engine, want, None).dir, step, want)
+        return Opened(os.fspath(resume), step, want)
+
+    def _flash_download(self, engine: CheckpointEngine, path: str, step: int | None) -> MemoryView:
         """The committed checkpoint ``path`` of the engine's store (``step``: its step, None to look it up),
         downloaded into a private directory under ``scratch_dir`` and checked against its manifest; it is the
         view ``train`` resumes from (removed when ``train`` returns)."""
-        view = self._flash_fetch(engine, path, step, what=f"resume_from_checkpoint={path!r}")
+        view = fetch_view(engine, path, step, self.flashckpt_config.scratch_dir, what=f"resume_from_checkpoint={path!r}")
         self._flash_view = view
         return view
 
-    def _flash_fetch(self, engine: CheckpointEngine, path: str, step: int | None, *, what: str) -> _MemoryView:
-        layout = engine.layout
-        if not locations.inside(path, engine.checkpoint_dir, strict=True):
-            raise E.InvalidArgumentError(f"{what}: outside the checkpoint dir {engine.checkpoint_dir}; flashckpt reads "
-                                         "checkpoints of its own checkpoint dir from a store (download this one and "
-                                         "pass its local path)")
-        step = committed_step_of(layout, path) if step is None else step
-        if step is None:
-            raise E.InvalidArgumentError(f"{what}: not a committed checkpoint of {engine.checkpoint_dir} (being "
-                                         f"persisted, or never saved); committed steps: {layout.committed_steps()}")
-        view = _MemoryView(scratch_root(self.flashckpt_config.scratch_dir), locations.basename(path), step, path)
-        try:
-            fetch_step(view, layout, step, path)
-            view.hide_stored_best()
-        except BaseException:
-            view.close()
-            raise
-        log.info("event=download step=%d path=%s into=%s", step, path, view.dir)
-        return view
-
-    def _flash_memory_view(self, engine: CheckpointEngine, loc: Located) -> _MemoryView:
-        files = all_ranks_files(engine.load_memory(loc.step))
+    def _flash_memory_view(self, loc: Located, fs: Any) -> MemoryView:
+        files = all_ranks_files(fs)
         plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
         from transformers.modeling_utils import PreTrainedModel
 
         direct_weights = plain and isinstance(self.model, PreTrainedModel)
 
         def direct(name: str) -> bool:
-            if name == _OPTIMIZER:
+            if name == OPTIMIZER:
                 return plain
             return direct_weights
 
         assert loc.step is not None and loc.path is not None  # memory locations have both
-        view = _materialize(files, scratch_root(self.flashckpt_config.scratch_dir), locations.basename(loc.path),
+        view = materialize(files, scratch_root(self.flashckpt_config.scratch_dir), locations.basename(loc.path),
                             loc.path, loc.step, direct=direct)
         view.hide_stored_best()
         return view
@@ -565,17 +379,8 @@ class FlashCkptTrainer(Trainer):
         if best is not None and self.args.save_total_limit == 1:
             self.flashckpt_wait()  # every rank (a barrier)
             if self.args.process_index == 0 and self._flash is not None:
-                self._flash_delete_all_but(self._flash, self._flash_best_step())
+                delete_all_but(self._flash, self._flash_best_step())
         return super()._finalize_training(trial, *args, **kwargs)
-
-    @staticmethod
-    def _flash_delete_all_but(engine: CheckpointEngine, keep: int | None) -> None:
-        """Deletes every committed step but ``keep`` (the newest included: the Trainer deletes it too
-        when it is not the best), then points the tracker at what is left. Nothing may be in flight."""
-        doomed = engine.delete_steps([s for s in engine.committed_steps() if s != keep], newest=True)
-        if doomed:
-            log.info("event=retention deleted=%s (save_total_limit=1 at the end of training: only the best is kept)",
-                     doomed)
 
     def _flash_save(self, trial: Any, storage: StorageType) -> None:
         """Builds this rank's files of ``checkpoint-<global_step>`` (what the vanilla Trainer writes) and
@@ -601,7 +406,7 @@ class FlashCkptTrainer(Trainer):
                     self._save_rng_state(tmp)
                 if self.args.should_save:
                     self._flash_export_callback_states()
-                    self.state.save_to_json(os.path.join(tmp, _TRAINER_STATE))
+                    self.state.save_to_json(os.path.join(tmp, TRAINER_STATE))
             cap.collect()
             engine.save(step, fs, path=name, storage_type=storage)
         self._flash_last_step = step
@@ -635,7 +440,7 @@ class FlashCkptTrainer(Trainer):
                 stored[name] = cb.state()
 
     # ------------------------------------------------------------------ load
-    def _flash_view_for(self, path: str | None) -> _MemoryView | None:
+    def _flash_view_for(self, path: str | None) -> MemoryView | None:
         v = self._flash_view
         return v if v is not None and path is not None and os.path.abspath(path) == v.dir else None
 
@@ -663,7 +468,7 @@ class FlashCkptTrainer(Trainer):
         view = self._flash_view_for(checkpoint)
         if view is None or view.optimizer is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        scheduler = os.path.join(view.dir, _SCHEDULER)
+        scheduler = os.path.join(view.dir, SCHEDULER)
         if not os.path.isfile(scheduler):  # as the Trainer: both or neither
             return None
         from transformers.trainer_pt_utils import reissue_pt_warnings
@@ -685,7 +490,7 @@ class FlashCkptTrainer(Trainer):
         if best is None or not locations.is_url(best):
             super()._load_best_model()
             return
-        with self._flash_fetch(self.flashckpt_engine(locations.parent(best)), best, None,
+        with fetch_view(self.flashckpt_engine(locations.parent(best)), best, None, self.flashckpt_config.scratch_dir,
                                what=f"the best checkpoint {best}") as view:
             self.state.best_model_checkpoint = view.dir
             try:

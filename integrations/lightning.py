@@ -43,7 +43,8 @@ from typing import Any
 from flashckpt import StorageType
 from flashckpt import errors as E
 from flashckpt.errors import UnsupportedStrategyError
-from flashckpt.integrations._lightning_io import _NAMES, _dir_of, _FlashIOImpl, find_resume_path  # noqa: E402
+from flashckpt.integrations._lightning_io import _NAMES, _FlashIOImpl  # noqa: E402
+from flashckpt.integrations._lightning_paths import dir_of, find_resume_path
 from flashckpt.storage import locations
 from flashckpt.util.lazy import lazy_attributes
 
@@ -124,7 +125,7 @@ class _MemorySnapshotImpl:
                              "a directory (use dirpath=...)")
         self.every_n_train_steps = every_n_train_steps
         self.filename = filename
-        self.dirpath = _dir_of(dirpath, "FlashMemorySnapshot(dirpath)")
+        self.dirpath = dir_of(dirpath, "FlashMemorySnapshot(dirpath)")
         self._io: _FlashIOImpl | None = None
         self._last_step = -1
 
@@ -156,7 +157,7 @@ class _MemorySnapshotImpl:
         if not d:
             cb = trainer.checkpoint_callback
             d = getattr(cb, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
-        return locations.join(_dir_of(d, "FlashMemorySnapshot") or d, self.filename)
+        return locations.join(dir_of(d, "FlashMemorySnapshot") or d, self.filename)
 
 
 # ---------------------------------------------------------------------------------------- class trees

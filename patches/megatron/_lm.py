@@ -31,7 +31,6 @@ import io
 import logging
 import os
 import posixpath
-import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -40,10 +39,12 @@ import torch
 import torch.distributed as dist
 from flashckpt import FileSet, StorageType
 from flashckpt.commit.retention import CheckpointDeletionStrategy
-from flashckpt.engine.engine import LoadResult
+from flashckpt.engine.adapter import LoadAttempt, Opened
+from flashckpt.engine.collective import exchange_files, rank, world
+from flashckpt.engine.engine import Located
+from flashckpt.engine.routing import rel_inside, swapped
 from flashckpt.errors import FlashCheckpointError
 from flashckpt.format.torchfile import load_parts, torch_save_parts
-from flashckpt.integrations._kit import exchange_files, rank, rel_inside, swapped, world
 from flashckpt.patches.megatron.dist_ckpt import TRACKER_NAME, MegatronCheckpointer, iteration_dir
 from flashckpt.storage import locations, registry
 
@@ -294,20 +295,20 @@ class _ServedLoad:
         self.files: dict[str, Any] = {}  # name in the iteration dir -> parts (memory) or location (storage)
         self.view: Any = None
 
-    def prepare(self, args: Any) -> bool:
-        """Collective: fetches (memory) or finds (storage) what this rank will read. False (on every rank)
-        when memory cannot serve."""
-        if self.source == "storage":
-            return self._prepare_store()
-        fs = self.ck.engine.load_memory(self.step)
+    def prepare(self, args: Any, fs: Any) -> str:
+        """Collective: fetches what this rank will read from memory, given its snapshot ``fs``. "" or why
+        memory cannot serve (on every rank)."""
         held = {n: (e.data if isinstance(e.data, list) else [e.data]) for n, e in fs.items()
                 if e.format == "raw" and e.kind == "file"} if isinstance(fs, FileSet) else {}
         flag: list[Any] = ["metadata.json" in held] if rank() == 0 else [None]
         if world() > 1:
             dist.broadcast_object_list(flag, src=0)
         if flag[0]:  # torch_dist
-            self.view = self.ck.memory_view(self.path, _located=(self.step, self.path), _fileset=fs)
-            return self.view is not None
+            view = self.ck.view_of(Located(self.step, "memory", self.path), fs)
+            if isinstance(view, str):
+                return view
+            self.view = view
+            return ""
         mlm = self.mlm
         own = _rel(mlm.get_checkpoint_name(self.ck.checkpoint_dir, self.step, False), self.path)
         wanted = [own]
@@ -319,11 +320,10 @@ class _ServedLoad:
         try:
             self.files = _fetch_files(held, wanted)
         except FlashCheckpointError as e:
-            log.warning("%s; loading from storage", e)
-            return False
-        return True
+            return str(e)
+        return ""
 
-    def _prepare_store(self) -> bool:
+    def prepare_store(self) -> None:
         """The committed iteration's files (every rank's, by name in the iteration dir), from its manifest;
         a ``torch_dist`` iteration is read through ``store_view``. Not collective."""
         layout = self.ck.engine.layout
@@ -334,7 +334,6 @@ class _ServedLoad:
                 self.files[rel.replace(os.sep, "/")] = where
         if "metadata.json" in self.files:
             self.view = self.ck.store_view(self.path, self.step)
-        return True
 
     def _load_file(self, name: str, weights_only: bool) -> Any:
         """The ``torch.load`` of the iteration's file ``name``: from the snapshot's parts, or read through
@@ -454,33 +453,53 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
     if not load_dir or getattr(args, "ckpt_step", None):
         return _call(mlm.load_checkpoint, values, kwargs)
     ck = get_checkpointer(load_dir)
-    loc = ck.engine.locate()
     tracked = _read_tracker(ck)
-    if loc.source == "memory" and loc.step is not None and loc.path is not None and (tracked is None or loc.step >= tracked):
+
+    def refuse(loc: Located) -> str:
+        if loc.path is None:
+            return "its directory is not known"
+        newer = tracked is not None and loc.step is not None and loc.step < tracked
+        return f"the tracker names the newer iteration {tracked}" if newer else ""
+
+    def from_memory(loc: Located, fs: Any) -> Opened | str:
+        assert loc.step is not None and loc.path is not None  # refuse() passed it
         served = _ServedLoad(mlm, ck, loc.step, loc.path, "memory")
-        if served.prepare(args):
-            log.info("event=megatron_lm_load step=%d source=memory", loc.step)
-            with swapped(served.swaps()):
-                return _call(mlm.load_checkpoint, values, kwargs)
-    if locations.is_url(ck.checkpoint_dir):  # Megatron-LM cannot open a URL: served from the store
-        if loc.source == "memory":  # memory could not serve (or is older than the tracker): the newest
-            loc = ck.engine.locate(memory=False)  # committed step that verifies on every rank
-        if loc.source == "storage" and loc.step is not None and loc.path is not None:
-            t0 = time.perf_counter()
-            served = _ServedLoad(mlm, ck, loc.step, loc.path, "storage")
-            served.prepare(args)
-            with swapped(served.swaps()):
-                out = _call(mlm.load_checkpoint, values, kwargs)
-            ck.last_load = LoadResult(loc.step, "storage", time.perf_counter() - t0, 0)
-            log.info("event=megatron_lm_load step=%d source=storage seconds=%.4f", loc.step, ck.last_load.seconds)
-            return out
-        return _call(mlm.load_checkpoint, values, kwargs)  # nothing committed: Megatron-LM finds no tracker
-    if (loc.source == "storage" and loc.step is not None and tracked is not None and tracked != loc.step
-            and tracked in ck.engine.committed_steps() and hasattr(args, "ckpt_step")):
-        log.warning("load_checkpoint(): iteration %d (the tracker's) is damaged; loading iteration %d", tracked, loc.step)
-        args.ckpt_step = loc.step
-        try:
-            return _call(mlm.load_checkpoint, values, kwargs)
-        finally:
-            args.ckpt_step = None
-    return _call(mlm.load_checkpoint, values, kwargs)
+        why = served.prepare(args, fs)
+        if why:
+            return why
+        with swapped(served.swaps()):
+            return Opened(_call(mlm.load_checkpoint, values, kwargs), loc.step, loc.path)
+
+    def from_storage(attempt: LoadAttempt) -> Opened:
+        if locations.is_url(ck.checkpoint_dir):
+            return _load_from_store(mlm, ck, attempt, args, values, kwargs)
+        loc = attempt.located
+        step = loc.step if loc.source == "storage" else None
+        if (step is not None and tracked is not None and tracked != step and tracked in ck.engine.committed_steps()
+                and hasattr(args, "ckpt_step")):
+            log.warning("load_checkpoint(): iteration %d (the tracker's) is damaged; loading iteration %d", tracked, step)
+            args.ckpt_step = step
+            try:
+                return Opened(_call(mlm.load_checkpoint, values, kwargs), step)
+            finally:
+                args.ckpt_step = None
+        return Opened(_call(mlm.load_checkpoint, values, kwargs), step,
+                      source="none" if loc.source == "none" else "storage")
+
+    r = ck.resolve_load(op="load_checkpoint()", event="megatron_lm_load", logger=log, refuse=refuse,
+                        from_memory=from_memory, from_storage=from_storage)
+    ck.last_load = r.result()
+    return r.value
+
+
+def _load_from_store(mlm: ModuleType, ck: MegatronCheckpointer, attempt: LoadAttempt, args: Any,
+                     values: dict[str, Any], kwargs: dict[str, Any]) -> Opened:
+    """Megatron-LM cannot open a URL: the newest committed step that verifies on every rank is served from
+    the store; with nothing committed Megatron-LM finds no tracker (nothing loaded)."""
+    loc = attempt.stored()
+    if loc.source == "storage" and loc.step is not None and loc.path is not None:
+        served = _ServedLoad(mlm, ck, loc.step, loc.path, "storage")
+        served.prepare_store()
+        with swapped(served.swaps()):
+            return Opened(_call(mlm.load_checkpoint, values, kwargs), loc.step, loc.path)
+    return Opened(_call(mlm.load_checkpoint, values, kwargs), None, source="none")

@@ -56,21 +56,22 @@ import json
 import logging
 import os
 import re
-import time
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from flashckpt import CheckpointEngine, FileSet, StorageType
 from flashckpt import errors as E
 from flashckpt.commit.retention import CheckpointDeletionStrategy
-from flashckpt.engine.engine import LoadResult
+from flashckpt.engine.adapter import AdapterBase, LoadAttempt, Opened
+from flashckpt.engine.collective import rank
+from flashckpt.engine.engine import LoadResult, Located
+from flashckpt.engine.routing import path_inside, step_of
 from flashckpt.errors import FlashCheckpointError
-from flashckpt.integrations._kit import Adapter, path_inside, rank, step_of, swapped
-from flashckpt.integrations.dcp import METADATA_NAME, open_memory_reader, torch_save_frame
+from flashckpt.integrations.dcp import METADATA_NAME, open_memory_reader
+from flashckpt.patches.megatron._stager import DistcpStager
+from flashckpt.patches.megatron._view import View, from_rank0, raw_entry
 from flashckpt.storage import locations
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import serialization as _ser
@@ -79,28 +80,11 @@ from megatron.core.dist_checkpointing.strategies import torch as _mtorch
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import (
     AsyncSaveShardedStrategy,
-    LoadCommonStrategy,
     SaveShardedStrategy,
-    StrategyAction,
-    get_default_strategy,
 )
-from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
-from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-    _split_by_separation_hint,
-    _split_by_size_and_type,
-)
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 from megatron.core.dist_checkpointing.strategies.state_dict_saver import save_state_dict_async_plan
 from megatron.core.dist_checkpointing.validation import StrictHandling
-from torch.distributed.checkpoint.filesystem import (
-    CURRENT_DCP_VERSION,
-    DEFAULT_SUFFIX,
-    FileSystemReader,
-    _StorageInfo,
-    _StoragePrefix,
-)
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
 
 __all__ = ["MegatronCheckpointer", "FlashCkptSaveStrategy", "save", "load", "iteration_dir", "TRACKER_NAME",
            "StorageType"]
@@ -133,7 +117,7 @@ class _Collecting:
     fileset: FileSet
 
 
-class MegatronCheckpointer(Adapter):
+class MegatronCheckpointer(AdapterBase):
     """One per checkpoint directory (Megatron-LM's ``--save``): owns the rank's ``CheckpointEngine``.
 
     Every rank constructs one (it starts or joins the node's saver). Steps are iterations; a step
@@ -240,39 +224,35 @@ class MegatronCheckpointer(Adapter):
         """Where the newest checkpoint every rank has lives (``Located``: step, source, path). Collective."""
         return self.engine.locate()
 
-    def memory_view(self, checkpoint_dir: str | None = None, *, _located: tuple[int, str] | None = None,
-                    _fileset: Any = None) -> _View | None:
+    def memory_view(self, checkpoint_dir: str | None = None) -> View | None:
         """A context that lets megatron-core's loading functions read a checkpoint from memory.
 
         Collective: every rank calls it. ``checkpoint_dir`` None means the newest checkpoint every rank
         holds; a directory is served from memory only when it is that checkpoint. Returns None (on every
         rank) when memory cannot serve it; then read it from storage.
         """
-        t0 = time.perf_counter()
-        if _located is not None:  # the caller located and loaded the snapshot already
-            step, path = _located
-            fs = _fileset
-        else:
-            loc = self.engine.locate()
-            if loc.source != "memory" or loc.step is None or loc.path is None:
-                return None
-            if checkpoint_dir is not None and locations.normpath(str(checkpoint_dir)) != locations.normpath(loc.path):
-                return None
-            step, path = loc.step, loc.path
-            fs = self.engine.load_memory(step)
-        reader = open_memory_reader(fs if isinstance(fs, FileSet) else None, path)
-        names = sorted(fs) if isinstance(fs, FileSet) else []
-        head = _from_rank0(_raw(fs, COMMON_STATE_FNAME), _raw(fs, CONFIG_FNAME))
-        if reader is None or head is None:
-            log.info("memory_view(): the snapshot of iteration %d cannot be served from memory; read storage", step)
+        r = self.resolve_load(op="memory_view()", event="megatron_memory_view", logger=log,
+                              refuse=_asked_for(checkpoint_dir), from_storage=lambda _attempt: None,
+                              from_memory=lambda loc, fs: self.view_of(loc, fs))
+        if r.source != "memory":
             return None
-        common, config = head
-        self.last_load = LoadResult(step, "memory", time.perf_counter() - t0,
-                                    self.engine.last_load.nbytes if self.engine.last_load else 0)
-        log.info("event=megatron_memory_view step=%d files=%d", step, len(names))
-        return _View(path, step, reader, common, config, self.weights_only)
+        self.last_load = r.result()
+        view: View = r.value
+        return view
 
-    def store_view(self, path: str, step: int | None = None) -> _View:
+    def view_of(self, loc: Located, fs: Any) -> View | str:
+        """The view of the located step from this rank's snapshot ``fs`` (collective: rank 0's ``common.pt``
+        and ``metadata.json`` go to every rank, and the ranks' data files are gathered), or why memory
+        cannot serve it (on every rank)."""
+        assert loc.step is not None and loc.path is not None  # a memory location has both
+        reader = open_memory_reader(fs if isinstance(fs, FileSet) else None, loc.path)
+        head = from_rank0(raw_entry(fs, COMMON_STATE_FNAME), raw_entry(fs, CONFIG_FNAME))
+        if reader is None or head is None:
+            return f"the snapshot of iteration {loc.step} cannot be served from memory"
+        common, config = head
+        return View(loc.path, loc.step, reader, common, config, self.weights_only)
+
+    def store_view(self, path: str, step: int | None = None) -> View:
         """A context that lets megatron-core's loading functions read the ``torch_dist`` checkpoint at
         ``path`` (an iteration directory in a store, or a local one) through the checkpointer's storage
         backend, without a download: DCP's reads through ``dcp.BackendStorageReader`` (ranged reads of the
@@ -292,199 +272,19 @@ class MegatronCheckpointer(Adapter):
         except FileNotFoundError as e:
             raise FlashCheckpointError(f"load({path!r}): {e.filename or e} does not exist; {path} is not a committed "
                                        "distributed (torch_dist) checkpoint") from e
-        return _View(path, step, BackendStorageReader(storage, path), common, config, self.weights_only)
+        return View(path, step, BackendStorageReader(storage, path), common, config, self.weights_only)
 
 
-def _raw(fs: Any, name: str) -> bytes | None:
-    return fs.raw_bytes(name) if isinstance(fs, FileSet) and name in fs and fs[name].format == "raw" else None
+def _asked_for(checkpoint_dir: str | Path | None) -> Callable[[Located], str]:
+    """``refuse`` of a load of ``checkpoint_dir`` (None: the newest): memory serves only that one."""
+    def refuse(loc: Located) -> str:
+        if loc.path is None:
+            return "its directory is not known"
+        if checkpoint_dir is not None and locations.normpath(str(checkpoint_dir)) != locations.normpath(loc.path):
+            return f"{checkpoint_dir} is asked for"
+        return ""
 
-
-def _from_rank0(common: bytes | None, config: bytes | None) -> tuple[bytes, CheckpointingConfig] | None:
-    """Rank 0's ``common.pt`` and ``metadata.json`` for every rank (one broadcast), or None."""
-    obj: list[Any] = [(common, config) if rank() == 0 else None]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(obj, src=0)
-    common, config = obj[0]
-    if common is None or config is None:
-        return None
-    return common, CheckpointingConfig(**json.loads(config))
-
-
-# ------------------------------------------------------------------------------------------ serving
-class _HeldCommonLoadStrategy(TorchCommonLoadStrategy):
-    """megatron-core's common load strategy over ``common.pt`` held in memory (from a snapshot, or read
-    from a store)."""
-
-    def __init__(self, common: bytes, weights_only: bool) -> None:
-        super().__init__()
-        self.common = common
-        self.weights_only = weights_only
-
-    def load_common(self, checkpoint_dir: str | Path) -> Any:
-        return torch.load(io.BytesIO(self.common), map_location="cpu", weights_only=self.weights_only)
-
-    def load_sharded_metadata(self, checkpoint_dir: str | Path) -> Any:
-        # The legacy per-object files (``<key>/shard_*.pt``) this scans a local directory for do not exist in
-        # a torch_dist checkpoint of ours: its sharded objects live in the DCP files (the sharded strategy's).
-        return {}
-
-
-class _View:
-    """While entered, megatron-core reads the checkpoint at ``path`` from memory (a ``FileSetStorageReader``)
-    or from a store (a ``BackendStorageReader``): its strategy lookup (``verify_checkpoint_and_load_strategy``)
-    and its DCP reader factory (``_get_filesystem_reader``) answer for that one directory, with
-    ``common.pt`` and ``metadata.json`` held here. Other directories are read as usual. Not thread-safe:
-    megatron-core's module functions are swapped while inside (one training thread)."""
-
-    def __init__(self, path: str, step: int | None, reader: FileSystemReader, common: bytes,
-                 config: CheckpointingConfig, weights_only: bool) -> None:
-        self.path = locations.normpath(path)
-        self.step = step
-        self.reader = reader
-        self.config = config
-        self.common_strategy = _HeldCommonLoadStrategy(common, weights_only)
-        self._swaps: Any = None
-
-    def _mine(self, checkpoint_dir: Any) -> bool:
-        if checkpoint_dir is None:
-            return False
-        # megatron-core passes the directory as given, or as a pathlib.Path (which folds a URL's "//")
-        return locations.normpath(str(checkpoint_dir)) == self.path or str(checkpoint_dir) == str(Path(self.path))
-
-    def __enter__(self) -> _View:
-        orig_verify = _ser.verify_checkpoint_and_load_strategy
-        orig_reader = _mtorch._get_filesystem_reader
-
-        def verify(checkpoint_dir: Any, sharded_strategy: Any = None, common_strategy: Any = None) -> Any:
-            if not self._mine(checkpoint_dir):
-                return orig_verify(checkpoint_dir, sharded_strategy, common_strategy)
-            if sharded_strategy is None:
-                sharded_strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, self.config.sharded_backend,
-                                                        self.config.sharded_backend_version)
-            elif isinstance(sharded_strategy, tuple):
-                sharded_strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, *sharded_strategy)
-            if not isinstance(common_strategy, LoadCommonStrategy):
-                common_strategy = self.common_strategy
-            return sharded_strategy, common_strategy
-
-        def reader(checkpoint_dir: Any, cache_metadata: bool = False) -> Any:
-            return self.reader if self._mine(checkpoint_dir) else orig_reader(checkpoint_dir, cache_metadata)
-
-        swaps = swapped([(_ser, "verify_checkpoint_and_load_strategy", verify),
-                         (_mtorch, "_get_filesystem_reader", reader)])
-        swaps.__enter__()
-        self._swaps = swaps
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        swaps, self._swaps = self._swaps, None
-        if swaps is not None:
-            swaps.__exit__(None, None, None)
-
-
-# ------------------------------------------------------------------------------------------ staging
-class _DistcpStager:
-    """The storage writer megatron-core's planning (``save_state_dict_async_plan``) drives: instead of
-    writing, it lays each rank's items out as ``FileSystemWriterAsync`` would (``thread_count`` buckets by
-    size, BYTE_IO items first in each, files ``__<rank>_<i>.distcp``) and stages them in a ``FileSet``.
-    Errors while staging are kept and reported to every rank by the finalize step."""
-
-    can_run_decentralized_global_plan = True
-
-    def __init__(self, checkpoint_dir: str, thread_count: int, separation_hint: str | None) -> None:
-        self.checkpoint_dir = checkpoint_dir
-        self.thread_count = thread_count
-        self.separation_hint = separation_hint
-        self.save_id = str(uuid.uuid4())
-        self.is_coordinator = False
-        self.fileset = FileSet()
-        self.results: list[WriteResult] = []
-        self.error: str | None = None
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
-
-    def prepare_decentralized_global_plan(self, local_plan: SavePlan) -> SavePlan:
-        return dataclasses.replace(local_plan, storage_data=_StoragePrefix(f"__{rank()}_"))
-
-    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
-        try:
-            self._stage(plan, planner)
-        except Exception as e:  # reported on every rank by _finalize
-            log.exception("staging the rank's shards failed")
-            self.error = f"{type(e).__name__}: {e}"
-
-    def _stage(self, plan: SavePlan, planner: SavePlanner) -> None:
-        prefix = plan.storage_data.prefix
-        bins = self.thread_count // 2 if self.separation_hint is not None else self.thread_count
-        if bins < 1:
-            raise E.InvalidArgumentError(f"thread_count={self.thread_count}: at least 1 (2 with a separation_hint)")
-        buckets = _split_by_size_and_type(bins, plan.items)
-        count = 0
-        for group, group_buckets in _split_by_separation_hint(buckets, self.separation_hint).items():
-            for bucket in group_buckets:
-                if not bucket:
-                    continue
-                name = f"{group}{prefix}{count}{DEFAULT_SUFFIX}"
-                count += 1
-                self.fileset.add_raw(name, self._file(name, bucket, planner))
-
-    def _file(self, name: str, bucket: list[Any], planner: SavePlanner) -> list[Any]:
-        parts: list[Any] = []
-        pending = bytearray()
-        offset = 0
-
-        def add(index: Any, length: int) -> None:
-            nonlocal offset
-            self.results.append(WriteResult(index=index, size_in_bytes=length,
-                                            storage_data=_StorageInfo(name, offset, length)))
-            offset += length
-
-        for item in bucket:
-            if item.type == WriteItemType.BYTE_IO:
-                data: Any = planner.resolve_data(item)
-                buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
-                pending += buf
-                add(item.index, len(buf))
-        for item in bucket:
-            if item.type == WriteItemType.BYTE_IO:
-                continue
-            resolved: Any = planner.resolve_data(item)
-            t = _saveable(resolved)
-            head, tail = torch_save_frame(t.dtype, tuple(t.shape))
-            pending += head
-            parts.append(bytes(pending))
-            parts.append(t)
-            pending = bytearray(tail)
-            add(item.index, len(head) + t.numel() * t.element_size() + len(tail))
-        if pending:
-            parts.append(bytes(pending))
-        return parts
-
-    def metadata_bytes(self, metadata: Metadata, results: list[list[WriteResult]]) -> bytes:
-        """``.metadata`` as ``FileSystemWriter.finish`` writes it."""
-        import pickle
-
-        metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data = {wr.index: wr.storage_data for rl in results for wr in rl}
-        metadata.storage_meta = StorageMeta(checkpoint_id=str(self.checkpoint_dir), save_id=self.save_id)
-        return pickle.dumps(metadata)
-
-
-def _saveable(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose ``torch.save`` the data file holds: detached, and a contiguous copy of views (as
-    megatron-core clones them), so the record's data is exactly the tensor's bytes in C order."""
-    t = t.detach()
-    if not (t.is_contiguous() and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size()):
-        t = t.clone(memory_format=torch.contiguous_format)
-    return t
+    return refuse
 
 
 class FlashCkptSaveStrategy(AsyncSaveShardedStrategy):
@@ -549,7 +349,7 @@ class FlashCkptSaveStrategy(AsyncSaveShardedStrategy):
         """
         sd, _, _ = _mtorch._replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
         pyt_state_dict = _mtorch.mcore_to_pyt_state_dict(sd, False)
-        stager = _DistcpStager(checkpoint_dir, self.thread_count, self.separation_hint)
+        stager = DistcpStager(checkpoint_dir, self.thread_count, self.separation_hint)
         planner = _mtorch.MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
                                            flatten_state_dict=False)
         ret = save_state_dict_async_plan(pyt_state_dict, stager, None, 0, planner=planner)
@@ -639,34 +439,31 @@ def load(sharded_state_dict: Any, checkpoint_dir: str | Path | None = None, shar
         What ``dist_checkpointing.load`` returns, or None when there is no checkpoint at all.
         ``checkpointer.last_load`` tells the step and where it came from.
     """
-    t0 = time.perf_counter()
-    view = checkpointer.memory_view(str(checkpoint_dir) if checkpoint_dir is not None else None)
-    if view is not None:
+    def from_memory(loc: Located, fs: Any) -> Opened | str:
+        view = checkpointer.view_of(loc, fs)
+        if isinstance(view, str):
+            return view
         with view:
             out = dist_checkpointing.load(sharded_state_dict, view.path, sharded_strategy, common_strategy,
                                           validate_access_integrity, strict)
-        checkpointer.last_load = LoadResult(view.step, "memory", time.perf_counter() - t0,
-                                            checkpointer.last_load.nbytes if checkpointer.last_load else 0)
-        log.info("event=megatron_load step=%d source=memory seconds=%.4f", view.step, checkpointer.last_load.seconds)
-        return out
-    step: int | None = None
-    if checkpoint_dir is None:
-        loc = checkpointer.engine.locate()
-        if loc.source == "memory":  # memory could not serve it: the newest committed step that verifies
-            loc = checkpointer.engine.locate(memory=False)
-        step, path = loc.step, loc.path
-        if path is None:
-            checkpointer.last_load = LoadResult(None, "none", time.perf_counter() - t0, 0)
-            return None
-        checkpoint_dir = path
-    where = str(checkpoint_dir)
-    if locations.is_url(where):  # a store: megatron-core's own load, its reads through the backend
-        with checkpointer.store_view(where, step) as store:
-            out = dist_checkpointing.load(sharded_state_dict, store.path, sharded_strategy, common_strategy,
-                                          validate_access_integrity, strict)
-    else:
-        out = dist_checkpointing.load(sharded_state_dict, where, sharded_strategy, common_strategy,
-                                      validate_access_integrity, strict)
-    checkpointer.last_load = LoadResult(step, "storage", time.perf_counter() - t0, 0)
-    log.info("event=megatron_load step=%s source=storage seconds=%.4f", step, checkpointer.last_load.seconds)
-    return out
+        return Opened(out, view.step)
+
+    def from_storage(attempt: LoadAttempt) -> Opened | None:
+        step: int | None = None
+        where = str(checkpoint_dir) if checkpoint_dir is not None else None
+        if where is None:
+            loc = attempt.stored()
+            if loc.path is None:
+                return None
+            step, where = loc.step, loc.path
+        if locations.is_url(where):  # a store: megatron-core's own load, its reads through the backend
+            with checkpointer.store_view(where, step) as store:
+                return Opened(dist_checkpointing.load(sharded_state_dict, store.path, sharded_strategy,
+                                                      common_strategy, validate_access_integrity, strict), step)
+        return Opened(dist_checkpointing.load(sharded_state_dict, where, sharded_strategy, common_strategy,
+                                              validate_access_integrity, strict), step)
+
+    r = checkpointer.resolve_load(op="load()", event="megatron_load", logger=log, refuse=_asked_for(checkpoint_dir),
+                                  from_memory=from_memory, from_storage=from_storage)
+    checkpointer.last_load = r.result()
+    return r.value

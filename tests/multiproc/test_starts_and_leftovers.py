@@ -218,6 +218,8 @@ def _hf_main(mode: str, out: str, report: str) -> None:
     """A FlashCkptTrainer snapshotting every step. ``kill``: SIGKILLed in the middle of its step-2 snapshot,
     its staging dir written (``report`` gets that dir); ``run``: trains to the end."""
     from flashckpt.integrations.hf import FlashCkptConfig
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "framework"))
     from test_hf import make_trainer
     from transformers.trainer_callback import TrainerState
 

@@ -93,9 +93,7 @@ CYCLE_RULES: dict[str, frozenset[str]] = {
 #: the rules still broken on this branch (#31): strict expected failures, each naming the helper whose
 #: branch fixes it, so that they turn into errors (XPASS) once it lands and the mark must go
 OPEN = {
-    "patches import no private integrations._* module": "adapters",
     "transport does not import the saver": "saver",
-    "the hf and accelerate adapters import no cycle": "adapters",
 }
 
 

@@ -1,4 +1,4 @@
-"""The adapter kit (flashckpt.integrations._kit, _kit_files): where the adapters' copies disagreed, the
+"""The adapter kit (flashckpt.engine.routing, engine.collective, integrations._kit_files): where the adapters' copies disagreed, the
 kit's one answer, and the cross-rank exchange with real gloo ranks."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import re
 
 import pytest
 import torch
+from flashckpt.engine.collective import exchange_files, rank, world
+from flashckpt.engine.routing import path_inside, rel_inside, step_of, swapped
 from flashckpt.errors import FlashCheckpointError
 from flashckpt.format.files import FileSet
-from flashckpt.integrations._kit import exchange_files, path_inside, rank, rel_inside, step_of, swapped, world
 from flashckpt.integrations._kit_files import Capture, SnapshotDir, all_ranks_files
 from helpers import run_ranks
 
