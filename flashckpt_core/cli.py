@@ -268,7 +268,7 @@ def cmd_adopt(args: argparse.Namespace) -> int:
 
 def _gc_runtime(dry_run: bool) -> int:
     """Removes (or, ``dry_run``, lists) the runtime dirs of jobs whose saver is gone; returns how many."""
-    from flashckpt.saver import lock_job
+    from flashckpt.transport.spawn import lock_job
 
     root = Knobs.from_env().runtime_dir
     try:

@@ -17,23 +17,17 @@ from typing import TYPE_CHECKING, Any
 
 from flashckpt.commit.layout import CommitLayout
 from flashckpt.commit.records_home import Held
-from flashckpt.config import Knobs, make_private_dir
+from flashckpt.config import Knobs
 from flashckpt.format.segment import (
     Segment,
     SlotHeader,
 )
 from flashckpt.saver.worker import PersistWorker
 from flashckpt.storage.base import CheckpointStorage
-from flashckpt.transport.ipc import SharedLock
 from flashckpt.transport.messages import Persist
 from flashckpt.util.lease import pid_running
 
 log = logging.getLogger("flashckpt.saver")
-
-SOCKET_NAME = "saver.sock"
-_SPAWN_LOCK = "spawn.lock"
-_LOG_NAME = "saver.log"
-
 
 @dataclass
 class _StepState:
@@ -144,29 +138,6 @@ def _remove_in(dir_fd: int, name: str) -> None:
     finally:
         os.close(sub)
     os.rmdir(name, dir_fd=dir_fd)
-
-
-
-def lock_job(job_dir: str) -> SharedLock:
-    """Takes the job's spawn lock, which serializes starting a saver with a saver's clean-up.
-
-    Retries when an exiting saver removed the job dir after we made it (before we opened the lock file
-    there), or unlinked the lock file while we waited on it."""
-    path = os.path.join(job_dir, _SPAWN_LOCK)
-    while True:
-        make_private_dir(job_dir)
-        lock = SharedLock(path)
-        try:
-            lock.acquire()
-        except FileNotFoundError:
-            continue  # the dir is gone again: make it anew
-        try:
-            same = os.lstat(path).st_ino == os.fstat(lock.fileno()).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            return lock
-        lock.release()
 
 
 

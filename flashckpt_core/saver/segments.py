@@ -23,9 +23,10 @@ from flashckpt.format.segment import (
     segment_path,
     segment_paths,
 )
-from flashckpt.saver._base import SOCKET_NAME, SaverBase, log
+from flashckpt.saver._base import SaverBase, log
 from flashckpt.transport import messages as M
 from flashckpt.transport.ipc import SharedLock
+from flashckpt.transport.spawn import SOCKET_NAME
 from flashckpt.transport.wire import Client
 
 

@@ -25,8 +25,6 @@ from flashckpt.format.segment import (
     lock_path,
 )
 from flashckpt.saver._base import (  # noqa: F401
-    _SPAWN_LOCK,
-    SOCKET_NAME,
     CommitWork,
     SaverBase,
     _ClientInfo,
@@ -36,7 +34,6 @@ from flashckpt.saver._base import (  # noqa: F401
     _Stats,
     _StepState,
     _Watch,
-    lock_job,
     log,
 )
 from flashckpt.saver.committer import CommitPart
@@ -51,6 +48,7 @@ from flashckpt.storage.registry import storage_for
 from flashckpt.transport import messages as M
 from flashckpt.transport.ipc import SharedLock
 from flashckpt.transport.messages import parse_request
+from flashckpt.transport.spawn import SOCKET_NAME, SPAWN_LOCK, lock_job
 from flashckpt.transport.wire import peer_uid, recv_msg, send_msg
 
 __all__ = ["CheckpointSaver"]
@@ -290,11 +288,11 @@ class CheckpointSaver(ReplicaPart, SegmentsPart, PersistPart, LastWordsPart, Com
                 # is removed by name. A dir removed or moved away is this saver's alone.
                 at_path = gone and dir_identity(self.job_dir) == (os.fstat(dir_fd).st_dev, os.fstat(dir_fd).st_ino)
                 for name in [] if at_path else os.listdir(dir_fd):
-                    if name != _SPAWN_LOCK:
+                    if name != SPAWN_LOCK:
                         _remove_in(dir_fd, name)
                 if not at_path:
                     with contextlib.suppress(FileNotFoundError):  # a removed dir has none
-                        os.unlink(_SPAWN_LOCK, dir_fd=dir_fd)
+                        os.unlink(SPAWN_LOCK, dir_fd=dir_fd)
             finally:
                 os.close(dir_fd)
             if spawn_lock is not None:
