@@ -101,7 +101,7 @@ def _in_memory(checkpoint_dir: str) -> dict[int, dict[str, set[int]]]:
     Raises:
         SharedMemoryError: the runtime dir or a segment is there but could not be read (EMFILE...)."""
     from flashckpt.format.segment import Segment, live_snapshots, segment_paths, unreadable
-    from flashckpt.saver.replica import backup_paths, own_local_ranks
+    from flashckpt.saver.segments import backup_paths, own_local_ranks
 
     digest = job_key_digest(checkpoint_dir)
     runtime = Knobs.from_env().runtime_dir

@@ -9,9 +9,13 @@ snapshot when it is newer than the last commit (last words); else after a grace 
 trainer re-attach. Trainers that vanish without a goodbye (a crash) or keep their snapshots for a restart
 trigger the last words at once.
 
-Its parts: ``daemon`` (``main``), ``server`` (``CheckpointSaver``: life and dispatch), ``segments``,
-``persist``, ``lastwords``, ``committer``; ``_base`` holds the state and names they share. This package
-imports its parts on first use: the daemon (``python -m flashckpt.saver.daemon``) defers torch before any.
+Its modules: ``daemon`` (``main``), ``server`` (``CheckpointSaver``: owns the parts, runs the saver's life),
+``state`` (``SaverState``: what the parts share), and the parts: ``control`` (the trainers' socket and the
+dispatch table), ``segments`` (the segment pool), ``persist`` (the persist queues), ``worker`` and
+``persist_worker`` (the persist worker process), ``housekeeping`` (the commit records at start), ``committer``
+(the commit thread), ``lastwords``, ``replica`` (the peer service of a multi-node job) and ``recovery`` (after
+a node loss). This package imports its parts on first use: the daemon (``python -m flashckpt.saver.daemon``)
+defers torch before any.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ import sys
 from typing import Any
 
 from flashckpt.config import knob
-from flashckpt.saver._base import log
 from flashckpt.saver.server import CheckpointSaver
+from flashckpt.saver.state import log
 from flashckpt.storage.registry import options_from_env, storage_from_spec
 from flashckpt.transport.spawn import SAVER_MODULE, explain_os_error
 
