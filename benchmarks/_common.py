@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from flashckpt.saver import SAVER_MODULE
+from flashckpt.transport.spawn import SAVER_MODULE
 from flashckpt.util.procfs import process_cpu_seconds
 
 __all__ = [

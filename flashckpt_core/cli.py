@@ -100,7 +100,7 @@ def _in_memory(checkpoint_dir: str) -> dict[int, dict[str, set[int]]]:
     Raises:
         SharedMemoryError: the runtime dir or a segment is there but could not be read (EMFILE...)."""
     from flashckpt.format.segment import Segment, live_snapshots, segment_paths, unreadable
-    from flashckpt.saver.replica import backup_paths, own_local_ranks
+    from flashckpt.saver.segments import backup_paths, own_local_ranks
 
     digest = job_key_digest(checkpoint_dir)
     runtime = Knobs.from_env().runtime_dir
@@ -288,7 +288,7 @@ def cmd_adopt(args: argparse.Namespace) -> int:
 
 def _gc_runtime(dry_run: bool) -> int:
     """Removes (or, ``dry_run``, lists) the runtime dirs of jobs whose saver is gone; returns how many."""
-    from flashckpt.saver import lock_job
+    from flashckpt.transport.spawn import lock_job
 
     root = Knobs.from_env().runtime_dir
     try:

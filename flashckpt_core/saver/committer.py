@@ -1,69 +1,90 @@
-"""Committing: the commit thread (markers, manifest, tracker, in order), status and waits for clients,
-and deletions (retention, ``delete_checkpoint``), ordered after the commits queued before them."""
+"""The committer: the commit thread (markers, manifest, tracker, in order) and deletions (retention,
+``delete_checkpoint``), ordered after the commits queued before them.
+
+Imports the layers below the saver and ``saver.state``, ``saver.recovery``. Its thread is the only writer of
+the commit records once they are ready (``saver.housekeeping`` readies them first); the request handlers
+that schedule deletions run on request threads and queue them on ``SaverState.commit_q``."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from flashckpt import errors as E
 from flashckpt.commit.layout import TrackerUpdateError
 from flashckpt.commit.protocol import commit_step
 from flashckpt.commit.removal import delete_step, discard_uncommitted
-from flashckpt.saver._base import SaverBase, _CommitJob, _DeleteJob, _StepState, log
+from flashckpt.saver.recovery import Recovery
+from flashckpt.saver.state import CommitJob, DeleteJob, DeletePathJob, SaverState, log
 from flashckpt.storage import locations
 
+__all__ = ["Committer"]
 
-class CommitPart(SaverBase):
-    def _commit_loop(self) -> None:
+
+class Committer:
+    """The commit thread of one saver and what it runs (see the module docstring)."""
+
+    def __init__(self, state: SaverState, recovery: Recovery) -> None:
+        self.state = state
+        self.recovery = recovery
+        self.layout = state.layout
+        self.storage = state.storage
+
+    def loop(self) -> None:
+        """The commit thread: the work of ``SaverState.commit_q``, in order, until a None."""
+        st = self.state
         while True:
-            item = self._commit_q.get()
+            item = st.commit_q.get()
             if item is None:
                 return
-            if isinstance(item, _CommitJob):
+            if isinstance(item, CommitJob):
                 self._commit(item.step, item.spec)
                 continue
             # A deletion: ordered after the commits queued before it.
             deleted: list[int] = []
             error: BaseException | None = None
             try:
-                if isinstance(item, _DeleteJob):
+                if isinstance(item, DeleteJob):
                     deleted = self._delete_steps(list(item.steps), newest=item.newest)
                 else:
                     self._delete_path(item.path)
             except Exception as e:
                 error = e
                 log.exception("deleting %s failed", item)
-            with self._cv:
-                self._work_done()
-            if isinstance(item, _DeleteJob) and item.done is not None:
+            with st.cv:
+                st.work_done()
+            if isinstance(item, DeleteJob) and item.done is not None:
                 if error is None:
                     item.done.set_result(deleted)
                 else:
                     item.done.set_exception(error)
 
+    # ------------------------------------------------------------------ commits
     def _commit(self, step: int, spec: dict[str, Any]) -> None:
+        st = self.state
         try:
             commit_step(self.layout, step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
                         replicated=bool(spec.get("replicated", False)),
                         extra=dict(spec.get("extra", {})),
-                        timeout=self.knobs.commit_timeout_s,
-                        stopping=lambda: self._stop.is_set() and not self._signalled,
+                        timeout=st.knobs.commit_timeout_s,
+                        stopping=lambda: st.stop.is_set() and not st.signalled,
                         waiting=self._commit_waiting(step))
             self._committed_now(step)
             log.info("event=commit step=%d ranks=%s", step, spec["ranks"])
-            self._finish(step, None, committed=True)
+            st.finish(step, None, committed=True)
         except TrackerUpdateError as e:  # committed: never reported as a failed step
             log.error("event=commit step=%d ranks=%s: %s", step, spec["ranks"], e)
             self._committed_now(step)
-            with self._cv:
-                self._errors.append({"step": step, "error": str(e), "committed": True})
-            self._finish(step, None, committed=True)
+            with st.cv:
+                st.errors.append({"step": step, "error": str(e), "committed": True})
+            st.finish(step, None, committed=True)
         except Exception as e:
             log.exception("commit of step %d failed", step)
             self._discard_failed(step, [int(r) for r in spec["ranks"]])
-            self._finish(step, f"committing step {step} failed: {e}", committed=False)
+            st.finish(step, f"committing step {step} failed: {e}", committed=False)
 
     def _discard_failed(self, step: int, ranks: list[int]) -> None:
         """After a failed commit of ``step`` whose ranks all finished writing (nothing writes it any more:
@@ -77,24 +98,23 @@ class CommitPart(SaverBase):
     def _commit_waiting(self, step: int) -> Callable[[list[int], float], None]:
         """What a commit of ``step`` does while ranks are missing: nothing for the loss bound
         (FLASHCKPT_NODE_LOSS_S), then, every bound, has the missing ranks written by whoever holds them
-        (``_recover_missing``); it gives up at once when a rank was lost with its node and nobody holds it,
-        and when a newer step's commit queued behind it has all of its ranks (this one can no longer be the
-        newest: a node that wrote it is gone). Nothing waits for a node that is gone."""
-        rep = self._rep
-        bound = rep.knobs.loss_s if rep is not None else 0.0
+        (``Recovery.recover_missing``); it gives up at once when a rank was lost with its node and nobody holds
+        it, and when a newer step's commit queued behind it has all of its ranks (this one can no longer be
+        the newest: a node that wrote it is gone). Nothing waits for a node that is gone."""
+        bound = self.recovery.loss_bound()  # None: a single-node job (no peer service yet)
         asked = [0.0]
 
         def waiting(missing: list[int], waited: float) -> None:
-            if rep is None or waited < asked[0] + bound:
+            if bound is None or waited < asked[0] + bound:
                 return
             asked[0] = waited
-            queued = {j.step: [int(r) for r in j.spec["ranks"]] for j in list(self._commit_q.queue)
-                      if isinstance(j, _CommitJob) and j.step != step}
+            queued = {j.step: [int(r) for r in j.spec["ranks"]] for j in list(self.state.commit_q.queue)
+                      if isinstance(j, CommitJob) and j.step != step}
             for s, ranks in queued.items():
                 if self.layout.markers_complete(s, ranks):
                     raise E.PersistError(f"step {step}: ranks {missing} never finished persisting and step {s}, "
                                          "saved after it, has every rank's files; not committed")
-            lost = self._recover_missing(step, missing)
+            lost = self.recovery.recover_missing(step, missing)
             if lost:
                 raise E.PersistError(f"step {step}: ranks {lost} were lost with their node and no backup holds "
                                      "them; not committed (the previous committed step stays the newest)")
@@ -103,40 +123,55 @@ class CommitPart(SaverBase):
 
     def _committed_now(self, step: int) -> None:
         """Adds ``step`` to the committed steps, less those its commit superseded."""
-        with self._cv:  # in commit order: the step committed last is the newest
-            self._committed = [s for s in self._committed
-                               if s != step and self.storage.exists(self.layout.manifest_path(s))] + [step]
+        st = self.state
+        with st.cv:  # in commit order: the step committed last is the newest
+            st.committed = [s for s in st.committed
+                            if s != step and self.storage.exists(self.layout.manifest_path(s))] + [step]
 
-    def _finish(self, step: int, error: str | None, *, committed: bool) -> None:
-        with self._cv:
-            st = self._steps.setdefault(step, _StepState())
-            if error is not None:
-                st.status, st.error = "failed", error
-                self._errors.append({"step": step, "error": error})
-            elif committed:
-                st.status = "committed"
-            elif st.status == "persisting":
-                st.status = "persisted"
-            self._work_done()
+    # ------------------------------------------------------------------ deletions, as clients ask them
+    def schedule_delete_steps(self, steps: list[int]) -> None:
+        """Queues the deletion of ``steps`` and returns at once (a trainer's retention: unlinking a GB-sized
+        file takes a fraction of a second, never inside a trainer's save())."""
+        with self.state.cv:
+            self.state.inflight += 1
+        self.state.commit_q.put(DeleteJob(tuple(steps)))
 
-    def _status(self, cursor: int) -> dict[str, Any]:
-        with self._cv:
-            return {"committed": list(self._committed), "errors": self._errors[cursor:],
-                    "cursor": len(self._errors), "inflight": self._inflight,
-                    "last_persist_s": self.stats.last_persist_s, "records_ready": self._records_ready}
+    def delete_steps_now(self, steps: list[int], *, newest: bool) -> list[int]:
+        """Deletes ``steps`` on the commit thread and waits for it; returns the steps deleted."""
+        st = self.state
+        # A step whose manifest is on storage but whose commit is still finishing here (a reader of the
+        # manifests, such as an adapter, may ask at that moment) is deleted once its commit is done.
+        deadline = time.monotonic() + st.knobs.commit_timeout_s
+        with st.cv:
+            while any(s not in st.committed and not st.step_done(s) for s in steps):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                st.cv.wait(timeout=min(left, 0.2))
+            st.inflight += 1
+        # On the commit thread, like every change to the commit records: a commit running now (another
+        # step's) and this deletion never write the tracker at the same time, and the tracker ends up
+        # naming the newest step that is left.
+        done: Future[list[int]] = Future()
+        st.commit_q.put(DeleteJob(tuple(steps), newest=newest, done=done))
+        try:
+            return done.result(timeout=max(1.0, deadline - time.monotonic()) + st.knobs.commit_timeout_s)
+        except FutureTimeout:
+            raise E.CheckpointTimeoutError(f"delete_steps({list(steps)}): the commits queued before it did not "
+                                           f"finish within {st.knobs.commit_timeout_s:.0f} s") from None
 
-    def _wait(self, timeout: float, cursor: int) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout if timeout > 0 else None
-        with self._cv:
-            while self._inflight > 0:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise E.CheckpointTimeoutError(
-                        f"wait(): {self._inflight} persist(s) still running after {timeout:.0f} s")
-                self._cv.wait(timeout=min(left, 1.0) if left is not None else 1.0)
-        return self._status(cursor)
+    def schedule_delete_path(self, path: str) -> list[int] | None:
+        """Queues the deletion of ``path`` (normalized); the committed steps it holds, None when nothing is
+        there. Refusals raise CheckpointDirError (``path_deletion``), before anything is deleted."""
+        steps = self.path_deletion(path)
+        if not (self.storage.exists(path) or self.storage.isdir(path)):
+            return None
+        with self.state.cv:
+            self.state.inflight += 1
+        self.state.commit_q.put(DeletePathJob(path))
+        return steps
 
-    def _path_deletion(self, path: str) -> list[int]:
+    def path_deletion(self, path: str) -> list[int]:
         """The committed steps whose files all lie at or under ``path``, which a deletion strategy's
         ``delete_func`` may remove (with them).
 
@@ -158,9 +193,10 @@ class CommitPart(SaverBase):
         if locations.inside(path, meta) or locations.inside(meta, path):
             raise E.CheckpointDirError(f"{what}: {path} holds flashckpt's commit records ({meta}); they are "
                                        "removed with their steps, never directly")
-        with self._cv:
-            committed = list(self._committed)
-            busy = {s: set(st.paths) for s, st in self._steps.items() if not self._step_done(s)}
+        st = self.state
+        with st.cv:
+            committed = list(st.committed)
+            busy = {s: set(step.paths) for s, step in st.steps.items() if not st.step_done(s)}
         for s, targets in busy.items():
             for t in targets:
                 if locations.inside(t, path) or locations.inside(path, t):
@@ -191,19 +227,20 @@ class CommitPart(SaverBase):
             covered.append(s)
         return covered
 
+    # ------------------------------------------------------------------ deletions, on the commit thread
     def _delete_path(self, path: str) -> None:
         """Deletes ``path`` for a deletion strategy: the committed steps it holds (their records first),
         then what is left there. Checked again here: a persist or commit may have come since the request."""
         try:
-            steps = self._path_deletion(path)
+            steps = self.path_deletion(path)
         except E.CheckpointDirError as e:
             log.error("not deleting %s: %s", path, e)
             return
         if steps:
             for s in steps:
                 delete_step(self.layout, s)
-            with self._cv:
-                self._committed = [s for s in self._committed if s not in steps]
+            with self.state.cv:
+                self.state.committed = [s for s in self.state.committed if s not in steps]
         if self.storage.isdir(path):
             self.storage.remove_tree(path)
         else:
@@ -214,8 +251,9 @@ class CommitPart(SaverBase):
         """Deletes the committed ``steps`` (never a step that is not committed); the newest committed step
         only with ``newest`` (a framework that deletes its own checkpoints), and the tracker then names the
         newest step left. Steps being persisted are not committed, so never touched."""
-        with self._cv:
-            committed = list(self._committed)
+        st = self.state
+        with st.cv:
+            committed = list(st.committed)
         if not committed:
             return []
         deleted = []
@@ -224,12 +262,11 @@ class CommitPart(SaverBase):
                 continue
             delete_step(self.layout, s)
             deleted.append(s)
-        with self._cv:
-            self._committed = [s for s in self._committed if s not in deleted]
-            left = list(self._committed)
+        with st.cv:
+            st.committed = [s for s in st.committed if s not in deleted]
+            left = list(st.committed)
         if committed[-1] in deleted:
             self.layout.write_tracker(left[-1] if left else None)
         if deleted:
             log.info("event=retention deleted=%s", deleted)
         return deleted
-

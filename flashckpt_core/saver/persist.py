@@ -1,5 +1,11 @@
-"""Persisting: one queue and thread per local rank; each job pins its slot and hands it to the persist
-worker process, which writes the files."""
+"""The persist queues: one queue and thread per local rank; each job pins its slot and hands it to the persist
+worker process, which writes the files; a job that commits goes on to the commit queue. Also the persists
+the saver makes itself from a copy it holds (``persist_held``: a lost node's ranks, last words for a lost
+rank 0).
+
+Imports the layers below the saver and ``saver.state``, ``saver.segments``, ``saver.worker``. ``enqueue`` runs
+on request threads, peer threads and the last-words thread at once; each queue's jobs run in order on its
+thread."""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import dataclasses
 import os
 import queue
 import time
+from typing import Any
 
 from flashckpt import errors as E
 from flashckpt.commit.removal import remove_rank_files
@@ -16,32 +23,53 @@ from flashckpt.format.segment import (
     FLAG_PINNED,
     lock_path,
 )
-from flashckpt.saver._base import SaverBase, _CommitJob, _StepState, log
+from flashckpt.saver.segments import SegmentPool
+from flashckpt.saver.state import CommitJob, SaverState, StepState, log
+from flashckpt.saver.worker import PersistWorker
 from flashckpt.transport.ipc import SharedLock
 from flashckpt.transport.messages import Persist
 
+__all__ = ["PersistQueues"]
 
-class PersistPart(SaverBase):
-    def _enqueue(self, req: Persist) -> None:
-        job = dataclasses.replace(req, path=self.storage.normpath(req.path))  # the request is the job
-        if os.path.dirname(job.seg_path) != self.job_dir:  # the runtime dir is local
+
+class PersistQueues:
+    """The persist threads of one saver and their worker process (see the module docstring)."""
+
+    def __init__(self, state: SaverState, pool: SegmentPool) -> None:
+        self.state = state
+        self.pool = pool
+        self.layout = state.layout
+        self._queues: dict[int, queue.Queue[Persist | None]] = {}  # persist jobs per local rank
+        # Writes the files (torch's work) in a process of its own, started on demand: see persist_worker.
+        self.worker = PersistWorker(state.layout.root, state.layout.job, state.storage, nice=state.knobs.persist_nice,
+                                    idle_s=state.knobs.persist_worker_idle_s)
+
+    def enqueue(self, req: Persist) -> None:
+        st = self.state
+        job = dataclasses.replace(req, path=st.storage.normpath(req.path))  # the request is the job
+        if os.path.dirname(job.seg_path) != st.job_dir:  # the runtime dir is local
             raise E.ProtocolError(f"persist: segment {job.seg_path} is not in this job's runtime dir")
         # Refuses paths outside the checkpoint dir, in its commit records, or in another committed step's
         # directory (the engine checks this too, before its snapshot; this holds for any client).
         self.layout.check_target(job.step, job.path, files=[])
-        with self._cv:
-            st = self._steps.setdefault(job.step, _StepState())
-            st.paths.add(job.path)
-            st.ranks.add(job.rank)
+        with st.cv:
+            step = st.steps.setdefault(job.step, StepState())
+            step.paths.add(job.path)
+            step.ranks.add(job.rank)
             if job.commit is not None:
-                st.commits_here = True
-            self._inflight += 1
-            q = self._persist_q.get(job.local_rank)
+                step.commits_here = True
+            st.inflight += 1
+            q = self._queues.get(job.local_rank)
             if q is None:
-                q = self._persist_q[job.local_rank] = queue.Queue()
-                self._spawn(self._persist_loop, f"persist{job.local_rank}", q)
+                q = self._queues[job.local_rank] = queue.Queue()
+                st.spawn(self._persist_loop, f"persist{job.local_rank}", q)
         q.put(job)
-        self._spares_wanted.set()  # its slot is held from now on: the next snapshots need a spare each
+        self.pool.want_spares()  # its slot is held from now on: the next snapshots need a spare each
+
+    def stop(self) -> None:
+        """Ends the persist threads once their queued jobs ran (the saver exits)."""
+        for q in self._queues.values():
+            q.put(None)
 
     def _persist_loop(self, q: queue.Queue[Persist | None]) -> None:
         # The files are written by the persist worker, whose threads run knobs.persist_nice lower.
@@ -52,9 +80,9 @@ class PersistPart(SaverBase):
             try:
                 self._persist(job)
                 if job.commit is not None:
-                    self._commit_q.put(_CommitJob(job.step, job.commit))
+                    self.state.commit_q.put(CommitJob(job.step, job.commit))
                 else:
-                    self._finish(job.step, None, committed=False)
+                    self.state.finish(job.step, None, committed=False)
             except Exception as e:  # reported to the trainer; the saver keeps serving
                 log.exception("persist of step %d rank %d failed", job.step, job.rank)
                 try:  # give the space back now (a full disk), not at the next start
@@ -62,43 +90,86 @@ class PersistPart(SaverBase):
                 except Exception:
                     log.exception("removing the files of the failed persist of step %d rank %d", job.step, job.rank)
                 self.layout.write_failed(job.step, job.rank, f"{type(e).__name__}: {e}")
-                self._finish(job.step, f"persisting step {job.step} of rank {job.rank} to {job.path} failed: "
-                             f"{type(e).__name__}: {e}", committed=False)
+                self.state.finish(job.step, f"persisting step {job.step} of rank {job.rank} to {job.path} failed: "
+                                  f"{type(e).__name__}: {e}", committed=False)
 
     def _persist(self, job: Persist) -> None:
         t0 = time.perf_counter()
-        seg = self._segment(job.seg_path)
-        lock = SharedLock(lock_path(self.job_dir, seg.local_rank))
+        seg = self.pool.segment(job.seg_path)
+        lock = SharedLock(lock_path(self.state.job_dir, seg.local_rank))
         with lock:
             h = seg.header(job.slot)
             if h.state != COMPLETE or h.generation != job.generation or h.step != job.step:
                 seg.release_pending(job.slot, job.generation)
                 raise E.PersistError(f"the snapshot of step {job.step} was overwritten before it was persisted")
             seg.set_flags(job.slot, h.flags | FLAG_PINNED)
-        self._persist_seen = time.monotonic()
-        self._prepare_spares(seg)
+        self.pool.persist_activity()
+        self.pool.prepare_spares(seg)
         try:
             self.layout.clear_markers(job.step, job.rank)  # an earlier save's of the same step
             # The worker writes the intent and the files (it maps the segment read-only); then the done marker.
-            recs, is_set = self._worker.persist(seg_path=seg.path, slot=job.slot, generation=job.generation,
-                                                step=job.step, rank=job.rank, path=job.path)
+            recs, is_set = self.worker.persist(seg_path=seg.path, slot=job.slot, generation=job.generation,
+                                               step=job.step, rank=job.rank, path=job.path)
             self.layout.write_done(job.step, job.rank, recs, base=job.path if is_set else "", saved_at=h.wall_time)
         finally:
             with lock:
                 h2 = seg.header(job.slot)
                 if h2.generation == job.generation:
                     seg.set_flags(job.slot, h2.flags & ~(FLAG_PINNED | FLAG_PENDING))
-            self._persist_seen = time.monotonic()
+            self.pool.persist_activity()
             try:
-                self._release_spares(seg)
+                self.pool.release_spares(seg)
             except (OSError, E.FlashCheckpointError) as e:
                 log.warning("giving back the spare slots of %s: %s", seg.path, e)
         dt = time.perf_counter() - t0
         size = sum(r.size for r in recs)
-        with self._cv:
-            self.stats.persisted_bytes += size
-            self.stats.persist_seconds += dt
-            self.stats.last_persist_s = dt
+        with self.state.cv:
+            self.state.stats.persisted_bytes += size
+            self.state.stats.persist_seconds += dt
+            self.state.stats.last_persist_s = dt
         log.info("event=persist step=%d rank=%d bytes=%d seconds=%.3f path=%s", job.step, job.rank,
                  size, dt, job.path)
 
+    # ------------------------------------------------------------------ persisting a copy held here
+    def persist_held(self, step: int, ranks: list[int]) -> list[int]:
+        """Persists what this node holds of ``step`` for ``ranks`` (own snapshots first, then backups), unless
+        this saver already writes it; returns the ranks it writes (now or already)."""
+        out = []
+        with self.state.last_words_lock:
+            for rank in ranks:
+                with self.state.cv:
+                    st = self.state.steps.get(step)
+                    if st is not None and rank in st.ranks and st.status != "failed":
+                        out.append(rank)
+                        continue
+                kind = self.persist_held_copy(rank, step, rank)
+                if kind is None:
+                    continue
+                log.warning("event=persist_held step=%d rank=%d from=%s", step, rank, kind)
+                out.append(rank)
+        return out
+
+    def persist_held_copy(self, rank: int, step: int, find: int, commit: dict[str, Any] | None = None) -> str | None:
+        """Queues the persist of ``step`` for ``rank`` from the copy held here of ``find``'s snapshot (-1: any
+        rank's), with ``commit`` when given; its kind ("own", "backup"), or None when there is no such copy
+        (or it was overwritten, or names no path). The caller holds ``last_words_lock``."""
+        found = self.pool.find_held(find, step)
+        if found is None:
+            return None
+        kind, seg, slot, h = found
+        try:
+            name = str(seg.read_meta(slot, h).get("name", ""))
+        except (E.FlashCheckpointError, ValueError):
+            return None
+        if not name:
+            return None
+        job = Persist(step=step, rank=rank, local_rank=seg.local_rank, seg_path=seg.path, slot=slot,
+                      generation=h.generation, path=name, commit=commit)
+        if not self.pool.hold_slot(job):
+            return None
+        try:
+            self.enqueue(job)
+        except BaseException:
+            self.pool.unhold_slot(job)
+            raise
+        return kind

@@ -11,13 +11,19 @@ A backup lives in a segment of its own, ``bak-r<rank>-e<epoch>.shm`` (two slots)
 every segment: the slot is WRITING (new generation) while it is received and COMPLETE only once every byte
 arrived, the metadata checksum matched and the sender saw its source slot unchanged after sending (a torn send
 is never used). The newest complete backup is never the slot the next one is received into.
+
+The node's backups live in the segment pool (``saver.segments``: ``backup_segment``, ``drop_backups``); what a
+node persists of a lost rank is the persist queues' (``persist_held``); deciding who persists what after a
+node loss (asking the peers) is ``saver.recovery``'s. Imports the layers below the saver and ``saver.state``,
+``saver.segments``, ``saver.persist``. Runs on the request threads (hello, inventory, fetch), one thread per
+peer connection, the peer accept thread and the backup sender; the peer state ``Replica`` changes under
+``SaverState.cv`` (ranks, node) or ``Replica.lock`` (backup segments).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import socket
 import threading
 import time
@@ -28,7 +34,6 @@ from typing import Any
 
 import xxhash
 from flashckpt import errors as E
-from flashckpt.commit.protocol import commit_spec
 from flashckpt.format.segment import (
     COMPLETE,
     EMPTY,
@@ -39,11 +44,12 @@ from flashckpt.format.segment import (
     Segment,
     SlotHeader,
     live_snapshots,
-    local_ranks,
     lock_path,
     segment_paths,
 )
-from flashckpt.saver._base import SaverBase, log
+from flashckpt.saver.persist import PersistQueues
+from flashckpt.saver.segments import SegmentPool, own_local_ranks
+from flashckpt.saver.state import SaverState, log
 from flashckpt.transport import messages as M
 from flashckpt.transport.ipc import SharedLock
 from flashckpt.transport.peers import (
@@ -51,42 +57,21 @@ from flashckpt.transport.peers import (
     PeerBook,
     ReplicaKnobs,
     accept,
-    across_nodes,
     advertised_host,
     connect,
     partners,
     recv_into,
     send_range,
-    takes_over_rank0,
 )
 from flashckpt.transport.wire import PeerClosed, recv_msg, send_msg
 
-__all__ = ["ReplicaPart", "BACKUP_BASE", "backup_paths"]
-
-#: A backup segment's local-rank field (and lock): BACKUP_BASE + the global rank it backs up.
-BACKUP_BASE = 100_000
-_BAK_RE = re.compile(r"bak-r(\d+)-e(\d+)\.shm$")
-
-
-def backup_paths(job_dir: str) -> dict[int, list[tuple[int, str]]]:
-    """rank -> (epoch, path) of its backup segments in ``job_dir``, oldest first."""
-    out: dict[int, list[tuple[int, str]]] = {}
-    try:
-        names = os.listdir(job_dir)
-    except FileNotFoundError:
-        return out
-    for name in names:
-        m = _BAK_RE.match(name)
-        if m:
-            out.setdefault(int(m.group(1)), []).append((int(m.group(2)), os.path.join(job_dir, name)))
-    return {r: sorted(v) for r, v in out.items()}
-
-
-own_local_ranks = local_ranks  # the local ranks with segments of their own here (not backups)
+__all__ = ["ReplicaService", "Replica"]
 
 
 @dataclass
-class _Replica:
+class Replica:
+    """The peer service's state: this node in the job's groups, its listener, what it sent, its partners."""
+
     knobs: ReplicaKnobs
     book: PeerBook
     secret: bytes
@@ -107,21 +92,30 @@ class _Replica:
     send_seconds: float = 0.0
 
 
-class ReplicaPart(SaverBase):
-    _rep: _Replica | None
+class ReplicaService:
+    """The peer service of one saver (see the module docstring); ``rep`` is None until the first hello of a
+    multi-node job starts it."""
+
+    def __init__(self, state: SaverState, pool: SegmentPool, persist: PersistQueues) -> None:
+        self.state = state
+        self.pool = pool
+        self.persist = persist
+        self.job_dir = state.job_dir
+        self.knobs = state.knobs
+        self.rep: Replica | None = None
 
     # ------------------------------------------------------------------ start
-    def _replica_hello(self, req: M.Hello) -> None:
+    def hello(self, req: M.Hello) -> None:
         """Starts the peer service at the first hello of a multi-node job, and publishes the ranks served."""
         nnodes = max(1, req.world_size // max(1, req.local_world_size))
         if nnodes < 2:
             return
         node = req.rank // max(1, req.local_world_size)
         moved_from = None
-        with self._cv:
-            rep = self._rep
+        with self.state.cv:
+            rep = self.rep
             if rep is None:
-                rep = self._rep = self._start_replica(node, nnodes)
+                rep = self.rep = self._start(node, nnodes)
             elif node != rep.node or nnodes != rep.nnodes:
                 # A restart's rendezvous may give this node another group rank (torch ranks the agents by
                 # their sorted addresses: a node that joins may come before a survivor): the groups follow.
@@ -139,26 +133,26 @@ class ReplicaPart(SaverBase):
             rep.book.withdraw(moved_from, rep.instance)
         self._publish()
 
-    def _start_replica(self, node: int, nnodes: int) -> _Replica:
+    def _start(self, node: int, nnodes: int) -> Replica:
         knobs = ReplicaKnobs.from_env()
-        book = PeerBook(self.storage, self.layout.meta, self.layout.job)
+        book = PeerBook(self.state.storage, self.state.layout.meta, self.state.layout.job)
         host = advertised_host(knobs)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         lsock = socket.socket(family, socket.SOCK_STREAM)
         lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         lsock.bind((host, 0))
         lsock.listen(64)
-        rep = _Replica(knobs, book, book.secret(), node, nnodes, host, lsock, lsock.getsockname()[1])
-        self._spawn(self._peer_accept_loop, "peer-accept", rep)
+        rep = Replica(knobs, book, book.secret(), node, nnodes, host, lsock, lsock.getsockname()[1])
+        self.state.spawn(self._peer_accept_loop, "peer-accept", rep)
         if knobs.mode != "off":
-            self._spawn(self._backup_sender, "backup-send", rep)
+            self.state.spawn(self._backup_sender, "backup-send", rep)
         log.info("event=replica node=%d nnodes=%d peer=%s:%d partners=%s mbps=%s", node, nnodes, host, rep.port,
                  partners(node, nnodes, knobs.group_size, knobs.stride) if knobs.mode != "off" else "off",
                  knobs.mbps or "uncapped")
         return rep
 
     def _publish(self) -> None:
-        rep = self._rep
+        rep = self.rep
         if rep is None:
             return
         try:
@@ -167,8 +161,9 @@ class ReplicaPart(SaverBase):
         except OSError as e:
             log.error("could not publish this saver's peer address in %s: %s", rep.book.dir, e)
 
-    def _stop_replica(self) -> None:
-        rep = self._rep
+    def stop(self) -> None:
+        """Closes the peer connections and the listener (the saver exits)."""
+        rep = self.rep
         if rep is None:
             return
         for _inst, conn in list(rep.conns.values()):
@@ -177,55 +172,33 @@ class ReplicaPart(SaverBase):
             rep.listener.shutdown(socket.SHUT_RDWR)
         rep.listener.close()
 
-    # ------------------------------------------------------------------ what this node holds
-    def _held(self) -> Iterator[tuple[str, int, Segment, int, SlotHeader]]:
-        """(kind, local rank, segment, slot, header) of every live snapshot here: own ("own", by local rank)
-        and backups ("backup", local rank -1)."""
-        for lr in own_local_ranks(self.job_dir):
-            segs = [self._segment(p) for _e, p in segment_paths(self.job_dir, lr)]
-            for seg, i, h in live_snapshots(segs):
-                yield "own", lr, seg, i, h
-        for _rank, paths in backup_paths(self.job_dir).items():
-            segs = [self._segment(p) for _e, p in paths]
-            for seg, i, h in live_snapshots(segs):
-                yield "backup", -1, seg, i, h
-
-    def _inventory(self) -> M.InventoryReply:
-        rep = self._rep
+    def inventory(self) -> M.InventoryReply:
+        """What this node holds in memory (own snapshots and backups) and persists, for a peer or a trainer."""
+        rep = self.rep
         held = []
-        for kind, lr, _seg, _i, h in self._held():
+        for kind, lr, _seg, _i, h in self.pool.held():
             held.append({"rank": -1 if h.rank is None else h.rank, "step": h.step, "wall_time": h.wall_time,
                          "seq": h.seq, "kind": kind, "local_rank": lr, "fetched": bool(h.flags & FLAG_FETCHED),
                          "world": h.world})
-        with self._cv:
-            persisting = [[s, r] for s, st in self._steps.items() for r in st.ranks if st.status != "failed"]
+        with self.state.cv:
+            persisting = [[s, r] for s, st in self.state.steps.items() for r in st.ranks if st.status != "failed"]
         if rep is None:
             return M.InventoryReply(held=held, persisting=persisting)
         return M.InventoryReply(node=rep.node, instance=rep.instance, host=rep.host, port=rep.port, held=held,
                                 persisting=persisting)
 
-    def _find_held(self, rank: int, step: int) -> tuple[str, Segment, int, SlotHeader] | None:
-        """The newest live snapshot of ``step`` of ``rank`` held here (any rank's with -1), own ones first."""
-        best = None
-        for kind, _lr, seg, i, h in self._held():
-            if h.step == step and (rank < 0 or h.rank == rank):
-                key = (kind == "own", h.seq)
-                if best is None or key > best[0]:
-                    best = (key, (kind, seg, i, h))
-        return None if best is None else best[1]
-
     # ------------------------------------------------------------------ peer service
-    def _peer_accept_loop(self, rep: _Replica) -> None:
+    def _peer_accept_loop(self, rep: Replica) -> None:
         n = 0
-        while not self._stop.is_set():
+        while not self.state.stop.is_set():
             try:
                 conn, _addr = rep.listener.accept()
             except OSError:
                 return
             n += 1
-            self._spawn(self._serve_peer, f"peer{n}", rep, conn)
+            self.state.spawn(self._serve_peer, f"peer{n}", rep, conn)
 
-    def _serve_peer(self, rep: _Replica, conn: socket.socket) -> None:
+    def _serve_peer(self, rep: Replica, conn: socket.socket) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if not accept(conn, rep.secret, timeout=rep.knobs.loss_s * 5):
@@ -233,7 +206,7 @@ class ReplicaPart(SaverBase):
                 return
             conn.settimeout(None)
             niced = False
-            while not self._stop.is_set():
+            while not self.state.stop.is_set():
                 try:
                     req = recv_msg(conn)
                 except (ConnectionError, E.SaverError):
@@ -249,9 +222,9 @@ class ReplicaPart(SaverBase):
                 elif op == "fetch":
                     self._send_held(conn, int(req["rank"]), int(req["step"]))
                 elif op == "inventory":
-                    send_msg(conn, {"ok": True, **self._inventory().to_wire()})
+                    send_msg(conn, {"ok": True, **self.inventory().to_wire()})
                 elif op == "persist_held":
-                    send_msg(conn, {"ok": True, "ranks": self._persist_held(int(req["step"]),
+                    send_msg(conn, {"ok": True, "ranks": self.persist.persist_held(int(req["step"]),
                                                                              [int(r) for r in req["ranks"]])})
                 else:
                     send_msg(conn, {"ok": False, "error": f"unknown peer operation {op!r}"})
@@ -301,7 +274,7 @@ class ReplicaPart(SaverBase):
         send_msg(conn, {"intact": seg.header(slot).generation == h.generation})
 
     def _send_held(self, conn: socket.socket, rank: int, step: int) -> None:
-        found = self._find_held(rank, step)
+        found = self.pool.find_held(rank, step)
         if found is None:
             send_msg(conn, {"ok": False, "error": f"no snapshot of step {step} of rank {rank} here"})
             return
@@ -349,32 +322,12 @@ class ReplicaPart(SaverBase):
                 elif seg.header(slot).generation == gen:
                     seg.write_header(slot, SlotHeader(EMPTY, 0, -1, gen, 0, 0, 0, 0, 0.0, seq, 0))
 
-    def _backup_segment(self, rep: _Replica, rank: int, meta_cap: int, data_cap: int, step: int) -> Segment:
-        """The newest backup segment of ``rank``, made (a new epoch) when there is none or it is too small
-        (room made, if need be, from backups of ranks whose newest backup is older than ``step``: after a
-        restart that moved the ranks, those of ranks no partner serves any more)."""
-        paths = backup_paths(self.job_dir).get(rank, [])
-        if paths:
-            seg = self._segment(paths[-1][1])
-            if seg.meta_cap >= meta_cap and seg.data_cap >= data_cap:
-                return seg
-        epoch = paths[-1][0] + 1 if paths else 0
-        path = os.path.join(self.job_dir, f"bak-r{rank:05d}-e{epoch:06d}.shm")
-        need = 4096 + 2 * (4096 + meta_cap + data_cap)
-        if need > self._shm_free() and self._drop_backups(need, keep=rank, older_than=step) < need:
-            raise E.SharedMemoryError(f"no room in {self.job_dir} for a backup of rank {rank} ({need} bytes)")
-        Segment.create(path, local_rank=BACKUP_BASE + rank, epoch=epoch, nslots=2, meta_cap=meta_cap,
-                       data_cap=data_cap)
-        seg = self._segments[path] = Segment(path, populate=False)
-        log.info("event=backup_segment rank=%d path=%s bytes=%d", rank, path, need)
-        return seg
-
-    def _receive_backup(self, rep: _Replica, conn: socket.socket, hdr: dict[str, Any]) -> None:
+    def _receive_backup(self, rep: Replica, conn: socket.socket, hdr: dict[str, Any]) -> None:
         rank = int(hdr["rank"])
         nbytes = int(hdr["meta_len"]) + int(hdr["tensor_bytes"]) + int(hdr["blob_len"])
         with rep.lock:
             try:
-                seg = self._backup_segment(rep, rank, int(hdr["meta_cap"]), int(hdr["data_cap"]), int(hdr["step"]))
+                seg = self.pool.backup_segment(rank, int(hdr["meta_cap"]), int(hdr["data_cap"]), int(hdr["step"]))
             except E.SharedMemoryError as e:
                 seg, error = None, str(e)
             slot = None
@@ -394,7 +347,7 @@ class ReplicaPart(SaverBase):
         t0 = time.perf_counter()
         ok = self._receive_slot(conn, hdr, seg, slot, seq=int(hdr["seq"]), lock=lock)
         if ok:
-            self._reap_backups(rank)
+            self.pool.reap_backups(rank)
         send_msg(conn, {"ok": ok, "error": "" if ok else "the snapshot changed while it was sent"})
         log.info("event=backup_received rank=%d step=%d bytes=%d seconds=%.3f ok=%s", rank, int(hdr["step"]),
                   nbytes, time.perf_counter() - t0, ok)
@@ -409,63 +362,17 @@ class ReplicaPart(SaverBase):
             nbytes -= k
         recv_msg(conn)  # the trailer
 
-    def _drop_backups(self, need: int, *, keep: int = -1, older_than: int | None = None) -> int:
-        """Removes backup segments until ``need`` bytes of shared memory are free: those whose newest backup
-        is the oldest first, never one being persisted or sent, nor ``keep``'s; with ``older_than``, only
-        those whose newest backup is of an older step. Returns the bytes free. (A node's own snapshots come
-        before second copies of its partners': a backup dropped costs redundancy, not a checkpoint.)"""
-        free = self._shm_free()
-        found = []
-        for rank, paths in backup_paths(self.job_dir).items():
-            if rank == keep:
-                continue
-            for _epoch, path in paths:
-                seg = self._segment(path)
-                newest = max((h for h in (seg.header(i) for i in range(seg.nslots)) if h.state == COMPLETE),
-                             key=lambda h: h.seq, default=None)
-                if older_than is None or newest is None or newest.step < older_than:
-                    found.append((-1 if newest is None else newest.seq, rank, path, seg))
-        for _seq, rank, path, seg in sorted(found, key=lambda f: f[0]):
-            if free >= need:
-                break
-            with SharedLock(lock_path(self.job_dir, seg.local_rank)):
-                if any(h.flags & FLAGS_BUSY or h.state == WRITING for h in (seg.header(i) for i in range(seg.nslots))):
-                    continue  # being persisted, sent or received
-                os.unlink(path)
-                with contextlib.suppress(BufferError):  # a receive that just chose it: it fails, the sender retries
-                    self._segments.pop(path).close()
-            if older_than is not None:  # e.g. a rank that moved to another node at a restart
-                log.info("event=backup_dropped rank=%d path=%s: older than step %d, whose backup needs the room",
-                         rank, path, older_than)
-            else:
-                log.warning("event=backup_dropped rank=%d path=%s: shared memory is short, and this node's own "
-                            "snapshots come first (a loss of rank %d's node now resumes from its other copies or "
-                            "from storage)", rank, path, rank)
-            free = self._shm_free()
-        return free
-
-    def _reap_backups(self, rank: int) -> None:
-        """Removes a rank's older backup segments once the newest holds a complete backup."""
-        paths = backup_paths(self.job_dir).get(rank, [])
-        for _epoch, path in paths[:-1]:
-            seg = self._segment(path)
-            with SharedLock(lock_path(self.job_dir, seg.local_rank)):
-                if any(seg.header(i).flags & FLAGS_BUSY for i in range(seg.nslots)):
-                    continue
-                os.unlink(path)
-                self._segments.pop(path).close()
-
     # ------------------------------------------------------------------ sending backups
-    def _backup_sender(self, rep: _Replica) -> None:
+    def _backup_sender(self, rep: Replica) -> None:
         """After each memory snapshot of a local rank, sends it to the partners (sharded state only)."""
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.knobs.persist_nice)
-        while not self._stop.wait(0.02):
+        while not self.state.stop.wait(0.02):
             if rep.replicated:
                 continue
             for lr in own_local_ranks(self.job_dir):
                 try:
-                    segs = [self._segment(p) for _e, p in segment_paths(self.job_dir, lr)]
+                    segs = [self.pool.segment(p) for _e, p in segment_paths(self.job_dir, lr)]
                     live = live_snapshots(segs)
                 except (OSError, E.FlashCheckpointError):
                     continue
@@ -483,7 +390,7 @@ class ReplicaPart(SaverBase):
                 rep.sent[lr] = key
                 self._send_backup(rep, seg, slot, h)
 
-    def _send_backup(self, rep: _Replica, seg: Segment, slot: int, h: SlotHeader) -> None:
+    def _send_backup(self, rep: Replica, seg: Segment, slot: int, h: SlotHeader) -> None:
         targets = partners(rep.node, rep.nnodes, rep.knobs.group_size, rep.knobs.stride)
         if not targets:
             return
@@ -517,7 +424,7 @@ class ReplicaPart(SaverBase):
                     log.warning("node %d did not keep the backup of rank %s step %d: %s", node, h.rank, h.step,
                                 reply.get("error"))
 
-    def _partner(self, rep: _Replica, node: int, book: dict[int, dict[str, Any]]) -> socket.socket:
+    def _partner(self, rep: Replica, node: int, book: dict[int, dict[str, Any]]) -> socket.socket:
         entry = book.get(node)
         if entry is None:
             raise E.SaverError(f"node {node} has not published its saver's address yet")
@@ -532,8 +439,10 @@ class ReplicaPart(SaverBase):
         return conn
 
     # ------------------------------------------------------------------ fetching a lost node's snapshot
-    def _fetch(self, req: M.Fetch) -> M.FetchReply:
-        rep = self._rep
+    def fetch(self, req: M.Fetch) -> M.FetchReply:
+        """Fetches a snapshot a restarted trainer needs from the first of ``req.sources`` (peers) that sends it
+        whole, into a new segment of its local rank (flagged FLAG_FETCHED)."""
+        rep = self.rep
         if rep is None:
             raise E.SaverError("fetch: this saver has no peer service (a single-node job)")
         errors = []
@@ -551,12 +460,12 @@ class ReplicaPart(SaverBase):
                 if not hdr.get("ok"):
                     errors.append(f"{src.get('host')}:{src.get('port')}: {hdr.get('error')}")
                     continue
-                path = self._alloc(req.local_rank, int(hdr["meta_cap"]), int(hdr["data_cap"]), self.knobs.slots)
-                seg = self._segment(path)
+                path = self.pool.alloc(req.local_rank, int(hdr["meta_cap"]), int(hdr["data_cap"]), self.knobs.slots)
+                seg = self.pool.segment(path)
                 lock = SharedLock(lock_path(self.job_dir, req.local_rank))
                 with lock:
                     seq = 1 + max((seg2.header(i).seq for _e, p in segment_paths(self.job_dir, req.local_rank)
-                                   for seg2 in [self._segment(p)] for i in range(seg2.nslots)), default=0)
+                                   for seg2 in [self.pool.segment(p)] for i in range(seg2.nslots)), default=0)
                 if self._receive_slot(conn, hdr, seg, 0, seq=seq, lock=lock, flags=FLAG_FETCHED):
                     nbytes = int(hdr["tensor_bytes"]) + int(hdr["blob_len"])
                     dt = time.perf_counter() - t0
@@ -571,175 +480,3 @@ class ReplicaPart(SaverBase):
         raise E.SaverError(f"fetch of step {req.step} of rank {req.rank}: no source could send it ({'; '.join(errors)})")
 
     # ------------------------------------------------------------------ persisting for a lost node
-    def _persist_held(self, step: int, ranks: list[int]) -> list[int]:
-        """Persists what this node holds of ``step`` for ``ranks`` (own snapshots first, then backups), unless
-        this saver already writes it; returns the ranks it writes (now or already)."""
-        out = []
-        with self._last_words_lock:
-            for rank in ranks:
-                with self._cv:
-                    st = self._steps.get(step)
-                    if st is not None and rank in st.ranks and st.status != "failed":
-                        out.append(rank)
-                        continue
-                kind = self._persist_held_copy(rank, step, rank)
-                if kind is None:
-                    continue
-                log.warning("event=persist_held step=%d rank=%d from=%s", step, rank, kind)
-                out.append(rank)
-        return out
-
-    def _persist_held_copy(self, rank: int, step: int, find: int, commit: dict[str, Any] | None = None) -> str | None:
-        """Queues the persist of ``step`` for ``rank`` from the copy held here of ``find``'s snapshot (-1: any
-        rank's), with ``commit`` when given; its kind ("own", "backup"), or None when there is no such copy
-        (or it was overwritten, or names no path). The caller holds ``_last_words_lock``."""
-        found = self._find_held(find, step)
-        if found is None:
-            return None
-        kind, seg, slot, h = found
-        try:
-            name = str(seg.read_meta(slot, h).get("name", ""))
-        except (E.FlashCheckpointError, ValueError):
-            return None
-        if not name:
-            return None
-        job = M.Persist(step=step, rank=rank, local_rank=seg.local_rank, seg_path=seg.path, slot=slot,
-                        generation=h.generation, path=name, commit=commit)
-        if not self._hold_slot(job):
-            return None
-        try:
-            self._enqueue(job)
-        except BaseException:
-            self._unhold_slot(job)
-            raise
-        return kind
-
-    def _ask_peers(self, rep: _Replica, msg: dict[str, Any]) -> dict[int, dict[str, Any]]:
-        """``msg``'s reply from every other peer in the book that answers within the loss bound."""
-        replies: dict[int, dict[str, Any]] = {}
-
-        def ask(node: int, entry: dict[str, Any]) -> None:
-            try:
-                conn = connect(str(entry["host"]), int(entry["port"]), rep.secret, timeout=rep.knobs.loss_s)
-            except (OSError, E.FlashCheckpointError):
-                return
-            try:
-                conn.settimeout(rep.knobs.loss_s * 2)
-                send_msg(conn, msg)
-                replies[node] = recv_msg(conn)
-            except (OSError, E.FlashCheckpointError):
-                pass
-            finally:
-                conn.close()
-
-        entries: dict[str, tuple[int, dict[str, Any]]] = {}  # one question per saver (an entry may be stale)
-        for n, e in sorted(rep.book.read().items()):
-            if e.get("instance") != rep.instance:
-                entries[str(e.get("instance"))] = (n, e)
-        threads = [threading.Thread(target=ask, args=ne, daemon=True) for ne in entries.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(rep.knobs.loss_s * 3 + 1)
-        return replies
-
-    def _recover_missing(self, step: int, missing: list[int]) -> list[int]:
-        """A commit of ``step`` has waited the loss bound for ``missing`` ranks: has someone write them.
-
-        Each missing rank is persisted by whoever holds it: its own node's saver (alive, or a fresh one that
-        fetched it) or else a backup holder, this saver included. Returns the ranks that nobody writes and
-        nobody holds: lost with their node and without a backup."""
-        rep = self._rep
-        if rep is None:
-            return []
-        invs = [*self._ask_peers(rep, {"op": "inventory"}).values(), {**self._inventory().to_wire(), "self": True}]
-        covered = {int(r) for inv in invs for s, r in inv.get("persisting", []) if s == step}
-        holders: dict[int, list[tuple[int, int, dict[str, Any]]]] = {}  # rank -> (preference, node, inventory)
-        for inv in invs:
-            for e in inv.get("held", []):
-                if e.get("step") == step and e.get("rank") in missing:
-                    pref = 0 if e.get("kind") == "own" else 1
-                    holders.setdefault(int(e["rank"]), []).append((pref, int(inv.get("node", -1)), inv))
-        todo: dict[str, tuple[dict[str, Any], list[int]]] = {}  # instance -> (its inventory, ranks to write)
-        lost = []
-        for r in missing:
-            if r in covered:
-                continue
-            if r not in holders:
-                lost.append(r)
-                continue
-            inv = min(holders[r], key=lambda h: h[:2])[2]
-            todo.setdefault(str(inv.get("instance")), (inv, []))[1].append(r)
-        for inv, ranks in todo.values():
-            if inv.get("self"):
-                self._persist_held(step, ranks)
-                continue
-            try:
-                conn = connect(str(inv["host"]), int(inv["port"]), rep.secret, timeout=rep.knobs.loss_s)
-                try:
-                    conn.settimeout(rep.knobs.loss_s * 2)
-                    send_msg(conn, {"op": "persist_held", "step": step, "ranks": ranks})
-                    log.warning("event=persist_held_asked step=%d ranks=%s node=%s answer=%s", step, ranks,
-                                inv.get("node"), recv_msg(conn).get("ranks"))
-                finally:
-                    conn.close()
-            except (OSError, KeyError, E.FlashCheckpointError) as e:
-                log.warning("asking node %s to persist ranks %s of step %d: %s", inv.get("node"), ranks, step, e)
-        return lost
-
-    # ------------------------------------------------------------------ last words for a lost rank 0
-    def _newest_across_nodes(self) -> tuple[int | None, list[dict[str, Any]]]:
-        """The newest step of a multi-node job that every rank can get from memory, its own node's or a
-        peer's (``across_nodes`` over every answering saver's inventory), and those peers' inventories; None
-        in a single-node job, and when there is none (a rank lost with its whole backup group, or peers that
-        no longer answer after a normal end: then each node persists its own newest, as a single node does)."""
-        rep = self._rep
-        if rep is None or rep.world_size < 2:
-            return None, []
-        with self._cv:
-            newest_committed = self._committed[-1] if self._committed else -1
-        peers = list(self._ask_peers(rep, {"op": "inventory"}).values())
-        invs = [*peers, self._inventory().to_wire()]
-        plan = across_nodes(invs, list(range(rep.world_size)), replicated=rep.replicated,
-                            saved_at=self._saved_at(newest_committed), newest_committed=newest_committed,
-                            world_size=rep.world_size)
-        if plan.step is None:
-            if plan.partial is not None:
-                log.warning("last words: step %d is in memory, but no saver that answered holds ranks %s (lost "
-                            "with their node and its backup group, or their saver has ended): this node persists "
-                            "its own newest snapshot, which commits only if their files come", plan.partial,
-                            list(plan.missing))
-            return None, peers
-        return plan.step, peers
-
-    def _take_over_commit(self, timeout: float | None, limit: int | None, peers: list[dict[str, Any]]) -> int | None:
-        """Last words on a node whose saver does not commit (global rank 0 was elsewhere): when rank 0's own
-        saver is gone (its node lost), the survivor that holds rank 0's newest snapshot (sharded state: a
-        backup of it; replicated state: its own copy), the lowest-numbered if several do, persists it with the
-        commit, so the newest step is committed as well. The commit then has the lost node's other ranks
-        written by whoever holds them (``_recover_missing``). Waits for the commit; returns its step, or None
-        when there is nothing to take over (``takes_over_rank0``, over ``peers``: the inventories that chose
-        ``limit``; a rank 0 saver alive shows its own snapshot there, whenever its last words start)."""
-        rep = self._rep
-        with self._cv:
-            newest_committed = self._committed[-1] if self._committed else -1
-        if rep is None or limit is None:
-            return None
-        step = limit  # the newest step every rank can get: the one the survivors persist
-        if step == newest_committed:
-            return None
-        if not takes_over_rank0(step, self._inventory().to_wire(), peers, node=rep.node, replicated=rep.replicated):
-            return None
-        with self._last_words_lock:  # once, when last words are asked twice (a crash seen here and by the agent)
-            with self._cv:
-                st = self._steps.get(step)
-                queued = st is not None and 0 in st.ranks and st.commits_here and st.status != "failed"
-            if not queued:
-                kind = self._persist_held_copy(0, step, -1 if rep.replicated else 0,
-                                               commit_spec(rep.world_size, rep.replicated))
-                if kind is None:
-                    return None
-                log.warning("event=last_words_for_rank0 step=%d from=%s: global rank 0's saver is gone; this "
-                            "survivor commits the step", step, kind)
-        self._wait_step(step, timeout)
-        return step

@@ -12,9 +12,9 @@ from typing import Any
 
 from flashckpt import errors as E
 from flashckpt.config import Knobs, dir_identity, knob
-from flashckpt.saver import ensure_saver
 from flashckpt.transport import messages as M
 from flashckpt.transport.messages import RP
+from flashckpt.transport.spawn import ensure_saver
 from flashckpt.transport.wire import Client, ConnectionLost
 
 __all__ = ["SaverLink", "agent_pid", "restart_expected"]

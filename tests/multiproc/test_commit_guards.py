@@ -196,12 +196,12 @@ def _done(layout: CommitLayout, step: int) -> None:
 
 def _commit_later(saver: Any, job: Any) -> None:
     """Queues a commit as the saver's persist thread does once a rank's files are written."""
-    from flashckpt.saver._base import _StepState
+    from flashckpt.saver.state import StepState
 
-    with saver._cv:
-        saver._inflight += 1
-        saver._steps.setdefault(job.step, _StepState()).commits_here = True
-    saver._commit_q.put(job)
+    with saver.state.cv:
+        saver.state.inflight += 1
+        saver.state.steps.setdefault(job.step, StepState()).commits_here = True
+    saver.state.commit_q.put(job)
 
 
 def test_a_deletion_waits_for_the_commit_in_flight_and_the_tracker_names_the_newest(tmp_path) -> None:
@@ -211,42 +211,42 @@ def test_a_deletion_waits_for_the_commit_in_flight_and_the_tracker_names_the_new
     tracker at once (CI once failed on the two writers' shared temporary name), and the tracker ends up
     naming the newest committed step. The real saver, in this process, over a storage whose tracker
     writes stall at a gate."""
-    from flashckpt.saver._base import _CommitJob
     from flashckpt.saver.server import CheckpointSaver
+    from flashckpt.saver.state import CommitJob
     from flashckpt.transport.messages import DeleteSteps
 
     storage = _GatedTracker()
     saver = CheckpointSaver(str(tmp_path / "job"), str(tmp_path / "ckpt"), storage=storage)
     saver.start()
     try:
-        saver._await_records("the test's persists", 30)  # as a persist request does: start-up clean-up first
+        saver.records.await_ready("the test's persists", 30)  # as a persist request does: start-up clean-up first
         layout = saver.layout
         spec = {"ranks": [0], "world_size": 1}
         _done(layout, 1)
-        _commit_later(saver, _CommitJob(1, spec))
-        wait_for(lambda: saver._committed == [1], 30, "step 1 to commit")
+        _commit_later(saver, CommitJob(1, spec))
+        wait_for(lambda: saver.state.committed == [1], 30, "step 1 to commit")
         storage.gate.clear()
         storage.held.clear()
         _done(layout, 2)
-        _commit_later(saver, _CommitJob(2, spec))
+        _commit_later(saver, CommitJob(2, spec))
         assert storage.held.wait(30)  # step 2's manifest is written; its tracker write stalls
         deleted: list[Any] = []
 
         def delete() -> None:
             try:
-                deleted.append(saver._on_delete_steps(DeleteSteps(steps=[1], newest=True), None).deleted)
+                deleted.append(saver.control._on_delete_steps(DeleteSteps(steps=[1], newest=True), None).deleted)
             except BaseException as e:
                 deleted.append(e)
 
         t = threading.Thread(target=delete)
         t.start()
-        wait_for(lambda: not t.is_alive() or saver._commit_q.qsize() > 0, 30, "the deletion to run or queue")
+        wait_for(lambda: not t.is_alive() or saver.state.commit_q.qsize() > 0, 30, "the deletion to run or queue")
         assert t.is_alive(), f"the deletion ran beside the commit in flight: {deleted}"
         storage.gate.set()
         t.join(60)
         assert deleted == [[1]]
         assert storage.tracker_writes == [1, 2]  # step 1's deletion never pointed the tracker elsewhere
-        assert layout.committed_steps() == [2] and layout.tracker_step() == 2 and saver._committed == [2]
+        assert layout.committed_steps() == [2] and layout.tracker_step() == 2 and saver.state.committed == [2]
     finally:
         storage.gate.set()
         saver.request_stop()

@@ -17,8 +17,8 @@ from flashckpt import (
     SaverError,
     StorageType,
 )
-from flashckpt.saver import SOCKET_NAME, lock_job
 from flashckpt.transport.ipc import SharedDict, SharedLock, SharedQueue
+from flashckpt.transport.spawn import SOCKET_NAME, lock_job
 from flashckpt.transport.wire import MAX_MESSAGE, Client, recv_msg, send_msg
 from helpers import flock_waiters, saver_pids, wait_for
 
@@ -224,7 +224,7 @@ def test_the_spawn_lock_is_taken_when_an_exiting_saver_removes_the_job_dir_meanw
     """The interleaving a CI rehearsal hit: a restarted trainer makes the job dir, then the exiting saver
     of the killed one (holding the spawn lock) removes the lock file and the dir before the trainer opens
     the lock file there. The trainer must make the dir again and take the lock, not fail its start."""
-    import flashckpt.saver._base as base
+    import flashckpt.transport.spawn as base
 
     job_dir = str(tmp_path / "rt" / "job")
     made = base.make_private_dir

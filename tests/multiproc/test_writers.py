@@ -34,8 +34,8 @@ from _fault_helpers import (  # noqa: F401
 )
 from flashckpt import CheckpointEngine, FileSet, PersistError, SharedMemoryError, StorageType
 from flashckpt.commit.layout import CommitLayout, Manifest
-from flashckpt.saver import SOCKET_NAME
 from flashckpt.storage.posix import PosixDiskStorage
+from flashckpt.transport.spawn import SOCKET_NAME
 from flashckpt.transport.wire import Client
 
 DISK, MEMORY = StorageType.DISK, StorageType.MEMORY

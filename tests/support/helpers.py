@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-from flashckpt.saver import SAVER_MODULE  # noqa: E402  (the daemon module, as on its command line)
+from flashckpt.transport.spawn import SAVER_MODULE  # noqa: E402  (the daemon module, as on its command line)
 
 
 # ---------------------------------------------------------------------------------------- polling

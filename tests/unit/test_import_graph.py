@@ -14,9 +14,8 @@ over the whole core.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from import_graph import Import, cycles, graph, imports_of
@@ -90,13 +89,6 @@ CYCLE_RULES: dict[str, frozenset[str]] = {
                                                                  "flashckpt.integrations.hf"}),
 }
 
-#: the rules still broken on this branch (#31): strict expected failures, each naming the helper whose
-#: branch fixes it, so that they turn into errors (XPASS) once it lands and the mark must go
-OPEN = {
-    "transport does not import the saver": "saver",
-}
-
-
 @functools.cache
 def _graph() -> dict[str, list[Import]]:
     return graph()
@@ -117,11 +109,6 @@ def _violations() -> list[tuple[Import, str]]:
 
 def _report(found: list[tuple[Import, str]]) -> str:
     return "\n".join(f"  {i}: {rule}" for i, rule in found)
-
-
-def _open(rules: Iterable[str]) -> list[Any]:
-    return [pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=f"#31: fixed by helper {OPEN[r]}"))
-            if r in OPEN else r for r in sorted(rules)]
 
 
 def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
@@ -157,7 +144,7 @@ def test_no_import_cycle() -> None:
         "\n".join(f"  {c}" for c in found)
 
 
-@pytest.mark.parametrize("rule", _open(CYCLE_RULES))
+@pytest.mark.parametrize("rule", sorted(CYCLE_RULES))
 def test_cycle_rule(rule: str) -> None:
     found = [c for c in cycles(_graph()) if set(c) & CYCLE_RULES[rule]]
     assert not found, f"import cycles against the rule {rule!r}:\n" + "\n".join(f"  {c}" for c in found)
@@ -170,7 +157,7 @@ def test_no_upward_import() -> None:
     assert not upward, "imports against the room table (ROOMS):\n" + _report(upward)
 
 
-@pytest.mark.parametrize("rule", _open(RULES))
+@pytest.mark.parametrize("rule", sorted(RULES))
 def test_rule(rule: str) -> None:
     found = [(i, r) for i, r in _violations() if r == rule]
     assert not found, f"imports against the rule {rule!r}:\n" + _report(found)

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 from flashckpt import ProtocolError, StorageType
-from flashckpt.saver.server import CheckpointSaver
+from flashckpt.saver.control import ControlServer
 from flashckpt.transport import messages as M
 
 EXAMPLES = [
@@ -27,7 +27,7 @@ EXAMPLES = [
 
 def test_every_request_type_has_an_example_and_a_handler():
     assert {type(r) for r in EXAMPLES} == set(M.REQUESTS.values())
-    assert set(CheckpointSaver._DISPATCH) == set(M.REQUESTS.values())
+    assert set(ControlServer._DISPATCH) == set(M.REQUESTS.values())
 
 
 @pytest.mark.parametrize("req", EXAMPLES, ids=lambda r: r.OP)

@@ -129,7 +129,7 @@ def test_ls_shows_what_this_nodes_memory_and_backups_hold(tmp_path, capsys):
     from flashckpt.cli import main
     from flashckpt.config import Knobs, job_key_digest
     from flashckpt.format.segment import COMPLETE, Segment, SlotHeader
-    from flashckpt.saver.replica import BACKUP_BASE
+    from flashckpt.saver.segments import BACKUP_BASE
 
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
@@ -202,11 +202,11 @@ def _backup(saver, rank: int, step: int, *, flags: int = 0, nbytes: int = 1 << 2
     import os
 
     from flashckpt.format.segment import COMPLETE, Segment, SlotHeader
-    from flashckpt.saver.replica import BACKUP_BASE
+    from flashckpt.saver.segments import BACKUP_BASE
 
     path = os.path.join(saver.job_dir, f"bak-r{rank:05d}-e000000.shm")
     Segment.create(path, local_rank=BACKUP_BASE + rank, epoch=0, nslots=2, meta_cap=4096, data_cap=nbytes)
-    seg = saver._segment(path)
+    seg = saver.pool.segment(path)
     seg.write_header(0, SlotHeader(COMPLETE, flags, step, 1, 0, 0, 0, 0, float(step), step, rank + 1))
     return path
 
@@ -230,9 +230,9 @@ def test_backups_give_way_to_own_snapshots_and_newer_backups_never_busy_ones(tmp
     old1 = _backup(saver, 1, 12)
     new2 = _backup(saver, 2, 20)
     busy3 = _backup(saver, 3, 11, flags=FLAG_SENDING)
-    free = saver._shm_free()
-    saver._drop_backups(free + (1 << 20), keep=4, older_than=20)  # a backup of rank 4, step 20, needs room
+    free = saver.pool.shm_free()
+    saver.pool.drop_backups(free + (1 << 20), keep=4, older_than=20)  # a backup of rank 4, step 20, needs room
     assert not os.path.exists(old1) and os.path.exists(new2) and os.path.exists(busy3)
     # own snapshots come first: an allocation that does not fit drops the remaining backups it can
-    path = saver._alloc(0, 4096, 5 << 20, 1)
+    path = saver.pool.alloc(0, 4096, 5 << 20, 1)
     assert os.path.exists(path) and not os.path.exists(new2) and os.path.exists(busy3)

@@ -1,0 +1,178 @@
+"""What the parts of a saver truly share: ``SaverState`` (the job, its storage and commit layout, the knobs,
+one condition variable and the stop flag, the book of steps in flight and committed, the clients' sessions
+as last words need them, the commit queue), and the small records the parts pass each other.
+
+Every field of ``SaverState`` that changes is read and written under ``cv``, except ``stop`` (an event),
+``commit_q`` (a thread-safe queue) and ``threads`` (appended to by ``spawn`` only). Each part keeps its own
+state in its own object (``saver/server`` lists the parts); this module imports only the layers below the
+saver."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashckpt import errors as E
+from flashckpt.commit.layout import CommitLayout
+from flashckpt.config import Knobs
+from flashckpt.format.segment import SlotHeader
+from flashckpt.storage.base import CheckpointStorage
+
+__all__ = ["SaverState", "StepState", "ClientInfo", "Stats", "CommitJob", "DeleteJob", "DeletePathJob", "CommitWork",
+           "saved_at", "log"]
+
+log = logging.getLogger("flashckpt.saver")
+
+
+@dataclass
+class StepState:
+    status: str = "persisting"  # persisting -> committing -> committed | failed
+    error: str | None = None
+    commits_here: bool = False
+    paths: set[str] = field(default_factory=set)  # where this node's ranks persist it (delete_path refuses them)
+    ranks: set[int] = field(default_factory=set)  # the ranks whose files of it this saver writes
+
+
+@dataclass(frozen=True)
+class CommitJob:
+    """Commit ``step`` once every rank's done marker is there (``spec``: a ``Persist`` request's ``commit``)."""
+
+    step: int
+    spec: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class DeleteJob:
+    """Delete committed ``steps`` (the newest committed step too with ``newest``); ``done``, when set,
+    receives the steps deleted (a client waits on it)."""
+
+    steps: tuple[int, ...]
+    newest: bool = False
+    done: Future[list[int]] | None = None
+
+
+@dataclass(frozen=True)
+class DeletePathJob:
+    """Delete a checkpoint's file or directory (a deletion strategy's ``delete_func``)."""
+
+    path: str
+
+
+#: What the commit thread does, in queue order: every change to the commit records happens on it.
+CommitWork = CommitJob | DeleteJob | DeletePathJob
+
+
+@dataclass
+class ClientInfo:
+    rank: int = -1
+    local_rank: int = -1
+    pid: int = 0
+    final: bool = False
+    said_bye: bool = False
+    persists: bool = False
+    commit: dict[str, Any] | None = None
+    world_size: int = 0
+    replicated: bool = False
+
+    def owns(self, h: SlotHeader) -> bool:
+        """Whether the snapshot of slot header ``h`` is this client's state: saved by its rank, in a job of its
+        number of ranks (replicated state: any copy is every rank's)."""
+        return self.replicated or (h.rank == self.rank and h.world_size == self.world_size)
+
+
+@dataclass
+class Stats:
+    persisted_bytes: int = 0
+    persist_seconds: float = 0.0
+    last_persist_s: float = 0.0
+    last: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class SaverState:
+    """The state every part of a ``CheckpointSaver`` shares; each part receives it in its constructor."""
+
+    job_dir: str
+    knobs: Knobs
+    storage: CheckpointStorage
+    layout: CommitLayout
+    cv: threading.Condition = field(default_factory=threading.Condition)
+    stop: threading.Event = field(default_factory=threading.Event)
+    stats: Stats = field(default_factory=Stats)
+    steps: dict[int, StepState] = field(default_factory=dict)  # the steps this saver persists or commits
+    errors: list[dict[str, Any]] = field(default_factory=list)  # reported to clients (a cursor each)
+    committed: list[int] = field(default_factory=list)  # in commit order: the last is the newest
+    inflight: int = 0  # units of work running: persists, commits, deletions, last words
+    commit_q: queue.Queue[CommitWork | None] = field(default_factory=queue.Queue)  # the commit thread's work
+    clients: dict[int, ClientInfo] = field(default_factory=dict)  # connection id -> the client that said hello
+    persisters: dict[int, ClientInfo] = field(default_factory=dict)  # local rank -> who persists (last words)
+    idle_since: float = field(default_factory=time.monotonic)  # no client and no work since
+    signalled: bool = False  # last words before exiting (SIGTERM, final goodbyes, giving way)
+    last_words_lock: threading.Lock = field(default_factory=threading.Lock)  # one choice of a step to persist
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def spawn(self, target: Any, name: str, *args: Any) -> threading.Thread:
+        """Starts a daemon thread of the saver named ``flashckpt-saver-<name>``."""
+        t = threading.Thread(target=target, args=args, name=f"flashckpt-saver-{name}", daemon=True)
+        t.start()
+        self.threads.append(t)
+        return t
+
+    def work_done(self) -> None:
+        """One unit of in-flight work (persist, commit, deletion, last words) ended. Holds ``cv``."""
+        self.inflight -= 1
+        if self.inflight == 0 and not self.clients:
+            self.idle_since = time.monotonic()
+        self.cv.notify_all()
+
+    def step_done(self, step: int) -> bool:
+        """Whether nothing of ``step`` runs here any more. Holds ``cv``."""
+        st = self.steps.get(step)
+        if st is None:
+            return True
+        if st.commits_here:
+            return st.status in ("committed", "failed")
+        return st.status != "persisting"
+
+    def finish(self, step: int, error: str | None, *, committed: bool) -> None:
+        """Records the end of this saver's work on ``step`` (a persist, or the commit)."""
+        with self.cv:
+            st = self.steps.setdefault(step, StepState())
+            if error is not None:
+                st.status, st.error = "failed", error
+                self.errors.append({"step": step, "error": error})
+            elif committed:
+                st.status = "committed"
+            elif st.status == "persisting":
+                st.status = "persisted"
+            self.work_done()
+
+    def wait_step(self, step: int, timeout: float | None) -> None:
+        """Waits until ``step_done(step)``; raises CheckpointTimeoutError after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cv:
+            while not self.step_done(step):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise E.CheckpointTimeoutError(f"last words: step {step} not committed within {timeout:.0f} s")
+                self.cv.wait(timeout=0.2 if left is None else min(left, 0.2))
+
+    def newest_committed(self) -> int:
+        """The newest committed step (-1: none)."""
+        with self.cv:
+            return self.committed[-1] if self.committed else -1
+
+
+def saved_at(layout: CommitLayout, step: int) -> dict[str, float]:
+    """Rank -> the wall time of the snapshot committed ``step`` was persisted from ({} when unknown)."""
+    if step < 0:
+        return {}
+    try:
+        return {str(r): float(t) for r, t in layout.read_manifest(step).extra.get("saved_at_ranks", {}).items()}
+    except (E.FlashCheckpointError, TypeError, ValueError):
+        return {}
