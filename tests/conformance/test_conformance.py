@@ -31,7 +31,7 @@ def test_upstream_checkpoint_tests_pass_with_flashckpt(suite, tmp_path):
             pytest.fail(f"the vendored {suite} tests are missing from {vendor}: the conformance tier cannot run")
         pytest.skip(f"the vendored {suite} tests are not in {vendor} (set FLASHCKPT_VENDOR)")
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "conformance", "run.py"), suite, "--json", str(out),
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), suite, "--json", str(out),
                            "--keep-logs", str(tmp_path)], capture_output=True, text=True)
     print(proc.stdout[-20000:], proc.stderr[-5000:])
     assert out.exists(), f"the conformance runner failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
