@@ -105,6 +105,19 @@ def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...], *,
             ``torch.save`` cannot write together, a quantized dtype without a quantizer, or a tensor that
             requires grad of a dtype this torch's ``torch.load`` cannot rebuild so (``_grad_loads``).
     """
+    regions, tensor_region, metas, off = _lay_out(tensors, signature, key_of)
+    metas_json = json.dumps([m.to_json() for m in metas], separators=(",", ":"))
+    copies, device_copies = _first_copies(regions, tensor_region, signature)
+    small, large, work = _split_small(copies)
+    return SnapshotPlan(signature, tuple(regions), tuple(tensor_region), tuple(metas), off, metas_json,
+                        tuple(copies), tuple(device_copies), native_signature, small, large, work)
+
+
+def _lay_out(tensors: list[torch.Tensor], signature: tuple[Any, ...], key_of: Callable[[int], str],
+             ) -> tuple[list[tuple[int, int]], list[int], list[TensorMeta], int]:
+    """The regions (offset, nbytes) of the distinct storages, in traversal order and 64-aligned, each
+    tensor's region index, each tensor's meta, and the bytes the regions take; refuses the tensors whose
+    file would not load back (see ``plan_snapshot``)."""
     regions: list[tuple[int, int]] = []
     group_region: dict[int, int] = {}
     group_first: dict[int, int] = {}  # the first tensor of each storage, for the types check
@@ -139,7 +152,13 @@ def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...], *,
         metas.append(TensorMeta(tuple(t.shape), dtype_name(t.dtype), r_off, r_n, tuple(t.stride()),
                                 int(t.storage_offset()), str(t.device), bool(t.requires_grad),
                                 type(t) is torch.nn.Parameter, *value_bits(t)))
-    metas_json = json.dumps([m.to_json() for m in metas], separators=(",", ":"))
+    return regions, tensor_region, metas, off
+
+
+def _first_copies(regions: list[tuple[int, int]], tensor_region: list[int], signature: tuple[Any, ...],
+                  ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """(tensor index, region offset, nbytes) of the first tensor of every non-empty region: those of CPU
+    regions, then those of regions on an accelerator (``SnapshotPlan.copies`` / ``device_copies``)."""
     copies: list[tuple[int, int, int]] = []
     device_copies: list[tuple[int, int, int]] = []
     first: set[int] = set()
@@ -148,12 +167,17 @@ def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...], *,
             continue
         first.add(ri)
         (device_copies if s[6] >= 0 else copies).append((i, regions[ri][0], regions[ri][1]))
+    return copies, device_copies
+
+
+def _split_small(copies: list[tuple[int, int, int]]) -> tuple[bytes, tuple[tuple[int, int, int], ...], int]:
+    """``copies`` below ``SMALL_COPY`` bytes packed as int64 triples, the others, and the small copies'
+    work (``SnapshotPlan.small_copies_packed`` / ``large_copies`` / ``small_copy_work``)."""
     small_list = [c for c in copies if c[2] < SMALL_COPY]
     small = array.array("q", [v for c in small_list for v in c])
     large = tuple(c for c in copies if c[2] >= SMALL_COPY)
     work = sum(c[2] + 4096 for c in small_list)
-    return SnapshotPlan(signature, tuple(regions), tuple(tensor_region), tuple(metas), off, metas_json,
-                        tuple(copies), tuple(device_copies), native_signature, small.tobytes(), large, work)
+    return small.tobytes(), large, work
 
 
 _QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)}

@@ -118,32 +118,67 @@ def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int |
     meta = seg.read_meta(slot, h)
     metas = [TensorMeta.from_json(v) for v in meta["tensors"]]
     data = seg.data_off(slot)  # sources are offsets in the segment file until the copy op is chosen
-    direct: dict[int, torch.Tensor] = {}
-    tasks = []
+    tasks: list[tuple[int, int, int]] = []
     # (CUDA storage, byte offset in it, offset in the segment, bytes): copied host-to-device from the mapping
     device_tasks: list[tuple[torch.UntypedStorage, int, int, int]] = []
+    fill, direct = _plan_direct(into, meta, metas, data, tasks, device_tasks)
+    regions = _plan_regions(metas, direct, data, tasks, device_tasks)
+    _copy_to_host(seg, slot, h, copier, fd, tasks, into_new_memory=bool(regions))
+    if device_tasks:
+        _read_to_device(seg, slot, h, copier, fd, device_tasks)
+    blob_off = seg.data_off(slot) + h.tensor_bytes
+    blob = seg.mm[blob_off: blob_off + h.blob_len]
+    h2 = seg.header(slot)
+    if h2.state != COMPLETE or h2.generation != h.generation:
+        return None  # overwritten while we read: torn
+    # Opaque leaves are decoded by a trainer only (never the saver), and with weights_only only into
+    # the types torch.load(weights_only=True) accepts.
+    opaque = [decode_opaque(b, weights_only=weights_only) for b in split_opaque(blob, meta["opaque"])]
+    tensors = _assemble_tensors(metas, direct, regions)
+    state = fill.fill(unflatten(meta["tree"], tensors, opaque), source=f"memory (step {h.step})")
+    return Snapshot(h.step, state, meta.get("name", ""), h.tensor_bytes)
+
+
+def _plan_direct(into: Any, meta: dict[str, Any], metas: list[TensorMeta], data: int,
+                 tasks: list[tuple[int, int, int]],
+                 device_tasks: list[tuple[torch.UntypedStorage, int, int, int]]) -> tuple[Into, dict[int, torch.Tensor]]:
+    """The fill rule of ``into`` (a ``FileSet``'s encoding when the snapshot is a set) and the tensors of
+    ``into`` that take a snapshot tensor straight from the slot, by its index; appends their copies to
+    ``tasks`` (host) and ``device_tasks`` (host-to-device). ``data``: the slot's data area in the segment."""
+    direct: dict[int, torch.Tensor] = {}
     fill = Into(into)
-    if fill:
-        paths = tensor_paths(meta["tree"])
-        if paths and all(len(p) >= 3 and p[0] == FILES_KEY and p[2] == "d" for p in paths):
-            fill = Into(FileSet.encode_into(into))  # a FileSet: ``into`` is {file name: tree}
-        # Straight from the slot into the tensors ``into`` gives (the rule: ``_into``) where the snapshot
-        # tensor is laid out contiguously: a CPU tensor takes the bytes by a host copy, a CUDA tensor
-        # host-to-device, whatever device the snapshot came from. ``fill.fill`` copies the other matches.
-        for i, (m, path) in enumerate(zip(metas, paths)):
-            t = fill.target(path, dtype_from_name(m.dtype), m.shape, (m.conj, m.neg))
-            if t is None or m.stride != contiguous_strides(m.shape):
-                continue
-            n = t.numel() * t.element_size()
-            start = m.storage_offset * t.element_size()
-            if start + n > m.nbytes:
-                continue  # not a view inside its region (cannot happen for a valid snapshot)
-            if n and t.is_cuda:
-                device_tasks.append((t.untyped_storage(), int(t.storage_offset()) * t.element_size(),
-                                     data + m.offset + start, n))
-            elif n:
-                tasks.append((t.data_ptr(), data + m.offset + start, n))
-            direct[i] = t
+    if not fill:
+        return fill, direct
+    paths = tensor_paths(meta["tree"])
+    if paths and all(len(p) >= 3 and p[0] == FILES_KEY and p[2] == "d" for p in paths):
+        fill = Into(FileSet.encode_into(into))  # a FileSet: ``into`` is {file name: tree}
+    # Straight from the slot into the tensors ``into`` gives (the rule: ``_into``) where the snapshot
+    # tensor is laid out contiguously: a CPU tensor takes the bytes by a host copy, a CUDA tensor
+    # host-to-device, whatever device the snapshot came from. ``fill.fill`` copies the other matches.
+    for i, (m, path) in enumerate(zip(metas, paths)):
+        t = fill.target(path, dtype_from_name(m.dtype), m.shape, (m.conj, m.neg))
+        if t is None or m.stride != contiguous_strides(m.shape):
+            continue
+        n = t.numel() * t.element_size()
+        start = m.storage_offset * t.element_size()
+        if start + n > m.nbytes:
+            continue  # not a view inside its region (cannot happen for a valid snapshot)
+        if n and t.is_cuda:
+            device_tasks.append((t.untyped_storage(), int(t.storage_offset()) * t.element_size(),
+                                 data + m.offset + start, n))
+        elif n:
+            tasks.append((t.data_ptr(), data + m.offset + start, n))
+        direct[i] = t
+    return fill, direct
+
+
+def _plan_regions(metas: list[TensorMeta], direct: dict[int, torch.Tensor], data: int,
+                  tasks: list[tuple[int, int, int]],
+                  device_tasks: list[tuple[torch.UntypedStorage, int, int, int]],
+                  ) -> dict[tuple[int, int], torch.UntypedStorage]:
+    """New storages for the snapshot's regions no tensor of ``direct`` takes, by (offset, bytes), on the
+    device each was saved from where this process has it; appends their copies to ``tasks`` /
+    ``device_tasks``."""
     regions: dict[tuple[int, int], torch.UntypedStorage] = {}
     for i, m in enumerate(metas):
         key = (m.offset, m.nbytes)
@@ -156,33 +191,32 @@ def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int |
             device_tasks.append((st, 0, data + m.offset, m.nbytes))
         elif m.nbytes:  # (no MADV_HUGEPAGE: its compaction stalls made such loads 2-3x slower, docs/benchmarks.md)
             tasks.append((st.data_ptr(), data + m.offset, m.nbytes))
+    return regions
+
+
+def _copy_to_host(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int | None,
+                  tasks: list[tuple[int, int, int]], *, into_new_memory: bool) -> None:
+    """Runs the host copies ``tasks`` (sources: offsets in the segment) of slot ``slot``."""
     # preadv from the file, except on a huge-page tmpfs when every tensor goes into an existing one: then
     # the mapping (one fault per 2 MiB) is as fast as resident memory. Into new memory, preadv stays ahead
     # either way (the kernel faults the destination in; a memmove faulting both sides is up to 15x slower).
-    if fd is None or (seg.huge_pages and not regions):
+    if fd is None or (seg.huge_pages and not into_new_memory):
         seg.populate(slot, h.tensor_bytes)
-        tasks = [(dst, seg.base + off, n) for dst, off, n in tasks]
-        copier.run(tasks)
+        copier.run([(dst, seg.base + off, n) for dst, off, n in tasks])
     else:
         copier.run(tasks, op=file_reader(fd))
-    if device_tasks:
-        _read_to_device(seg, slot, h, copier, fd, device_tasks)
-    blob_off = seg.data_off(slot) + h.tensor_bytes
-    blob = seg.mm[blob_off: blob_off + h.blob_len]
-    h2 = seg.header(slot)
-    if h2.state != COMPLETE or h2.generation != h.generation:
-        return None  # overwritten while we read: torn
-    # Opaque leaves are decoded by a trainer only (never the saver), and with weights_only only into
-    # the types torch.load(weights_only=True) accepts.
-    opaque = [decode_opaque(b, weights_only=weights_only) for b in split_opaque(blob, meta["opaque"])]
+
+
+def _assemble_tensors(metas: list[TensorMeta], direct: dict[int, torch.Tensor],
+                      regions: dict[tuple[int, int], torch.UntypedStorage]) -> list[torch.Tensor]:
+    """The snapshot's tensors in order: the ``into`` tensor filled straight, else one built on its region."""
     tensors = []
     for i, m in enumerate(metas):
         if i in direct:
             tensors.append(direct[i])
             continue
         tensors.append(build_tensor(regions[(m.offset, m.nbytes)], m))
-    state = fill.fill(unflatten(meta["tree"], tensors, opaque), source=f"memory (step {h.step})")
-    return Snapshot(h.step, state, meta.get("name", ""), h.tensor_bytes)
+    return tensors
 
 
 def _device_of(device: str) -> torch.device:
