@@ -321,6 +321,7 @@ def test_hf_trainer_snapshots_every_step_never_wait_for_its_disk_saves(tmp_path,
     monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # recorded: Accelerate's CUDA probe may set it
     monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK")
     monkeypatch.setenv("FLASHCKPT_PERSIST_WORKER_IDLE_S", "600")  # the worker is there to freeze at step 4
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "framework"))
     from test_hf import _hold_last_persist, make_trainer
     from test_hf import committed as hf_committed
 
