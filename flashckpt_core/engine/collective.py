@@ -214,9 +214,7 @@ def exchange_files(held: Mapping[Any, Any] | Callable[[Any], Any], offered: Sequ
     get = held if callable(held) else held.__getitem__
     mine = set(offered)
     if world(group) == 1:
-        missing = [n for n in (wanted or ()) if n not in mine]
-        if missing:
-            raise FlashCheckpointError(f"{what}: {missing} are in no rank's memory snapshot")
+        _check_alone(mine, wanted, what)
         return {}
     table = all_gather((list(offered), None if wanted is None else list(wanted)), group)
     serve = _plan_serving(table, what)
@@ -231,15 +229,32 @@ def exchange_files(held: Mapping[Any, Any] | Callable[[Any], Any], offered: Sequ
         except Exception as e:  # reported on every rank below
             error = e
     raise_failures(f"{what}: serving files from memory", error, group)
-    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
-              else torch.device("cpu"))
+    device = _wire_device(group)
     my_wants = table[me][1]
     out: dict[Any, Any] = {}
     for r in sorted(serve):
         got = _send_tree(payload if r == me else None, r, group, device)
-        if r == me:
-            continue
-        for n, v in got.items():
-            if n not in mine and (my_wants is None or n in my_wants) and n not in out:
-                out[n] = v
+        if r != me:
+            _keep_received(got, mine, my_wants, out)
     return out
+
+
+def _check_alone(mine: set[Any], wanted: Sequence[Any] | None, what: str) -> None:
+    """``exchange_files`` in a group of one: raises when this rank wants a name it does not hold."""
+    missing = [n for n in (wanted or ()) if n not in mine]
+    if missing:
+        raise FlashCheckpointError(f"{what}: {missing} are in no rank's memory snapshot")
+
+
+def _wire_device(group: Any) -> torch.device:
+    """Where broadcast buffers live: the current CUDA device under NCCL, else the CPU. Not collective."""
+    return (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+            else torch.device("cpu"))
+
+
+def _keep_received(got: Mapping[Any, Any], mine: set[Any], my_wants: list[Any] | None, out: dict[Any, Any]) -> None:
+    """Adds to ``out`` what this rank received and wants (``my_wants`` None: every name it does not hold),
+    unless it holds it or already received it. Not collective."""
+    for n, v in got.items():
+        if n not in mine and (my_wants is None or n in my_wants) and n not in out:
+            out[n] = v

@@ -180,8 +180,19 @@ class Committer:
                 out through a symlink), the checkpoint dir itself, flashckpt's commit records, or holds the
                 newest committed step, only part of a committed step, or a step being persisted.
         """
-        root, meta = self.layout.root, self.layout.meta
         what = f"delete_func({path!r})"
+        self._refuse_place(path, what)
+        st = self.state
+        with st.cv:
+            committed = list(st.committed)
+            busy = {s: set(step.paths) for s, step in st.steps.items() if not st.step_done(s)}
+        self._refuse_in_flight(path, what, busy)
+        return self._committed_under(path, what, committed)
+
+    def _refuse_place(self, path: str, what: str) -> None:
+        """Raises CheckpointDirError when ``path`` is the checkpoint dir itself, outside it, or holds (or is
+        inside) the commit records."""
+        root, meta = self.layout.root, self.layout.meta
         if path == root:
             raise E.CheckpointDirError(f"{what}: that is the checkpoint dir itself; delete one checkpoint's file or "
                                        "directory inside it")
@@ -193,15 +204,21 @@ class Committer:
         if locations.inside(path, meta) or locations.inside(meta, path):
             raise E.CheckpointDirError(f"{what}: {path} holds flashckpt's commit records ({meta}); they are "
                                        "removed with their steps, never directly")
-        st = self.state
-        with st.cv:
-            committed = list(st.committed)
-            busy = {s: set(step.paths) for s, step in st.steps.items() if not st.step_done(s)}
+
+    @staticmethod
+    def _refuse_in_flight(path: str, what: str, busy: dict[int, set[str]]) -> None:
+        """Raises CheckpointDirError when ``path`` overlaps where a step being persisted (``busy``: step ->
+        its paths) writes."""
         for s, targets in busy.items():
             for t in targets:
                 if locations.inside(t, path) or locations.inside(path, t):
                     raise E.CheckpointDirError(f"{what}: step {s} is being persisted to {t}; it is not deleted "
                                                "while in flight (try again after its commit)")
+
+    def _committed_under(self, path: str, what: str, committed: list[int]) -> list[int]:
+        """The ``committed`` steps whose files all lie at or under ``path`` (unreadable manifests skipped);
+        raises CheckpointDirError when ``path`` holds the newest committed step or only part of a step."""
+        root = self.layout.root
         covered = []
 
         def under(f: str) -> bool:

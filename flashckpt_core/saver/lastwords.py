@@ -80,50 +80,76 @@ class LastWords:
             saved = saved_at(self.layout, newest_committed)
             if not persisters:
                 return None
-            held: dict[int, dict[int, tuple[Segment, int]]] = {}  # local rank -> step -> (segment, slot)
-            for lr, info in persisters.items():
-                segs = [self.pool.segment(path) for _epoch, path in segment_paths(self.state.job_dir, lr)]
-                # Only the persisting rank's own snapshots: after a restart that numbered the ranks otherwise
-                # (or changed their number), a local rank's segments still hold the previous rank's.
-                held[lr] = {h.step: (seg, slot) for seg, slot, h in live_snapshots(segs) if info.owns(h)}
-            common = set.intersection(*(set(steps) for steps in held.values()))
-
-            def newer(s: int) -> bool:  # saved after the newest commit's snapshot (unknown time: by step)
-                lr = min(held)
-                seg, slot = held[lr][s]
-                ref = saved.get(str(persisters[lr].rank), 0.0)  # that rank's own snapshot: one clock
-                return seg.header(slot).wall_time > ref if ref else s > newest_committed
-
-            for step in sorted((s for s in common if newer(s) and (limit is None or s == limit)), reverse=True):
-                jobs = self._last_words_jobs(step, persisters, held)
-                if jobs is not None:
-                    break
-            else:
+            held = self._held_snapshots(persisters)
+            chosen = self._newest_persistable(persisters, held, limit, saved, newest_committed)
+            if chosen is None:
                 return None
-            if step not in known:
-                log.warning("event=last_words step=%d ranks=%s", step, sorted(i.rank for i in persisters.values()))
-                for job in jobs:
-                    if not job.path:
-                        log.error("step %d of local rank %d has no persist path; not persisted", step,
-                                  job.local_rank)
-                        return None
-                held_jobs: list[M.Persist] = []
-                for job in jobs:
-                    if not self.pool.hold_slot(job):
-                        for j in held_jobs:
-                            self.pool.unhold_slot(j)
-                        log.warning("last words: the snapshot of step %d was overwritten meanwhile", step)
-                        return None
-                    held_jobs.append(job)
-                for i, job in enumerate(jobs):
-                    try:
-                        self.persist.enqueue(job)
-                    except BaseException:
-                        for j in jobs[i:]:
-                            self.pool.unhold_slot(j)
-                        raise
+            step, jobs = chosen
+            if step not in known and not self._queue_last_words(step, persisters, jobs):
+                return None
         self.state.wait_step(step, timeout)
         return step
+
+    def _held_snapshots(self, persisters: dict[int, ClientInfo]) -> dict[int, dict[int, tuple[Segment, int]]]:
+        """Local rank -> step -> (segment, slot) of the live snapshots each persisting rank holds."""
+        held: dict[int, dict[int, tuple[Segment, int]]] = {}
+        for lr, info in persisters.items():
+            segs = [self.pool.segment(path) for _epoch, path in segment_paths(self.state.job_dir, lr)]
+            # Only the persisting rank's own snapshots: after a restart that numbered the ranks otherwise
+            # (or changed their number), a local rank's segments still hold the previous rank's.
+            held[lr] = {h.step: (seg, slot) for seg, slot, h in live_snapshots(segs) if info.owns(h)}
+        return held
+
+    def _newest_persistable(self, persisters: dict[int, ClientInfo], held: dict[int, dict[int, tuple[Segment, int]]],
+                            limit: int | None, saved: dict[str, float],
+                            newest_committed: int) -> tuple[int, list[M.Persist]] | None:
+        """The newest step every persisting rank holds, newer than the newest commit (and ``limit`` when
+        given), whose slots' metadata all read, with its persist requests; None when there is none."""
+        common = set.intersection(*(set(steps) for steps in held.values()))
+
+        def newer(s: int) -> bool:  # saved after the newest commit's snapshot (unknown time: by step)
+            lr = min(held)
+            seg, slot = held[lr][s]
+            ref = saved.get(str(persisters[lr].rank), 0.0)  # that rank's own snapshot: one clock
+            return seg.header(slot).wall_time > ref if ref else s > newest_committed
+
+        for step in sorted((s for s in common if newer(s) and (limit is None or s == limit)), reverse=True):
+            jobs = self._last_words_jobs(step, persisters, held)
+            if jobs is not None:
+                return step, jobs
+        return None
+
+    def _queue_last_words(self, step: int, persisters: dict[int, ClientInfo], jobs: list[M.Persist]) -> bool:
+        """Holds the slots of ``step`` and queues its persists; False (logged) when a job has no persist
+        path or a snapshot was overwritten meanwhile (then nothing is held or queued)."""
+        log.warning("event=last_words step=%d ranks=%s", step, sorted(i.rank for i in persisters.values()))
+        for job in jobs:
+            if not job.path:
+                log.error("step %d of local rank %d has no persist path; not persisted", step,
+                          job.local_rank)
+                return False
+        if not self._hold_slots(step, jobs):
+            return False
+        for i, job in enumerate(jobs):
+            try:
+                self.persist.enqueue(job)
+            except BaseException:
+                for j in jobs[i:]:
+                    self.pool.unhold_slot(j)
+                raise
+        return True
+
+    def _hold_slots(self, step: int, jobs: list[M.Persist]) -> bool:
+        """Holds every job's slot; False (logged, none left held) when one was overwritten meanwhile."""
+        held_jobs: list[M.Persist] = []
+        for job in jobs:
+            if not self.pool.hold_slot(job):
+                for j in held_jobs:
+                    self.pool.unhold_slot(j)
+                log.warning("last words: the snapshot of step %d was overwritten meanwhile", step)
+                return False
+            held_jobs.append(job)
+        return True
 
     def _last_words_jobs(self, step: int, persisters: dict[int, ClientInfo],
                          held: dict[int, dict[int, tuple[Segment, int]]]) -> list[M.Persist] | None:
