@@ -5,6 +5,9 @@ with its default and parser; ``knob`` reads one. The job's identity follows from
 dir: its job key, its private runtime dir (``job_dir``) and the checks that keep that dir this user's.
 Where a process sits in the job (rank, world size) is ``engine.ranks.RankInfo``. Imports only ``errors``;
 everything here may be called from any thread.
+
+One concept, so one module (~510 lines): the table of every knob flashckpt reads (``Knobs``, the test
+of that promise reads this module) and the job identity derived from them.
 """
 
 from __future__ import annotations

@@ -33,6 +33,9 @@ DLRover Flash Checkpoint API), ``flashckpt_engine``, ``flashckpt_wait``, ``flash
 
 Accelerate users get the same through ``AcceleratorCheckpointer(accelerator, checkpoint_dir)``:
 ``save_state`` / ``load_state`` with Accelerate's own layout, memory first.
+
+One concept, so one module (~510 lines): the ``Trainer`` subclass and its config; file lookups,
+retention and downloads are in ``_hf_files``.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ its parts make. botocore's own retries are off (one policy, ours).
 Configuration: the standard AWS configuration (environment, profile, ``AWS_ENDPOINT_URL``), plus
 ``S3Options`` fields (``options``) given as ``storage_options`` (``CheckpointEngine(storage_options=...)``) or as
 ``FLASHCKPT_S3_*`` environment variables (``config.S3Knobs``; ``S3Options.from_env``). boto3 is imported on first use.
+
+One concept, so one module (~510 lines): the ``CheckpointStorage`` methods of one backend over S3; its
+options are in ``options`` and its client I/O (retries, throttling, bodies) in ``io``.
 """
 
 from __future__ import annotations
