@@ -187,7 +187,6 @@ def explain_os_error(e: BaseException, where: str) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-
 def _tail(path: str, n: int = 3000) -> str:
     try:
         with open(path, "rb") as f:
