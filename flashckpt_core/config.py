@@ -293,6 +293,11 @@ class Knobs:
             nodes, else 1; at least 0.01); FLASHCKPT_RDZV_POLL_S.
         rdzv_keep_alive_s: the rendezvous heartbeat interval (None: 1 s where the poll is fast, else
             torch's); FLASHCKPT_RDZV_KEEP_ALIVE_S.
+        on_persist_error: what a failed persist does to training, where ``CheckpointEngine`` is not told:
+            "raise" (at the next save or wait) or "warn" (logged, training goes on; see
+            ``engine.durability``); FLASHCKPT_ON_PERSIST_ERROR.
+        max_lag_s: the bound on how far storage may fall behind the newest snapshot, in seconds (0: none),
+            where ``CheckpointEngine`` is not told; FLASHCKPT_MAX_LAG_S.
         replica: the backups to a partner node (``ReplicaKnobs``): FLASHCKPT_REPLICA*, FLASHCKPT_NODE_LOSS_S.
         s3: the S3 backend's options (``S3Knobs``): FLASHCKPT_S3_*.
     """
@@ -329,6 +334,8 @@ class Knobs:
     warm_modules_dir: str = _knob(WARM_MODULES_DIR_ENV, "")
     rdzv_poll_s: float | None = _knob("FLASHCKPT_RDZV_POLL_S", None, _float(0.01))
     rdzv_keep_alive_s: float | None = _knob("FLASHCKPT_RDZV_KEEP_ALIVE_S", None, _float())
+    on_persist_error: str = _knob("FLASHCKPT_ON_PERSIST_ERROR", "raise", _word("raise", "warn"))
+    max_lag_s: float = _knob("FLASHCKPT_MAX_LAG_S", 0.0, _float(0.0))
     replica: ReplicaKnobs = _group(ReplicaKnobs)
     s3: S3Knobs = _group(S3Knobs)
 

@@ -66,14 +66,17 @@ class Committer:
     def _commit(self, step: int, spec: dict[str, Any]) -> None:
         st = self.state
         try:
-            commit_step(self.layout, step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
-                        replicated=bool(spec.get("replicated", False)),
-                        extra=dict(spec.get("extra", {})),
-                        timeout=st.knobs.commit_timeout_s,
-                        stopping=lambda: st.stop.is_set() and not st.signalled,
-                        waiting=self._commit_waiting(step))
+            manifest = commit_step(self.layout, step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
+                                   replicated=bool(spec.get("replicated", False)),
+                                   extra=dict(spec.get("extra", {})),
+                                   timeout=st.knobs.commit_timeout_s,
+                                   stopping=lambda: st.stop.is_set() and not st.signalled,
+                                   waiting=self._commit_waiting(step))
             self._committed_now(step)
-            log.info("event=commit step=%d ranks=%s", step, spec["ranks"])
+            taken = [float(t) for t in manifest.extra.get("saved_at_ranks", {}).values() if float(t) > 0]
+            rec = st.note_commit(step, "durable", min(taken, default=0.0))
+            log.info("event=commit step=%d tier=durable ranks=%s lag_s=%s", step, spec["ranks"],
+                     "?" if rec["lag_s"] is None else f"{rec['lag_s']:.3f}")
             st.finish(step, None, committed=True)
         except TrackerUpdateError as e:  # committed: never reported as a failed step
             log.error("event=commit step=%d ranks=%s: %s", step, spec["ranks"], e)
