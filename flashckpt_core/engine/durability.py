@@ -43,6 +43,7 @@ class Durability:
 
     Attributes:
         memory_step: the newest step this engine snapshotted into the node's memory (None: none yet).
+        local_step: with a node-local tier (``local_dir``), the newest step committed there (None: none).
         durable_step: the newest step committed in the checkpoint dir (None: none).
         lag_s: how far the checkpoint dir is behind now: seconds since the oldest save asked of storage
             that is not committed yet was taken (0.0: storage holds every step asked of it).
@@ -53,6 +54,7 @@ class Durability:
     """
 
     memory_step: int | None
+    local_step: int | None
     durable_step: int | None
     lag_s: float
     pending: tuple[int, ...]
@@ -83,6 +85,7 @@ class DurabilityPolicy:
         self.max_lag_s = float(max_lag_s) if max_lag_s else None
         self.where = where
         self.memory_step: int | None = None
+        self.local_step: int | None = None
         self.durable_step: int | None = None
         self._pending: dict[int, float] = {}  # step asked of storage -> wall time of its save
         self._lags: dict[int, float] = {}
@@ -103,7 +106,9 @@ class DurabilityPolicy:
     def observe(self, committed: list[int], commits: list[dict[str, Any]]) -> None:
         """A status reply's commits: ``committed`` (in commit order) and their times (``StatusReply.commits``)."""
         for c in commits:
-            if c.get("tier", "durable") == "durable" and c.get("lag_s") is not None:
+            if c.get("tier", "durable") == "local":
+                self.local_step = int(c["step"])  # oldest first: the last one is the newest
+            elif c.get("lag_s") is not None:
                 self._lags[int(c["step"])] = float(c["lag_s"])
         while len(self._lags) > self._KEEP:
             del self._lags[min(self._lags)]
@@ -160,9 +165,10 @@ class DurabilityPolicy:
         durable = f"step {self.durable_step} committed in {self.where}" if self.durable_step is not None else \
             f"no step committed in {self.where} yet"
         memory = f"step {self.memory_step} in the node's memory" if self.memory_step is not None else "nothing in memory"
-        return f"{durable}; {memory}"
+        local = f"; step {self.local_step} committed on the node's local tier" if self.local_step is not None else ""
+        return f"{durable}{local}; {memory}"
 
     def report(self, now: float | None = None) -> Durability:
         """The ``Durability`` report now."""
-        return Durability(self.memory_step, self.durable_step, self.lag_s(now), tuple(sorted(self._pending)),
+        return Durability(self.memory_step, self.local_step, self.durable_step, self.lag_s(now), tuple(sorted(self._pending)),
                           dict(self._lags), self._failures, self.on_error, self.max_lag_s)

@@ -20,6 +20,9 @@ def test_the_lag_runs_from_the_oldest_step_storage_owes() -> None:
     p.check_lag(112.0)  # 9 s: within the bound
     with pytest.raises(DurabilityLagError, match=r"14 s behind .* steps \[3\].*step 1 committed in /ckpt"):
         p.check_lag(117.0)
+    p.observe([1], [{"step": 3, "tier": "local", "lag_s": 0.1}])  # on the node's disk: still owed to storage
+    assert p.report(104.0).local_step == 3 and p.report(104.0).pending == (3,)
+    assert "step 3 committed on the node's local tier" in p.safe()
     p.observe([1, 5], [])  # a newer durable step settles every save up to it
     assert p.lag_s(200.0) == 0.0 and p.report().durable_step == 5
     p.check_lag(200.0)
