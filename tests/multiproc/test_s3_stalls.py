@@ -1,0 +1,118 @@
+"""Stalls and refusals on S3, per request (issue #32): a request that makes no progress is abandoned within
+its bound (metadata requests within ``meta_timeout_s``, a part within ``meta_timeout_s + part_size_mb /
+min_mbps``) and retried, never after botocore's 120 s read timeout; a refused endpoint is logged at the first
+retry, once per outage, and its end once. Against moto on loopback through the fault proxy, whose ``stall``
+holds a request unanswered far longer than the bound (until the test releases it)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import xxhash
+from flashckpt import PersistError
+from flashckpt.storage.s3.backend import S3Storage
+from flashckpt.storage.s3.options import S3Options
+from s3_fixtures import moto_server_fixture, s3_fixture, s3_proxied_fixture  # noqa: F401
+from s3_proxy import Fault
+
+MIB = 1 << 20
+LOGGER = "flashckpt.storage.s3.backend"
+HELD_S = 60.0  # how long the proxy holds a stalled request: far past every bound here
+
+
+@pytest.fixture
+def quick(s3_proxied: Any) -> Iterator[S3Storage]:
+    """A backend through the proxy with bounds of 1 s (metadata) and 2 s (a 5 MiB part at 5 MB/s + 1 s);
+    the stalled requests are let go at the end (their late answers change nothing)."""
+    st = S3Storage(S3Options.from_env(part_size_mb=5, concurrency=2, meta_timeout_s=1, min_mbps=5))
+    assert st.options.timeout_s("meta") == 1 and st.options.timeout_s("data") == 2
+    try:
+        yield st
+    finally:
+        s3_proxied.proxy.release()
+        st.close()
+
+
+def test_the_bounds_follow_the_options_and_the_read_timeout_caps_them() -> None:
+    o = S3Options.from_env(part_size_mb=64, meta_timeout_s=5, min_mbps=8)
+    assert (o.timeout_s("meta"), o.timeout_s("data")) == (5, 13)
+    capped = S3Options.from_env(read_timeout_s=3, meta_timeout_s=5)
+    assert (capped.timeout_s("meta"), capped.timeout_s("data")) == (3, 3)
+    with pytest.raises(ValueError, match="meta_timeout_s and min_mbps > 0"):
+        S3Options.from_env(min_mbps=0)
+
+
+@pytest.mark.parametrize("op", ["HeadObject", "PutObject", "GetObject", "ListObjectsV2", "DeleteObject"])
+def test_a_stalled_metadata_request_is_retried_within_its_bound(s3_proxied: Any, quick: S3Storage, op: str,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    url = f"{s3_proxied.url}/rec.json"
+    quick.write_bytes(url, b"{}")
+    s3_proxied.proxy.set_faults([Fault("stall", op=op, times=1, stall_s=HELD_S)])
+    call = {"HeadObject": lambda: quick.exists(url), "PutObject": lambda: quick.write_bytes(url, b'{"a": 1}'),
+            "GetObject": lambda: quick.read_bytes(url), "ListObjectsV2": lambda: quick.listdir(s3_proxied.url),
+            "DeleteObject": lambda: quick.remove(url)}[op]
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        call()
+    took = time.monotonic() - t0
+    assert s3_proxied.proxy.stalled() == 1, "the request was not held"
+    assert 1.0 <= took < 4.0, f"{op} took {took:.1f} s: not abandoned at its 1 s bound"
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2, caplog.text  # the stall once, then that the store answers again
+    assert "made no progress" in warned[0].getMessage() and op in warned[0].getMessage()
+    assert "answers again" in warned[1].getMessage()
+
+
+def test_a_stalled_part_is_retried_within_its_bound_and_the_file_is_exact(s3_proxied: Any, quick: S3Storage) -> None:
+    s3_proxied.proxy.set_faults([Fault("stall", op="UploadPart", times=1, stall_s=HELD_S),
+                                 Fault("stall", op="CompleteMultipartUpload", times=1, stall_s=HELD_S)])
+    data = os.urandom(12 * MIB)
+    t0 = time.monotonic()
+    rec = quick.write_parts(f"{s3_proxied.url}/big.bin", [data])
+    took = time.monotonic() - t0
+    assert s3_proxied.proxy.stalled() == 2
+    assert took < 10.0, f"the upload took {took:.1f} s with two 2 s stalls"
+    assert s3_proxied.read("run/big.bin") == data and rec.xxh3 == xxhash.xxh3_64_hexdigest(data)
+    assert s3_proxied.multipart_uploads() == []
+
+
+def test_a_stalled_ranged_read_is_retried(s3_proxied: Any, quick: S3Storage) -> None:
+    data = os.urandom(11 * MIB)
+    quick.write_parts(f"{s3_proxied.url}/r.bin", [data])
+    s3_proxied.proxy.set_faults([Fault("stall", op="GetObject", ranged=True, times=1, stall_s=HELD_S)])
+    out = bytearray(len(data))
+    t0 = time.monotonic()
+    quick.read_into(f"{s3_proxied.url}/r.bin", 0, memoryview(out))
+    assert bytes(out) == data and time.monotonic() - t0 < 8.0
+    assert s3_proxied.proxy.stalled() == 1
+
+
+def _refused_port() -> int:
+    """A loopback port nothing listens on (bound, then closed: connecting to it is refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_refused_endpoint_is_logged_at_the_first_retry_once(s3: Any, caplog: pytest.LogCaptureFixture) -> None:
+    endpoint = f"http://127.0.0.1:{_refused_port()}"
+    st = S3Storage(S3Options.from_env(endpoint_url=endpoint, max_attempts=4, meta_timeout_s=1))
+    try:
+        with caplog.at_level(logging.INFO, logger=LOGGER), pytest.raises(PersistError, match="failed 4 time"):
+            st.write_bytes(f"{s3.url}/x", b"1")
+        with caplog.at_level(logging.INFO, logger=LOGGER), pytest.raises(PersistError, match="failed 4 time"):
+            st.read_bytes(f"{s3.url}/x")  # the same outage: not warned again
+    finally:
+        st.close()
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1, warned
+    assert endpoint in warned[0] and "cannot connect" in warned[0] and "retrying PutObject of" in warned[0], warned
+    assert "logged once per outage" in warned[0]
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert sum("still unreachable" in m for m in infos) == 5, infos  # 3 + 2 later retries, at INFO
