@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 import xxhash
-from flashckpt import PersistError
+from _fault_helpers import FaultEnv, assert_bit_equal, close_and_wait, fault_env_fixture, make_state  # noqa: F401
+from flashckpt import CheckpointEngine, PersistError, StorageType
 from flashckpt.storage.s3.backend import S3Storage
 from flashckpt.storage.s3.options import S3Options
 from s3_fixtures import moto_server_fixture, s3_fixture, s3_proxied_fixture  # noqa: F401
@@ -116,3 +117,55 @@ def test_a_refused_endpoint_is_logged_at_the_first_retry_once(s3: Any, caplog: p
     assert "logged once per outage" in warned[0]
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert sum("still unreachable" in m for m in infos) == 5, infos  # 3 + 2 later retries, at INFO
+
+
+# ------------------------------------------------------------------------------------------ the engine
+def _engine_start(url: str) -> tuple[Any, float]:
+    t0 = time.monotonic()
+    engine = CheckpointEngine(url, max_to_keep=0)
+    return engine, time.monotonic() - t0
+
+
+def test_stalls_during_the_start_a_commit_and_an_upload_cost_seconds_and_lose_nothing(
+        s3_proxied: Any, fault_env: FaultEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests held unanswered (far past botocore's read timeout) in the engine's start (the dir's probe,
+    the records' first listing, the lease), in the commit (a done marker, the manifest) and in the upload
+    (a part): the engine starts within its normal time plus the bounds, the step commits, bit-exact."""
+    for name, value in {"FLASHCKPT_S3_PART_SIZE_MB": "5", "FLASHCKPT_S3_META_TIMEOUT_S": "1",
+                        "FLASHCKPT_S3_MIN_MBPS": "5"}.items():
+        monkeypatch.setenv(name, value)
+        fault_env.base_env[name] = value
+    engine, normal = _engine_start(s3_proxied.url)
+    close_and_wait(engine)
+    s3_proxied.proxy.set_faults([
+        Fault("stall", op="PutObject", key=".flashckpt-probe", times=1, stall_s=HELD_S),
+        Fault("stall", op="ListObjectsV2", times=1, stall_s=HELD_S),
+        Fault("stall", op="PutObject", key=".lease", times=1, stall_s=HELD_S),
+        Fault("stall", op="PutObject", key="done_rank", times=1, stall_s=HELD_S),
+        Fault("stall", op="PutObject", key="manifest", times=1, stall_s=HELD_S),
+        Fault("stall", op="UploadPart", times=1, stall_s=HELD_S),
+    ])
+    try:
+        engine, stalled_start = _engine_start(s3_proxied.url)
+        held_at_start = s3_proxied.proxy.stalled()
+        try:
+            state = make_state(1, 7.0)
+            t0 = time.monotonic()
+            engine.save(1, state, storage_type=StorageType.DISK)
+            engine.wait(timeout=60)
+            persist_s = time.monotonic() - t0
+            assert engine.committed_steps() == [1]
+        finally:
+            close_and_wait(engine)
+        left = [f for f, n in s3_proxied.proxy.pending() if n]
+        assert held_at_start >= 2 and not left, (held_at_start, left)  # every stall fired
+        assert stalled_start < normal + 6.0, f"the start took {stalled_start:.1f} s, {normal:.1f} s without stalls"
+        assert persist_s < 20.0, f"the persist took {persist_s:.1f} s with three stalls of 1-2 s"
+        s3_proxied.proxy.set_faults([])
+        again, _ = _engine_start(s3_proxied.url)
+        try:
+            assert_bit_equal(again.load(), state)
+        finally:
+            close_and_wait(again)
+    finally:
+        s3_proxied.proxy.release()
