@@ -169,3 +169,45 @@ def test_stalls_during_the_start_a_commit_and_an_upload_cost_seconds_and_lose_no
             close_and_wait(again)
     finally:
         s3_proxied.proxy.release()
+
+
+# ------------------------------------------------------------------------------------------ a failed persist
+def _save_and_report(url: str) -> dict[str, Any]:
+    """A rank's part: saves step 1 to the store and returns the error its wait raised (None: none)."""
+    import torch.distributed as dist
+
+    engine = CheckpointEngine(url, max_to_keep=0)
+    try:
+        engine.save(1, make_state(dist.get_rank() + 1, 7.0), storage_type=StorageType.DISK)
+        try:
+            engine.wait(timeout=60)
+            engine.wait(timeout=60)  # the other rank's failure, reported after this rank's own persist
+        except PersistError as e:
+            return {"error": str(e), "committed": engine.committed_steps()}
+        return {"error": None, "committed": engine.committed_steps()}
+    finally:
+        engine.close()
+
+
+def test_a_persist_past_its_deadline_names_the_rank_file_and_object_to_every_rank(
+        s3_proxied: Any, fault_env: FaultEnv) -> None:
+    """Rank 1's parts are throttled past its file's deadline and its failed marker is refused too: both
+    ranks' trainers get an error naming rank 1, its file and the S3 object and request that failed, at
+    once (not a timeout waiting for rank 1's marker)."""
+    from helpers import run_ranks
+
+    s3_proxied.proxy.set_faults([  # the store refuses rank 1's failed marker too: the node tells its committer
+        Fault("error500", op="PutObject", key="failed_rank_1", times=None),
+        Fault("slowdown", op="UploadPart", key="rank_00001", times=None, retry_after_s=1)])
+    env = {**s3_proxied.env, "FLASHCKPT_S3_PART_SIZE_MB": "5", "FLASHCKPT_S3_DEADLINE_S": "3",
+           "MASTER_PORT": str(29500 + os.getpid() % 1000)}
+    out = run_ranks(_save_and_report, 2, os.path.join(fault_env.tmp, "deadline"), timeout=180, env=env,
+                     args={"url": s3_proxied.url})
+    obj = f"s3://{s3_proxied.bucket}/run/step_1/rank_00001.pt"
+    for r in out:
+        got = r
+        assert got["committed"] == [] and got["error"] is not None, got
+        assert "rank 1" in got["error"] and obj in got["error"], got["error"]
+        assert "S3 UploadPart" in got["error"] and "gave up after 3 s" in got["error"], got["error"]
+        assert "did not finish persisting" not in got["error"], got["error"]  # not a timeout at the barrier
+    assert any(r.op == "PutObject" and "failed_rank_1" in r.key and r.fault for r in s3_proxied.proxy.records())
