@@ -20,12 +20,13 @@ Configuration: the standard AWS configuration (environment, profile, ``AWS_ENDPO
 ``S3Options`` fields (``options``) given as ``storage_options`` (``CheckpointEngine(storage_options=...)``) or as
 ``FLASHCKPT_S3_*`` environment variables (``config.S3Knobs``; ``S3Options.from_env``). boto3 is imported on first use.
 
-One concept, so one module (~510 lines): the ``CheckpointStorage`` methods of one backend over S3; its
+One concept, so one module (~520 lines): the ``CheckpointStorage`` methods of one backend over S3; its
 options are in ``options`` and its client I/O (retries, throttling, bodies) in ``io``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -40,6 +41,7 @@ import xxhash
 from flashckpt import errors as E
 from flashckpt.storage import locations
 from flashckpt.storage.base import CheckpointStorage, FileRecord
+from flashckpt.storage.s3 import io as s3io
 from flashckpt.storage.s3.io import Body, Reachability, Retry, b64_crc, chunks, crc32, error_code, make_client, status
 from flashckpt.storage.s3.options import S3Options
 
@@ -98,6 +100,10 @@ class S3Storage(CheckpointStorage):
         if not head.startswith("s3://") or head == "s3://":
             raise E.InvalidArgumentError(f"{path!r} is not an s3://bucket/key URL")
         return head[len("s3://"):], key.lstrip("/")
+
+    def first_contact(self) -> contextlib.AbstractContextManager[None]:
+        """Requests inside give up after ``S3Options.first_contact_s`` (three metadata bounds)."""
+        return s3io.within(self.options.first_contact_s, "a first contact with the store: 3 x storage option meta_timeout_s")
 
     def _retry(self, what: str) -> Retry:
         return Retry(self.options, what, self.reach)

@@ -20,6 +20,7 @@ ranged GETs, CompleteMultipartUpload and CopyObject, which S3 may answer slowly,
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import random
 import threading
@@ -38,7 +39,8 @@ try:  # ISA-L's CRC-32 (~20 GB/s), zlib's otherwise: the same values
 except ImportError:  # pragma: no cover - platforms without isal wheels
     from zlib import crc32 as crc32
 
-__all__ = ["Retry", "Reachability", "Body", "make_client", "chunks", "b64_crc", "error_code", "status", "crc32"]
+__all__ = ["Retry", "Reachability", "Body", "make_client", "within", "chunks", "b64_crc", "error_code", "status",
+           "crc32"]
 
 log = logging.getLogger("flashckpt.storage.s3.backend")
 
@@ -181,6 +183,21 @@ class Reachability:
                         time.monotonic() - since, n)
 
 
+_bound = threading.local()  # .until: (monotonic deadline, why) of the requests this thread makes now
+
+
+@contextlib.contextmanager
+def within(seconds: float, why: str) -> Iterator[None]:
+    """The ``Retry``s made inside (on this thread) give up after ``seconds`` at the latest (``why``: what
+    bounds them, for the error)."""
+    before = getattr(_bound, "until", None)
+    _bound.until = (time.monotonic() + seconds, f"gave up after {seconds:.0f} s ({why})")
+    try:
+        yield
+    finally:
+        _bound.until = before
+
+
 class Retry:
     """One file's retry budget: attempts per request, a deadline for all of them, and the number of parts
     that may be in flight (halved on throttling and on stalls, grown by one per success). ``reach``: the
@@ -189,6 +206,10 @@ class Retry:
     def __init__(self, opts: S3Options, what: str, reach: Reachability | None = None) -> None:
         self.opts, self.what, self.reach = opts, what, reach
         self.deadline = time.monotonic() + opts.deadline_s
+        self.why = (f"gave up after {opts.deadline_s:.0f} s (the deadline per file, storage option deadline_s)")
+        bound = getattr(_bound, "until", None)
+        if bound is not None and bound[0] < self.deadline:
+            self.deadline, self.why = bound
         self.allowed = opts.concurrency
         self.throttled = 0
         self._lock = threading.Lock()
@@ -235,8 +256,7 @@ class Retry:
                 time.sleep(wait_s)
 
     def _failed(self, op: str, e: BaseException, attempts: int, *, deadline: bool = False) -> E.PersistError:
-        why = (f"gave up after {self.opts.deadline_s:.0f} s (the deadline per file, storage option deadline_s)"
-               if deadline else f"failed {attempts} time(s) (storage option max_attempts)")
+        why = self.why if deadline else f"failed {attempts} time(s) (storage option max_attempts)"
         return E.PersistError(f"{self.what}: S3 {op} {why}: {type(e).__name__}: {e}")
 
 

@@ -96,3 +96,9 @@ class S3Options:
         if kind == "meta":
             return min(self.read_timeout_s, self.meta_timeout_s)
         return min(self.read_timeout_s, self.meta_timeout_s + self.part_size_mb / self.min_mbps)
+
+    @property
+    def first_contact_s(self) -> float:
+        """How long a first contact with the store (the checkpoint dir's probe at the start) may take, retries
+        included: three metadata bounds."""
+        return 3 * self.timeout_s("meta")
