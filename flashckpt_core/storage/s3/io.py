@@ -133,7 +133,7 @@ def _unreachable(e: BaseException) -> str | None:
     from botocore import exceptions as bx
 
     if isinstance(e, bx.ConnectTimeoutError):
-        return f"no connection within the bound (storage option meta_timeout_s): {e}"
+        return f"no connection within its bound (storage options meta_timeout_s, min_mbps): {e}"
     if isinstance(e, bx.EndpointConnectionError):
         return f"cannot connect: {e}"
     cause: BaseException | None = e
