@@ -96,7 +96,8 @@ class PersistQueues:
                 with self.state.cv:
                     self.state.failures[(job.step, job.rank)] = why
                 self.layout.write_failed(job.step, job.rank, why)
-                self.state.finish(job.step, f"persisting step {job.step} of rank {job.rank} to {why}", committed=False)
+                self.state.finish(job.step, f"persisting step {job.step} of rank {job.rank} to {job.path} failed: "
+                                  f"{type(e).__name__}: {e}", committed=False)
 
     def _persist(self, job: Persist) -> None:
         t0 = time.perf_counter()
