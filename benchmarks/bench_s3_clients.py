@@ -130,14 +130,16 @@ class FlashCkpt(Client):
             from botocore.config import Config
 
             self.name = "flashckpt S3Storage, payload_signing_enabled=False"
-            c = self.st._make_client()
-            cfg = c.meta.config.merge(Config(s3={"addressing_style": "path", "payload_signing_enabled": False}))
-            c.close()
             import boto3
+            from flashckpt.storage.s3.io import make_client
 
-            self.st._client = boto3.session.Session().client(
-                "s3", endpoint_url=srv.endpoint, region_name="us-east-1", aws_access_key_id=srv.access_key,
-                aws_secret_access_key=srv.secret_key, config=cfg)
+            for kind in ("meta", "data"):  # the backend's clients, with the signing changed
+                c = make_client(self.st.options, kind)
+                cfg = c.meta.config.merge(Config(s3={"addressing_style": "path", "payload_signing_enabled": False}))
+                c.close()
+                self.st._clients[kind] = boto3.session.Session().client(
+                    "s3", endpoint_url=srv.endpoint, region_name="us-east-1", aws_access_key_id=srv.access_key,
+                    aws_secret_access_key=srv.secret_key, config=cfg)
         self.buf: bytearray | None = None
 
     def upload(self, key: str, data: memoryview) -> None:

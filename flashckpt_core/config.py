@@ -194,7 +194,11 @@ class S3Knobs:
         concurrency: parts of one file in flight at once; FLASHCKPT_S3_CONCURRENCY.
         max_attempts: attempts per request; FLASHCKPT_S3_MAX_ATTEMPTS.
         deadline_s: a file's transfer gives up after this long; FLASHCKPT_S3_DEADLINE_S.
-        read_timeout_s: a request with no answer for this long is retried; FLASHCKPT_S3_READ_TIMEOUT_S.
+        read_timeout_s: the longest a request waits without progress; FLASHCKPT_S3_READ_TIMEOUT_S.
+        meta_timeout_s: a metadata request without progress for this long is retried;
+            FLASHCKPT_S3_META_TIMEOUT_S.
+        min_mbps: a data request is retried after meta_timeout_s + part_size_mb / min_mbps s without
+            progress; FLASHCKPT_S3_MIN_MBPS.
         checksums: send each part's CRC-32 (1/0); FLASHCKPT_S3_CHECKSUMS.
         conditional_writes: create commit records with If-None-Match (1/0); FLASHCKPT_S3_CONDITIONAL_WRITES.
     """
@@ -209,6 +213,8 @@ class S3Knobs:
     max_attempts: int | None = _knob("FLASHCKPT_S3_MAX_ATTEMPTS", None, _int())
     deadline_s: float | None = _knob("FLASHCKPT_S3_DEADLINE_S", None, _float())
     read_timeout_s: float | None = _knob("FLASHCKPT_S3_READ_TIMEOUT_S", None, _float())
+    meta_timeout_s: float | None = _knob("FLASHCKPT_S3_META_TIMEOUT_S", None, _float())
+    min_mbps: float | None = _knob("FLASHCKPT_S3_MIN_MBPS", None, _float())
     checksums: bool | None = _knob("FLASHCKPT_S3_CHECKSUMS", None, _flag)
     conditional_writes: bool | None = _knob("FLASHCKPT_S3_CONDITIONAL_WRITES", None, _flag)
 

@@ -3,8 +3,8 @@ before a saver starts (``prepare_dir``), and whether a location lies inside it (
 
 The backend's capability ``posix_files`` decides: on a file system the dir is created, checked to be a
 directory, and confinement resolves symbolic links; on any other store a probe object is written and
-removed (credentials, the bucket and the endpoint are checked before a saver starts; a failure names the
-backend's ``access_hint``), and confinement is lexical (``storage.locations.inside``). Where the commit records live is
+removed (credentials, the bucket and the endpoint are checked before a saver starts, within the backend's
+bound for a first contact, ``CheckpointStorage.first_contact``; a failure names the backend's ``access_hint``), and confinement is lexical (``storage.locations.inside``). Where the commit records live is
 ``records_home.home_for``. Imports the storage layer only; torch-free; safe from any thread.
 """
 
@@ -32,8 +32,9 @@ def prepare_dir(storage: CheckpointStorage, root: str, shown: str) -> None:
         return
     probe = locations.join(root, f".flashckpt-probe-{uuid.uuid4().hex}")
     try:
-        storage.write_bytes(probe, b"ok")
-        storage.remove(probe)
+        with storage.first_contact():  # a store that does not answer fails the start in seconds
+            storage.write_bytes(probe, b"ok")
+            storage.remove(probe)
     except Exception as e:  # credentials, a missing bucket, an unreachable endpoint: whatever the store raises
         raise E.CheckpointDirError(f"CheckpointEngine({shown!r}): cannot write to {root} ({e}); "
                                    f"{storage.access_hint}") from e

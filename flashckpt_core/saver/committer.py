@@ -108,6 +108,7 @@ class Committer:
         asked = [0.0]
 
         def waiting(missing: list[int], waited: float) -> None:
+            self._failed_here(step, missing)
             if bound is None or waited < asked[0] + bound:
                 return
             asked[0] = waited
@@ -123,6 +124,15 @@ class Committer:
                                      "them; not committed (the previous committed step stays the newest)")
 
         return waiting
+
+    def _failed_here(self, step: int, missing: list[int]) -> None:
+        """Raises the failure of a missing rank whose persist of ``step`` failed on this node: the store that
+        failed it may refuse its failed marker too, and the commit must not wait for its timeout then."""
+        with self.state.cv:
+            failed = [(r, self.state.failures[(step, r)]) for r in missing if (step, r) in self.state.failures]
+        if failed:
+            r, why = failed[0]
+            raise E.PersistError(f"step {step}: rank {r} failed to persist: {why}")
 
     def _committed_now(self, step: int) -> None:
         """Adds ``step`` to the committed steps, less those its commit superseded."""

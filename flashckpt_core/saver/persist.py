@@ -56,6 +56,7 @@ class PersistQueues:
             step = st.steps.setdefault(job.step, StepState())
             step.paths.add(job.path)
             step.ranks.add(job.rank)
+            st.failures.pop((job.step, job.rank), None)  # an earlier save's of the same step
             if job.commit is not None:
                 step.commits_here = True
             st.inflight += 1
@@ -89,7 +90,12 @@ class PersistQueues:
                     remove_rank_files(self.layout, job.step, job.rank)
                 except Exception:
                     log.exception("removing the files of the failed persist of step %d rank %d", job.step, job.rank)
-                self.layout.write_failed(job.step, job.rank, f"{type(e).__name__}: {e}")
+                # What failed, for every rank: the committer reads it from the failed marker (or, on this node,
+                # from ``failures`` when the store refuses the marker too) and reports it to its trainers.
+                why = f"{job.path}: {type(e).__name__}: {e}"
+                with self.state.cv:
+                    self.state.failures[(job.step, job.rank)] = why
+                self.layout.write_failed(job.step, job.rank, why)
                 self.state.finish(job.step, f"persisting step {job.step} of rank {job.rank} to {job.path} failed: "
                                   f"{type(e).__name__}: {e}", committed=False)
 

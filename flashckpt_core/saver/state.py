@@ -109,6 +109,7 @@ class SaverState:
     steps: dict[int, StepState] = field(default_factory=dict)  # the steps this saver persists or commits
     errors: list[dict[str, Any]] = field(default_factory=list)  # reported to clients (a cursor each)
     commits: list[dict[str, Any]] = field(default_factory=list)  # the newest commits' times (``note_commit``)
+    failures: dict[tuple[int, int], str] = field(default_factory=dict)  # (step, rank) -> why its persist here failed
     committed: list[int] = field(default_factory=list)  # in commit order: the last is the newest
     inflight: int = 0  # units of work running: persists, commits, deletions, last words
     commit_q: queue.Queue[CommitWork | None] = field(default_factory=queue.Queue)  # the commit thread's work

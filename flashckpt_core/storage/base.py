@@ -11,6 +11,7 @@ docs/storage.md. Imports only the leaf layer and ``locations`` (``format.filewri
 
 from __future__ import annotations
 
+import contextlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -126,6 +127,13 @@ class CheckpointStorage(ABC):
     #: what a user should check when the store refuses this process (the end of the message that says the
     #: checkpoint dir cannot be written)
     access_hint: str = "check the credentials and permissions for it"
+
+    def first_contact(self) -> contextlib.AbstractContextManager[None]:
+        """Requests made inside (on this thread) give up at the backend's bound for a first contact, not
+        at a file's deadline: the checkpoint dir's probe before a saver starts (``prepare_dir``), so that
+        a store that does not answer fails the start in seconds. Default: nothing changes (a file system
+        answers or raises)."""
+        return contextlib.nullcontext()
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> CheckpointStorage:

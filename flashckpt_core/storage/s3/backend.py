@@ -9,20 +9,24 @@ interrupted one is aborted (``tidy`` aborts what a killed saver left).
 
 Faults (see ``Retry``): 503 SlowDown, 500s, throttling, timeouts and broken connections are retried
 with exponential backoff and full jitter, honouring ``Retry-After``, within a deadline per file; a
-throttled upload halves its parallel parts (and grows them back by one per success). A lost reply to
-CompleteMultipartUpload is checked before anything is redone: the object's ETag is compared with the one
-its parts make. botocore's own retries are off (one policy, ours).
+throttled upload halves its parallel parts (and grows them back by one per success). A request that makes
+no progress is abandoned within its bound and retried: metadata requests within ``meta_timeout_s``, data
+requests within a bound scaled to the part size (``io.make_client``: a client per kind); the first request
+of an outage logs one warning (``io.Reachability``). A lost reply to CompleteMultipartUpload is checked
+before anything is redone: the object's ETag is compared with the one its parts make. botocore's own
+retries are off (one policy, ours).
 
 Configuration: the standard AWS configuration (environment, profile, ``AWS_ENDPOINT_URL``), plus
 ``S3Options`` fields (``options``) given as ``storage_options`` (``CheckpointEngine(storage_options=...)``) or as
 ``FLASHCKPT_S3_*`` environment variables (``config.S3Knobs``; ``S3Options.from_env``). boto3 is imported on first use.
 
-One concept, so one module (~510 lines): the ``CheckpointStorage`` methods of one backend over S3; its
+One concept, so one module (~520 lines): the ``CheckpointStorage`` methods of one backend over S3; its
 options are in ``options`` and its client I/O (retries, throttling, bodies) in ``io``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -37,7 +41,8 @@ import xxhash
 from flashckpt import errors as E
 from flashckpt.storage import locations
 from flashckpt.storage.base import CheckpointStorage, FileRecord
-from flashckpt.storage.s3.io import Body, Retry, b64_crc, chunks, crc32, error_code, status
+from flashckpt.storage.s3 import io as s3io
+from flashckpt.storage.s3.io import Body, Reachability, Retry, b64_crc, chunks, crc32, error_code, make_client, status
 from flashckpt.storage.s3.options import S3Options
 
 __all__ = ["S3Storage"]
@@ -46,6 +51,7 @@ log = logging.getLogger(__name__)
 
 _MIB = 1 << 20
 _PIECE = _MIB  # hashing granularity (cache-sized)
+_SMALL = _MIB  # a PutObject up to this size is a metadata request (a commit record, a marker)
 
 
 # ------------------------------------------------------------------------------------------ the backend
@@ -58,8 +64,9 @@ class S3Storage(CheckpointStorage):
 
     def __init__(self, options: S3Options | None = None) -> None:
         self.options = options or S3Options.from_env()
-        self._client: Any = None
+        self._clients: dict[str, Any] = {}
         self._client_lock = threading.Lock()
+        self.reach = Reachability(self.options.endpoint_url)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> S3Storage:
@@ -68,30 +75,24 @@ class S3Storage(CheckpointStorage):
     # -- the client ----------------------------------------------------------------------------------
     @property
     def client(self) -> Any:
-        """A boto3 S3 client (thread-safe; made on first use, with botocore's retries off: ours decide)."""
-        if self._client is None:
-            with self._client_lock:
-                if self._client is None:
-                    self._client = self._make_client()
-        return self._client
+        """The boto3 S3 client of metadata requests (bounded by ``meta_timeout_s``; thread-safe; made on
+        first use, with botocore's retries off: ours decide)."""
+        return self._client_for("meta")
 
-    def _make_client(self) -> Any:
-        try:
-            import boto3
-            from botocore.config import Config
-        except ImportError as e:
-            raise E.CheckpointDirError("s3:// checkpoint dirs need boto3: pip install 'flashckpt[s3]'") from e
-        o = self.options
-        session = boto3.session.Session(profile_name=o.profile) if o.profile else boto3.session.Session()
-        cfg = Config(retries={"total_max_attempts": 1}, max_pool_connections=max(16, 2 * o.concurrency),
-                     # With a CRC-32 on every body (checksums) the store verifies what arrived, so SigV4's
-                     # SHA-256 of each payload is not computed too (0.3 instead of 1.2 CPU s/GB uploaded,
-                     # docs/storage.md "Choosing the client library")
-                     s3={"addressing_style": o.addressing_style, "payload_signing_enabled": not o.checksums},
-                     connect_timeout=10, read_timeout=o.read_timeout_s,
-                     request_checksum_calculation="when_required", response_checksum_validation="when_required")
-        region = o.region or session.region_name or "us-east-1"
-        return session.client("s3", endpoint_url=o.endpoint_url, region_name=region, config=cfg)
+    @property
+    def data_client(self) -> Any:
+        """The client of data requests (parts, ranged GETs; bounded by ``S3Options.timeout_s("data")``)."""
+        return self._client_for("data")
+
+    def _client_for(self, kind: str) -> Any:
+        client = self._clients.get(kind)
+        if client is None:
+            with self._client_lock:
+                client = self._clients.get(kind)
+                if client is None:
+                    client = self._clients[kind] = make_client(self.options, kind)
+                    self.reach.endpoint = str(client.meta.endpoint_url)
+        return client
 
     @staticmethod
     def _split(path: str) -> tuple[str, str]:
@@ -100,8 +101,12 @@ class S3Storage(CheckpointStorage):
             raise E.InvalidArgumentError(f"{path!r} is not an s3://bucket/key URL")
         return head[len("s3://"):], key.lstrip("/")
 
+    def first_contact(self) -> contextlib.AbstractContextManager[None]:
+        """Requests inside give up after ``S3Options.first_contact_s`` (three metadata bounds)."""
+        return s3io.within(self.options.first_contact_s, "a first contact with the store: 3 x storage option meta_timeout_s")
+
     def _retry(self, what: str) -> Retry:
-        return Retry(self.options, what)
+        return Retry(self.options, what, self.reach)
 
     # -- writing -------------------------------------------------------------------------------------
     def write_bytes(self, path: str, data: bytes) -> FileRecord:
@@ -120,13 +125,13 @@ class S3Storage(CheckpointStorage):
             kw["ChecksumCRC32"] = b64_crc(crc32(data))
         if exclusive:
             kw["IfNoneMatch"] = "*"
-
+        client = self.client if len(data) <= _SMALL else self.data_client
         tries = [0]
 
         def put() -> Any:
             tries[0] += 1
             try:
-                return self.client.put_object(**kw)
+                return client.put_object(**kw)
             except Exception as e:
                 if exclusive and (status(e) == 412 or error_code(e) == "PreconditionFailed"):
                     # A retry after a lost reply finds our own first write: read back what is there.
@@ -147,8 +152,8 @@ class S3Storage(CheckpointStorage):
     def close(self) -> None:
         """Closes the client's connections (the next request opens new ones)."""
         with self._client_lock:
-            client, self._client = self._client, None
-        if client is not None:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
             client.close()
 
     def write_file(self, path: str, fill: Callable[[str], tuple[int, str] | None]) -> FileRecord:
@@ -190,10 +195,11 @@ class S3Storage(CheckpointStorage):
             kw: dict[str, Any] = {"Bucket": bucket, "Key": key, "Body": body, "ContentLength": len(body)}
             if o.checksums:
                 kw["ChecksumCRC32"] = b64_crc(first_crc)
+            client = self.client if len(body) <= _SMALL else self.data_client
 
             def put() -> Any:
                 body.seek(0)
-                return self.client.put_object(**kw)
+                return client.put_object(**kw)
 
             retry.call("PutObject", put)
             return FileRecord(path, len(body), h.hexdigest())
@@ -229,7 +235,7 @@ class S3Storage(CheckpointStorage):
 
             def send() -> Any:
                 body.seek(0)
-                return self.client.upload_part(**kw)
+                return self.data_client.upload_part(**kw)
 
             r = retry.call(f"UploadPart {n}", send)
             entry = {"PartNumber": n, "ETag": r["ETag"]}
@@ -268,7 +274,7 @@ class S3Storage(CheckpointStorage):
         def complete() -> Any:
             attempts["n"] += 1
             try:
-                return self.client.complete_multipart_upload(
+                return self.data_client.complete_multipart_upload(
                     Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts})
             except Exception as e:
                 if attempts["n"] > 1 and error_code(e) == "NoSuchUpload" and self._etag(bucket, key) == expected:
@@ -303,7 +309,7 @@ class S3Storage(CheckpointStorage):
         """CopyObject (server side), then delete ``src``; ``dst`` appears whole."""
         sb, sk = self._split(src)
         db, dk = self._split(dst)
-        self._retry(dst).call("CopyObject", lambda: self.client.copy_object(
+        self._retry(dst).call("CopyObject", lambda: self.data_client.copy_object(
             Bucket=db, Key=dk, CopySource={"Bucket": sb, "Key": sk}))
         self.remove(src)
 
@@ -322,7 +328,7 @@ class S3Storage(CheckpointStorage):
         return bytes(self._read_retry(path).call("GetObject", get))
 
     def _read_retry(self, path: str) -> Retry:
-        return Retry(self.options, f"reading {path}")
+        return Retry(self.options, f"reading {path}", self.reach)
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         """Ranged GETs (``concurrency`` at once, ``part_size_mb`` each) straight into ``out``."""
@@ -358,7 +364,7 @@ class S3Storage(CheckpointStorage):
             first, last = pieces[0][0], pieces[-1][0] + len(pieces[-1][1]) - 1
 
             def get() -> None:
-                r = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={first}-{last}")
+                r = self.data_client.get_object(Bucket=bucket, Key=key, Range=f"bytes={first}-{last}")
                 stream = r["Body"]
                 # urllib3's response reads into the buffers itself: from the socket to the segments
                 raw = getattr(stream, "_raw_stream", None)
@@ -481,7 +487,7 @@ class S3Storage(CheckpointStorage):
             for i in range(0, len(keys), 1000):
                 batch = [{"Key": k} for k in keys[i:i + 1000]]
                 r = self._retry(f"s3://{bucket}").call("DeleteObjects", functools.partial(
-                    self.client.delete_objects, Bucket=bucket, Delete={"Objects": batch, "Quiet": True}))
+                    self.data_client.delete_objects, Bucket=bucket, Delete={"Objects": batch, "Quiet": True}))
                 errors = r.get("Errors") or []
                 if errors:
                     raise E.PersistError(f"s3://{bucket}: {len(errors)} object(s) not deleted, e.g. "
