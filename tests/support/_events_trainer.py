@@ -212,12 +212,17 @@ def keyboard_interrupt(eng: CheckpointEngine, ckpt: str) -> Expect:
 
     state = sd(3)
     state["leaf"] = Interrupting()
+    # Python's own SIGINT handler, whatever this process inherited: a process started in the background by a
+    # shell without job control inherits SIGINT ignored, and Python then installs no handler for it.
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         eng.save(3, state, storage_type=MEMORY)
     except KeyboardInterrupt:
         pass
     else:
         raise AssertionError("SIGINT did not interrupt the save")
+    finally:
+        signal.signal(signal.SIGINT, old)
     return 2, "memory"
 
 
