@@ -293,6 +293,11 @@ class Knobs:
             nodes, else 1; at least 0.01); FLASHCKPT_RDZV_POLL_S.
         rdzv_keep_alive_s: the rendezvous heartbeat interval (None: 1 s where the poll is fast, else
             torch's); FLASHCKPT_RDZV_KEEP_ALIVE_S.
+        local_dir: the node-local tier of every engine that gives no ``local_dir`` (a directory on a local
+            disk or NVMe; "": none): ``save(DISK)`` commits there first and the node's saver uploads each step
+            to the checkpoint dir in the background; FLASHCKPT_LOCAL_DIR.
+        local_keep: locally committed steps kept per node (0: all; a step not yet uploaded is always kept);
+            FLASHCKPT_LOCAL_KEEP.
         replica: the backups to a partner node (``ReplicaKnobs``): FLASHCKPT_REPLICA*, FLASHCKPT_NODE_LOSS_S.
         s3: the S3 backend's options (``S3Knobs``): FLASHCKPT_S3_*.
     """
@@ -328,6 +333,8 @@ class Knobs:
     warm_delay_s: float = _knob("FLASHCKPT_WARM_DELAY_S", 5.0, _float())
     warm_modules_dir: str = _knob(WARM_MODULES_DIR_ENV, "")
     rdzv_poll_s: float | None = _knob("FLASHCKPT_RDZV_POLL_S", None, _float(0.01))
+    local_dir: str = _knob("FLASHCKPT_LOCAL_DIR", "")
+    local_keep: int = _knob("FLASHCKPT_LOCAL_KEEP", 2, _int(0, refuse=True))
     rdzv_keep_alive_s: float | None = _knob("FLASHCKPT_RDZV_KEEP_ALIVE_S", None, _float())
     replica: ReplicaKnobs = _group(ReplicaKnobs)
     s3: S3Knobs = _group(S3Knobs)

@@ -18,7 +18,8 @@ from flashckpt.commit.layout import TrackerUpdateError
 from flashckpt.commit.protocol import commit_step
 from flashckpt.commit.removal import delete_step, discard_uncommitted
 from flashckpt.saver.recovery import Recovery
-from flashckpt.saver.state import CommitJob, DeleteJob, DeletePathJob, SaverState, log
+from flashckpt.saver.state import CommitJob, DeleteJob, DeletePathJob, LocalCommitJob, SaverState, log
+from flashckpt.saver.uploader import Uploader
 from flashckpt.storage import locations
 
 __all__ = ["Committer"]
@@ -27,9 +28,10 @@ __all__ = ["Committer"]
 class Committer:
     """The commit thread of one saver and what it runs (see the module docstring)."""
 
-    def __init__(self, state: SaverState, recovery: Recovery) -> None:
+    def __init__(self, state: SaverState, recovery: Recovery, uploader: Uploader) -> None:
         self.state = state
         self.recovery = recovery
+        self.uploader = uploader
         self.layout = state.layout
         self.storage = state.storage
 
@@ -42,6 +44,9 @@ class Committer:
                 return
             if isinstance(item, CommitJob):
                 self._commit(item.step, item.spec)
+                continue
+            if isinstance(item, LocalCommitJob):
+                self._commit_local(item)
                 continue
             # A deletion: ordered after the commits queued before it.
             deleted: list[int] = []
@@ -65,26 +70,90 @@ class Committer:
     # ------------------------------------------------------------------ commits
     def _commit(self, step: int, spec: dict[str, Any]) -> None:
         st = self.state
+        with st.cv:
+            tiered = step in st.uploading  # uploaded from the local tier
+        tier = " tier=durable" if tiered else ""
         try:
-            commit_step(self.layout, step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
-                        replicated=bool(spec.get("replicated", False)),
-                        extra=dict(spec.get("extra", {})),
-                        timeout=st.knobs.commit_timeout_s,
-                        stopping=lambda: st.stop.is_set() and not st.signalled,
-                        waiting=self._commit_waiting(step))
+            m = commit_step(self.layout, step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
+                            replicated=bool(spec.get("replicated", False)),
+                            extra=dict(spec.get("extra", {})),
+                            timeout=st.knobs.commit_timeout_s,
+                            stopping=lambda: st.stop.is_set() and not st.signalled,
+                            waiting=self._commit_waiting(step))
             self._committed_now(step)
-            log.info("event=commit step=%d ranks=%s", step, spec["ranks"])
+            lag = f" lag_s={m.time - float(m.extra.get('saved_at', 0.0) or m.time):.3f}" if tiered else ""
+            log.info("event=commit%s step=%d ranks=%s%s", tier, step, spec["ranks"], lag)
+            self._uploaded(step)
             st.finish(step, None, committed=True)
         except TrackerUpdateError as e:  # committed: never reported as a failed step
-            log.error("event=commit step=%d ranks=%s: %s", step, spec["ranks"], e)
+            log.error("event=commit%s step=%d ranks=%s: %s", tier, step, spec["ranks"], e)
             self._committed_now(step)
+            self._uploaded(step)
             with st.cv:
                 st.errors.append({"step": step, "error": str(e), "committed": True})
             st.finish(step, None, committed=True)
         except Exception as e:
             log.exception("commit of step %d failed", step)
+            error = f"committing step {step} failed: {e}"
+            if tiered and not isinstance(e, (E.PersistError, E.CheckpointCorruptError)) and self.uploader.retry(
+                    step, f"{error} (on the durable tier {self.layout.root}; committed on the local tier)"):
+                return
+            self._uploaded(step)
             self._discard_failed(step, [int(r) for r in spec["ranks"]])
-            st.finish(step, f"committing step {step} failed: {e}", committed=False)
+            st.finish(step, error, committed=False)
+
+    def _uploaded(self, step: int) -> None:
+        """``step`` is no longer on its way to the durable tier (local retention may remove it)."""
+        with self.state.cv:
+            self.state.uploading.discard(step)
+
+    def _commit_local(self, job: LocalCommitJob) -> None:
+        """Commits ``job.step`` on the local tier (this node's ranks), then queues its upload."""
+        st = self.state
+        local = st.local
+        assert local is not None
+        t0 = time.monotonic()
+        try:
+            commit_step(local, job.step, list(job.ranks), int(job.tier.get("world_size", 1)),
+                        replicated=bool(job.tier.get("replicated", False)),
+                        extra={"tier_ranks": list(job.ranks), "durable_spec": job.spec},
+                        timeout=st.knobs.commit_timeout_s, stopping=lambda: st.stop.is_set() and not st.signalled)
+        except TrackerUpdateError as e:  # committed
+            log.error("event=commit tier=local step=%d ranks=%s: %s", job.step, list(job.ranks), e)
+        except Exception as e:
+            log.exception("local commit of step %d failed", job.step)
+            try:
+                if not local.storage.exists(local.manifest_path(job.step)):
+                    discard_uncommitted(local, job.step)
+            except (OSError, E.FlashCheckpointError) as e2:
+                log.warning("could not remove the remains of the failed local commit of step %d: %s", job.step, e2)
+            st.finish(job.step, f"committing step {job.step} on the local tier {local.root} failed: {e}",
+                      committed=False)
+            return
+        log.info("event=commit tier=local step=%d ranks=%s seconds=%.3f path=%s", job.step, list(job.ranks),
+                 time.monotonic() - t0, local.root)
+        self.uploader.enqueue(job.step)  # the unit of work goes on with it
+        self._local_retention()
+
+    def _local_retention(self) -> None:
+        """Keeps the ``local_keep`` most recently committed steps of the local tier (0: all), and every step
+        whose upload has not finished; never the local tier's newest step."""
+        st = self.state
+        local, keep = st.local, st.local_keep
+        if local is None or keep <= 0:
+            return
+        try:
+            steps = local.committed_steps()
+            with st.cv:
+                busy = set(st.uploading)
+            old = [s for s in steps[:-keep] if s not in busy]
+            for s in old:
+                delete_step(local, s)
+        except (OSError, E.FlashCheckpointError) as e:
+            log.error("local retention in %s failed: %s", local.root, e)
+            return
+        if old:
+            log.info("event=retention tier=local deleted=%s", old)
 
     def _discard_failed(self, step: int, ranks: list[int]) -> None:
         """After a failed commit of ``step`` whose ranks all finished writing (nothing writes it any more:
