@@ -127,6 +127,10 @@ class Uploader:
                 m = upload_step(st.local, st.layout, step)
                 break
             except E.CheckpointCorruptError as e:
+                if not st.local.storage.exists(st.local.manifest_path(step)):  # a newer local step superseded it
+                    log.info("event=upload tier=durable step=%d skipped: superseded on the local tier", step)
+                    self._give_up(step, "superseded")
+                    return
                 log.error("event=upload tier=durable step=%d failed: %s", step, e)
                 self._give_up(step, str(e), report=True)
                 return
