@@ -73,3 +73,20 @@ def test_a_damaged_local_copy_is_not_uploaded(tmp_path: Any) -> None:
     with pytest.raises(E.CheckpointCorruptError, match="damaged"):
         upload_step(local, durable, 1)
     assert not durable.markers_complete(1, [0])
+
+
+def test_flashckpt_upload_commits_what_the_local_tier_holds(tmp_path: Any, capsys: Any) -> None:
+    from flashckpt.cli import main
+
+    local = local_layout(str(tmp_path / "n"), "job")
+    os.makedirs(local.root)
+    os.makedirs(tmp_path / "d")
+    _commit_locally(local, 3, {"step_3/a.pt": b"three"}, {"ranks": [0], "world_size": 1, "replicated": False})
+    assert main(["upload", str(tmp_path / "d"), "--local-dir", local.root]) == 0
+    assert "step 3: uploaded and committed" in capsys.readouterr().out
+    durable = CommitLayout(str(tmp_path / "d"), PosixDiskStorage())
+    assert durable.committed_steps() == [3] and durable.verify(3) == []
+    assert main(["upload", str(tmp_path / "d"), "--local-dir", local.root]) == 0
+    assert "nothing to upload" in capsys.readouterr().out
+    assert main(["ls", str(tmp_path / "d"), "--local-dir", local.root]) == 0
+    assert "local, durable" in capsys.readouterr().out
