@@ -18,6 +18,7 @@ from flashckpt.util.lazy import lazy_attributes
 if TYPE_CHECKING:
     from flashckpt.commit.retention import CheckpointDeletionStrategy, KeepLatestStepStrategy, KeepStepIntervalStrategy
     from flashckpt.config import StorageType
+    from flashckpt.engine.durability import Durability
     from flashckpt.engine.engine import CheckpointEngine, LoadResult
     from flashckpt.engine.interval import storage_type_for
     from flashckpt.errors import (
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
         CheckpointDirError,
         CheckpointNotFoundError,
         CheckpointTimeoutError,
+        DurabilityLagError,
         EngineUseError,
         FlashCheckpointError,
         InvalidArgumentError,
@@ -49,13 +51,13 @@ if TYPE_CHECKING:
 # These are the names a user calls; the building blocks (CommitLayout, Manifest, PosixDiskStorage,
 # CheckpointSaver, ...) stay importable from their modules.
 _ERRORS = ("AlreadyExistsError", "CheckpointCorruptError", "CheckpointDirError", "CheckpointNotFoundError", "CheckpointTimeoutError",
-           "EngineUseError", "FlashCheckpointError", "InvalidArgumentError", "InvalidArgumentTypeError", "InvalidStateDictError",
+           "DurabilityLagError", "EngineUseError", "FlashCheckpointError", "InvalidArgumentError", "InvalidArgumentTypeError", "InvalidStateDictError",
            "PersistError", "ProtocolError", "RankStateNotFoundError", "SaverError", "SharedMemoryError", "TrackerUpdateError",
            "UnsupportedStrategyError", "WriteRefusedError")
 __getattr__, __dir__ = lazy_attributes(__name__, {
     "StorageType": "flashckpt.config", "CheckpointEngine": "flashckpt.engine.engine", "LoadResult": "flashckpt.engine.engine", "FileSet": "flashckpt.format.files",
     "storage_type_for": "flashckpt.engine.interval", "CheckpointDeletionStrategy": "flashckpt.commit.retention", "KeepLatestStepStrategy": "flashckpt.commit.retention",
-    "KeepStepIntervalStrategy": "flashckpt.commit.retention", "SnapshotReader": "flashckpt.memory.reader", "CheckpointStorage": "flashckpt.storage.base",
+    "KeepStepIntervalStrategy": "flashckpt.commit.retention", "Durability": "flashckpt.engine.durability", "SnapshotReader": "flashckpt.memory.reader", "CheckpointStorage": "flashckpt.storage.base",
     **{name: "flashckpt.errors" for name in _ERRORS},
 })
 
@@ -63,11 +65,11 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointEngine", "LoadResult", "StorageType", "storage_type_for", "FileSet", "SnapshotReader",
+    "CheckpointEngine", "LoadResult", "Durability", "StorageType", "storage_type_for", "FileSet", "SnapshotReader",
     "CheckpointDeletionStrategy", "KeepLatestStepStrategy", "KeepStepIntervalStrategy", "CheckpointStorage",
     "FlashCheckpointError", "InvalidStateDictError", "InvalidArgumentError", "InvalidArgumentTypeError",
     "CheckpointDirError", "CheckpointNotFoundError", "SharedMemoryError", "SaverError", "PersistError",
-    "TrackerUpdateError", "CheckpointCorruptError", "CheckpointTimeoutError", "ProtocolError",
+    "TrackerUpdateError", "DurabilityLagError", "CheckpointCorruptError", "CheckpointTimeoutError", "ProtocolError",
     "UnsupportedStrategyError", "AlreadyExistsError", "WriteRefusedError", "EngineUseError", "RankStateNotFoundError",
     "__version__",
 ]

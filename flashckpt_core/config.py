@@ -301,6 +301,11 @@ class Knobs:
             to the checkpoint dir in the background; FLASHCKPT_LOCAL_DIR.
         local_keep: locally committed steps kept per node (0: all; a step not yet uploaded is always kept);
             FLASHCKPT_LOCAL_KEEP.
+        on_persist_error: what a failed persist does to training, where ``CheckpointEngine`` is not told:
+            "raise" (at the next save or wait) or "warn" (logged, training goes on; see
+            ``engine.durability``); FLASHCKPT_ON_PERSIST_ERROR.
+        max_lag_s: the bound on how far storage may fall behind the newest snapshot, in seconds (0: none),
+            where ``CheckpointEngine`` is not told; FLASHCKPT_MAX_LAG_S.
         replica: the backups to a partner node (``ReplicaKnobs``): FLASHCKPT_REPLICA*, FLASHCKPT_NODE_LOSS_S.
         s3: the S3 backend's options (``S3Knobs``): FLASHCKPT_S3_*.
     """
@@ -339,6 +344,8 @@ class Knobs:
     local_dir: str = _knob(LOCAL_DIR_ENV, "")
     local_keep: int = _knob(LOCAL_KEEP_ENV, 2, _int(0, refuse=True))
     rdzv_keep_alive_s: float | None = _knob("FLASHCKPT_RDZV_KEEP_ALIVE_S", None, _float())
+    on_persist_error: str = _knob("FLASHCKPT_ON_PERSIST_ERROR", "raise", _word("raise", "warn"))
+    max_lag_s: float = _knob("FLASHCKPT_MAX_LAG_S", 0.0, _float(0.0))
     replica: ReplicaKnobs = _group(ReplicaKnobs)
     s3: S3Knobs = _group(S3Knobs)
 

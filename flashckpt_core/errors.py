@@ -16,6 +16,7 @@ __all__ = [
     "SharedMemoryError",
     "SaverError",
     "PersistError",
+    "DurabilityLagError",
     "CheckpointCorruptError",
     "CheckpointTimeoutError",
     "ProtocolError",
@@ -96,6 +97,11 @@ class PersistError(FlashCheckpointError, OSError):
     (empty otherwise: a saver lost with its snapshots, a tracker update)."""
 
     failed_steps: tuple[int, ...] = ()
+
+
+class DurabilityLagError(PersistError):
+    """Storage is further behind the newest snapshot than the engine's bound (``max_lag_s``) allows, under
+    ``on_persist_error="raise"``; the snapshot of the save that raised it is in memory."""
 
 
 class TrackerUpdateError(PersistError):

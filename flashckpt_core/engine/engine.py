@@ -26,6 +26,7 @@ from flashckpt.commit.retention import CheckpointDeletionStrategy, KeepLatestSte
 from flashckpt.commit.tiers import local_layout
 from flashckpt.config import Knobs, StorageType, job_dir
 from flashckpt.engine.deletions import Deletions
+from flashckpt.engine.durability import Durability, DurabilityPolicy
 from flashckpt.engine.guard import CallGuard, engine_call, open_engines
 from flashckpt.engine.interval import SavePolicy
 from flashckpt.engine.loader import StorageLoader
@@ -83,6 +84,14 @@ class CheckpointEngine:
         overlap: ``save`` returns before its copy is done (see ``save`` and ``wait_snapshot``).
         storage_options: options of the storage backend (for ``s3://``: ``storage_s3.S3Options``' fields,
             such as ``endpoint_url`` or ``part_size_mb``); the node's saver is started with them.
+        on_persist_error: what a failed persist or commit does to training: ``"raise"`` (``PersistError``
+            at the next save or wait) or ``"warn"`` (logged once with what is still safe; training and
+            memory snapshots go on, and storage catches up when it answers again). None:
+            FLASHCKPT_ON_PERSIST_ERROR (default "raise"). See ``durability()``.
+        max_lag_s: a bound on how far storage may fall behind: a save finding the oldest step asked of
+            storage and not yet committed older than this many seconds raises ``DurabilityLagError``
+            (``"raise"``; its snapshot is in memory) or logs a warning (``"warn"``). None:
+            FLASHCKPT_MAX_LAG_S (default 0: no bound).
 
     Raises:
         CheckpointDirError: ``checkpoint_dir`` is a URL no backend serves, a file, or cannot be
@@ -106,7 +115,8 @@ class CheckpointEngine:
                  deletion_strategy: CheckpointDeletionStrategy | None = None, *, replicated: bool = False,
                  process_group: Any = None, weights_only: bool = True, process_mtbf_s: float | None = None,
                  node_mtbf_s: float | None = None, overlap: bool = False,
-                 storage_options: dict[str, Any] | None = None, local_dir: str | os.PathLike[str] | None = None,
+                 storage_options: dict[str, Any] | None = None, on_persist_error: str | None = None,
+                 max_lag_s: float | None = None, local_dir: str | os.PathLike[str] | None = None,
                  local_max_to_keep: int = 2) -> None:
         for name, v in (("max_to_keep", max_to_keep), ("save_mem_interval", save_mem_interval),
                         ("save_storage_interval", save_storage_interval), ("local_max_to_keep", local_max_to_keep)):
@@ -131,6 +141,8 @@ class CheckpointEngine:
                                     delete=lambda path: self.delete_checkpoint(path))  # a call of this engine's own
         self.knobs, self.local_dir = local_tier(Knobs.from_env(), self.checkpoint_dir, self.storage, local_dir,
                                                 local_max_to_keep)
+        self._durability = DurabilityPolicy(self.knobs.on_persist_error if on_persist_error is None else on_persist_error,
+                                            self.knobs.max_lag_s if max_lag_s is None else max_lag_s, self._given_dir)
         self.job_dir = job_dir(self.checkpoint_dir, self.knobs)
         self.last_load: LoadResult | None = None
         self._copier = Copier(self.knobs.copy_threads)
@@ -158,7 +170,7 @@ class CheckpointEngine:
         self._session = SaverSession(self._link, ranks=r, replicated=replicated, persists=self.persists,
                                      handler=self._handler, reader=self._reader, job_dir=self.job_dir,
                                      call=lambda req, **kw: self._client_call(req, **kw), on_status=self._on_status,
-                                     tier=None if self.local_dir is None else {
+                                     durability=self._durability, tier=None if self.local_dir is None else {
                                          "node_ranks": 1 if replicated else r.local_world_size,
                                          "world_size": r.world_size, "replicated": replicated})
         self._snapshots = Snapshots(self._handler, writes=self.snapshots, done=self._session.after_snapshot)
@@ -405,6 +417,13 @@ class CheckpointEngine:
         self._check_open("delete_steps")
         reply = self._client_call(M.DeleteSteps(steps=[int(s) for s in steps], newest=newest))
         return reply.deleted
+
+    def durability(self) -> Durability:
+        """Where this rank's newest state is safe now: the newest step in memory, the newest committed step,
+        how far storage is behind (``lag_s``) and which steps asked of storage it still owes, the recent
+        commits' lags, the failures seen; as of the saver's last news (a save or ``wait()`` brings news).
+        See ``flashckpt.engine.durability``."""
+        return self._durability.report()
 
     def saver_cpu_seconds(self) -> float | None:
         """CPU time (user + system, all threads) the node's saver daemon and its persist workers have used

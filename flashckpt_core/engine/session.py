@@ -20,6 +20,7 @@ from typing import Any
 from flashckpt import errors as E
 from flashckpt.commit.protocol import commit_spec
 from flashckpt.config import StorageType, dir_identity
+from flashckpt.engine.durability import DurabilityPolicy
 from flashckpt.engine.ranks import RankInfo
 from flashckpt.memory.reader import SnapshotReader
 from flashckpt.memory.writer import SharedMemoryHandler
@@ -45,26 +46,33 @@ class SaverSession:
         job_dir: the job's runtime dir.
         call: sends a request to the saver (the engine's ``_client_call``; keywords ``on_reattach``).
         on_status: called with each status reply first (the persist time, the commits).
+        durability: the engine's failure policy and lag bound (it sees every save and status reply).
         tier: with a local tier, what each persist tells the saver (``Persist.local``), else None.
     """
 
     def __init__(self, link: SaverLink, *, ranks: RankInfo, replicated: bool, persists: bool,
                  handler: SharedMemoryHandler, reader: SnapshotReader, job_dir: str, call: Callable[..., Any],
-                 on_status: Callable[[M.StatusReply], None], tier: dict[str, Any] | None = None) -> None:
+                 on_status: Callable[[M.StatusReply], None], durability: DurabilityPolicy,
+                 tier: dict[str, Any] | None = None) -> None:
         self.link, self.ranks, self.replicated, self.persists = link, ranks, replicated, persists
+        self.durability = durability
         self.tier = tier  # with a local tier: a Persist request's ``local``
         self.handler, self.reader, self.job_dir = handler, reader, job_dir
         self._call, self._on_status = call, on_status
         self._memory_in = (link.runtime, link.attaches)  # the runtime dir of the shared memory used
 
     def after_snapshot(self, step: int, storage_type: StorageType, target: str, ref: Any) -> None:
-        """Schedules the persist of a DISK snapshot (``ref``, to ``target``) and collects the saver's news."""
-        if storage_type == StorageType.DISK and self.persists:
+        """Schedules the persist of a DISK snapshot (``ref``, to ``target``) and collects the saver's news;
+        then holds the lag bound (``DurabilityPolicy.check_lag``)."""
+        to_storage = storage_type == StorageType.DISK and self.persists
+        self.durability.saved(step, to_storage)
+        if to_storage:
             self.absorb(self._persist(step, target, ref))
-            return
-        st = self.link.news(ref.path if ref is not None else None, self.ranks.local_rank)
-        if st is not None:  # the saver's news after a memory snapshot, never waiting for it (``SaverLink.news``)
-            self.absorb(st)
+        else:
+            st = self.link.news(ref.path if ref is not None else None, self.ranks.local_rank)
+            if st is not None:  # the saver's news after a memory snapshot, never waiting for it (``SaverLink.news``)
+                self.absorb(st)
+        self.durability.check_lag()
 
     def _persist(self, step: int, target: str, ref: Any) -> M.StatusReply:
         link, handler = self.link, self.handler
@@ -89,16 +97,20 @@ class SaverSession:
         """Takes in a status reply of the saver; raises the persist errors it reports (once).
 
         Raises:
-            PersistError: a persist or commit failed, or persists were lost with a saver that died.
+            PersistError: a persist or commit failed, or persists were lost with a saver that died (with
+                ``on_persist_error="warn"``: logged instead, see ``DurabilityPolicy.failed``).
         """
         self.link.absorb(st)
         self._on_status(st)
+        self.durability.observe(st.committed, st.commits)
         failed = [e["error"] for e in st.errors if not e.get("committed")]
         notes = [e["error"] for e in st.errors if e.get("committed")]  # committed steps whose tracker update failed
         msgs = [f"{len(failed)} persist(s) failed: " + "; ".join(failed)] if failed else []
         lost = self.link.take_lost()
         if lost:
             msgs.append(lost)
+        if (msgs or notes) and not self.durability.failed(". ".join(msgs + notes), len(failed) + bool(lost) + len(notes)):
+            return  # on_persist_error="warn": logged, training goes on
         if msgs:
             error = E.PersistError(f"{'. '.join(msgs + notes)}. Earlier committed checkpoints are intact; memory "
                                    "snapshots continue.")

@@ -14,7 +14,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from flashckpt import errors as E
-from flashckpt.commit.layout import TrackerUpdateError
+from flashckpt.commit.layout import Manifest, TrackerUpdateError
 from flashckpt.commit.protocol import commit_step
 from flashckpt.commit.removal import delete_step, discard_uncommitted
 from flashckpt.saver.recovery import Recovery
@@ -72,21 +72,21 @@ class Committer:
         st = self.state
         with st.cv:
             tiered = step in st.uploading  # uploaded from the local tier
-        tier = " tier=durable" if tiered else ""
         try:
-            m = commit_step(self.layout, step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
-                            replicated=bool(spec.get("replicated", False)),
-                            extra=dict(spec.get("extra", {})),
-                            timeout=st.knobs.commit_timeout_s,
-                            stopping=lambda: st.stop.is_set() and not st.signalled,
-                            waiting=self._commit_waiting(step))
+            manifest = commit_step(self.layout, step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
+                                   replicated=bool(spec.get("replicated", False)),
+                                   extra=dict(spec.get("extra", {})),
+                                   timeout=st.knobs.commit_timeout_s,
+                                   stopping=lambda: st.stop.is_set() and not st.signalled,
+                                   waiting=self._commit_waiting(step))
             self._committed_now(step)
-            lag = f" lag_s={m.time - float(m.extra.get('saved_at', 0.0) or m.time):.3f}" if tiered else ""
-            log.info("event=commit%s step=%d ranks=%s%s", tier, step, spec["ranks"], lag)
+            rec = st.note_commit(step, "durable", self._snapshot_at(manifest))
+            log.info("event=commit step=%d tier=durable ranks=%s lag_s=%s", step, spec["ranks"],
+                     "?" if rec["lag_s"] is None else f"{rec['lag_s']:.3f}")
             self._uploaded(step)
             st.finish(step, None, committed=True)
         except TrackerUpdateError as e:  # committed: never reported as a failed step
-            log.error("event=commit%s step=%d ranks=%s: %s", tier, step, spec["ranks"], e)
+            log.error("event=commit step=%d tier=durable ranks=%s: %s", step, spec["ranks"], e)
             self._committed_now(step)
             self._uploaded(step)
             with st.cv:
@@ -101,6 +101,14 @@ class Committer:
             self._uploaded(step)
             self._discard_failed(step, [int(r) for r in spec["ranks"]])
             st.finish(step, error, committed=False)
+
+    @staticmethod
+    def _snapshot_at(m: Manifest) -> float:
+        """The wall time of the oldest snapshot the files of manifest ``m`` came from; 0 when unknown."""
+        try:
+            return min((float(t) for t in m.extra.get("saved_at_ranks", {}).values() if float(t) > 0), default=0.0)
+        except (TypeError, ValueError, AttributeError):
+            return 0.0
 
     def _uploaded(self, step: int) -> None:
         """``step`` is no longer on its way to the durable tier (local retention may remove it)."""
@@ -119,7 +127,7 @@ class Committer:
                         extra={"tier_ranks": list(job.ranks), "durable_spec": job.spec},
                         timeout=st.knobs.commit_timeout_s, stopping=lambda: st.stop.is_set() and not st.signalled)
         except TrackerUpdateError as e:  # committed
-            log.error("event=commit tier=local step=%d ranks=%s: %s", job.step, list(job.ranks), e)
+            log.error("event=commit step=%d tier=local ranks=%s: %s", job.step, list(job.ranks), e)
         except Exception as e:
             log.exception("local commit of step %d failed", job.step)
             try:
@@ -130,8 +138,13 @@ class Committer:
             st.finish(job.step, f"committing step {job.step} on the local tier {local.root} failed: {e}",
                       committed=False)
             return
-        log.info("event=commit tier=local step=%d ranks=%s seconds=%.3f path=%s", job.step, list(job.ranks),
-                 time.monotonic() - t0, local.root)
+        try:
+            snapshot_at = self._snapshot_at(local.read_manifest(job.step))
+        except (OSError, E.FlashCheckpointError):
+            snapshot_at = 0.0
+        rec = st.note_commit(job.step, "local", snapshot_at)
+        log.info("event=commit step=%d tier=local ranks=%s seconds=%.3f lag_s=%s path=%s", job.step, list(job.ranks),
+                 time.monotonic() - t0, "?" if rec["lag_s"] is None else f"{rec['lag_s']:.3f}", local.root)
         self.uploader.enqueue(job.step)  # the unit of work goes on with it
         self._local_retention()
 

@@ -94,7 +94,7 @@ class ControlServer:
     def status(self, cursor: int) -> dict[str, Any]:
         st = self.state
         with st.cv:
-            return {"committed": list(st.committed), "errors": st.errors[cursor:],
+            return {"committed": list(st.committed), "errors": st.errors[cursor:], "commits": list(st.commits),
                     "cursor": len(st.errors), "inflight": st.inflight,
                     "last_persist_s": st.stats.last_persist_s, "records_ready": self.records.ready}
 

@@ -28,6 +28,8 @@ __all__ = ["SaverState", "StepState", "ClientInfo", "Stats", "CommitJob", "Local
 
 log = logging.getLogger("flashckpt.saver")
 
+_COMMITS_KEPT = 16  # commit records a status reply carries (the newest)
+
 
 @dataclass
 class StepState:
@@ -120,6 +122,7 @@ class SaverState:
     stats: Stats = field(default_factory=Stats)
     steps: dict[int, StepState] = field(default_factory=dict)  # the steps this saver persists or commits
     errors: list[dict[str, Any]] = field(default_factory=list)  # reported to clients (a cursor each)
+    commits: list[dict[str, Any]] = field(default_factory=list)  # the newest commits' times (``note_commit``)
     committed: list[int] = field(default_factory=list)  # in commit order: the last is the newest
     inflight: int = 0  # units of work running: persists, commits, deletions, last words
     commit_q: queue.Queue[CommitWork | None] = field(default_factory=queue.Queue)  # the commit thread's work
@@ -168,6 +171,18 @@ class SaverState:
             elif st.status in ("persisting", "uploading"):
                 st.status = "persisted"
             self.work_done()
+
+    def note_commit(self, step: int, tier: str, snapshot_at: float) -> dict[str, Any]:
+        """Records that ``step`` is committed on ``tier`` ("durable": the checkpoint dir) now; ``snapshot_at``:
+        the wall time of the oldest snapshot its files came from (0: unknown). The record (step, tier,
+        snapshot_at, committed_at, lag_s: the durability lag) goes to clients with every status reply (the
+        newest ``_COMMITS_KEPT``) and is returned."""
+        now = time.time()
+        rec = {"step": step, "tier": tier, "snapshot_at": snapshot_at, "committed_at": now,
+               "lag_s": max(0.0, now - snapshot_at) if snapshot_at > 0 else None}
+        with self.cv:
+            self.commits = (self.commits + [rec])[-_COMMITS_KEPT:]
+        return rec
 
     def wait_step(self, step: int, timeout: float | None) -> None:
         """Waits until ``step_done(step)``; raises CheckpointTimeoutError after ``timeout`` seconds."""

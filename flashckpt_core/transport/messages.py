@@ -85,6 +85,9 @@ class StatusReply(Reply):
     inflight: int | None = None  # persists, commits and deletions in flight; None: not told
     last_persist_s: float = 0.0
     records_ready: bool = True  # the saver's start-up work on the commit records is done (``committed`` known)
+    # The newest commits this saver made, oldest first: {"step", "tier", "snapshot_at", "committed_at", "lag_s"}
+    # (wall times; lag_s: from the snapshot to the commit, None when the snapshot's time is unknown).
+    commits: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,168 @@
+"""How far behind storage is, and what a failed persist does to training: ``DurabilityPolicy`` and the
+``Durability`` report (``CheckpointEngine.durability()``).
+
+The saver reports each commit with its times (``StatusReply.commits``: the step, the tier, the wall time of
+the snapshot its files came from and of the commit). From them and from this rank's own saves the policy
+knows, at any moment, the newest step in memory, the newest durable step, the lag of each commit (from its
+snapshot to its commit) and the lag now: how long ago the oldest storage save that is not yet durable was
+taken (0 when storage holds everything asked of it). A save asked of storage that keeps failing keeps the
+lag growing; a newer durable commit ends it.
+
+Two policies (``on_persist_error``, FLASHCKPT_ON_PERSIST_ERROR):
+
+- ``"raise"`` (the default): a failed persist or commit raises ``PersistError`` at the next save or wait,
+  as it always did; with a lag bound (``max_lag_s``, FLASHCKPT_MAX_LAG_S), a save finding storage further
+  behind than the bound raises ``DurabilityLagError`` once its snapshot is in memory.
+- ``"warn"``: training goes on. Each failure is logged once, as a warning naming what failed and what is
+  still safe (the newest durable step, the newest snapshot in memory); a lag over the bound is logged once
+  when it is crossed and once when storage has caught up again. Later saves to storage go on being asked,
+  so storage catches up by itself when it answers again.
+
+Imports ``errors`` only; pure bookkeeping, used by one engine call at a time (the engine's guard)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashckpt import errors as E
+
+__all__ = ["Durability", "DurabilityPolicy", "POLICIES"]
+
+log = logging.getLogger("flashckpt.engine")
+
+#: The values ``on_persist_error`` takes.
+POLICIES = ("raise", "warn")
+
+
+@dataclass(frozen=True)
+class Durability:
+    """Where this rank's newest state is safe, as its engine knows it now.
+
+    Attributes:
+        memory_step: the newest step this engine snapshotted into the node's memory (None: none yet).
+        durable_step: the newest step committed in the checkpoint dir (None: none).
+        lag_s: how far the checkpoint dir is behind now: seconds since the oldest save asked of storage
+            that is not committed yet was taken (0.0: storage holds every step asked of it).
+        pending: the steps asked of storage that are not committed yet (oldest first).
+        commit_lags: step -> seconds from its snapshot to its commit, for the newest commits seen.
+        failures: failed persists and commits seen by this engine (raised or, with ``"warn"``, logged).
+        policy: ``on_persist_error``; max_lag_s: the bound on ``lag_s`` (None: none).
+    """
+
+    memory_step: int | None
+    durable_step: int | None
+    lag_s: float
+    pending: tuple[int, ...]
+    commit_lags: dict[int, float] = field(default_factory=dict)
+    failures: int = 0
+    policy: str = "raise"
+    max_lag_s: float | None = None
+
+
+class DurabilityPolicy:
+    """One engine's view of durability and its failure policy (see the module docstring).
+
+    Args:
+        on_error: ``"raise"`` or ``"warn"``.
+        max_lag_s: the lag bound in seconds (None or 0: none).
+        where: the checkpoint dir, for messages.
+    """
+
+    _KEEP = 16  # commit lags kept for the report
+
+    def __init__(self, on_error: str, max_lag_s: float | None, where: str) -> None:
+        if on_error not in POLICIES:
+            raise E.InvalidArgumentError(f"on_persist_error={on_error!r}: must be one of {', '.join(POLICIES)} "
+                                         "(\"warn\" goes on training while storage fails)")
+        if max_lag_s is not None and (not isinstance(max_lag_s, (int, float)) or max_lag_s < 0):
+            raise E.InvalidArgumentError(f"max_lag_s={max_lag_s!r}: seconds >= 0 (None or 0: no bound)")
+        self.on_error = on_error
+        self.max_lag_s = float(max_lag_s) if max_lag_s else None
+        self.where = where
+        self.memory_step: int | None = None
+        self.durable_step: int | None = None
+        self._pending: dict[int, float] = {}  # step asked of storage -> wall time of its save
+        self._lags: dict[int, float] = {}
+        self._failures = 0
+        self._over = False  # the lag is over the bound (warned once)
+
+    @property
+    def warns(self) -> bool:
+        return self.on_error == "warn"
+
+    # ------------------------------------------------------------------ what happened
+    def saved(self, step: int, to_storage: bool, at: float | None = None) -> None:
+        """This rank snapshotted ``step`` (and asked the saver to persist it, ``to_storage``)."""
+        self.memory_step = step
+        if to_storage:
+            self._pending[step] = time.time() if at is None else at
+
+    def observe(self, committed: list[int], commits: list[dict[str, Any]]) -> None:
+        """A status reply's commits: ``committed`` (in commit order) and their times (``StatusReply.commits``)."""
+        for c in commits:
+            if c.get("tier", "durable") == "durable" and c.get("lag_s") is not None:
+                self._lags[int(c["step"])] = float(c["lag_s"])
+        while len(self._lags) > self._KEEP:
+            del self._lags[min(self._lags)]
+        if committed:
+            newest = committed[-1]
+            self.durable_step = newest
+            # A durable step supersedes every save asked of storage up to it (those failed or were
+            # superseded); saves after it are still owed.
+            self._pending = {s: t for s, t in self._pending.items() if s > newest}
+
+    def lag_s(self, now: float | None = None) -> float:
+        """Seconds since the oldest save asked of storage that is not durable yet was taken (0.0: none)."""
+        if not self._pending:
+            return 0.0
+        return max(0.0, (time.time() if now is None else now) - min(self._pending.values()))
+
+    # ------------------------------------------------------------------ what it does to training
+    def failed(self, message: str, count: int) -> bool:
+        """``count`` persist or commit failures (``message`` says which): True when they are to be raised;
+        with ``"warn"`` each is logged here, once, with what is still safe, and False."""
+        self._failures += count
+        if not self.warns:
+            return True
+        log.warning("%s. Training goes on (on_persist_error='warn'); still safe: %s", message, self.safe())
+        return False
+
+    def check_lag(self, now: float | None = None) -> None:
+        """After a save: with a bound, a lag over it raises (``"raise"``) or is logged once (``"warn"``).
+
+        Raises:
+            DurabilityLagError: the checkpoint dir is further behind than ``max_lag_s`` (``"raise"``).
+        """
+        if self.max_lag_s is None:
+            return
+        lag = self.lag_s(now)
+        if lag <= self.max_lag_s:
+            if self._over:
+                log.warning("the checkpoint dir %s has caught up (durable step %s)", self.where, self.durable_step)
+            self._over = False
+            return
+        owed = sorted(self._pending)
+        msg = (f"the checkpoint dir {self.where} is {lag:.0f} s behind (bound max_lag_s={self.max_lag_s:g}): steps "
+               f"{owed} asked of storage are not committed; still safe: {self.safe()}")
+        if not self.warns:
+            raise E.DurabilityLagError(msg + ". The snapshot of this save is in memory. Check the store (its errors "
+                                       "are in the saver's log), raise the bound, or use on_persist_error='warn' "
+                                       "to go on training meanwhile")
+        if not self._over:
+            log.warning("%s; training goes on (on_persist_error='warn')", msg)
+        self._over = True
+
+    def safe(self) -> str:
+        """What is safe now, in words: the newest durable step and the newest snapshot in memory."""
+        durable = f"step {self.durable_step} committed in {self.where}" if self.durable_step is not None else \
+            f"no step committed in {self.where} yet"
+        memory = f"step {self.memory_step} in the node's memory" if self.memory_step is not None else "nothing in memory"
+        return f"{durable}; {memory}"
+
+    def report(self, now: float | None = None) -> Durability:
+        """The ``Durability`` report now."""
+        return Durability(self.memory_step, self.durable_step, self.lag_s(now), tuple(sorted(self._pending)),
+                          dict(self._lags), self._failures, self.on_error, self.max_lag_s)

@@ -1,0 +1,41 @@
+"""``DurabilityPolicy``'s bookkeeping on its own: the lag from the oldest save storage still owes, what a
+durable commit settles, the refusal of bad arguments (end to end: tests/multiproc/test_durability.py)."""
+
+from __future__ import annotations
+
+import pytest
+from flashckpt import DurabilityLagError, InvalidArgumentError
+from flashckpt.engine.durability import DurabilityPolicy
+
+
+def test_the_lag_runs_from_the_oldest_step_storage_owes() -> None:
+    p = DurabilityPolicy("raise", 10.0, "/ckpt")
+    assert p.lag_s(100.0) == 0.0
+    p.saved(1, True, at=100.0)
+    p.saved(2, False, at=101.0)  # a memory save owes storage nothing
+    p.saved(3, True, at=103.0)
+    assert p.lag_s(104.0) == 4.0 and p.report(104.0).pending == (1, 3)
+    p.observe([1], [{"step": 1, "tier": "durable", "lag_s": 0.5}])
+    assert p.lag_s(104.0) == 1.0 and p.report(104.0).pending == (3,) and p.report().commit_lags == {1: 0.5}
+    p.check_lag(112.0)  # 9 s: within the bound
+    with pytest.raises(DurabilityLagError, match=r"14 s behind .* steps \[3\].*step 1 committed in /ckpt"):
+        p.check_lag(117.0)
+    p.observe([1, 5], [])  # a newer durable step settles every save up to it
+    assert p.lag_s(200.0) == 0.0 and p.report().durable_step == 5
+    p.check_lag(200.0)
+
+
+def test_warn_logs_instead_of_raising() -> None:
+    p = DurabilityPolicy("warn", 1.0, "/ckpt")
+    p.saved(1, True, at=0.0)
+    assert p.failed("1 persist(s) failed: x", 1) is False
+    p.check_lag(50.0)  # logged, not raised
+    assert p.report().failures == 1
+    assert DurabilityPolicy("raise", None, "/ckpt").failed("x", 1) is True
+
+
+@pytest.mark.parametrize("kw", [{"on_error": "ignore"}, {"max_lag_s": -1.0}, {"max_lag_s": "5"}])
+def test_bad_arguments_are_refused(kw: dict) -> None:
+    args = {"on_error": "raise", "max_lag_s": None, **kw}
+    with pytest.raises(InvalidArgumentError):
+        DurabilityPolicy(args["on_error"], args["max_lag_s"], "/ckpt")
