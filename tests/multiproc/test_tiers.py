@@ -59,6 +59,10 @@ def test_save_commits_locally_then_durably_and_loads_from_the_fastest_tier(tmp_p
             engine.wait(timeout=120)
             assert step in local_layout(local).committed_steps()
             assert _durable(durable).committed_steps()[-1] == step
+        logs = fault_env.saver_logs()
+        assert "event=commit step=3 tier=local" in logs and "event=commit step=3 tier=durable" in logs, logs
+        report = engine.durability()
+        assert report.durable_step == 3 and report.pending == () and 3 in report.commit_lags, report
     finally:
         close_and_wait(engine)
     assert local_layout(local).committed_steps() == [2, 3]  # local retention: 2
