@@ -189,3 +189,35 @@ def test_retention_per_tier_keeps_each_tiers_newest_and_every_step_not_yet_uploa
     finally:
         close_and_wait(engine)
     _loads(s3.url, local, states[4], "local")
+
+
+def test_a_store_that_fails_uploads_loses_no_step_and_training_goes_on_with_warn(
+        s3_proxied: Any, tmp_path: Any, fault_env: FaultEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every upload of a data file fails (500) while steps 1 and 2 are saved with on_persist_error="warn":
+    the saves go on and commit locally; once the store answers again both reach it, in order."""
+    monkeypatch.setenv("FLASHCKPT_S3_MAX_ATTEMPTS", "1")
+    fault_env.base_env["FLASHCKPT_S3_MAX_ATTEMPTS"] = "1"
+    s3, local = s3_proxied, str(tmp_path / "nvme")
+    s3.proxy.set_faults([Fault("error500", op=("PutObject", "CreateMultipartUpload", "UploadPart"), key="step_",
+                               times=None)])
+    engine = CheckpointEngine(s3.url, max_to_keep=0, local_dir=local, on_persist_error="warn")
+    states = {}
+    try:
+        for step in (1, 2):
+            states[step] = make_state(step, MB)
+            engine.save(step, states[step], storage_type=StorageType.DISK)
+            wait_for(lambda s=step: s in local_layout(local).committed_steps(), 60, f"the local commit of step {step}")
+        wait_for(lambda: "event=upload tier=durable step=1 attempt=2 failed" in fault_env.saver_logs(), 60,
+                 "a retried upload")
+        states[3] = make_state(3, MB)
+        engine.save(3, states[3], storage_type=StorageType.MEMORY)  # training goes on (warn)
+        s3.proxy.set_faults([])
+        engine.wait(timeout=120)
+        assert engine.durability().durable_step == 2
+    finally:
+        close_and_wait(engine)
+    layout = _durable(s3.url)
+    try:
+        assert layout.committed_steps()[:2] == [1, 2] and layout.verify(2) == []
+    finally:
+        layout.storage.close()
