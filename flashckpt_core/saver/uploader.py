@@ -79,8 +79,8 @@ class Uploader:
             try:
                 self.records.await_ready("uploading to the durable tier", 5.0)
                 break
-            except E.FlashCheckpointError:
-                continue
+            except E.FlashCheckpointError:  # the records thread retries; so does this one, paced
+                st.stop.wait(1.0)
         else:
             return
         self._catch_up()
