@@ -1,6 +1,7 @@
 """The ``flashckpt`` command: inspect, verify and clean up checkpoints and runtime state.
 
-    flashckpt ls DIR                 steps in DIR: committed or not, size, age, files
+    flashckpt ls DIR [--local-dir L] steps in DIR: committed or not, size, age, the tiers holding each (this
+                                     node's memory, the local tier L, the durable DIR), files
     flashckpt verify DIR [--step N]  checks sizes and checksums against the manifests (exit 1 on damage)
     flashckpt gc [DIR] [--dry-run]   removes runtime dirs (segments, sockets, locks) of dead jobs and the
                                      staging dirs of dead trainers (/dev/shm/flashckpt-hf-*...); with DIR,
@@ -8,6 +9,8 @@
     flashckpt adopt DIR --from ORIG  DIR is a copy or a move of checkpoint dir ORIG whose commit records stayed
                                      behind: gives DIR the committed steps of ORIG whose files it holds intact
     flashckpt native [--build]       the C++ fast path for many small tensors: built or not; build it now
+    flashckpt upload DIR --local-dir L  uploads the steps committed on the local tier L and not on DIR (left by a
+                                     saver that died mid-upload) and commits them there, oldest first
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Any
 from flashckpt import errors as E
 from flashckpt.commit.adopt import adopt, unrecorded
 from flashckpt.commit.layout import CommitLayout
+from flashckpt.commit.protocol import commit_step
+from flashckpt.commit.tiers import check_local_dir, durable_spec_of, local_layout, pending_uploads, upload_step
 from flashckpt.config import Knobs, job_key_digest
 from flashckpt.storage.base import CheckpointStorage
 from flashckpt.storage.registry import checkpoint_location, storage_for
@@ -164,11 +169,17 @@ def _committed_row(layout: CommitLayout, step: int, latest: int | None) -> tuple
 
 
 def _ls_rows(layout: CommitLayout, committed: list[int], pending: list[int], latest: int | None,
-             memory: dict[int, dict[str, set[int]]]) -> list[tuple[Any, ...]]:
-    """One row (step, state, size, age, files) per step committed, pending or held in this node's memory."""
+             memory: dict[int, dict[str, set[int]]], local: CommitLayout | None = None,
+             local_steps: list[int] | None = None) -> list[tuple[Any, ...]]:
+    """One row (step, state, size, age, files) per step committed, pending, held in this node's memory or
+    committed on the local tier only."""
     rows = []
-    for step in sorted(set(committed) | set(pending) | set(memory)):
-        if step not in committed and step not in pending:
+    only_local = set(local_steps or []) - set(committed)
+    for step in sorted(set(committed) | set(pending) | set(memory) | only_local):
+        if step in only_local and local is not None:
+            r = _committed_row(local, step, None)
+            rows.append((step, "committed locally, not yet on " + layout.root, *r[2:]))
+        elif step not in committed and step not in pending:
             rows.append((step, "in memory", "-", "-", "(this node's shared memory)"))
         elif step in committed:
             rows.append(_committed_row(layout, step, latest))
@@ -181,10 +192,22 @@ def _ls_rows(layout: CommitLayout, committed: list[int], pending: list[int], lat
 
 def _print_ls_table(table: list[tuple[Any, ...]]) -> None:
     """Print the `ls` rows as aligned columns under a header, the files column last and unpadded."""
-    head = ("STEP", "STATE", "SIZE", "AGE", "MEMORY", "FILES")
-    widths = [max(len(str(r[i])) for r in table + [head]) for i in range(5)]
+    head = ("STEP", "STATE", "SIZE", "AGE", "MEMORY", "TIERS", "FILES")
+    widths = [max(len(str(r[i])) for r in table + [head]) for i in range(6)]
     for r in [head] + table:
-        print("  ".join(str(v).ljust(w) for v, w in zip(r[:5], widths)) + "  " + str(r[5]))
+        print("  ".join(str(v).ljust(w) for v, w in zip(r[:6], widths)) + "  " + str(r[6]))
+
+
+def _local_tier(args: argparse.Namespace, layout: CommitLayout) -> CommitLayout | None:
+    """The local tier ``--local-dir`` (default FLASHCKPT_LOCAL_DIR) names, or None."""
+    given = args.local_dir if args.local_dir is not None else Knobs.from_env().local_dir
+    return local_layout(check_local_dir(given, layout.root, layout.storage, "flashckpt")) if given else None
+
+
+def _tiers(step: int, memory: dict[int, dict[str, set[int]]], local: list[int], durable: list[int]) -> str:
+    """Which tiers hold ``step``: this node's memory, the local tier, the durable checkpoint dir."""
+    return ", ".join(t for t, has in (("memory", bool(memory.get(step))), ("local", step in local),
+                                      ("durable", step in durable)) if has) or "-"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -196,19 +219,53 @@ def cmd_ls(args: argparse.Namespace) -> int:
     pending = layout.uncommitted_steps()
     latest = layout.tracker_step()
     memory = _in_memory(layout.root)
-    rows = _ls_rows(layout, committed, pending, latest, memory)
+    local = _local_tier(args, layout)
+    local_steps = local.committed_steps() if local is not None else []
+    rows = _ls_rows(layout, committed, pending, latest, memory, local, local_steps)
     # Which ranks' snapshots of each step this node holds in memory, its own and backups of other nodes'.
-    table: list[tuple[Any, ...]] = [(*r[:4], _memory_column(memory.get(r[0])), r[4]) for r in rows]
+    table: list[tuple[Any, ...]] = [(*r[:4], _memory_column(memory.get(r[0])),
+                                     _tiers(r[0], memory, local_steps, committed), r[4]) for r in rows]
     note = None if committed else unrecorded(layout)
     if note:
         print(note, file=sys.stderr)
     if args.json:
-        print(json.dumps([dict(zip(("step", "state", "size", "age", "memory", "files"), r)) for r in table], indent=1))
+        print(json.dumps([dict(zip(("step", "state", "size", "age", "memory", "tiers", "files"), r)) for r in table],
+                         indent=1))
         return 0
     if not table:
         print(f"no flashckpt checkpoints in {layout.root}")
         return 0
     _print_ls_table(table)
+    return 0
+
+
+def cmd_upload(args: argparse.Namespace) -> int:
+    """Uploads the steps committed on the local tier and not on the checkpoint dir, and commits them there
+    (global rank 0's node: the steps whose local manifest carries the durable commit spec; on other nodes
+    only their files and done markers go up). Run it where no saver of the job runs."""
+    layout = _layout(args)
+    if layout is None:
+        return 2
+    local = _local_tier(args, layout)
+    if local is None:
+        print("flashckpt upload: give the local tier (--local-dir, or FLASHCKPT_LOCAL_DIR)", file=sys.stderr)
+        return 2
+    steps = pending_uploads(local, layout)
+    if not steps:
+        print(f"nothing to upload: {layout.root} holds every step committed on {local.root}")
+        return 0
+    knobs = Knobs.from_env()
+    for step in steps:
+        t0 = time.monotonic()
+        layout.job = local.job = local.read_manifest(step).job  # the markers and the manifest name the job
+        m = upload_step(local, layout, step)
+        spec = durable_spec_of(m)
+        if spec is not None:
+            commit_step(layout, step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
+                        replicated=bool(spec.get("replicated", False)), extra=dict(spec.get("extra", {})),
+                        timeout=knobs.commit_timeout_s)
+        print(f"step {step}: uploaded{' and committed' if spec is not None else ''} "
+              f"({_size(sum(f.size for f in m.all_files()))}, {time.monotonic() - t0:.1f} s)")
     return 0
 
 
@@ -346,7 +403,13 @@ def main(argv: list[str] | None = None) -> int:
     ls = sub.add_parser("ls", help="list the checkpoints of a checkpoint dir")
     ls.add_argument("dir")
     ls.add_argument("--json", action="store_true")
+    ls.add_argument("--local-dir", default=None, help="the job's local tier (default: FLASHCKPT_LOCAL_DIR)")
     ls.set_defaults(fn=cmd_ls)
+    up = sub.add_parser("upload", help="upload to DIR the steps committed on the local tier and not on DIR, and "
+                                       "commit them there (a saver that died mid-upload)")
+    up.add_argument("dir")
+    up.add_argument("--local-dir", default=None, help="the job's local tier (default: FLASHCKPT_LOCAL_DIR)")
+    up.set_defaults(fn=cmd_upload)
     v = sub.add_parser("verify", help="check files against their manifests; exit 1 on damage")
     v.add_argument("dir")
     v.add_argument("--step", type=int)

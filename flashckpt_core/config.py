@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 from flashckpt import errors as E
 
 __all__ = ["StorageType", "Knobs", "ReplicaKnobs", "S3Knobs", "knob", "knob_variables", "JOB_ID_ENV", "AGENT_PID_ENV",
-           "LAST_WORDS_ENV", "WARM_MODULES_DIR_ENV", "STORAGE_OPTIONS_ENV", "job_key", "runtime_root", "job_dir", "make_private_dir",
+           "LAST_WORDS_ENV", "WARM_MODULES_DIR_ENV", "STORAGE_OPTIONS_ENV",
+           "LOCAL_DIR_ENV", "LOCAL_KEEP_ENV", "job_key", "runtime_root", "job_dir", "make_private_dir",
            "open_private_dir", "dir_identity", "is_default_runtime_dir", "is_job_key_of", "job_key_digest"]
 
 
@@ -43,6 +44,8 @@ AGENT_PID_ENV = "FLASHCKPT_AGENT_PID"
 LAST_WORDS_ENV = "FLASHCKPT_LAST_WORDS"
 WARM_MODULES_DIR_ENV = "FLASHCKPT_WARM_MODULES_DIR"
 STORAGE_OPTIONS_ENV = "FLASHCKPT_STORAGE_OPTIONS"
+LOCAL_DIR_ENV = "FLASHCKPT_LOCAL_DIR"
+LOCAL_KEEP_ENV = "FLASHCKPT_LOCAL_KEEP"
 
 _T = TypeVar("_T")
 #: how a knob's value is read from its variable's text (never empty): (variable, text) -> value
@@ -299,6 +302,11 @@ class Knobs:
             nodes, else 1; at least 0.01); FLASHCKPT_RDZV_POLL_S.
         rdzv_keep_alive_s: the rendezvous heartbeat interval (None: 1 s where the poll is fast, else
             torch's); FLASHCKPT_RDZV_KEEP_ALIVE_S.
+        local_dir: the node-local tier of every engine that gives no ``local_dir`` (a directory on a local
+            disk or NVMe; "": none): ``save(DISK)`` commits there first and the node's saver uploads each step
+            to the checkpoint dir in the background; FLASHCKPT_LOCAL_DIR.
+        local_keep: locally committed steps kept per node (0: all; a step not yet uploaded is always kept);
+            FLASHCKPT_LOCAL_KEEP.
         on_persist_error: what a failed persist does to training, where ``CheckpointEngine`` is not told:
             "raise" (at the next save or wait) or "warn" (logged, training goes on; see
             ``engine.durability``); FLASHCKPT_ON_PERSIST_ERROR.
@@ -339,6 +347,8 @@ class Knobs:
     warm_delay_s: float = _knob("FLASHCKPT_WARM_DELAY_S", 5.0, _float())
     warm_modules_dir: str = _knob(WARM_MODULES_DIR_ENV, "")
     rdzv_poll_s: float | None = _knob("FLASHCKPT_RDZV_POLL_S", None, _float(0.01))
+    local_dir: str = _knob(LOCAL_DIR_ENV, "")
+    local_keep: int = _knob(LOCAL_KEEP_ENV, 2, _int(0, refuse=True))
     rdzv_keep_alive_s: float | None = _knob("FLASHCKPT_RDZV_KEEP_ALIVE_S", None, _float())
     on_persist_error: str = _knob("FLASHCKPT_ON_PERSIST_ERROR", "raise", _word("raise", "warn"))
     max_lag_s: float = _knob("FLASHCKPT_MAX_LAG_S", 0.0, _float(0.0))

@@ -83,6 +83,6 @@ class DdpCheckpointer(AdapterBase):
 
     @property
     def last_load(self) -> LoadResult | None:
-        """Where the last ``load_checkpoint`` came from (step, "memory"/"storage"/"none", seconds)."""
+        """Where the last ``load_checkpoint`` came from (step, "memory"/"local"/"storage"/"none", seconds)."""
         return self.engine.last_load
 

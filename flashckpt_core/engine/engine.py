@@ -23,6 +23,7 @@ from flashckpt.commit.adopt import unrecorded
 from flashckpt.commit.checkpoint_dir import prepare_dir
 from flashckpt.commit.layout import CommitLayout
 from flashckpt.commit.retention import CheckpointDeletionStrategy, KeepLatestStepStrategy
+from flashckpt.commit.tiers import local_layout
 from flashckpt.config import Knobs, StorageType, job_dir
 from flashckpt.engine.deletions import Deletions
 from flashckpt.engine.durability import Durability, DurabilityPolicy
@@ -33,6 +34,7 @@ from flashckpt.engine.ranks import RankInfo
 from flashckpt.engine.restore import LoadResult, Located, Restorer
 from flashckpt.engine.session import SaverSession, commit_spec_for
 from flashckpt.engine.snapshot import Snapshots, open_memory
+from flashckpt.engine.tiers import local_tier
 from flashckpt.format.files import FileSet, is_fileset_tree
 from flashckpt.format.tree import gc_paused
 from flashckpt.storage import locations
@@ -114,9 +116,10 @@ class CheckpointEngine:
                  process_group: Any = None, weights_only: bool = True, process_mtbf_s: float | None = None,
                  node_mtbf_s: float | None = None, overlap: bool = False,
                  storage_options: dict[str, Any] | None = None, on_persist_error: str | None = None,
-                 max_lag_s: float | None = None) -> None:
+                 max_lag_s: float | None = None, local_dir: str | os.PathLike[str] | None = None,
+                 local_max_to_keep: int = 2) -> None:
         for name, v in (("max_to_keep", max_to_keep), ("save_mem_interval", save_mem_interval),
-                        ("save_storage_interval", save_storage_interval)):
+                        ("save_storage_interval", save_storage_interval), ("local_max_to_keep", local_max_to_keep)):
             if not isinstance(v, int) or v < 0:
                 raise E.InvalidArgumentError(f"CheckpointEngine({name}={v!r}): must be an integer >= 0")
         self._guard = CallGuard()
@@ -136,7 +139,8 @@ class CheckpointEngine:
         self._deletions = Deletions(deletion_strategy, applies=self.ranks.rank == 0,
                                     call=lambda req: self._client_call(req),
                                     delete=lambda path: self.delete_checkpoint(path))  # a call of this engine's own
-        self.knobs = Knobs.from_env()
+        self.knobs, self.local_dir = local_tier(Knobs.from_env(), self.checkpoint_dir, self.storage, local_dir,
+                                                local_max_to_keep)
         self._durability = DurabilityPolicy(self.knobs.on_persist_error if on_persist_error is None else on_persist_error,
                                             self.knobs.max_lag_s if max_lag_s is None else max_lag_s, self._given_dir)
         self.job_dir = job_dir(self.checkpoint_dir, self.knobs)
@@ -148,23 +152,27 @@ class CheckpointEngine:
                                hello=lambda: M.Hello(rank=r.rank, local_rank=r.local_rank, world_size=r.world_size,
                                                      local_world_size=r.local_world_size, pid=os.getpid(),
                                                      persists=self.persists, commit=commit_spec_for(r, replicated),
-                                                     agent_pid=agent_pid(), replicated=replicated))
+                                                     agent_pid=agent_pid(), replicated=replicated,
+                                                     local_dir=self.local_dir or ""))
         hello = self._link.attach()
         # The commit records are read once the saver has readied them (CommitLayout.claim, on its records
         # thread: a stalled store never holds up the start); until then ``layout`` waits for them.
         self._layout: CommitLayout | None = None
         self._storage_loader: StorageLoader | None = None
+        self._tier_loader: StorageLoader | None = None
         self._handler, self._reader = open_memory(r, self.job_dir, self.checkpoint_dir, replicated=replicated,
                                                   allocate=self._allocate if self.snapshots else None,
                                                   copier=self._copier, weights_only=weights_only)
         self._restore = Restorer(ranks=r, group=process_group, replicated=replicated, snapshots=self.snapshots,
                                  reader=self._reader, layout=lambda: self.layout, loader=lambda: self._loader,
-                                 call=lambda req: self._client_call(req))
+                                 call=lambda req: self._client_call(req), local_loader=lambda: self._local_loader)
         self._closed = False
         self._session = SaverSession(self._link, ranks=r, replicated=replicated, persists=self.persists,
                                      handler=self._handler, reader=self._reader, job_dir=self.job_dir,
                                      call=lambda req, **kw: self._client_call(req, **kw), on_status=self._on_status,
-                                     durability=self._durability)
+                                     durability=self._durability, tier=None if self.local_dir is None else {
+                                         "node_ranks": 1 if replicated else r.local_world_size,
+                                         "world_size": r.world_size, "replicated": replicated})
         self._snapshots = Snapshots(self._handler, writes=self.snapshots, done=self._session.after_snapshot)
         if hello.records_ready:
             self._records_readied(hello.committed)
@@ -208,6 +216,17 @@ class CheckpointEngine:
                                                  resolve=self.resolve, cache_dir=self.job_dir,
                                                  world_size=self.ranks.world_size)
         return self._storage_loader
+
+    @property
+    def _local_loader(self) -> StorageLoader | None:
+        """This rank's reader of the node-local tier's committed files (None: no local tier)."""
+        if self.local_dir is None:
+            return None
+        if self._tier_loader is None:
+            self._tier_loader = StorageLoader(local_layout(self.local_dir), self.ranks.rank,
+                                              weights_only=self.weights_only, resolve=self.resolve,
+                                              cache_dir=self.job_dir, world_size=self.ranks.world_size)
+        return self._tier_loader
 
     def resolve(self, path: str | os.PathLike[str]) -> str:
         """The absolute path a ``path`` argument (of ``save``, ``load``, ``delete_checkpoint``) names: see
@@ -580,8 +599,8 @@ class CheckpointEngine:
                                                into=into)
         if loc.source == "memory":
             return self.load_memory(loc.step, into=into, _t0=t0)
-        if loc.source == "storage" and loc.step is not None:
-            self._loaded(loc.step, "storage", t0, nbytes)
+        if loc.source in ("storage", "local") and loc.step is not None:
+            self._loaded(loc.step, loc.source, t0, nbytes)
             return sd
         self._loaded(None, "none", t0, 0, note=unrecorded(self.layout) or "")
         return {}

@@ -24,6 +24,7 @@ from flashckpt.commit.layout import CommitLayout
 from flashckpt.engine.agreement import agree, all_ranks, memory_across_nodes, multi_node, newer_in_memory, verified_step
 from flashckpt.engine.loader import StorageLoader
 from flashckpt.engine.ranks import RankInfo
+from flashckpt.engine.tiers import agreed_local, local_copy
 from flashckpt.memory.reader import SnapshotReader
 from flashckpt.transport import messages as M
 
@@ -34,7 +35,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoadResult:
-    """What the last ``load()`` found: the step, where it came from ("memory", "storage" or "none"),
+    """What the last ``load()`` found: the step, where it came from ("memory", "local": the node-local tier,
+    "storage": the checkpoint dir, or "none"),
     seconds it took and bytes of tensor data."""
 
     step: int | None
@@ -46,8 +48,9 @@ class LoadResult:
 
 @dataclass(frozen=True)
 class Located:
-    """Where the newest checkpoint every rank has lives: ``step``, ``source`` ("memory", "storage" or
-    "none") and ``path``: this rank's file (or ``FileSet`` directory) as given to ``save``."""
+    """Where the newest checkpoint every rank has lives: ``step``, ``source`` ("memory", "local", "storage"
+    or "none") and ``path``: this rank's file (or ``FileSet`` directory) as given to ``save`` ("local": its
+    copy on the node-local tier, the same layout under the local dir; only ``load()`` reads that tier)."""
 
     step: int | None
     source: str
@@ -63,18 +66,23 @@ class Restorer:
         reader: this rank's reader of memory snapshots.
         layout / loader: the engine's commit records and storage loader (asked for when needed).
         call: sends a request to the node's saver (the engine's ``_client_call``).
+        local_loader: the reader of the node-local tier (None: no local tier).
     """
 
     def __init__(self, *, ranks: RankInfo, group: Any, replicated: bool, snapshots: bool, reader: SnapshotReader,
                  layout: Callable[[], CommitLayout], loader: Callable[[], StorageLoader],
-                 call: Callable[[Any], Any]) -> None:
+                 call: Callable[[Any], Any], local_loader: Callable[[], StorageLoader | None] = lambda: None) -> None:
         self.ranks, self.group, self.replicated, self.snapshots = ranks, group, replicated, snapshots
         self.reader, self._layout, self._loader, self._call = reader, layout, loader, call
+        self._local_loader = local_loader
         self.downloads = False  # a load from an object store may have left a shared download
 
-    def locate(self, *, memory: bool, deep: bool, exclude: frozenset[int] | set[int] = frozenset()) -> Located:
+    def locate(self, *, memory: bool, deep: bool, exclude: frozenset[int] | set[int] = frozenset(),
+               local: bool = False) -> Located:
         """``CheckpointEngine.locate``; ``deep=False`` verifies storage steps by size only (for a load that
-        checks the checksums while it reads), ``exclude``: steps found damaged by such a load."""
+        checks the checksums while it reads), ``exclude``: steps found damaged by such a load; ``local``:
+        the node-local tier too (``load()``: "local" when every rank holds the newest step there, or this
+        rank's intact local copy of the step the checkpoint dir serves)."""
         layout = self._layout()
         committed = layout.committed_steps()
         if memory and multi_node(self.ranks, self.group):
@@ -86,9 +94,16 @@ class Restorer:
         step, source = agree(mem, committed, self.group)
         if source == "memory" and step is not None:
             return Located(step, "memory", self.reader.snapshot_name(step) or None)
+        tier = self._local_loader() if local else None
+        if tier is not None:
+            newer = agreed_local(tier.layout, layout, committed, self.ranks.rank, exclude, self.group)
+            if newer is not None:
+                return Located(newer, "local", tier.path_of(newer))
         if source == "storage":
             step = verified_step(layout, self.ranks.rank, committed, step, self.group, deep=deep,
                                  exclude=exclude, world_size=self.ranks.world_size)
+            if tier is not None and local_copy(tier.layout, step, self.ranks.rank):
+                return Located(step, "local", tier.path_of(step))
             return Located(step, "storage", self._loader().path_of(step))
         return Located(None, "none", None)
 
@@ -116,19 +131,19 @@ class Restorer:
         """
         damaged: set[int] = set()
         while True:
-            loc = self.locate(memory=not damaged, deep=deep, exclude=damaged)
-            if loc.source != "storage" or loc.step is None:
+            loc = self.locate(memory=not damaged, deep=deep, exclude=damaged, local=True)
+            if loc.source not in ("storage", "local") or loc.step is None:
                 return loc, None, 0
-            ok, sd, nbytes = self._load_step(loc.step, into)
+            ok, sd, nbytes = self._load_step(loc.step, into, local=loc.source == "local")
             if ok:
                 return loc, sd, nbytes
             log.warning("load(): step %d is damaged on a rank; falling back to the previous committed step", loc.step)
             damaged.add(loc.step)
 
-    def _load_step(self, step: int, into: Any) -> tuple[bool, Any, int]:
-        """Committed ``step`` from storage on every rank: (True, its state dict, bytes), or (False, None, 0)
-        when it is damaged on some rank."""
-        loader = self._loader()
+    def _load_step(self, step: int, into: Any, *, local: bool = False) -> tuple[bool, Any, int]:
+        """Committed ``step`` from storage (``local``: this rank's copy on the local tier) on every rank:
+        (True, its state dict, bytes), or (False, None, 0) when it is damaged on some rank."""
+        loader = (self._local_loader() if local else None) or self._loader()
         failed: BaseException | None = None
         try:
             sd, nbytes = loader.load_step(step, into=into), loader.last_bytes

@@ -53,7 +53,17 @@ import uuid
 from typing import Any
 
 from flashckpt import errors as E
-from flashckpt.config import AGENT_PID_ENV, JOB_ID_ENV, LAST_WORDS_ENV, WARM_MODULES_DIR_ENV, Knobs, is_job_key_of, knob
+from flashckpt.config import (
+    AGENT_PID_ENV,
+    JOB_ID_ENV,
+    LAST_WORDS_ENV,
+    LOCAL_DIR_ENV,
+    LOCAL_KEEP_ENV,
+    WARM_MODULES_DIR_ENV,
+    Knobs,
+    is_job_key_of,
+    knob,
+)
 from flashckpt.launch.warm import launch_event
 from flashckpt.transport import messages as M
 from flashckpt.transport.wire import Client
@@ -288,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="start restarted workers as new processes (default: hand them to warm ones)")
     parser.add_argument("--term-timeout", "--term_timeout", type=float, default=120.0,
                         help="seconds allowed for persisting the newest snapshot after SIGTERM (default 120)")
+    parser.add_argument("--local-dir", "--local_dir", default=None,
+                        help="a node-local directory (NVMe, a local disk) as every worker's local tier: save(DISK) "
+                             "commits there first and the node's saver uploads each step to the checkpoint dir in "
+                             "the background (sets FLASHCKPT_LOCAL_DIR for the workers)")
+    parser.add_argument("--local-keep", "--local_keep", type=int, default=None,
+                        help="steps kept on the local tier (sets FLASHCKPT_LOCAL_KEEP; default 2)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[flashckpt-run] %(message)s")
 
@@ -304,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     log.info("job id %s", job_id)
     if not enabled:
         os.environ[LAST_WORDS_ENV] = "0"
+    if args.local_dir is not None:  # inherited by every (re)started worker, so every adapter gets the tier
+        os.environ[LOCAL_DIR_ENV] = os.path.abspath(args.local_dir)
+    if args.local_keep is not None:
+        os.environ[LOCAL_KEEP_ENV] = str(args.local_keep)
     # The agent class launch_agent builds; only this launcher process is affected.
     agent_class = _flash_agent_class(launcher_api.LocalElasticAgent, job_id, args.term_timeout, enabled)
     launcher_api.LocalElasticAgent = agent_class  # type: ignore[misc,assignment]

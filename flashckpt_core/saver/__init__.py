@@ -12,10 +12,10 @@ trigger the last words at once.
 Its modules: ``daemon`` (``main``), ``server`` (``CheckpointSaver``: owns the parts, runs the saver's life),
 ``state`` (``SaverState``: what the parts share), and the parts: ``control`` (the trainers' socket and the
 dispatch table), ``segments`` (the segment pool), ``persist`` (the persist queues), ``worker`` and
-``persist_worker`` (the persist worker process), ``housekeeping`` (the commit records at start), ``committer``
-(the commit thread), ``lastwords``, ``replica`` (the peer service of a multi-node job) and ``recovery`` (after
-a node loss). This package imports its parts on first use: the daemon (``python -m flashckpt.saver.daemon``)
-defers torch before any.
+``persist_worker`` (the persist worker process), ``housekeeping`` (the commit records at start), ``uploader``
+(a local tier's steps to the durable tier), ``committer`` (the commit thread), ``lastwords``, ``replica`` (the
+peer service of a multi-node job) and ``recovery`` (after a node loss). This package imports its parts on
+first use: the daemon (``python -m flashckpt.saver.daemon``) defers torch before any.
 """
 
 from __future__ import annotations

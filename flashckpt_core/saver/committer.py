@@ -14,11 +14,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from flashckpt import errors as E
-from flashckpt.commit.layout import TrackerUpdateError
+from flashckpt.commit.layout import Manifest, TrackerUpdateError
 from flashckpt.commit.protocol import commit_step
 from flashckpt.commit.removal import delete_step, discard_uncommitted
 from flashckpt.saver.recovery import Recovery
-from flashckpt.saver.state import CommitJob, DeleteJob, DeletePathJob, SaverState, log
+from flashckpt.saver.state import CommitJob, DeleteJob, DeletePathJob, LocalCommitJob, SaverState, log
+from flashckpt.saver.uploader import Uploader
 from flashckpt.storage import locations
 
 __all__ = ["Committer"]
@@ -27,9 +28,10 @@ __all__ = ["Committer"]
 class Committer:
     """The commit thread of one saver and what it runs (see the module docstring)."""
 
-    def __init__(self, state: SaverState, recovery: Recovery) -> None:
+    def __init__(self, state: SaverState, recovery: Recovery, uploader: Uploader) -> None:
         self.state = state
         self.recovery = recovery
+        self.uploader = uploader
         self.layout = state.layout
         self.storage = state.storage
 
@@ -42,6 +44,9 @@ class Committer:
                 return
             if isinstance(item, CommitJob):
                 self._commit(item.step, item.spec)
+                continue
+            if isinstance(item, LocalCommitJob):
+                self._commit_local(item)
                 continue
             # A deletion: ordered after the commits queued before it.
             deleted: list[int] = []
@@ -65,6 +70,8 @@ class Committer:
     # ------------------------------------------------------------------ commits
     def _commit(self, step: int, spec: dict[str, Any]) -> None:
         st = self.state
+        with st.cv:
+            tiered = step in st.uploading  # uploaded from the local tier
         try:
             manifest = commit_step(self.layout, step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
                                    replicated=bool(spec.get("replicated", False)),
@@ -73,21 +80,93 @@ class Committer:
                                    stopping=lambda: st.stop.is_set() and not st.signalled,
                                    waiting=self._commit_waiting(step))
             self._committed_now(step)
-            taken = [float(t) for t in manifest.extra.get("saved_at_ranks", {}).values() if float(t) > 0]
-            rec = st.note_commit(step, "durable", min(taken, default=0.0))
+            rec = st.note_commit(step, "durable", self._snapshot_at(manifest))
             log.info("event=commit step=%d tier=durable ranks=%s lag_s=%s", step, spec["ranks"],
                      "?" if rec["lag_s"] is None else f"{rec['lag_s']:.3f}")
+            self._uploaded(step)
             st.finish(step, None, committed=True)
         except TrackerUpdateError as e:  # committed: never reported as a failed step
-            log.error("event=commit step=%d ranks=%s: %s", step, spec["ranks"], e)
+            log.error("event=commit step=%d tier=durable ranks=%s: %s", step, spec["ranks"], e)
             self._committed_now(step)
+            self._uploaded(step)
             with st.cv:
                 st.errors.append({"step": step, "error": str(e), "committed": True})
             st.finish(step, None, committed=True)
         except Exception as e:
             log.exception("commit of step %d failed", step)
+            error = f"committing step {step} failed: {e}"
+            if tiered and not isinstance(e, (E.PersistError, E.CheckpointCorruptError)) and self.uploader.retry(
+                    step, f"{error} (on the durable tier {self.layout.root}; committed on the local tier)"):
+                return
+            self._uploaded(step)
             self._discard_failed(step, [int(r) for r in spec["ranks"]])
-            st.finish(step, f"committing step {step} failed: {e}", committed=False)
+            st.finish(step, error, committed=False)
+
+    @staticmethod
+    def _snapshot_at(m: Manifest) -> float:
+        """The wall time of the oldest snapshot the files of manifest ``m`` came from; 0 when unknown."""
+        try:
+            return min((float(t) for t in m.extra.get("saved_at_ranks", {}).values() if float(t) > 0), default=0.0)
+        except (TypeError, ValueError, AttributeError):
+            return 0.0
+
+    def _uploaded(self, step: int) -> None:
+        """``step`` is no longer on its way to the durable tier (local retention may remove it)."""
+        with self.state.cv:
+            self.state.uploading.discard(step)
+
+    def _commit_local(self, job: LocalCommitJob) -> None:
+        """Commits ``job.step`` on the local tier (this node's ranks), then queues its upload."""
+        st = self.state
+        local = st.local
+        assert local is not None
+        t0 = time.monotonic()
+        try:
+            commit_step(local, job.step, list(job.ranks), int(job.tier.get("world_size", 1)),
+                        replicated=bool(job.tier.get("replicated", False)),
+                        extra={"tier_ranks": list(job.ranks), "durable_spec": job.spec},
+                        timeout=st.knobs.commit_timeout_s, stopping=lambda: st.stop.is_set() and not st.signalled)
+        except TrackerUpdateError as e:  # committed
+            log.error("event=commit step=%d tier=local ranks=%s: %s", job.step, list(job.ranks), e)
+        except Exception as e:
+            log.exception("local commit of step %d failed", job.step)
+            try:
+                if not local.storage.exists(local.manifest_path(job.step)):
+                    discard_uncommitted(local, job.step)
+            except (OSError, E.FlashCheckpointError) as e2:
+                log.warning("could not remove the remains of the failed local commit of step %d: %s", job.step, e2)
+            st.finish(job.step, f"committing step {job.step} on the local tier {local.root} failed: {e}",
+                      committed=False)
+            return
+        try:
+            snapshot_at = self._snapshot_at(local.read_manifest(job.step))
+        except (OSError, E.FlashCheckpointError):
+            snapshot_at = 0.0
+        rec = st.note_commit(job.step, "local", snapshot_at)
+        log.info("event=commit step=%d tier=local ranks=%s seconds=%.3f lag_s=%s path=%s", job.step, list(job.ranks),
+                 time.monotonic() - t0, "?" if rec["lag_s"] is None else f"{rec['lag_s']:.3f}", local.root)
+        self.uploader.enqueue(job.step)  # the unit of work goes on with it
+        self._local_retention()
+
+    def _local_retention(self) -> None:
+        """Keeps the ``local_keep`` most recently committed steps of the local tier (0: all), and every step
+        whose upload has not finished; never the local tier's newest step."""
+        st = self.state
+        local, keep = st.local, st.local_keep
+        if local is None or keep <= 0:
+            return
+        try:
+            steps = local.committed_steps()
+            with st.cv:
+                busy = set(st.uploading)
+            old = [s for s in steps[:-keep] if s not in busy]
+            for s in old:
+                delete_step(local, s)
+        except (OSError, E.FlashCheckpointError) as e:
+            log.error("local retention in %s failed: %s", local.root, e)
+            return
+        if old:
+            log.info("event=retention tier=local deleted=%s", old)
 
     def _discard_failed(self, step: int, ranks: list[int]) -> None:
         """After a failed commit of ``step`` whose ranks all finished writing (nothing writes it any more:

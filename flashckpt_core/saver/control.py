@@ -210,6 +210,13 @@ class ControlServer:
 
     # ------------------------------------------------------------------ requests (the dispatch table below)
     def _on_hello(self, req: M.Hello, info: ClientInfo | None) -> M.Reply:
+        local = self.state.local.root if self.state.local is not None else ""
+        if req.local_dir != local:
+            raise E.InvalidArgumentError(
+                f"CheckpointEngine(local_dir={req.local_dir or None!r}): this job's saver on this node (pid "
+                f"{os.getpid()}) was started with local_dir={local or None!r}; every engine of a job gives the "
+                "same local_dir (or FLASHCKPT_LOCAL_DIR). Close the other engines first, or give this one the "
+                "same local_dir")
         self.replica.hello(req)
         return M.HelloReply(pid=os.getpid(), **self.status(0))
 

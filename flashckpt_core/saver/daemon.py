@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job-dir", required=True)
     p.add_argument("--checkpoint-dir", required=True)
     p.add_argument("--storage", default="", help="the backend's class as module:qualname (default: by the URL)")
+    p.add_argument("--local-dir", default="", help="the job's node-local tier (default: none)")
+    p.add_argument("--local-keep", type=int, default=2, help="locally committed steps kept (0: all)")
     p.add_argument("--daemonize", action="store_true", help="fork into the background and return at once")
     p.add_argument("--ready-fd", type=int, default=None,
                    help="a pipe to report on: a JSON line with the daemon's pid, then one saying it serves "
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=knob("saver_log_level"),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     saver = CheckpointSaver(args.job_dir, args.checkpoint_dir,
-                            storage=storage_from_spec(args.storage, args.checkpoint_dir, options_from_env()))
+                            storage=storage_from_spec(args.storage, args.checkpoint_dir, options_from_env()),
+                            local_dir=args.local_dir, local_keep=args.local_keep)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: saver.request_stop(last_words=True))
     try:

@@ -54,6 +54,7 @@ class Records:
         self.since = time.monotonic()
         self.start_committed: list[int] = []  # the committed steps once the records were ready
         self._job_lock: Held | None = None  # this job's hold on the records (CommitLayout.claim)
+        self._local_lock: Held | None = None  # and on the local tier's records
 
     def loop(self) -> None:
         """The records thread: ``_housekeeping`` until it succeeds or the saver stops (see the module
@@ -99,6 +100,7 @@ class Records:
                         held.release()
                     return
                 self._job_lock = held
+        self._local_housekeeping()
         committed = self.layout.committed_steps()
         with st.cv:
             st.committed = committed
@@ -112,6 +114,27 @@ class Records:
             except (OSError, E.FlashCheckpointError) as e:
                 log.error("could not look for unfinished uploads in %s: %s", self.layout.root, e)
         self._repair()
+
+    def _local_housekeeping(self) -> None:
+        """The same start-up work on the local tier's records (a local dir: no store to wait for): the hold,
+        half-written local steps removed, the tracker repaired. Its committed steps stay for the upload."""
+        st = self.state
+        local = st.local
+        if local is None or self._local_lock is not None:
+            return
+        os.makedirs(local.root, exist_ok=True)  # a replaced node's local dir is made anew
+        held = local.claim()
+        with st.cv:
+            if st.stop.is_set():
+                if held is not None:
+                    held.release()
+                return
+            self._local_lock = held
+        cleaned = clean_uncommitted(local)
+        if cleaned:
+            log.warning("removed half-written, uncommitted steps %s from the local tier %s", cleaned, local.root)
+        for line in repair(local):
+            log.warning("repaired %s: %s", local.meta, line)
 
     def _repair(self) -> None:
         """Completes what a crash or a failed write left after the last commits: the tracker is derived
@@ -130,8 +153,10 @@ class Records:
         after this)."""
         with self.state.cv:
             held, self._job_lock = self._job_lock, None
-        if held is not None:
-            held.release()
+            local, self._local_lock = self._local_lock, None
+        for h in (held, local):
+            if h is not None:
+                h.release()
 
     def await_ready(self, what: str, timeout: float) -> None:
         """Returns once the commit records are ready; else, after ``timeout`` seconds, or at once when two

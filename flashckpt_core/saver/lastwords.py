@@ -76,10 +76,16 @@ class LastWords:
             with self.state.cv:
                 persisters = dict(self.state.persisters)
                 known = set(self.state.steps)
+                local = self.state.local
                 newest_committed = self.state.committed[-1] if self.state.committed else -1
             saved = saved_at(self.layout, newest_committed)
             if not persisters:
                 return None
+            if local is not None:  # committed on the local tier: the uploader brings it to the store, not this
+                try:
+                    known |= set(local.committed_steps())
+                except (OSError, E.FlashCheckpointError) as e:
+                    log.warning("last words: could not list the local tier's steps: %s", e)
             held = self._held_snapshots(persisters)
             chosen = self._newest_persistable(persisters, held, limit, saved, newest_committed)
             if chosen is None:

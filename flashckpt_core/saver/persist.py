@@ -16,7 +16,9 @@ import time
 from typing import Any
 
 from flashckpt import errors as E
+from flashckpt.commit.layout import CommitLayout
 from flashckpt.commit.removal import remove_rank_files
+from flashckpt.commit.tiers import local_target
 from flashckpt.format.segment import (
     COMPLETE,
     FLAG_PENDING,
@@ -24,8 +26,9 @@ from flashckpt.format.segment import (
     lock_path,
 )
 from flashckpt.saver.segments import SegmentPool
-from flashckpt.saver.state import CommitJob, SaverState, StepState, log
+from flashckpt.saver.state import CommitJob, LocalCommitJob, SaverState, StepState, log
 from flashckpt.saver.worker import PersistWorker
+from flashckpt.storage.posix import PosixDiskStorage
 from flashckpt.transport.ipc import SharedLock
 from flashckpt.transport.messages import Persist
 
@@ -43,6 +46,24 @@ class PersistQueues:
         # Writes the files (torch's work) in a process of its own, started on demand: see persist_worker.
         self.worker = PersistWorker(state.layout.root, state.layout.job, state.storage, nice=state.knobs.persist_nice,
                                     idle_s=state.knobs.persist_worker_idle_s)
+        # With a local tier, a second worker writes into the local dir (the persists the engine asks for);
+        # the saver's own persists (last words, a lost node's ranks) go straight to the checkpoint dir.
+        self.local_worker = None if state.local is None else PersistWorker(
+            state.local.root, state.layout.job, PosixDiskStorage(), nice=state.knobs.persist_nice,
+            idle_s=state.knobs.persist_worker_idle_s, options=False)
+
+    def close_workers(self) -> None:
+        """Stops the persist worker processes (the saver exits)."""
+        self.worker.close()
+        if self.local_worker is not None:
+            self.local_worker.close()
+
+    def _tier(self, job: Persist) -> tuple[CommitLayout, PersistWorker, str]:
+        """Where ``job`` writes: (commit records, worker, path), on the local tier when it goes there."""
+        local, worker = self.state.local, self.local_worker
+        if job.local is None or local is None or worker is None:
+            return self.layout, self.worker, job.path
+        return local, worker, local_target(self.layout, local, job.path)
 
     def enqueue(self, req: Persist) -> None:
         st = self.state
@@ -59,6 +80,7 @@ class PersistQueues:
             st.failures.pop((job.step, job.rank), None)  # an earlier save's of the same step
             if job.commit is not None:
                 step.commits_here = True
+                step.spec = job.commit
             st.inflight += 1
             q = self._queues.get(job.local_rank)
             if q is None:
@@ -78,16 +100,19 @@ class PersistQueues:
             job = q.get()
             if job is None:
                 return
+            layout = self._tier(job)[0]
             try:
                 self._persist(job)
-                if job.commit is not None:
+                if layout is not self.layout:
+                    self._local_done(job)
+                elif job.commit is not None:
                     self.state.commit_q.put(CommitJob(job.step, job.commit))
                 else:
                     self.state.finish(job.step, None, committed=False)
             except Exception as e:  # reported to the trainer; the saver keeps serving
                 log.exception("persist of step %d rank %d failed", job.step, job.rank)
                 try:  # give the space back now (a full disk), not at the next start
-                    remove_rank_files(self.layout, job.step, job.rank)
+                    remove_rank_files(layout, job.step, job.rank)
                 except Exception:
                     log.exception("removing the files of the failed persist of step %d rank %d", job.step, job.rank)
                 # What failed, for every rank: the committer reads it from the failed marker (or, on this node,
@@ -95,12 +120,28 @@ class PersistQueues:
                 why = f"{job.path}: {type(e).__name__}: {e}"
                 with self.state.cv:
                     self.state.failures[(job.step, job.rank)] = why
-                self.layout.write_failed(job.step, job.rank, why)
+                layout.write_failed(job.step, job.rank, why)
                 self.state.finish(job.step, f"persisting step {job.step} of rank {job.rank} to {job.path} failed: "
                                   f"{type(e).__name__}: {e}", committed=False)
 
+    def _local_done(self, job: Persist) -> None:
+        """Rank ``job.rank``'s files of ``job.step`` are on the local tier: once every persisting rank of this
+        node has them, the step's local commit is queued (carrying this unit of work on), else this rank's
+        unit of work ends here."""
+        st = self.state
+        tier = dict(job.local or {})
+        with st.cv:
+            step = st.steps.setdefault(job.step, StepState())
+            step.local_done.add(job.rank)
+            if len(step.local_done) < int(tier.get("node_ranks", 1)):
+                st.work_done()
+                return
+            ranks, spec = tuple(sorted(step.local_done)), step.spec
+        st.commit_q.put(LocalCommitJob(job.step, ranks, tier, spec))
+
     def _persist(self, job: Persist) -> None:
         t0 = time.perf_counter()
+        layout, worker, path = self._tier(job)
         seg = self.pool.segment(job.seg_path)
         lock = SharedLock(lock_path(self.state.job_dir, seg.local_rank))
         with lock:
@@ -112,11 +153,11 @@ class PersistQueues:
         self.pool.persist_activity()
         self.pool.prepare_spares(seg)
         try:
-            self.layout.clear_markers(job.step, job.rank)  # an earlier save's of the same step
+            layout.clear_markers(job.step, job.rank)  # an earlier save's of the same step
             # The worker writes the intent and the files (it maps the segment read-only); then the done marker.
-            recs, is_set = self.worker.persist(seg_path=seg.path, slot=job.slot, generation=job.generation,
-                                               step=job.step, rank=job.rank, path=job.path)
-            self.layout.write_done(job.step, job.rank, recs, base=job.path if is_set else "", saved_at=h.wall_time)
+            recs, is_set = worker.persist(seg_path=seg.path, slot=job.slot, generation=job.generation,
+                                          step=job.step, rank=job.rank, path=path)
+            layout.write_done(job.step, job.rank, recs, base=path if is_set else "", saved_at=h.wall_time)
         finally:
             with lock:
                 h2 = seg.header(job.slot)
@@ -133,8 +174,8 @@ class PersistQueues:
             self.state.stats.persisted_bytes += size
             self.state.stats.persist_seconds += dt
             self.state.stats.last_persist_s = dt
-        log.info("event=persist step=%d rank=%d bytes=%d seconds=%.3f path=%s", job.step, job.rank,
-                 size, dt, job.path)
+        log.info("event=persist step=%d rank=%d bytes=%d seconds=%.3f path=%s%s", job.step, job.rank,
+                 size, dt, path, " tier=local" if layout is not self.layout else "")
 
     # ------------------------------------------------------------------ persisting a copy held here
     def persist_held(self, step: int, ranks: list[int]) -> list[int]:

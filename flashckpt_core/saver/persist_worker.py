@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job", default="")
     p.add_argument("--storage", default="")
     p.add_argument("--nice", type=int, default=0)
+    p.add_argument("--no-options", action="store_true", help="build the storage without the saver's storage_options "
+                   "(the local tier's worker: a POSIX dir, whatever the checkpoint dir's backend takes)")
     args = p.parse_args(argv)
     # The protocol's pipes get fds of their own; fd 0 and 1 become /dev/null and stderr, so nothing a
     # library prints can corrupt a reply.
@@ -252,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     # Segments are mapped read-only: torch warns that its views of them are not writable (they are not
     # written: the files are only read from them).
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
-    writer = _Writer(CommitLayout(args.checkpoint_dir, storage_from_spec(args.storage, args.checkpoint_dir, options_from_env()), job=args.job))
+    options = {} if args.no_options else options_from_env()
+    writer = _Writer(CommitLayout(args.checkpoint_dir, storage_from_spec(args.storage, args.checkpoint_dir, options),
+                                  job=args.job))
     out_lock = threading.Lock()
     with out_lock:
         write_frame(out_fd, {"ready": True, "pid": os.getpid()})

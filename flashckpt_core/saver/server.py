@@ -9,7 +9,8 @@ the parts they call, in their constructors (built in this order, each calling on
 - ``Records`` (``saver.housekeeping``): the start-up work on the commit records, and waiting for it.
 - ``ReplicaService`` (``saver.replica``): the peer service of a multi-node job (backups, fetches).
 - ``Recovery`` (``saver.recovery``): who persists what after a node loss.
-- ``Committer`` (``saver.committer``): the commit thread (commits, deletions).
+- ``Uploader`` (``saver.uploader``): with a local tier, uploading its committed steps to the durable tier.
+- ``Committer`` (``saver.committer``): the commit thread (commits on each tier, deletions).
 - ``LastWords`` (``saver.lastwords``): persisting the newest snapshot at an end.
 - ``ControlServer`` (``saver.control``): the trainers' socket, their sessions, the dispatch table.
 
@@ -26,6 +27,7 @@ import time
 
 from flashckpt import errors as E
 from flashckpt.commit.layout import CommitLayout
+from flashckpt.commit.tiers import local_layout
 from flashckpt.config import Knobs, dir_identity, is_default_runtime_dir, open_private_dir
 from flashckpt.saver.committer import Committer
 from flashckpt.saver.control import ControlServer
@@ -36,6 +38,7 @@ from flashckpt.saver.recovery import Recovery
 from flashckpt.saver.replica import ReplicaService
 from flashckpt.saver.segments import SegmentPool
 from flashckpt.saver.state import SaverState, log
+from flashckpt.saver.uploader import Uploader
 from flashckpt.storage.base import CheckpointStorage
 from flashckpt.storage.registry import storage_for
 from flashckpt.transport.ipc import SharedLock
@@ -67,22 +70,28 @@ class CheckpointSaver:
         checkpoint_dir: the checkpoint dir it persists into.
         storage: the storage backend (POSIX by default).
         knobs: environment knobs (read from the environment when None).
+        local_dir: the job's node-local tier ("": none): persists the engine asks for are committed there
+            first and uploaded to ``checkpoint_dir`` in the background (``saver.uploader``).
+        local_keep: the locally committed steps kept (0: all).
     """
 
     def __init__(self, job_dir: str, checkpoint_dir: str, *, storage: CheckpointStorage | None = None,
-                 knobs: Knobs | None = None) -> None:
+                 knobs: Knobs | None = None, local_dir: str = "", local_keep: int = 2) -> None:
         knobs = knobs or Knobs.from_env()
         storage = storage or storage_for(checkpoint_dir)
         # The runtime dir is named by the job key (config.job_key): markers and manifests carry it.
-        layout = CommitLayout(checkpoint_dir, storage, job=os.path.basename(os.path.normpath(job_dir)))
-        self.state = st = SaverState(job_dir, knobs, storage, layout)
+        job = os.path.basename(os.path.normpath(job_dir))
+        layout = CommitLayout(checkpoint_dir, storage, job=job)
+        self.state = st = SaverState(job_dir, knobs, storage, layout, local=local_layout(local_dir, job) if local_dir
+                                     else None, local_keep=local_keep)
         self.job_dir, self.knobs, self.storage, self.layout, self.stats = job_dir, knobs, storage, layout, st.stats
         self.pool = SegmentPool(st)
         self.persist = PersistQueues(st, self.pool)
         self.records = Records(st)
         self.replica = ReplicaService(st, self.pool, self.persist)
         self.recovery = Recovery(st, self.replica, self.persist)
-        self.committer = Committer(st, self.recovery)
+        self.uploader = Uploader(st, self.records)
+        self.committer = Committer(st, self.recovery, self.uploader)
         self.last_words = LastWords(st, self.pool, self.persist, self.records, self.recovery)
         self.control = ControlServer(st, pool=self.pool, persist=self.persist, committer=self.committer,
                                      last_words=self.last_words, records=self.records, replica=self.replica)
@@ -115,6 +124,8 @@ class CheckpointSaver:
         st.spawn(self.records.loop, "records")
         st.spawn(self.control.accept_loop, "accept")
         st.spawn(self.committer.loop, "commit")
+        if st.local is not None:
+            st.spawn(self.uploader.loop, "upload")
         st.spawn(self.pool.spare_keeper, "spare")
         log.info("saver %d serving %s for %s", os.getpid(), self.job_dir, self.layout.root)
 
@@ -213,7 +224,7 @@ class CheckpointSaver:
             if st.inflight:
                 log.error("exiting with %d persist(s) unfinished after %.0f s", st.inflight, drain_timeout)
         self.replica.stop()
-        self.persist.worker.close()
+        self.persist.close_workers()
         self.storage.close()
         gone = self._runtime_gone()
         spawn_lock: SharedLock | None = None
@@ -225,6 +236,7 @@ class CheckpointSaver:
         try:
             self.control.close_socket()
             self.persist.stop()
+            self.uploader.stop()
             st.commit_q.put(None)
             self.pool.close()
             self._remove_runtime(bool(gone), spawn_lock is not None)

@@ -23,7 +23,7 @@ from flashckpt.config import Knobs
 from flashckpt.format.segment import SlotHeader
 from flashckpt.storage.base import CheckpointStorage
 
-__all__ = ["SaverState", "StepState", "ClientInfo", "Stats", "CommitJob", "DeleteJob", "DeletePathJob", "CommitWork",
+__all__ = ["SaverState", "StepState", "ClientInfo", "Stats", "CommitJob", "LocalCommitJob", "DeleteJob", "DeletePathJob", "CommitWork",
            "saved_at", "log"]
 
 log = logging.getLogger("flashckpt.saver")
@@ -38,6 +38,8 @@ class StepState:
     commits_here: bool = False
     paths: set[str] = field(default_factory=set)  # where this node's ranks persist it (delete_path refuses them)
     ranks: set[int] = field(default_factory=set)  # the ranks whose files of it this saver writes
+    local_done: set[int] = field(default_factory=set)  # ranks whose files are on the local tier (done markers)
+    spec: dict[str, Any] | None = None  # the durable commit spec (global rank 0's node)
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,18 @@ class CommitJob:
 
     step: int
     spec: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LocalCommitJob:
+    """Commit ``step`` on the local tier once ``ranks`` (this node's persisting ranks) have their done markers
+    there; ``tier``: a ``Persist`` request's ``local`` (world size, replicated), ``spec``: the durable commit
+    spec when this node commits the step on the durable tier."""
+
+    step: int
+    ranks: tuple[int, ...]
+    tier: dict[str, Any]
+    spec: dict[str, Any] | None
 
 
 @dataclass(frozen=True)
@@ -66,7 +80,7 @@ class DeletePathJob:
 
 
 #: What the commit thread does, in queue order: every change to the commit records happens on it.
-CommitWork = CommitJob | DeleteJob | DeletePathJob
+CommitWork = CommitJob | LocalCommitJob | DeleteJob | DeletePathJob
 
 
 @dataclass
@@ -119,6 +133,9 @@ class SaverState:
     signalled: bool = False  # last words before exiting (SIGTERM, final goodbyes, giving way)
     last_words_lock: threading.Lock = field(default_factory=threading.Lock)  # one choice of a step to persist
     threads: list[threading.Thread] = field(default_factory=list)
+    local: CommitLayout | None = None  # the node-local tier's commit records (None: no local tier)
+    local_keep: int = 2  # locally committed steps kept (0: all)
+    uploading: set[int] = field(default_factory=set)  # locally committed steps not yet committed on the durable tier
 
     def spawn(self, target: Any, name: str, *args: Any) -> threading.Thread:
         """Starts a daemon thread of the saver named ``flashckpt-saver-<name>``."""
@@ -141,7 +158,7 @@ class SaverState:
             return True
         if st.commits_here:
             return st.status in ("committed", "failed")
-        return st.status != "persisting"
+        return st.status not in ("persisting", "uploading")
 
     def finish(self, step: int, error: str | None, *, committed: bool) -> None:
         """Records the end of this saver's work on ``step`` (a persist, or the commit)."""
@@ -152,7 +169,7 @@ class SaverState:
                 self.errors.append({"step": step, "error": error})
             elif committed:
                 st.status = "committed"
-            elif st.status == "persisting":
+            elif st.status in ("persisting", "uploading"):
                 st.status = "persisted"
             self.work_done()
 

@@ -49,11 +49,14 @@ class PersistWorker:
             (``from_url``), so a backend registered in code only reaches it too.
         nice: how much lower than the saver the worker runs (Linux nice increment).
         idle_s: the worker exits once no persist was in flight for this long.
+        options: whether the worker builds its storage with the saver's ``storage_options`` (not for the
+            local tier's POSIX dir).
     """
 
-    def __init__(self, checkpoint_dir: str, job: str, storage: CheckpointStorage, *, nice: int, idle_s: float) -> None:
+    def __init__(self, checkpoint_dir: str, job: str, storage: CheckpointStorage, *, nice: int, idle_s: float,
+                 options: bool = True) -> None:
         self._argv = [sys.executable, "-m", WORKER_MODULE, "--checkpoint-dir", checkpoint_dir, "--job", job,
-                      "--storage", storage_spec(storage), "--nice", str(nice)]
+                      "--storage", storage_spec(storage), "--nice", str(nice)] + ([] if options else ["--no-options"])
         self.idle_s = idle_s
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None

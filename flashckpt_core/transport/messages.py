@@ -267,6 +267,7 @@ class Hello(Request[HelloReply]):
     commit: dict[str, Any] | None = None  # global rank 0: what committing a step needs (engine._commit_spec)
     agent_pid: int = 0  # the job's launcher, whose exit the saver follows
     replicated: bool = False  # every rank holds the same state (one holder per node is enough)
+    local_dir: str = ""  # the job's local tier ("": none); every engine of a job gives the same
 
 
 @dataclass(frozen=True)
@@ -292,6 +293,10 @@ class Persist(Request[StatusReply]):
     path: str
     commit: dict[str, Any] | None = None
     cursor: int = 0
+    # With a local tier: {"node_ranks": the ranks of this node that persist the step, "world_size",
+    # "replicated"}; the files go to the local tier, committed there per node, then uploaded (None: straight
+    # to the checkpoint dir).
+    local: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

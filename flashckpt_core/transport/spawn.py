@@ -122,7 +122,8 @@ def _spawn_saver(job_dir: str, checkpoint_dir: str, knobs: Knobs, storage: str,
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", SAVER_MODULE, "--daemonize", "--job-dir", job_dir,
-                 "--checkpoint-dir", locations.normpath(checkpoint_dir), "--storage", storage, "--ready-fd", str(wfd)],
+                 "--checkpoint-dir", locations.normpath(checkpoint_dir), "--storage", storage, "--ready-fd", str(wfd),
+                 "--local-dir", knobs.local_dir, "--local-keep", str(knobs.local_keep)],
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, close_fds=True, pass_fds=(wfd,),
                 start_new_session=True, env=env, cwd="/")
         finally:

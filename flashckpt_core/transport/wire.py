@@ -113,7 +113,8 @@ def peer_uid(sock: socket.socket) -> int:
 _ERRORS: dict[str, type[E.FlashCheckpointError]] = {
     cls.__name__: cls for cls in (E.FlashCheckpointError, E.InvalidStateDictError, E.CheckpointDirError,
                                   E.SharedMemoryError, E.SaverError, E.PersistError,
-                                  E.CheckpointCorruptError, E.CheckpointTimeoutError, E.ProtocolError)
+                                  E.CheckpointCorruptError, E.CheckpointTimeoutError, E.ProtocolError,
+                                  E.InvalidArgumentError)
 }
 
 

@@ -145,7 +145,8 @@ def test_ls_shows_what_this_nodes_memory_and_backups_hold(tmp_path, capsys):
         assert main(["ls", "--json", ckpt]) == 0
         rows = json.loads(capsys.readouterr().out)
         assert rows == [{"step": 7, "state": "in memory", "size": "-", "age": "-",
-                         "memory": "ranks 0; backups of ranks 3", "files": "(this node's shared memory)"}]
+                         "memory": "ranks 0; backups of ranks 3", "tiers": "memory",
+                         "files": "(this node's shared memory)"}]
     finally:
         shutil.rmtree(jd)
 
