@@ -91,6 +91,7 @@ class DurabilityPolicy:
         self._lags: dict[int, float] = {}
         self._failures = 0
         self._over = False  # the lag is over the bound (warned once)
+        self._retrying: set[int] = set()  # steps whose retried upload failed (reported once)
 
     @property
     def warns(self) -> bool:
@@ -118,12 +119,24 @@ class DurabilityPolicy:
             # A durable step supersedes every save asked of storage up to it (those failed or were
             # superseded); saves after it are still owed.
             self._pending = {s: t for s, t in self._pending.items() if s > newest}
+            self._retrying = {s for s in self._retrying if s > newest}
 
     def lag_s(self, now: float | None = None) -> float:
         """Seconds since the oldest save asked of storage that is not durable yet was taken (0.0: none)."""
         if not self._pending:
             return 0.0
         return max(0.0, (time.time() if now is None else now) - min(self._pending.values()))
+
+    def first_report(self, error: dict[str, Any]) -> bool:
+        """Whether a status error entry is news: an attempt at an upload the saver retries (``"retrying"``)
+        counts once per step until that step is durable; every other failure counts each time."""
+        if not error.get("retrying"):
+            return True
+        step = int(error["step"])
+        if step in self._retrying:
+            return False
+        self._retrying.add(step)
+        return True
 
     # ------------------------------------------------------------------ what it does to training
     def failed(self, message: str, count: int) -> bool:

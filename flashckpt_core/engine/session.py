@@ -103,7 +103,8 @@ class SaverSession:
         self.link.absorb(st)
         self._on_status(st)
         self.durability.observe(st.committed, st.commits)
-        failed = [e["error"] for e in st.errors if not e.get("committed")]
+        # A step's upload that keeps failing while the saver retries it is reported once, not per attempt.
+        failed = [e["error"] for e in st.errors if not e.get("committed") and self.durability.first_report(e)]
         notes = [e["error"] for e in st.errors if e.get("committed")]  # committed steps whose tracker update failed
         msgs = [f"{len(failed)} persist(s) failed: " + "; ".join(failed)] if failed else []
         lost = self.link.take_lost()
@@ -115,7 +116,7 @@ class SaverSession:
             error = E.PersistError(f"{'. '.join(msgs + notes)}. Earlier committed checkpoints are intact; memory "
                                    "snapshots continue.")
             if not lost and not notes:
-                error.failed_steps = tuple(int(e["step"]) for e in st.errors if not e.get("committed"))
+                error.failed_steps = tuple(sorted({int(e["step"]) for e in st.errors if not e.get("committed")}))
             raise error
         if notes:
             raise E.PersistError("; ".join(notes))

@@ -37,6 +37,15 @@ def test_warn_logs_instead_of_raising() -> None:
     assert DurabilityPolicy("raise", None, "/ckpt").failed("x", 1) is True
 
 
+def test_a_retried_upload_is_reported_once_until_it_is_durable() -> None:
+    p = DurabilityPolicy("warn", None, "/ckpt")
+    retry = {"step": 4, "error": "x", "tier": "durable", "retrying": True}
+    assert [p.first_report(retry) for _ in range(3)] == [True, False, False]
+    assert p.first_report({"step": 4, "error": "y"})  # a failure of another kind counts each time
+    p.observe([4], [])
+    assert p.first_report(retry)  # step 4 durable meanwhile: a later failure of it is news again
+
+
 @pytest.mark.parametrize("kw", [{"on_error": "ignore"}, {"max_lag_s": -1.0}, {"max_lag_s": "5"}])
 def test_bad_arguments_are_refused(kw: dict) -> None:
     args = {"on_error": "raise", "max_lag_s": None, **kw}
