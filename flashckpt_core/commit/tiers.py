@@ -31,7 +31,24 @@ from flashckpt.storage import locations
 from flashckpt.storage.base import CheckpointStorage, FileRecord
 from flashckpt.storage.posix import PosixDiskStorage
 
-__all__ = ["check_local_dir", "local_layout", "local_target", "upload_step", "pending_uploads", "durable_spec_of"]
+__all__ = ["check_local_dir", "local_layout", "local_target", "upload_step", "pending_uploads", "durable_spec_of",
+           "DURABLE_ROOT", "belongs", "foreign_steps"]
+
+#: A local manifest's key naming the checkpoint dir (the durable tier's root) its step belongs to: a local dir
+#: used for two checkpoint dirs must never upload or load one's steps as the other's.
+DURABLE_ROOT = "durable_root"
+
+
+def belongs(m: Manifest, durable_root: str) -> bool:
+    """Whether the local tier's manifest ``m`` is a step of the checkpoint dir ``durable_root``."""
+    return m.extra.get(DURABLE_ROOT) == durable_root
+
+
+def foreign_steps(local: CommitLayout, durable_root: str) -> dict[int, str]:
+    """The local tier's committed steps of another checkpoint dir than ``durable_root``: step -> that dir
+    ("?" where the manifest does not say)."""
+    return {s: str(m.extra.get(DURABLE_ROOT, "?")) for s, m in local.committed_manifests().items()
+            if not belongs(m, durable_root)}
 
 
 def check_local_dir(local_dir: str | os.PathLike[str], durable_root: str, durable: CheckpointStorage,
@@ -83,7 +100,7 @@ def pending_uploads(local: CommitLayout, durable: CommitLayout) -> list[int]:
     newest_at = max((m.extra.get("saved_at", 0.0) for m in dur.values()), default=0.0)
     out = []
     for s, m in local.committed_manifests().items():
-        if s in dur:
+        if s in dur or not belongs(m, durable.root):
             continue
         if float(m.extra.get("saved_at", 0.0)) >= float(newest_at):
             out.append(s)

@@ -102,7 +102,7 @@ class Restorer:
         if source == "storage":
             step = verified_step(layout, self.ranks.rank, committed, step, self.group, deep=deep,
                                  exclude=exclude, world_size=self.ranks.world_size)
-            if tier is not None and local_copy(tier.layout, step, self.ranks.rank):
+            if tier is not None and local_copy(tier.layout, step, self.ranks.rank, layout.root):
                 return Located(step, "local", tier.path_of(step))
             return Located(step, "storage", self._loader().path_of(step))
         return Located(None, "none", None)

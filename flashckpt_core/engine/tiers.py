@@ -13,7 +13,7 @@ from typing import Any
 from flashckpt import errors as E
 from flashckpt.commit.checkpoint_dir import prepare_dir
 from flashckpt.commit.layout import CommitLayout
-from flashckpt.commit.tiers import check_local_dir
+from flashckpt.commit.tiers import belongs, check_local_dir, foreign_steps, local_layout
 from flashckpt.config import Knobs
 from flashckpt.storage.base import CheckpointStorage
 from flashckpt.storage.posix import PosixDiskStorage
@@ -35,13 +35,25 @@ def local_tier(knobs: Knobs, checkpoint_dir: str, storage: CheckpointStorage,
         return dataclasses.replace(knobs, local_dir=""), None
     path = check_local_dir(given, checkpoint_dir, storage)
     prepare_dir(PosixDiskStorage(), path, given)
+    foreign = foreign_steps(local_layout(path), storage.normpath(checkpoint_dir))
+    if foreign:
+        owners = sorted(set(foreign.values()))
+        raise E.InvalidArgumentError(
+            f"local_dir={given!r} holds the local tier of another checkpoint dir ({', '.join(owners)}: steps "
+            f"{sorted(foreign)}), not of {checkpoint_dir}; give each checkpoint dir a local_dir of its own (for "
+            f"example {os.path.join(os.path.dirname(given.rstrip('/')), (os.path.basename(checkpoint_dir.rstrip('/')) or 'run') + '-local')}), or remove "
+            "what that one holds once its steps are on their checkpoint dir (`flashckpt ls DIR --local-dir L`)")
     return dataclasses.replace(knobs, local_dir=path, local_keep=keep if local_dir is not None else knobs.local_keep), path
 
 
-def local_copy(local: CommitLayout, step: int, rank: int) -> bool:
-    """Whether the local tier holds ``rank``'s files of committed ``step``, intact (checksums verified)."""
+def local_copy(local: CommitLayout, step: int, rank: int, durable_root: str) -> bool:
+    """Whether the local tier holds ``rank``'s files of committed ``step`` of the checkpoint dir
+    ``durable_root``, intact (checksums verified)."""
     try:
-        if step not in local.committed_steps() or not local.read_manifest(step).files_for(rank):
+        if step not in local.committed_steps():
+            return False
+        m = local.read_manifest(step)
+        if not belongs(m, durable_root) or not m.files_for(rank):
             return False
         return not local.verify(step, rank=rank, deep=True)
     except (OSError, E.FlashCheckpointError):
@@ -63,7 +75,7 @@ def agreed_local(local: CommitLayout, durable: CommitLayout, committed: list[int
             newest_at = float(durable.read_manifest(committed[-1]).extra.get("saved_at", 0.0))
         if steps and (steps[-1] not in committed or steps[-1] == committed[-1]):
             m = local.read_manifest(steps[-1])
-            if float(m.extra.get("saved_at", 0.0)) >= newest_at and local_copy(local, steps[-1], rank):
+            if float(m.extra.get("saved_at", 0.0)) >= newest_at and local_copy(local, steps[-1], rank, durable.root):
                 mine = steps[-1]
     except (OSError, E.FlashCheckpointError):
         mine = -1

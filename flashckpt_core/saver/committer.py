@@ -17,6 +17,7 @@ from flashckpt import errors as E
 from flashckpt.commit.layout import Manifest, TrackerUpdateError
 from flashckpt.commit.protocol import commit_step
 from flashckpt.commit.removal import delete_step, discard_uncommitted
+from flashckpt.commit.tiers import DURABLE_ROOT
 from flashckpt.saver.recovery import Recovery
 from flashckpt.saver.state import CommitJob, DeleteJob, DeletePathJob, LocalCommitJob, SaverState, log
 from flashckpt.saver.uploader import Uploader
@@ -124,7 +125,7 @@ class Committer:
         try:
             commit_step(local, job.step, list(job.ranks), int(job.tier.get("world_size", 1)),
                         replicated=bool(job.tier.get("replicated", False)),
-                        extra={"tier_ranks": list(job.ranks), "durable_spec": job.spec},
+                        extra={"tier_ranks": list(job.ranks), "durable_spec": job.spec, DURABLE_ROOT: self.layout.root},
                         timeout=st.knobs.commit_timeout_s, stopping=lambda: st.stop.is_set() and not st.signalled)
         except TrackerUpdateError as e:  # committed
             log.error("event=commit step=%d tier=local ranks=%s: %s", job.step, list(job.ranks), e)

@@ -12,6 +12,7 @@ import shutil
 from typing import Any
 
 import pytest
+import torch
 from _fault_helpers import (  # noqa: F401
     FaultEnv,
     assert_bit_equal,
@@ -89,8 +90,15 @@ def test_local_dir_is_checked(tmp_path: Any, fault_env: FaultEnv) -> None:
     try:
         with pytest.raises(InvalidArgumentError, match="same local_dir"):
             CheckpointEngine(durable, local_dir=str(tmp_path / "b"))
+        first.save(1, {"w": torch.ones(3)}, storage_type=StorageType.DISK)
+        first.wait()
     finally:
         close_and_wait(first)
+    # The local dir of one checkpoint dir given to another: refused, naming both (never its steps as the other's).
+    other = str(tmp_path / "other")
+    with pytest.raises(InvalidArgumentError, match=r"holds the local tier of another checkpoint dir .*durable.*steps \[1\]"):
+        CheckpointEngine(other, local_dir=str(tmp_path / "a"))
+    assert not os.path.exists(os.path.join(other, "step_1"))
 
 
 def test_local_tier_over_s3(s3: Any, tmp_path: Any, fault_env: FaultEnv) -> None:
