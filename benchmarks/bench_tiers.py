@@ -35,7 +35,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
