@@ -132,7 +132,7 @@ def upload_step(local: CommitLayout, durable: CommitLayout, step: int) -> Manife
     at the durable commit (as a persist does); tracker files are always staged. Returns the local manifest.
 
     Raises:
-        CheckpointCorruptError: a local file does not match its local manifest (size or checksum).
+        CheckpointCorruptError: a local file is gone or does not match its local manifest (size or checksum).
         OSError / FlashCheckpointError: what the durable store raised.
     """
     m = local.read_manifest(step)
@@ -151,6 +151,9 @@ def upload_step(local: CommitLayout, durable: CommitLayout, step: int) -> Manife
             staged = (durable.staged_path(step, r, 90000 + i)
                       if f.kind == "tracker" or durable.storage.normpath(final) in committed else "")
             src = local.abs(f.path)
+            if not os.path.exists(src):  # the local dir emptied under the saver: not a store failure to retry
+                raise E.CheckpointCorruptError(f"uploading step {step}: the local file {src} is gone (was the local "
+                                               "dir emptied?); the step is not uploaded")
             rec = _upload_file(durable.storage, src, staged or final)
             if (rec.size, rec.xxh3) != (f.size, f.xxh3) and f.kind == "tracker":
                 continue  # rewritten locally by a newer step since (a fixed name): that step carries it

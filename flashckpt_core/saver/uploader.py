@@ -127,12 +127,17 @@ class Uploader:
                 m = upload_step(st.local, st.layout, step)
                 break
             except E.CheckpointCorruptError as e:
-                if not st.local.storage.exists(st.local.manifest_path(step)):  # a newer local step superseded it
-                    log.info("event=upload tier=durable step=%d skipped: superseded on the local tier", step)
-                    self._give_up(step, "superseded")
-                    return
-                log.error("event=upload tier=durable step=%d failed: %s", step, e)
-                self._give_up(step, str(e), report=True)
+                why = str(e)
+                if not st.local.storage.exists(st.local.manifest_path(step)):
+                    if self._superseded(step):  # a newer local step reused its files
+                        log.info("event=upload tier=durable step=%d skipped: superseded on the local tier", step)
+                        self._give_up(step, "superseded")
+                        return
+                    # The local tier lost it (the dir removed or emptied): said, never skipped quietly.
+                    why = (f"step {step} was committed on the local tier {st.local.root}, but its copy there is "
+                           f"gone before it reached {st.layout.root}: it is not on the checkpoint dir")
+                log.error("event=upload tier=durable step=%d failed: %s", step, why)
+                self._give_up(step, why, report=True)
                 return
             except Exception as e:  # the store refused or stalled: retried
                 if not st.stop.is_set():
@@ -151,6 +156,17 @@ class Uploader:
         with st.cv:
             st.uploading.discard(step)
         st.finish(step, None, committed=False)
+
+    def _superseded(self, step: int) -> bool:
+        """Whether a step committed on the local tier after ``step`` is there now (its commit may have taken
+        ``step``'s files over); False when the local tier holds no newer step (it was removed or emptied)."""
+        st = self.state
+        assert st.local is not None
+        try:
+            order = st.local.committed_steps()
+        except (OSError, E.FlashCheckpointError):
+            return False
+        return bool(order) and order[-1] != step
 
     def _failed(self, step: int, error: str) -> None:
         """Reports a failed attempt at ``step`` (each one: a status error entry with ``"tier": "durable"``)."""

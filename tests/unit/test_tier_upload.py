@@ -82,6 +82,10 @@ def test_a_damaged_local_copy_is_not_uploaded(tmp_path: Any) -> None:
     with pytest.raises(E.CheckpointCorruptError, match="damaged"):
         upload_step(local, durable, 1)
     assert not durable.markers_complete(1, [0])
+    os.unlink(os.path.join(local.root, "step_1", "a.pt"))  # emptied under the saver: said, never retried as a store error
+    with pytest.raises(E.CheckpointCorruptError, match="is gone"):
+        upload_step(local, durable, 1)
+    assert not durable.markers_complete(1, [0])
 
 
 def test_flashckpt_upload_commits_what_the_local_tier_holds(tmp_path: Any, capsys: Any) -> None:
