@@ -161,17 +161,10 @@ class CommitLayout:
     def _inside(self, path: str, base: str) -> bool:
         return path == base or locations.inside(path, base, strict=True)
 
-    def check_target(self, step: int, path: str, *, files: list[str] | None = None) -> None:
-        """Refuses a persist target that would change another step's committed files, before anything
-        is written. ``path`` is the file, or the ``FileSet`` directory whose ``files`` (absolute paths,
-        trackers excluded) are written.
-
-        Refused: paths in the records dir (manifests, markers, the tracker) and in the checkpoint dir's
-        ``.flashckpt`` (the name of the records dir inside it); paths equal to or inside
-        another committed step's ``FileSet`` directory; a file where another step's committed files
-        lie below. Allowed: a file that replaces exactly a file another committed step lists (a fixed
-        name such as Lightning's ``last.ckpt``); it is written staged and moved into place at the
-        commit, after which that older step no longer counts as committed (it is superseded).
+    def check_place(self, step: int, path: str, files: list[str] | None = None) -> list[str]:
+        """The part of ``check_target`` that reads nothing: refuses a target in the commit records (or the
+        name reserved for them) or outside the checkpoint dir; returns the targets, normalized (the path,
+        then ``files``). Where another step's committed files are is ``check_target``'s question.
 
         Raises:
             CheckpointDirError: the target is refused (the message says what to do).
@@ -188,6 +181,24 @@ class CommitLayout:
                         ("flashckpt's commit records (manifests, tracker.json)" if records == self.meta else
                          "a name flashckpt reserves for its commit records") + "; choose a path outside it")
         self.rel(path)
+        return targets
+
+    def check_target(self, step: int, path: str, *, files: list[str] | None = None) -> None:
+        """Refuses a persist target that would change another step's committed files, before anything
+        is written. ``path`` is the file, or the ``FileSet`` directory whose ``files`` (absolute paths,
+        trackers excluded) are written.
+
+        Refused: paths in the records dir (manifests, markers, the tracker) and in the checkpoint dir's
+        ``.flashckpt`` (the name of the records dir inside it); paths equal to or inside
+        another committed step's ``FileSet`` directory; a file where another step's committed files
+        lie below. Allowed: a file that replaces exactly a file another committed step lists (a fixed
+        name such as Lightning's ``last.ckpt``); it is written staged and moved into place at the
+        commit, after which that older step no longer counts as committed (it is superseded).
+
+        Raises:
+            CheckpointDirError: the target is refused (the message says what to do).
+        """
+        targets = self.check_place(step, path, files)
         for s, m in self.committed_manifests().items():
             if s == step:
                 continue

@@ -104,6 +104,10 @@ class DurabilityPolicy:
         if to_storage:
             self._pending[step] = time.time() if at is None else at
 
+    def owe(self, step: int, at: float | None = None) -> None:
+        """Storage owes ``step`` (asked of it, not persisted: the checkpoint dir could not be read)."""
+        self._pending[step] = time.time() if at is None else at
+
     def observe(self, committed: list[int], commits: list[dict[str, Any]]) -> None:
         """A status reply's commits: ``committed`` (in commit order) and their times (``StatusReply.commits``)."""
         for c in commits:

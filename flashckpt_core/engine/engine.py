@@ -23,7 +23,7 @@ from flashckpt.commit.adopt import unrecorded
 from flashckpt.commit.checkpoint_dir import prepare_dir
 from flashckpt.commit.layout import CommitLayout
 from flashckpt.commit.retention import CheckpointDeletionStrategy, KeepLatestStepStrategy
-from flashckpt.commit.tiers import local_layout
+from flashckpt.commit.tiers import local_layout, local_target
 from flashckpt.config import Knobs, StorageType, job_dir
 from flashckpt.engine.deletions import Deletions
 from flashckpt.engine.durability import Durability, DurabilityPolicy
@@ -335,8 +335,8 @@ class CheckpointEngine:
         if storage_type == StorageType.DISK and self.persists:
             # Before anything is written: refuses paths outside the checkpoint dir, in its commit records,
             # or over another committed step's files.
-            self.layout.check_target(step, target, files=None if names is None else
-                                     [locations.join(target, n) for n in names])
+            storage_type = self._check_target(step, target, None if names is None else
+                                              [locations.join(target, n) for n in names])
         elif storage_type == StorageType.DISK:
             self.layout.rel(target)  # refuses paths outside the checkpoint dir before anything is written
         self.wait_snapshot()
@@ -349,6 +349,31 @@ class CheckpointEngine:
             self._session.after_snapshot(step, storage_type, target, ref)
         record_modules()  # under flashckpt-run, once: what this rank's warm worker imports ahead
         return True
+
+    def _check_target(self, step: int, target: str, files: list[str] | None) -> StorageType:
+        """``CommitLayout.check_target`` for a storage save, against the tier its files are written to (with a
+        local tier: its committed steps; the checkpoint dir's place only, whose upload stages what collides).
+        A checkpoint dir that cannot be read (a store that is down) under ``on_persist_error="warn"`` makes
+        the save a memory snapshot, the step owed to storage and the failure logged; returns the storage type.
+
+        Raises:
+            CheckpointDirError: the target is refused, or (``"raise"``) the checkpoint dir cannot be read.
+        """
+        try:
+            if self.local_dir is None:
+                self.layout.check_target(step, target, files=files)
+                return StorageType.DISK
+            self.layout.check_place(step, target, files)
+            local = local_layout(self.local_dir)
+            local.check_target(step, local_target(self.layout, local, target),
+                               files=None if files is None else [local_target(self.layout, local, f) for f in files])
+        except E.CheckpointDirError as e:
+            if not (self._durability.warns and isinstance(e.__cause__, OSError)):
+                raise
+            self._durability.failed(f"save(step={step}) is not persisted: {e}", 1)
+            self._durability.owe(step)
+            return StorageType.MEMORY
+        return StorageType.DISK
 
     @engine_call("wait_snapshot")
     def wait_snapshot(self) -> None:

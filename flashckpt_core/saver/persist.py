@@ -71,8 +71,15 @@ class PersistQueues:
         if os.path.dirname(job.seg_path) != st.job_dir:  # the runtime dir is local
             raise E.ProtocolError(f"persist: segment {job.seg_path} is not in this job's runtime dir")
         # Refuses paths outside the checkpoint dir, in its commit records, or in another committed step's
-        # directory (the engine checks this too, before its snapshot; this holds for any client).
-        self.layout.check_target(job.step, job.path, files=[])
+        # directory (the engine checks this too, before its snapshot; this holds for any client). With a local
+        # tier, the files are written there, so its committed steps are the ones asked; on the checkpoint dir
+        # the upload stages a file that another step committed (a store that is down is never asked).
+        layout, _worker, path = self._tier(job)
+        if layout is self.layout:
+            self.layout.check_target(job.step, job.path, files=[])
+        else:
+            self.layout.check_place(job.step, job.path)
+            layout.check_target(job.step, path, files=[])
         with st.cv:
             step = st.steps.setdefault(job.step, StepState())
             step.paths.add(job.path)

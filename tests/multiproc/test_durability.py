@@ -113,3 +113,28 @@ def test_raise_reports_the_failure_and_the_lag_bound_and_keeps_the_last_durable_
         assert again.last_load is not None and again.last_load.source == "storage"
     finally:
         close_and_wait(again)
+
+
+def test_warn_with_the_store_down_for_every_request_keeps_training(s3_proxied: Any, fault_env: FaultEnv,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Every request fails, lists and reads too: a storage save cannot even check its target; with "warn" it
+    is a memory snapshot, the step owed to storage and logged; storage catches up once the store answers."""
+    caplog.set_level(logging.WARNING, logger="flashckpt.engine")
+    engine = CheckpointEngine(s3_proxied.url, max_to_keep=0, on_persist_error="warn")
+    try:
+        engine.save(1, make_state(1, MB), storage_type=StorageType.DISK)
+        engine.wait(timeout=60)
+        s3_proxied.proxy.set_faults([Fault("error500", times=None)])
+        engine.save(2, make_state(2, MB), storage_type=StorageType.DISK)  # no exception: training goes on
+        d = engine.durability()
+        assert (d.memory_step, d.durable_step, d.pending) == (2, 1, (2,)) and d.failures == 1, d
+        assert any("save(step=2) is not persisted" in r.getMessage() and "still safe: step 1 committed" in r.getMessage()
+                   for r in caplog.records)
+        s3_proxied.proxy.set_faults([])
+        engine.save(3, make_state(3, MB), storage_type=StorageType.DISK)
+        engine.wait(timeout=60)
+        d = engine.durability()
+        assert (d.durable_step, d.pending) == (3, ()), d
+    finally:
+        s3_proxied.proxy.set_faults([])
+        close_and_wait(engine)

@@ -201,14 +201,14 @@ def test_retention_per_tier_keeps_each_tiers_newest_and_every_step_not_yet_uploa
 
 def test_a_store_that_fails_uploads_loses_no_step_and_training_goes_on_with_warn(
         s3_proxied: Any, tmp_path: Any, fault_env: FaultEnv, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every upload of a data file fails (500) while steps 1 and 2 are saved with on_persist_error="warn":
-    the saves go on and commit locally; once the store answers again both reach it, in order."""
+    """The store fails every request (500: lists, reads, records, uploads) while steps 1 and 2 are saved with
+    on_persist_error="warn": the saves go on and commit locally (nothing in the training process or the
+    saver's persist asks the store); once it answers again both reach it, in order."""
     monkeypatch.setenv("FLASHCKPT_S3_MAX_ATTEMPTS", "1")
     fault_env.base_env["FLASHCKPT_S3_MAX_ATTEMPTS"] = "1"
     s3, local = s3_proxied, str(tmp_path / "nvme")
-    s3.proxy.set_faults([Fault("error500", op=("PutObject", "CreateMultipartUpload", "UploadPart"), key="step_",
-                               times=None)])
     engine = CheckpointEngine(s3.url, max_to_keep=0, local_dir=local, on_persist_error="warn")
+    s3.proxy.set_faults([Fault("error500", times=None)])  # the store is down from now on
     states = {}
     try:
         for step in (1, 2):
