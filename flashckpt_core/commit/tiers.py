@@ -118,11 +118,15 @@ def _upload_file(durable: CheckpointStorage, src: str, dst: str) -> FileRecord:
     with open(src, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             return durable.write_parts(dst, [b""])
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            return durable.write_parts(dst, [memoryview(mm)])
+        finally:
+            gc.collect()  # drop the views of the map before it closes
             try:
-                return durable.write_parts(dst, [memoryview(mm)])
-            finally:
-                gc.collect()  # drop the views of the map before it closes
+                mm.close()
+            except BufferError:  # views still held by a failure's traceback: unmapped when they go, and the
+                pass  # failure itself is what the caller sees (not "cannot close exported pointers exist")
 
 
 def upload_step(local: CommitLayout, durable: CommitLayout, step: int) -> Manifest:
