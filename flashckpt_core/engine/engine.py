@@ -172,7 +172,10 @@ class CheckpointEngine:
                                      call=lambda req, **kw: self._client_call(req, **kw), on_status=self._on_status,
                                      durability=self._durability, tier=None if self.local_dir is None else {
                                          "node_ranks": 1 if replicated else r.local_world_size,
-                                         "world_size": r.world_size, "replicated": replicated})
+                                         "world_size": r.world_size, "replicated": replicated,
+                                         # how many steps the checkpoint dir keeps (0: all, or not known)
+                                         "durable_keep": deletion_strategy.max_to_keep if isinstance(
+                                             deletion_strategy, KeepLatestStepStrategy) else 0})
         self._snapshots = Snapshots(self._handler, writes=self.snapshots, done=self._session.after_snapshot)
         if hello.records_ready:
             self._records_readied(hello.committed)

@@ -121,6 +121,8 @@ class Committer:
         st = self.state
         local = st.local
         assert local is not None
+        with st.cv:
+            st.durable_keep = int(job.tier.get("durable_keep", 0))
         t0 = time.monotonic()
         try:
             commit_step(local, job.step, list(job.ranks), int(job.tier.get("world_size", 1)),

@@ -135,6 +135,7 @@ class SaverState:
     threads: list[threading.Thread] = field(default_factory=list)
     local: CommitLayout | None = None  # the node-local tier's commit records (None: no local tier)
     local_keep: int = 2  # locally committed steps kept (0: all)
+    durable_keep: int = 0  # steps the checkpoint dir keeps, as the newest local commit's engine said (0: all)
     uploading: set[int] = field(default_factory=set)  # locally committed steps not yet committed on the durable tier
 
     def spawn(self, target: Any, name: str, *args: Any) -> threading.Thread:

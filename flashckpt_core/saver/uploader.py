@@ -8,7 +8,9 @@ durable tier (``commit.tiers.upload_step``); global rank 0's node then queues th
 commit thread (``CommitJob``: markers of every rank, manifest, tracker; ``commit.protocol.commit_step``), so
 a multi-node job commits once every node uploaded. A failed upload is reported to the trainers as a status
 error entry with ``"tier": "durable"`` and retried in place with backoff (1 s doubling up to 30 s; later steps
-wait, so the durable tier commits in order) until it succeeds or the saver stops: a store that is down for a while loses no step; the next saver's catch-up finishes what
+wait, so the durable tier commits in order) until it succeeds or the saver stops. After an outage, a step with at
+least as many newer local steps queued behind it as the checkpoint dir keeps (``max_to_keep``) is not uploaded:
+retention would delete it at once: a store that is down for a while loses no step; the next saver's catch-up finishes what
 a stopping one left. A local file that does not match its manifest is not retried (reported once).
 
 Imports the layers below the saver and ``saver.state``, ``saver.housekeeping``. Each locally committed step
@@ -120,6 +122,12 @@ class Uploader:
         it succeeds or the saver stops (then its unit of work ends here)."""
         st = self.state
         assert st.local is not None
+        newer = self._backlog(step)
+        if newer:  # retention would delete it as soon as the newer ones are committed there
+            log.info("event=upload tier=durable step=%d skipped: %d newer local steps follow and the checkpoint "
+                     "dir keeps %d", step, newer, st.durable_keep)
+            self._give_up(step, "superseded")
+            return
         delay = _RETRY_FIRST_S
         while True:
             t0 = time.monotonic()
@@ -156,6 +164,16 @@ class Uploader:
         with st.cv:
             st.uploading.discard(step)
         st.finish(step, None, committed=False)
+
+    def _backlog(self, step: int) -> int:
+        """How many locally committed steps wait behind ``step`` when they are at least as many as the
+        checkpoint dir keeps (a backlog after the store was down), else 0: ``step`` is then not uploaded (its
+        newer steps are, in order). 0 when the checkpoint dir keeps every step or its retention is not known."""
+        keep = self.state.durable_keep
+        if keep <= 0:
+            return 0
+        newer = sum(1 for s in list(self._q.queue) if s is not None and s != step)
+        return newer if newer >= keep else 0
 
     def _superseded(self, step: int) -> bool:
         """Whether a step committed on the local tier after ``step`` is there now (its commit may have taken

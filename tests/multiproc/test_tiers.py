@@ -229,3 +229,39 @@ def test_a_store_that_fails_uploads_loses_no_step_and_training_goes_on_with_warn
         assert layout.committed_steps()[:2] == [1, 2] and layout.verify(2) == []
     finally:
         layout.storage.close()
+
+
+def test_after_an_outage_only_the_steps_the_store_keeps_are_uploaded(
+        s3_proxied: Any, tmp_path: Any, fault_env: FaultEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps 2-6 are committed locally while the store fails every request; the checkpoint dir keeps 2. Once
+    it answers, the backlog's older steps are not uploaded (retention would delete them at once): the store
+    gets the newest two, in order, and loads the newest bit for bit."""
+    monkeypatch.setenv("FLASHCKPT_S3_MAX_ATTEMPTS", "1")
+    fault_env.base_env["FLASHCKPT_S3_MAX_ATTEMPTS"] = "1"
+    s3, local = s3_proxied, str(tmp_path / "nvme")
+    engine = CheckpointEngine(s3.url, max_to_keep=2, local_dir=local, on_persist_error="warn")
+    states = {}
+    try:
+        states[1] = make_state(1, MB)
+        engine.save(1, states[1], storage_type=StorageType.DISK)
+        engine.wait(timeout=120)
+        s3.proxy.set_faults([Fault("error500", times=None)])
+        for step in range(2, 7):
+            states[step] = make_state(step, MB)
+            engine.save(step, states[step], storage_type=StorageType.DISK)
+            wait_for(lambda s=step: s in local_layout(local).committed_steps(), 60, f"the local commit of step {step}")
+        s3.proxy.set_faults([])
+        engine.wait(timeout=120)
+        logs = fault_env.saver_logs()  # before the saver exits with its log
+    finally:
+        s3.proxy.set_faults([])
+        close_and_wait(engine)
+    skipped = {s for s in range(2, 7) if f"event=upload tier=durable step={s} skipped" in logs}
+    assert {3, 4} <= skipped and not skipped & {5, 6}, "\n".join(ln for ln in logs.splitlines() if "event=" in ln)[-6000:]
+    layout = _durable(s3.url)
+    try:
+        assert layout.committed_steps() == [5, 6] and layout.verify(6) == []
+    finally:
+        layout.storage.close()
+    shutil.rmtree(local)
+    _loads(s3.url, local, states[6], "storage")
