@@ -102,10 +102,11 @@ class DurabilityPolicy:
         """This rank snapshotted ``step`` (and asked the saver to persist it, ``to_storage``)."""
         self.memory_step = step
         if to_storage:
-            self._pending[step] = time.time() if at is None else at
+            self.owe(step, at)
 
     def owe(self, step: int, at: float | None = None) -> None:
-        """Storage owes ``step`` (asked of it, not persisted: the checkpoint dir could not be read)."""
+        """Storage owes ``step`` (asked of it: persisting, or not persisted because the checkpoint dir could
+        not be read)."""
         self._pending[step] = time.time() if at is None else at
 
     def observe(self, committed: list[int], commits: list[dict[str, Any]]) -> None:

@@ -170,12 +170,8 @@ class CheckpointEngine:
         self._session = SaverSession(self._link, ranks=r, replicated=replicated, persists=self.persists,
                                      handler=self._handler, reader=self._reader, job_dir=self.job_dir,
                                      call=lambda req, **kw: self._client_call(req, **kw), on_status=self._on_status,
-                                     durability=self._durability, tier=None if self.local_dir is None else {
-                                         "node_ranks": 1 if replicated else r.local_world_size,
-                                         "world_size": r.world_size, "replicated": replicated,
-                                         # how many steps the checkpoint dir keeps (0: all, or not known)
-                                         "durable_keep": deletion_strategy.max_to_keep if isinstance(
-                                             deletion_strategy, KeepLatestStepStrategy) else 0})
+                                     durability=self._durability,
+                                     tier=None if self.local_dir is None else self._tier_spec)
         self._snapshots = Snapshots(self._handler, writes=self.snapshots, done=self._session.after_snapshot)
         if hello.records_ready:
             self._records_readied(hello.committed)
@@ -219,6 +215,15 @@ class CheckpointEngine:
                                                  resolve=self.resolve, cache_dir=self.job_dir,
                                                  world_size=self.ranks.world_size)
         return self._storage_loader
+
+    def _tier_spec(self) -> dict[str, Any]:
+        """What a persist tells the saver of a job with a local tier (``Persist.local``): this node's persisting
+        ranks, the job's layout, and how many steps the checkpoint dir keeps under the deletion strategy set
+        now (0: all, or not known), for the uploader's backlog rule."""
+        r, strategy = self.ranks, self.deletion_strategy
+        return {"node_ranks": 1 if self.replicated else r.local_world_size, "world_size": r.world_size,
+                "replicated": self.replicated,
+                "durable_keep": strategy.max_to_keep if isinstance(strategy, KeepLatestStepStrategy) else 0}
 
     @property
     def _local_loader(self) -> StorageLoader | None:
@@ -363,11 +368,12 @@ class CheckpointEngine:
             CheckpointDirError: the target is refused, or (``"raise"``) the checkpoint dir cannot be read.
         """
         try:
-            if self.local_dir is None:
+            tier = self._local_loader
+            if tier is None:
                 self.layout.check_target(step, target, files=files)
                 return StorageType.DISK
             self.layout.check_place(step, target, files)
-            local = local_layout(self.local_dir)
+            local = tier.layout
             local.check_target(step, local_target(self.layout, local, target),
                                files=None if files is None else [local_target(self.layout, local, f) for f in files])
         except E.CheckpointDirError as e:

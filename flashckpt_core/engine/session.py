@@ -47,16 +47,16 @@ class SaverSession:
         call: sends a request to the saver (the engine's ``_client_call``; keywords ``on_reattach``).
         on_status: called with each status reply first (the persist time, the commits).
         durability: the engine's failure policy and lag bound (it sees every save and status reply).
-        tier: with a local tier, what each persist tells the saver (``Persist.local``), else None.
+        tier: with a local tier, makes what each persist tells the saver (``Persist.local``), else None.
     """
 
     def __init__(self, link: SaverLink, *, ranks: RankInfo, replicated: bool, persists: bool,
                  handler: SharedMemoryHandler, reader: SnapshotReader, job_dir: str, call: Callable[..., Any],
                  on_status: Callable[[M.StatusReply], None], durability: DurabilityPolicy,
-                 tier: dict[str, Any] | None = None) -> None:
+                 tier: Callable[[], dict[str, Any]] | None = None) -> None:
         self.link, self.ranks, self.replicated, self.persists = link, ranks, replicated, persists
         self.durability = durability
-        self.tier = tier  # with a local tier: a Persist request's ``local``
+        self.tier = tier  # with a local tier: makes a Persist request's ``local`` (at each persist)
         self.handler, self.reader, self.job_dir = handler, reader, job_dir
         self._call, self._on_status = call, on_status
         self._memory_in = (link.runtime, link.attaches)  # the runtime dir of the shared memory used
@@ -82,7 +82,8 @@ class SaverSession:
             reply: M.StatusReply = self._call(
                 M.Persist(step=step, rank=self.ranks.rank, local_rank=self.ranks.local_rank, seg_path=ref.path,
                           slot=ref.slot, generation=ref.generation, path=target,
-                          commit=commit_spec_for(self.ranks, self.replicated), cursor=link.cursor, local=self.tier),
+                          commit=commit_spec_for(self.ranks, self.replicated), cursor=link.cursor,
+                          local=None if self.tier is None else self.tier()),
                 on_reattach=lambda: handler.mark_pending(ref))
         except BaseException as e:
             handler.clear_pending(ref)

@@ -1,6 +1,7 @@
 """The engine's side of the node-local tier: ``local_tier`` resolves the ``local_dir`` and
 ``local_max_to_keep`` of ``CheckpointEngine`` (or FLASHCKPT_LOCAL_DIR / FLASHCKPT_LOCAL_KEEP) into the knobs the
-node's saver is started with; ``local_load`` picks the tier a load reads a committed step from.
+node's saver is started with (refusing a local dir that holds another checkpoint dir's steps); ``agreed_local``
+and ``local_copy`` decide when a load reads the local tier.
 
 Imports ``commit`` and ``config``; used by one engine call at a time."""
 
@@ -38,10 +39,12 @@ def local_tier(knobs: Knobs, checkpoint_dir: str, storage: CheckpointStorage,
     foreign = foreign_steps(local_layout(path), storage.normpath(checkpoint_dir))
     if foreign:
         owners = sorted(set(foreign.values()))
+        example = os.path.join(os.path.dirname(given.rstrip("/")),
+                               (os.path.basename(checkpoint_dir.rstrip("/")) or "run") + "-local")
         raise E.InvalidArgumentError(
             f"local_dir={given!r} holds the local tier of another checkpoint dir ({', '.join(owners)}: steps "
             f"{sorted(foreign)}), not of {checkpoint_dir}; give each checkpoint dir a local_dir of its own (for "
-            f"example {os.path.join(os.path.dirname(given.rstrip('/')), (os.path.basename(checkpoint_dir.rstrip('/')) or 'run') + '-local')}), or remove "
+            f"example {example}), or remove "
             "what that one holds once its steps are on their checkpoint dir (`flashckpt ls DIR --local-dir L`)")
     return dataclasses.replace(knobs, local_dir=path, local_keep=keep if local_dir is not None else knobs.local_keep), path
 
