@@ -124,11 +124,14 @@ class Committer:
         with st.cv:
             st.durable_keep = int(job.tier.get("durable_keep", 0))
         t0 = time.monotonic()
+        manifest: Manifest | None = None
         try:
-            commit_step(local, job.step, list(job.ranks), int(job.tier.get("world_size", 1)),
-                        replicated=bool(job.tier.get("replicated", False)),
-                        extra={"tier_ranks": list(job.ranks), "durable_spec": job.spec, DURABLE_ROOT: self.layout.root},
-                        timeout=st.knobs.commit_timeout_s, stopping=lambda: st.stop.is_set() and not st.signalled)
+            manifest = commit_step(local, job.step, list(job.ranks), int(job.tier.get("world_size", 1)),
+                                   replicated=bool(job.tier.get("replicated", False)),
+                                   extra={"tier_ranks": list(job.ranks), "durable_spec": job.spec,
+                                          DURABLE_ROOT: self.layout.root},
+                                   timeout=st.knobs.commit_timeout_s,
+                                   stopping=lambda: st.stop.is_set() and not st.signalled)
         except TrackerUpdateError as e:  # committed
             log.error("event=commit step=%d tier=local ranks=%s: %s", job.step, list(job.ranks), e)
         except Exception as e:
@@ -141,11 +144,12 @@ class Committer:
             st.finish(job.step, f"committing step {job.step} on the local tier {local.root} failed: {e}",
                       committed=False)
             return
-        try:
-            snapshot_at = self._snapshot_at(local.read_manifest(job.step))
-        except (OSError, E.FlashCheckpointError):
-            snapshot_at = 0.0
-        rec = st.note_commit(job.step, "local", snapshot_at)
+        if manifest is None:  # committed, but what follows the manifest failed: read it back
+            try:
+                manifest = local.read_manifest(job.step)
+            except (OSError, E.FlashCheckpointError):
+                pass
+        rec = st.note_commit(job.step, "local", 0.0 if manifest is None else self._snapshot_at(manifest))
         log.info("event=commit step=%d tier=local ranks=%s seconds=%.3f lag_s=%s path=%s", job.step, list(job.ranks),
                  time.monotonic() - t0, "?" if rec["lag_s"] is None else f"{rec['lag_s']:.3f}", local.root)
         self.uploader.enqueue(job.step)  # the unit of work goes on with it
