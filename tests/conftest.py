@@ -394,8 +394,14 @@ _FILE_SECONDS = {
 # What `--extended` adds (not run by default, so not in CI): the multi-node scenarios under more adapters and
 # variants than CI's, each scenario of which CI runs at least once (with DDP or FSDP), and the four-node loss
 # of a whole backup pair (CI runs the four-node loss the partners survive; its plan, memory left to storage
-# naming the ranks, is test_replica.py::test_a_whole_group_lost_leaves_memory_to_storage_and_names_the_ranks).
+# naming the ranks, is test_replica.py::test_a_whole_group_lost_leaves_memory_to_storage_and_names_the_ranks);
+# a background build of the C++ fast path waited for to its end (a minute of a core: CI builds it once before
+# the tests, and test_native.py starts one in the background and stops it); Megatron-LM's torch_dist format on
+# one rank (CI runs it on two) and its legacy torch format on S3 (CI runs torch_dist on S3, torch locally).
 _EXTENDED = {
+    "test_native.py::test_a_background_build_is_loaded_once_done",
+    "test_megatron.py::test_megatron_lm_save_and_load_checkpoint[torch_dist-1]",
+    "test_s3_dist_adapters.py::test_megatron_lm_on_s3[torch]",
     "test_multinode.py::test_node_lost_fresh_node_joins_resumes_from_memory[deepspeed]",
     "test_multinode.py::test_node_lost_fresh_node_joins_resumes_from_memory[megatron]",
     "test_multinode.py::test_node_lost_fresh_node_joins_resumes_from_memory[megatron-distopt]",
