@@ -75,7 +75,9 @@ class LastWords:
         with self.state.last_words_lock:
             with self.state.cv:
                 persisters = dict(self.state.persisters)
-                known = set(self.state.steps)
+                # Steps persisted or being persisted here; one whose persist failed (a full local tier, a store
+                # that refused it) is persisted again, straight to the checkpoint dir, when it is the newest.
+                known = {s for s, st in self.state.steps.items() if st.status != "failed"}
                 local = self.state.local
                 newest_committed = self.state.committed[-1] if self.state.committed else -1
             saved = saved_at(self.layout, newest_committed)

@@ -82,6 +82,8 @@ class PersistQueues:
             layout.check_target(job.step, path, files=[])
         with st.cv:
             step = st.steps.setdefault(job.step, StepState())
+            if step.status == "failed":  # persisted again (last words after a failed persist): a new attempt
+                step.status, step.error = "persisting", None
             step.paths.add(job.path)
             step.ranks.add(job.rank)
             st.failures.pop((job.step, job.rank), None)  # an earlier save's of the same step
@@ -107,7 +109,7 @@ class PersistQueues:
             job = q.get()
             if job is None:
                 return
-            layout = self._tier(job)[0]
+            layout, _worker, target = self._tier(job)
             try:
                 self._persist(job)
                 if layout is not self.layout:
@@ -124,11 +126,13 @@ class PersistQueues:
                     log.exception("removing the files of the failed persist of step %d rank %d", job.step, job.rank)
                 # What failed, for every rank: the committer reads it from the failed marker (or, on this node,
                 # from ``failures`` when the store refuses the marker too) and reports it to its trainers.
-                why = f"{job.path}: {type(e).__name__}: {e}"
+                # The path written: on the local tier, its copy there (a full local disk is not the store's).
+                where = target if layout is self.layout else f"the node's local tier ({target})"
+                why = f"{where}: {type(e).__name__}: {e}"
                 with self.state.cv:
                     self.state.failures[(job.step, job.rank)] = why
                 layout.write_failed(job.step, job.rank, why)
-                self.state.finish(job.step, f"persisting step {job.step} of rank {job.rank} to {job.path} failed: "
+                self.state.finish(job.step, f"persisting step {job.step} of rank {job.rank} to {where} failed: "
                                   f"{type(e).__name__}: {e}", committed=False)
 
     def _local_done(self, job: Persist) -> None:

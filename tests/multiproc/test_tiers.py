@@ -265,3 +265,35 @@ def test_after_an_outage_only_the_steps_the_store_keeps_are_uploaded(
         layout.storage.close()
     shutil.rmtree(local)
     _loads(s3.url, local, states[6], "storage")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs as the local disk: needs root")
+def test_a_full_local_disk_is_named_and_the_newest_snapshot_reaches_the_checkpoint_dir_at_close(
+        tmp_path: Any, fault_env: FaultEnv, caplog: pytest.LogCaptureFixture) -> None:
+    """The local dir on a 3 MB file system and 2 MB states, on_persist_error="warn": step 1 commits on both
+    tiers; steps 2 and 3 cannot be written locally, and the failure names the local tier's file (not the
+    checkpoint dir's, whose disk is fine); at close, the last words persist the newest snapshot, step 3, straight
+    to the checkpoint dir (its failed local persist does not count as done), and a new engine loads it."""
+    import subprocess
+
+    disk, durable = str(tmp_path / "nvme"), str(tmp_path / "durable")
+    os.makedirs(disk)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", disk], check=True)
+    try:
+        local = os.path.join(disk, "run")
+        engine = CheckpointEngine(durable, max_to_keep=0, local_dir=local, on_persist_error="warn")
+        states = {s: make_state(s, 2 * MB) for s in (1, 2, 3)}
+        try:
+            for step in (1, 2, 3):
+                engine.save(step, states[step], storage_type=StorageType.DISK)
+                engine.wait(60)
+            d = engine.durability()
+            assert (d.local_step, d.durable_step, d.pending, d.failures) == (1, 1, (2, 3), 2), d
+            said = f"persisting step 3 of rank 0 to the node's local tier ({os.path.join(local, 'step_3')}"
+            assert said in caplog.text, caplog.text  # the trainer's warning (on_persist_error="warn")
+        finally:
+            close_and_wait(engine)
+        assert _durable(durable).committed_steps() == [1, 3]
+        _loads(durable, local, states[3], "storage")
+    finally:
+        subprocess.run(["umount", "-l", disk], check=False)
