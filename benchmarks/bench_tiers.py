@@ -219,7 +219,7 @@ def goodput_run(srv: LocalS3, proxy: Any, name: str, tmp: str, *, tiers: bool, p
     """One simulated job (see the module docstring): steps of ``_STEP_S`` (sleep: the compute), ``save(DISK)``
     every ``_EVERY`` steps; the store down during ``outage`` (seconds from the start)."""
     import torch
-    from flashckpt import CheckpointEngine, PersistError, StorageType
+    from flashckpt import CheckpointEngine, FlashCheckpointError, StorageType
     from s3_proxy import Fault
 
     url = f"s3://{srv.bucket}/goodput_{name}"
@@ -230,14 +230,20 @@ def goodput_run(srv: LocalS3, proxy: Any, name: str, tmp: str, *, tiers: bool, p
     start = time.perf_counter()
     step, kept_s, redone, restarts, max_lag = 0, 0.0, 0, 0, 0.0
     down = False
+
+    def tick() -> float:  # the store goes down and comes back on time, whatever the job is doing
+        nonlocal down
+        now = time.perf_counter() - start
+        if not down and outage[0] <= now < outage[1]:
+            proxy.set_faults([Fault("error500", times=None)])
+            down = True
+        elif down and now >= outage[1]:
+            proxy.set_faults([])
+            down = False
+        return now
+
     try:
-        while (now := time.perf_counter() - start) < total_s:
-            if not down and outage[0] <= now < outage[1]:
-                proxy.set_faults([Fault("error500", times=None)])
-                down = True
-            elif down and now >= outage[1]:
-                proxy.set_faults([])
-                down = False
+        while tick() < total_s:
             time.sleep(_STEP_S)
             step += 1
             kept_s += _STEP_S
@@ -246,18 +252,20 @@ def goodput_run(srv: LocalS3, proxy: Any, name: str, tmp: str, *, tiers: bool, p
                     sd["w"][0] = step
                     engine.save(step, sd, storage_type=StorageType.DISK)
                 max_lag = max(max_lag, engine.durability().lag_s)
-            except PersistError as e:  # "raise": the job fails and is restarted from what load() finds
+            except FlashCheckpointError as e:  # "raise": the job fails and is restarted from what load() finds
                 restarts += 1
                 log(f"  {name}: step {step}: {type(e).__name__}; restarting")
                 engine.close(release=False)
-                engine = CheckpointEngine(url, max_to_keep=2, on_persist_error=policy, **kw)
-                got = engine.load()
-                back = int(got["w"][0]) if got is not None else 0
+                engine, got = _restart(url, policy, kw, name, tick)
+                back = int(got["w"][0]) if got else 0
                 redone += step - back
                 kept_s -= (step - back) * _STEP_S
                 step = back
         proxy.set_faults([])
-        engine.wait()
+        try:
+            engine.wait()
+        except FlashCheckpointError as e:  # a persist of the outage, reported now ("raise")
+            log(f"  {name}: at the end: {type(e).__name__}")
         stored = engine.committed_steps()
     finally:
         proxy.set_faults([])
@@ -266,6 +274,24 @@ def goodput_run(srv: LocalS3, proxy: Any, name: str, tmp: str, *, tiers: bool, p
     wall = time.perf_counter() - start
     return {"goodput": kept_s / wall, "redone": redone, "restarts": restarts, "max_lag_s": max_lag,
             "newest_stored": stored[-1] if stored else None, "last_step": step, "wall_s": wall}
+
+
+def _restart(url: str, policy: str, kw: dict[str, Any], name: str, tick: Any) -> tuple[Any, Any]:
+    """A restarted job: a new engine and its load(); while the store cannot be read, the restart fails and is
+    tried again a second later (a scheduler's restart loop; ``tick()`` keeps the outage's clock)."""
+    from flashckpt import CheckpointEngine, FlashCheckpointError
+
+    while True:
+        engine = None
+        try:
+            engine = CheckpointEngine(url, max_to_keep=2, on_persist_error=policy, **kw)
+            return engine, engine.load()
+        except FlashCheckpointError as e:
+            log(f"  {name}: the restart failed ({type(e).__name__}); again in 1 s")
+            if engine is not None:
+                engine.close(release=False)
+            time.sleep(1.0)
+            tick()
 
 
 def goodput_table(res: dict[str, dict[str, Any]], outage_s: float) -> str:

@@ -312,6 +312,9 @@ class Knobs:
             ``engine.durability``); FLASHCKPT_ON_PERSIST_ERROR.
         max_lag_s: the bound on how far storage may fall behind the newest snapshot, in seconds (0: none),
             where ``CheckpointEngine`` is not told; FLASHCKPT_MAX_LAG_S.
+        unreadable_backoff_s: under "warn", how long saves to storage go to memory at once, owed, after one
+            found the checkpoint dir unreadable (a store that is down), before a save asks it again;
+            FLASHCKPT_UNREADABLE_BACKOFF_S.
         replica: the backups to a partner node (``ReplicaKnobs``): FLASHCKPT_REPLICA*, FLASHCKPT_NODE_LOSS_S.
         s3: the S3 backend's options (``S3Knobs``): FLASHCKPT_S3_*.
     """
@@ -352,6 +355,7 @@ class Knobs:
     rdzv_keep_alive_s: float | None = _knob("FLASHCKPT_RDZV_KEEP_ALIVE_S", None, _float())
     on_persist_error: str = _knob("FLASHCKPT_ON_PERSIST_ERROR", "raise", _word("raise", "warn"))
     max_lag_s: float = _knob("FLASHCKPT_MAX_LAG_S", 0.0, _float(0.0))
+    unreadable_backoff_s: float = _knob("FLASHCKPT_UNREADABLE_BACKOFF_S", 30.0, _float(0.0))
     replica: ReplicaKnobs = _group(ReplicaKnobs)
     s3: S3Knobs = _group(S3Knobs)
 

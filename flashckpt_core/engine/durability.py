@@ -35,6 +35,8 @@ log = logging.getLogger("flashckpt.engine")
 
 #: The values ``on_persist_error`` takes.
 POLICIES = ("raise", "warn")
+#: Seconds a checkpoint dir found unreadable under "warn" is left alone by saves (then read again), by default.
+UNREADABLE_BACKOFF_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -71,11 +73,13 @@ class DurabilityPolicy:
         on_error: ``"raise"`` or ``"warn"``.
         max_lag_s: the lag bound in seconds (None or 0: none).
         where: the checkpoint dir, for messages.
+        backoff_s: under "warn", how long saves leave a checkpoint dir found unreadable alone.
     """
 
     _KEEP = 16  # commit lags kept for the report
 
-    def __init__(self, on_error: str, max_lag_s: float | None, where: str) -> None:
+    def __init__(self, on_error: str, max_lag_s: float | None, where: str, *,
+                 backoff_s: float = UNREADABLE_BACKOFF_S) -> None:
         if on_error not in POLICIES:
             raise E.InvalidArgumentError(f"on_persist_error={on_error!r}: must be one of {', '.join(POLICIES)} "
                                          "(\"warn\" goes on training while storage fails)")
@@ -84,6 +88,7 @@ class DurabilityPolicy:
         self.on_error = on_error
         self.max_lag_s = float(max_lag_s) if max_lag_s else None
         self.where = where
+        self.backoff_s = backoff_s
         self.memory_step: int | None = None
         self.local_step: int | None = None
         self.durable_step: int | None = None
@@ -92,6 +97,7 @@ class DurabilityPolicy:
         self._failures = 0
         self._over = False  # the lag is over the bound (warned once)
         self._retrying: set[int] = set()  # steps whose retried upload failed (reported once)
+        self._unreadable_until = 0.0  # "warn": the checkpoint dir could not be read; not asked again before
 
     @property
     def warns(self) -> bool:
@@ -142,6 +148,35 @@ class DurabilityPolicy:
             return False
         self._retrying.add(step)
         return True
+
+    # ------------------------------------------------------------------ a checkpoint dir that cannot be read
+    def unreadable(self, now: float | None = None) -> bool:
+        """Whether the checkpoint dir was found unreadable less than ``backoff_s`` ago ("warn"):
+        a save to storage then goes to memory at once, owed, instead of waiting out the store's deadline
+        again on the training path."""
+        return (time.monotonic() if now is None else now) < self._unreadable_until
+
+    def not_readable(self, step: int, why: str, now: float | None = None) -> None:
+        """``save(step)`` found the checkpoint dir unreadable ("warn"): the step is owed, the failure counted
+        (logged at the outage's start only; ``readable`` logs its end), and the dir left alone for
+        ``backoff_s`` from the save that asked it."""
+        t = time.monotonic() if now is None else now
+        if self.unreadable(t):  # not asked: the back-off runs from the save that asked
+            self._failures += 1
+        elif self._unreadable_until:  # asked again, still unreadable: the outage was logged at its start
+            self._failures += 1
+            self._unreadable_until = t + self.backoff_s
+        else:
+            self.failed(f"save(step={step}) is not persisted: {why}; later saves go to memory only, owed to "
+                        f"storage, until it is read again (tried every {self.backoff_s:g} s)", 1)
+            self._unreadable_until = t + self.backoff_s
+        self.owe(step)
+
+    def readable(self) -> None:
+        """The checkpoint dir was read again."""
+        if self._unreadable_until:
+            log.warning("the checkpoint dir %s can be read again: saves to storage persist again", self.where)
+        self._unreadable_until = 0.0
 
     # ------------------------------------------------------------------ what it does to training
     def failed(self, message: str, count: int) -> bool:

@@ -142,7 +142,8 @@ class CheckpointEngine:
         self.knobs, self.local_dir = local_tier(Knobs.from_env(), self.checkpoint_dir, self.storage, local_dir,
                                                 local_max_to_keep)
         self._durability = DurabilityPolicy(self.knobs.on_persist_error if on_persist_error is None else on_persist_error,
-                                            self.knobs.max_lag_s if max_lag_s is None else max_lag_s, self._given_dir)
+                                            self.knobs.max_lag_s if max_lag_s is None else max_lag_s, self._given_dir,
+                                            backoff_s=self.knobs.unreadable_backoff_s)
         self.job_dir = job_dir(self.checkpoint_dir, self.knobs)
         self.last_load: LoadResult | None = None
         self._copier = Copier(self.knobs.copy_threads)
@@ -362,15 +363,21 @@ class CheckpointEngine:
         """``CommitLayout.check_target`` for a storage save, against the tier its files are written to (with a
         local tier: its committed steps; the checkpoint dir's place only, whose upload stages what collides).
         A checkpoint dir that cannot be read (a store that is down) under ``on_persist_error="warn"`` makes
-        the save a memory snapshot, the step owed to storage and the failure logged; returns the storage type.
+        the save a memory snapshot, the step owed to storage and the failure logged, and the saves of the next
+        ``unreadable_backoff_s`` (FLASHCKPT_UNREADABLE_BACKOFF_S) memory snapshots at once (the store's deadline is not waited out on the
+        training path at every save of an outage); returns the storage type.
 
         Raises:
             CheckpointDirError: the target is refused, or (``"raise"``) the checkpoint dir cannot be read.
         """
+        if self._durability.unreadable():  # "warn", the store down a moment ago: not waited for again
+            self._durability.not_readable(step, f"{self.checkpoint_dir} could not be read a moment ago")
+            return StorageType.MEMORY
         try:
             tier = self._local_loader
             if tier is None:
                 self.layout.check_target(step, target, files=files)
+                self._durability.readable()
                 return StorageType.DISK
             self.layout.check_place(step, target, files)
             local = tier.layout
@@ -379,8 +386,7 @@ class CheckpointEngine:
         except E.CheckpointDirError as e:
             if not (self._durability.warns and isinstance(e.__cause__, OSError)):
                 raise
-            self._durability.failed(f"save(step={step}) is not persisted: {e}", 1)
-            self._durability.owe(step)
+            self._durability.not_readable(step, str(e))
             return StorageType.MEMORY
         return StorageType.DISK
 

@@ -51,3 +51,25 @@ def test_bad_arguments_are_refused(kw: dict) -> None:
     args = {"on_error": "raise", "max_lag_s": None, **kw}
     with pytest.raises(InvalidArgumentError):
         DurabilityPolicy(args["on_error"], args["max_lag_s"], "/ckpt")
+
+
+def test_an_unreadable_checkpoint_dir_is_left_alone_for_the_back_off_and_logged_once(caplog) -> None:
+    """Under "warn", a save that found the store unreadable makes the saves of the next UNREADABLE_BACKOFF_S
+    memory snapshots at once (owed, counted, not logged again); after it the store is asked again (still down:
+    counted, another back-off, not logged again), and reading it again is said once."""
+    from flashckpt.engine.durability import UNREADABLE_BACKOFF_S
+
+    p = DurabilityPolicy("warn", None, "s3://b/run")
+    assert not p.unreadable(0.0)
+    with caplog.at_level("WARNING", logger="flashckpt.engine"):
+        p.not_readable(4, "S3 ListObjectsV2 gave up after 20 s", now=100.0)
+        assert p.unreadable(100.0 + UNREADABLE_BACKOFF_S - 1) and not p.unreadable(100.0 + UNREADABLE_BACKOFF_S)
+        p.not_readable(8, "s3://b/run could not be read a moment ago", now=110.0)  # within the back-off
+        assert not p.unreadable(100.0 + UNREADABLE_BACKOFF_S)  # not extended: the store is asked again then
+        p.not_readable(12, "S3 ListObjectsV2 gave up after 20 s", now=100.0 + UNREADABLE_BACKOFF_S)  # still down
+        assert p.unreadable(100.0 + 2 * UNREADABLE_BACKOFF_S - 1)
+        p.readable()
+        p.readable()
+    assert caplog.text.count("is not persisted") == 1 and "save(step=4)" in caplog.text  # once per outage
+    assert caplog.text.count("can be read again") == 1
+    assert p.report().failures == 3 and p.report().pending == (4, 8, 12) and not p.unreadable(111.0)
