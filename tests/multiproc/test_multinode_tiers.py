@@ -4,13 +4,15 @@ a directory of the node's; ``tests/support/_nodes.py``), one shared durable chec
 1. the multi-node commit per tier: while FSDP training runs with a ``save(DISK)`` every few steps, each node's
    local dir holds its own local commits (its rank's files only), the durable dir gets each step committed
    with both ranks' files, after both nodes' local commits of it (the lag is reported: ``event=commit ...
-   tier=durable lag_s=``), and ``flashckpt ls DIR --local-dir L`` shows which tiers hold each step;
+   tier=durable lag_s=``), ``flashckpt ls DIR --local-dir L`` shows which tiers hold each step, and at the
+   normal end no survivor's last words take over rank 0's commit of a step already committed;
 2. a node lost whole, its local dir with it, and a fresh node joining: the job resumes from memory (the
    cross-node replica), bit exact, and goes on committing on both tiers, the fresh node's local tier
    starting empty;
 3. both nodes' memory lost at once (the rendezvous store outside the nodes), their local dirs kept: the
    restarted job (DDP, ``engine.load()``) loads the newest step every rank has (the durable tier's newest: a
-   newer step held on one node's local tier only is not one every rank has), each rank from its node's local
+   newer step held on one node's local tier only is not one every rank has, until that node's next saver
+   uploads and commits it, its catch-up, which may come before the ranks look), each rank from its node's local
    tier where that holds it (replicated state: global rank 0 alone writes files, so its node's), else from
    the durable tier, bit exact; then both tiers go on committing. (The FSDP adapter's
    ``get_storage_reader`` reads DCP checkpoints from the durable tier only: not this scenario's subject.)
@@ -47,6 +49,9 @@ from test_multinode import (  # the scenarios' training (its reference runs are 
     _report,
     _wait_before_loss,
 )
+
+PERSISTS = list(range(PERSIST_EVERY, STEPS + 1, PERSIST_EVERY))  # the steps saved with save(DISK)
+# each node's local tier keeps the 2 newest (FLASHCKPT_LOCAL_KEEP's default); the durable tier keeps every step
 
 
 def _local_dir(c: Cluster, i: int) -> str:
@@ -158,7 +163,7 @@ def test_each_node_commits_locally_and_the_step_durably_once_both_did(cluster: C
     _check_exit_codes(cluster, cluster.wait_exit(timeout=180))
     ranks = _node_ranks(cluster)
     cluster.check(ranks == {0: 0, 1: 1}, f"rank i is node i's: {ranks}")
-    due = list(range(PERSIST_EVERY, STEPS + 1, PERSIST_EVERY))
+    due = PERSISTS
     lags = _check_tiers(cluster, ranks, due)
     # while training runs: the steps before the last are committed on both tiers before training ends
     # (the first persist starts the saver's persist worker: seconds on 2 busy cores, so not the first step)
@@ -201,14 +206,13 @@ def test_node_lost_with_its_local_tier_resumes_from_memory(cluster: Cluster, tmp
     _check_digest(cluster, want)
     cluster.check(kill_to_step < 30, f"training resumes within 30 s of the node loss: {kill_to_step:.1f} s")
     ranks = _node_ranks(cluster)
-    due = [s for s in range(PERSIST_EVERY, STEPS + 1, PERSIST_EVERY) if s > newest]
+    due = [s for s in PERSISTS if s > newest]
     lags = _check_tiers(cluster, ranks, due)
     fresh = _local_steps(cluster, 1)
     cluster.check(fresh and min(fresh) > newest and set(fresh) <= set(due),
                   f"the fresh node's local tier started empty and holds steps committed after the resume at "
                   f"{newest}: {fresh}")
-    persists = list(range(PERSIST_EVERY, STEPS + 1, PERSIST_EVERY))
-    cluster.check(_local_steps(cluster, 0) == persists[-2:], f"node 0's local tier goes on: {_local_steps(cluster, 0)}")
+    cluster.check(_local_steps(cluster, 0) == PERSISTS[-2:], f"node 0's local tier goes on: {_local_steps(cluster, 0)}")
     cluster.check("event=catch_up" not in cluster.all_text(), "no catch-up upload (nothing was left half done)")
     _report(request, newest_snapshot=newest, resumed=resumed, kill_to_first_step_s=round(kill_to_step, 2),
             durable=committed_steps(cluster.ckpt_dir), local={i: _local_steps(cluster, i) for i in range(2)},
@@ -243,10 +247,10 @@ def test_both_nodes_memory_lost_resume_from_the_local_tier(cluster: Cluster, tmp
     cluster.check(resumed == sources, f"each rank resumes at step {step} from its fastest tier holding it: "
                                       f"{resumed} != {sources} (durable {durable}, local {local}, ranks {ranks})")
     _check_digest(cluster, want)
-    due = [s for s in range(PERSIST_EVERY, STEPS + 1, PERSIST_EVERY) if s > step]
+    due = [s for s in PERSISTS if s > step]
     writer = next(i for i, r in ranks.items() if r == 0)  # replicated state: global rank 0 alone writes files
     _check_tiers(cluster, {writer: 0}, due)  # committing on both tiers goes on
-    cluster.check(_local_steps(cluster, writer) == due[-2:],
+    cluster.check(_local_steps(cluster, writer) == PERSISTS[-2:],
                   f"node {writer}'s local tier goes on: {_local_steps(cluster, writer)}")
     _report(request, durable_at_loss=durable, local_at_loss=local, resumed=resumed,
             kill_to_first_step_s=round(_first_step_after(cluster, t_kill) - t_kill, 2),
