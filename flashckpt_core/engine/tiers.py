@@ -1,7 +1,8 @@
 """The engine's side of the node-local tier: ``local_tier`` resolves the ``local_dir`` and
 ``local_max_to_keep`` of ``CheckpointEngine`` (or FLASHCKPT_LOCAL_DIR / FLASHCKPT_LOCAL_KEEP) into the knobs the
 node's saver is started with (refusing a local dir that holds another checkpoint dir's steps); ``agreed_local``
-and ``local_copy`` decide when a load reads the local tier.
+and ``local_copy`` decide when a load reads the local tier (``local_candidate``: what a rank proposes,
+``common_step``: the rule over every rank's proposal).
 
 Imports ``commit`` and ``config``; used by one engine call at a time."""
 
@@ -19,7 +20,7 @@ from flashckpt.config import Knobs
 from flashckpt.storage.base import CheckpointStorage
 from flashckpt.storage.posix import PosixDiskStorage
 
-__all__ = ["local_tier", "local_copy", "agreed_local"]
+__all__ = ["local_tier", "local_copy", "agreed_local", "local_candidate", "common_step"]
 
 
 def local_tier(knobs: Knobs, checkpoint_dir: str, storage: CheckpointStorage,
@@ -66,11 +67,17 @@ def local_copy(local: CommitLayout, step: int, rank: int, durable_root: str) -> 
 def agreed_local(local: CommitLayout, durable: CommitLayout, committed: list[int], rank: int,
                  exclude: frozenset[int] | set[int], group: Any = None) -> int | None:
     """The step every rank of ``group`` loads from its local tier because it is newer than the checkpoint
-    dir's newest commit (``committed``: its steps in commit order): this rank's newest locally committed
-    step, taken when its snapshot is not older than the durable newest's, its copy here is intact, and
-    every rank names the same one; else None (each rank then reads the step the checkpoint dir serves,
-    from its local copy where it has one). Collective: one ``all_reduce`` pair when several ranks."""
-    mine = -1
+    dir's newest commit (``committed``: its steps in commit order): ``common_step`` of every rank's
+    ``local_candidate``; else None (each rank then reads the step the checkpoint dir serves, from its local
+    copy where it has one). Collective: one ``all_reduce`` pair when several ranks."""
+    return common_step(_min_max(local_candidate(local, durable, committed, rank, exclude), group))
+
+
+def local_candidate(local: CommitLayout, durable: CommitLayout, committed: list[int], rank: int,
+                    exclude: frozenset[int] | set[int]) -> int:
+    """The step this rank proposes to load from its local tier: its newest locally committed step (not in
+    ``exclude``), when that is not an older step of the checkpoint dir (``committed``), its snapshot is not
+    older than the checkpoint dir's newest's, and its copy here is intact; else -1."""
     try:
         steps = [s for s in local.committed_steps() if s not in exclude]
         newest_at = 0.0
@@ -79,11 +86,16 @@ def agreed_local(local: CommitLayout, durable: CommitLayout, committed: list[int
         if steps and (steps[-1] not in committed or steps[-1] == committed[-1]):
             m = local.read_manifest(steps[-1])
             if float(m.extra.get("saved_at", 0.0)) >= newest_at and local_copy(local, steps[-1], rank, durable.root):
-                mine = steps[-1]
+                return steps[-1]
     except (OSError, E.FlashCheckpointError):
-        mine = -1
-    lo, hi = _min_max(mine, group)
-    return lo if lo == hi and lo >= 0 else None
+        pass
+    return -1
+
+
+def common_step(candidates: tuple[int, ...] | list[int]) -> int | None:
+    """The step every rank proposed (``local_candidate``: -1 for none), or None when a rank proposed
+    another or none: a rank never loads a local step another rank lacks."""
+    return candidates[0] if candidates and min(candidates) == max(candidates) >= 0 else None
 
 
 def _min_max(value: int, group: Any) -> tuple[int, int]:

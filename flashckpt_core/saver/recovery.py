@@ -137,6 +137,22 @@ class Recovery:
             return None, peers
         return plan.step, peers
 
+    def _committed_by_rank0(self, step: int) -> bool:
+        """Whether ``step`` is committed on the checkpoint dir already: this saver's own list of commits is as
+        of its start (it commits none), and rank 0's saver may have committed the step and ended before this
+        one's last words (a normal end: a re-persist of rank 0's files of a committed step would rewrite them
+        and, on an object store, upload them again). A checkpoint dir that cannot be read: False (logged)."""
+        try:
+            committed = self.state.layout.committed_steps()
+        except (OSError, E.FlashCheckpointError) as e:
+            log.warning("last words: could not list the commits of %s (%s); taking over rank 0's commit of step %d",
+                        self.state.layout.root, e, step)
+            return False
+        if step in committed:
+            log.info("last words: step %d is committed on %s already (by global rank 0's saver); nothing to take "
+                     "over", step, self.state.layout.root)
+        return step in committed
+
     def take_over_commit(self, timeout: float | None, limit: int | None, peers: list[dict[str, Any]]) -> int | None:
         """Last words on a node whose saver does not commit (global rank 0 was elsewhere): when rank 0's own
         saver is gone (its node lost), the survivor that holds rank 0's newest snapshot (sharded state: a
@@ -155,6 +171,8 @@ class Recovery:
             return None
         own = self.replica.inventory().to_wire()
         if not takes_over_rank0(step, own, peers, node=rep.node, replicated=rep.replicated):
+            return None
+        if self._committed_by_rank0(step):
             return None
         with self.state.last_words_lock:  # once, when last words are asked twice (a crash seen here and by the agent)
             with self.state.cv:

@@ -25,8 +25,11 @@ timeout fails the test with the end of every node's output and every saver log (
 fixture's teardown prints them too (pytest shows them when the test failed), kills every node whole and
 fails when a process of any node's namespace is left. The savers' logs live in the nodes' private
 /dev/shm: a thread copies them every half second through ``/proc/<pid>/root`` (root may read another
-mount namespace's files there), so they outlive the node. Skips without root, without ``unshare`` or where
-a mount namespace with a tmpfs cannot be made.
+mount namespace's files there), so they outlive the node, and once more when a node ended (``wait_exit``,
+``kill_nodes``, ``start_node``: through the namespace the harness still holds, whose tmpfs lives on until it
+is released, with ``nsenter``), so that what a killed saver logged last is kept too (a saver that ends
+normally removes its job dir, its log with it: ``wait_settled`` copies them until the node's last process
+ended). Skips without root, without ``unshare`` or where a mount namespace with a tmpfs cannot be made.
 
 ``reference_digest`` runs the same training uninterrupted (one launcher, all ranks on it) and returns
 rank 0's final weights digest, cached per arguments for the session.
@@ -160,12 +163,14 @@ class Cluster:
     def launch(self, script: str, nnodes: int, script_args: list[str], *, nproc_per_node: int = 1,
                max_restarts: int = 3, env: dict[str, str] | None = None, warm_workers: bool = False,
                rdzv_conf: str = "", shm_size: str = "256m", node_args: dict[int, list[str]] | None = None,
-               start_timeout: float = 60.0, external_store: bool = False) -> None:
+               agent_args: dict[int, list[str]] | None = None, start_timeout: float = 60.0,
+               external_store: bool = False) -> None:
         """Starts ``nnodes`` nodes of one job running ``script`` (node 0 first; the others once it hosts
         the rendezvous store; with ``external_store``, a process outside the nodes hosts it and every node
         may be lost). The script gets ``--checkpoint_dir`` (shared), ``--metrics`` (its node's
         file), ``--metrics_all_ranks`` and ``--resume`` before ``script_args``; ``node_args[i]`` is added
-        on node i only. Warm workers are off unless asked for (2 cores: their imports slow the others)."""
+        on node i only, ``agent_args[i]`` to node i's ``flashckpt-run`` (before the script: e.g. its own
+        ``--local-dir``). Warm workers are off unless asked for (2 cores: their imports slow the others)."""
         port = free_ports(1)[0]
         self.rdzv_id = f"mn-{uuid.uuid4().hex[:8]}"
         self.nnodes = nnodes
@@ -187,6 +192,7 @@ class Cluster:
             self.cmd += ["--rdzv_conf", rdzv_conf]
         self.script = [script, "--checkpoint_dir", self.ckpt_dir, "--metrics_all_ranks", "--resume", *script_args]
         self.node_args = node_args or {}
+        self.agent_args = agent_args or {}
         self.env = self._base_env(env or {}, warm_workers)
         self.nodes = []
         for i in range(nnodes):
@@ -235,11 +241,12 @@ class Cluster:
         assert node.proc is None or node.proc.poll() is not None, f"node {i} is running"
         if node.ns is not None and node.ns in node.held:
             assert not pids_in_ns(node.ns), f"node {i}'s previous namespace still has processes"
+            self._copy_saver_logs(node, final=True)
             self._release(node)
         node.gen += 1
         env = dict(self.env, FLASHCKPT_LAUNCH_EVENTS=node.agent_events)
-        argv = [*node_shell(self.shm_size), *self.cmd, *self.script, "--metrics", node.metrics,
-                *self.node_args.get(i, [])]
+        argv = [*node_shell(self.shm_size), *self.cmd, *self.agent_args.get(i, []), *self.script,
+                "--metrics", node.metrics, *self.node_args.get(i, [])]
         with open(node.log, "ab") as log:
             log.write(f"\n==== node {i} start {node.gen} at {time.time():.3f}: {' '.join(argv)}\n".encode())
             log.flush()
@@ -287,6 +294,7 @@ class Cluster:
             kill_namespace(n.ns or "")
         for n in nodes:
             self._reap(n)
+            self._copy_saver_logs(n, final=True)
             self._release(n)
         return t
 
@@ -313,7 +321,23 @@ class Cluster:
         idx = list(range(len(self.nodes))) if nodes is None else nodes
         self.wait_for(lambda: all(self._exited(i) for i in idx), timeout,
                       f"the launchers of nodes {idx} to exit")
+        for i in idx:
+            self._copy_saver_logs(self.nodes[i], final=True)
         return [self.returncode(i) for i in idx]
+
+    def wait_settled(self, nodes: list[int] | None = None, timeout: float = 60.0) -> None:
+        """Waits until no process is left in the namespaces of ``nodes`` (default all), whose launchers
+        exited (a saver may go on after its launcher, e.g. uploading to the durable tier), copying their saver
+        logs meanwhile."""
+        idx = list(range(len(self.nodes))) if nodes is None else nodes
+        ended = [self.nodes[i] for i in idx if self._exited(i) and self.nodes[i].ns in self.nodes[i].held]
+
+        def settled() -> bool:
+            for n in ended:  # copied while they run: a saver that ends removes its job dir, its log with it
+                self._copy_saver_logs(n, final=True)
+            return not any(pids_in_ns(n.ns or "") for n in ended)
+
+        self.wait_for(settled, timeout, f"every process of nodes {[n.index for n in ended]} to end")
 
     def events(self, i: int, event: str | None = None, after: float = 0.0) -> list[dict[str, Any]]:
         """Node ``i``'s training events (every rank of it, every start), optionally of one kind and after ``t``."""
@@ -400,7 +424,7 @@ class Cluster:
     def logs(self) -> str:
         """The end of every node's output and of every saver log."""
         for n in self.nodes:
-            self._copy_saver_logs(n)
+            self._copy_saver_logs(n, final=True)
         out = []
         for n in self.nodes:
             rc = self.returncode(n.index)
@@ -429,8 +453,11 @@ class Cluster:
             self.fail(f"assertion failed: {msg}")
 
     # ---------------------------------------------------------------- saver logs
-    def _copy_saver_logs(self, node: Node) -> None:
-        """Copies node's saver logs out of its private /dev/shm, via /proc/<pid>/root of one of its processes."""
+    def _copy_saver_logs(self, node: Node, *, final: bool = False) -> None:
+        """Copies node's saver logs out of its private /dev/shm, via /proc/<pid>/root of one of its processes;
+        ``final`` (the test's thread, never the copier's): where none is left, through the namespace the
+        harness holds (its tmpfs lives on until released), so that what a saver logged just before the node
+        ended is kept too."""
         if node.ns is None or node.ns not in node.held:
             return
         pids = []
@@ -440,24 +467,43 @@ class Cluster:
             if mnt_ns(pid) != node.ns:
                 continue
             root = f"/proc/{pid}/root{NODE_RUNTIME_DIR}"
-            found = False
+            texts = {}
             for path in glob.glob(f"{root}/*/saver.log"):
                 try:
                     with open(path, "rb") as f:
-                        text = f.read().decode(errors="replace")
+                        texts[os.path.basename(os.path.dirname(path))] = f.read().decode(errors="replace")
                 except OSError:
                     continue
-                found = True
-                key = (node.index, node.gen, os.path.basename(os.path.dirname(path)))
-                with self._lock:
-                    # A log that does not continue the one copied before is a new saver's (the job dir
-                    # was made again): kept beside the old one, under the next free key.
-                    while key in self.saver_logs and not text.startswith(self.saver_logs[key][:200]):
-                        key = (key[0], key[1], key[2] + "+")
-                    if len(text) >= len(self.saver_logs.get(key, "")):
-                        self.saver_logs[key] = text
-            if found or os.path.isdir(root):
+            if texts or os.path.isdir(root):
+                self._keep_saver_logs(node, texts)
                 return
+        if final:
+            self._keep_saver_logs(node, self._saver_logs_in_held_ns(node))
+
+    def _saver_logs_in_held_ns(self, node: Node) -> dict[str, str]:
+        """Job dir name -> saver log, read in node's namespace (held, with no process left) by ``nsenter``."""
+        fd = node.held[node.ns or ""]
+        script = (f'for f in {NODE_RUNTIME_DIR}/*/saver.log; do '
+                  '[ -f "$f" ] && printf "%s\\0" "$f" && cat "$f" && printf "\\0"; done')
+        try:
+            r = subprocess.run(["nsenter", f"--mount=/proc/{os.getpid()}/fd/{fd}", "sh", "-c", script],
+                               capture_output=True, timeout=KILL_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            return {}
+        parts = r.stdout.split(b"\0")
+        return {os.path.basename(os.path.dirname(parts[i].decode(errors="replace"))):
+                parts[i + 1].decode(errors="replace") for i in range(0, len(parts) - 1, 2)}
+
+    def _keep_saver_logs(self, node: Node, texts: dict[str, str]) -> None:
+        for job, text in texts.items():
+            key = (node.index, node.gen, job)
+            with self._lock:
+                # A log that does not continue the one copied before is a new saver's (the job dir was made
+                # again): kept beside the old one, under the next free key.
+                while key in self.saver_logs and not text.startswith(self.saver_logs[key][:200]):
+                    key = (key[0], key[1], key[2] + "+")
+                if len(text) >= len(self.saver_logs.get(key, "")):
+                    self.saver_logs[key] = text
 
     def _mirror_saver_logs(self) -> None:
         while not self._stop.wait(0.5):
