@@ -22,7 +22,7 @@ business. Only the I/O is routed through flashckpt, while the call runs:
 The swaps are module attributes of Megatron-LM (and ``megatron.core.optimizer.distrib_optimizer``) set
 for the duration of the call and restored after it; one training thread.
 
-One concept, so one module (~505 lines): Megatron-LM's save/load entry points with their swaps; the
+One concept, so one module (~540 lines): Megatron-LM's save/load entry points with their swaps; the
 megatron-core side is ``dist_ckpt`` (with ``_view`` and ``_stager``).
 """
 

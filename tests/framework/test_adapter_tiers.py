@@ -346,3 +346,54 @@ def test_megatron_core_loads_the_local_iteration_then_the_checkpoint_dir(tmp_pat
     assert out["local_tracker"] == "10", out
     assert out["local"] == ["local", 10, True, 10], out
     assert out["wiped"] == ["storage", 10, True, 10], out
+
+
+# ------------------------------------------------------------------------------------------ Megatron-LM
+def test_megatron_lm_patch_loads_the_local_iteration_then_the_checkpoint_dir(monkeypatch: Any, tmp_path: Any) -> None:
+    """``flashckpt.patches.megatron`` around test_megatron.py's stand-in of Megatron-LM's checkpointing module
+    (Megatron-LM is not installed here), given ``args.ckpt_step`` as Megatron-LM's ``_load_base_checkpoint``
+    reads it: ``configure(local_dir=...)``, iteration 10 saved; a new process's load reads it from the local
+    dir (``args.load`` pointed there for the call, restored after), then, wiped, from ``--load``."""
+    pytest.importorskip("megatron.core")
+    import sys
+    import types
+    from argparse import Namespace
+
+    import flashckpt.patches.megatron._lm as lm
+    from megatron.core.safe_globals import register_safe_globals
+    from test_megatron import _STANDIN
+
+    register_safe_globals()  # Megatron-LM does this: its checkpoints hold an argparse.Namespace
+    standin = _STANDIN.replace("    iteration, release = read_metadata(tracker_filename)\n",
+                               "    iteration, release = read_metadata(tracker_filename)\n"
+                               "    if getattr(args, 'ckpt_step', None):\n"
+                               "        iteration, release = args.ckpt_step, False\n")
+    assert "ckpt_step" in standin
+    mod = types.ModuleType("megatron.training.checkpointing")
+    exec(compile(standin, "<Megatron-LM stand-in>", "exec"), mod.__dict__)
+    monkeypatch.setitem(sys.modules, "megatron.training", types.ModuleType("megatron.training"))
+    monkeypatch.setitem(sys.modules, "megatron.training.checkpointing", mod)
+    monkeypatch.setattr(lm, "_CHECKPOINTERS", {})
+    monkeypatch.setattr(lm, "_OPTIONS", dict(lm._OPTIONS))
+    root, local = str(tmp_path / "ckpt"), str(tmp_path / "nvme")
+    mod.ARGS = Namespace(save=root, load=root, async_save=False, ckpt_step=None)
+    lm.configure(local_dir=local)
+    model = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight.fill_(1.5)
+    try:
+        lm.save_checkpoint(10, [model], None, None, 111, storage_type=lm.StorageType.DISK)
+        lm.get_checkpointer(root).wait(60)
+    finally:
+        lm.finalize()
+    assert os.path.exists(os.path.join(local, "iter_0000010", "mp_rank_00", "model_optim_rng.pt"))
+    for source in ("local", "storage"):
+        fresh = torch.nn.Linear(4, 3)
+        try:
+            assert lm.load_checkpoint([fresh], None, None) == (10, 111)
+            assert lm.get_checkpointer(root).last_load.source == source
+        finally:
+            lm.finalize()
+        assert torch.equal(fresh.weight, torch.full((3, 4), 1.5))
+        assert (mod.ARGS.load, mod.ARGS.ckpt_step) == (root, None)  # restored after the call
+        _wipe(local)
