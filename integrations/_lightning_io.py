@@ -135,6 +135,7 @@ class _FlashIOImpl:
         self._late_error: BaseException | None = None  # a save's error while fit fails, for teardown
         self._finalizer: weakref.finalize | None = None  # closes the engine when the plugin is dropped
         self._loaded_only = True  # the engine has only loaded so far (its directory is not yet the plugin's)
+        self._on_local: tuple[str, tuple[int, str] | None] | None = None  # a load's (path, local_file of it)
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the Trainer: no engine crosses over
         state = dict(self.__dict__)
@@ -637,6 +638,7 @@ class _FlashIOImpl:
         self._reconcile()
         newest_on_storage = max(self._live.get(target, []), default=-1)
         on_local = engine.local_file(target)  # a newer save of it committed on the local tier, not yet uploaded
+        self._on_local = (target, on_local)  # for _local_copy: the checksums are verified once per load
         if on_local is not None:
             newest_on_storage = max(newest_on_storage, on_local[0])
         for step in engine.memory_steps():
@@ -657,10 +659,11 @@ class _FlashIOImpl:
     def _local_copy(self, target: str | None, seq: int | None) -> str | None:
         """The local tier's file of save ``seq`` of ``target``, when this node's local tier holds that save
         whole and it is the newest save of ``target`` there (``CheckpointEngine.local_file``); else None."""
-        engine = self._engine
+        engine, cached = self._engine, self._on_local
+        self._on_local = None
         if engine is None or target is None or seq is None or engine.local_dir is None:
             return None
-        found = engine.local_file(target)
+        found = cached[1] if cached is not None and cached[0] == target else engine.local_file(target)
         return found[1] if found is not None and found[0] == seq else None
 
     def _wait_committed(self, target: str, seq: int) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from flashckpt import errors as E
 from flashckpt.commit.layout import CommitLayout
@@ -78,7 +78,7 @@ class Restorer:
         self.downloads = False  # a load from an object store may have left a shared download
 
     def locate(self, *, memory: bool, deep: bool, exclude: frozenset[int] | set[int] = frozenset(),
-               local: str = "") -> Located:
+               local: Literal["", "mine", "whole"] = "") -> Located:
         """``CheckpointEngine.locate``; ``deep=False`` verifies storage steps by size only (for a load that
         checks the checksums while it reads), ``exclude``: steps found damaged by such a load; ``local``:
         the node-local tier too. ``"mine"`` (``load()``, each rank reading its own files only): "local"
