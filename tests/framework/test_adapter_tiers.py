@@ -5,8 +5,9 @@ the local dir wiped (a replaced node): the next load reads the checkpoint dir, b
 
 - DDP (1 rank), FSDP2 (2 ranks, DCP: every rank reads the ``.metadata`` and may read another rank's file),
   DeepSpeed ZeRO-1 (1 rank: ``latest`` and the tag dir under the local dir), the HF Trainer
-  (``checkpoint-N`` under the local dir), Lightning's ``FlashCheckpointIO`` and megatron-core
-  ``dist_checkpointing`` (``iter_XXXXXXX``).
+  (``checkpoint-N`` under the local dir), Accelerate's ``AcceleratorCheckpointer``, Lightning's
+  ``FlashCheckpointIO``, megatron-core ``dist_checkpointing`` (``iter_XXXXXXX``) and the Megatron-LM patch
+  (through test_megatron.py's stand-in of Megatron-LM's module, given ``args.ckpt_step``).
 - A local tier holding only part of the step (its local manifest names rank 0 of 2, rank 1's files gone:
   what a node of a multi-node job holds) makes every rank read the checkpoint dir. The partial copy is made
   by editing the local manifest and deleting rank 1's files (one node here; a real second node is
@@ -275,6 +276,36 @@ def test_hf_trainer_resumes_from_the_local_tier_then_the_checkpoint_dir(tmp_path
         assert got is not None and (got.source, got.step) == (source, 2), got
         assert (got.path or "").startswith(local if source == "local" else out), got
         assert resumed["digest"] == want, source  # the weights as loaded, bit for bit
+        _wipe(local)
+
+
+def test_accelerate_loads_the_local_tier_then_the_checkpoint_dir(tmp_path: Any) -> None:
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from flashckpt.integrations.accelerate import AcceleratorCheckpointer
+
+    torch.set_num_threads(1)
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    acc.backward(model(torch.randn(4, 8)).pow(2).mean())
+    opt.step()
+    want = _digest(model.state_dict())
+    durable, local = str(tmp_path / "ckpt"), str(tmp_path / "nvme")
+    with AcceleratorCheckpointer(acc, durable, local_dir=local) as ck:
+        ck.save_state(os.path.join(durable, "step_1"), step=1)
+        ck.wait()
+    for source in ("local", "storage"):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        with AcceleratorCheckpointer(acc, durable, local_dir=local) as ck:
+            loc = ck.load_state()
+        assert (loc.source, loc.step) == (source, 1), loc
+        assert (loc.path or "").startswith(local if source == "local" else durable), loc
+        assert _digest(model.state_dict()) == want
         _wipe(local)
 
 
