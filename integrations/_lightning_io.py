@@ -29,7 +29,7 @@ from typing import Any
 
 from flashckpt import CheckpointEngine, FlashCheckpointError, PersistError, StorageType
 from flashckpt import errors as E
-from flashckpt.engine.adapter import LoadAttempt, Opened, resolve_load
+from flashckpt.engine.adapter import LOCAL, LoadAttempt, Opened, resolve_load
 from flashckpt.engine.engine import Located
 from flashckpt.engine.routing import path_inside
 from flashckpt.integrations._lightning_paths import (
@@ -73,6 +73,12 @@ Args:
         such as ``endpoint_url``); the node's saver gets them too.
     scratch_dir: where a checkpoint loaded from a store is downloaded for Lightning's reader (default
         ``/dev/shm`` when writable, else the system temp dir); removed after the load.
+    local_dir: a node-local directory (NVMe, a local disk) as the fast tier: a DISK save commits there first
+        (the ``.ckpt`` at the same relative path) and the node's saver uploads it to the checkpoint dir in the
+        background; a load of a path reads this node's copy there when the local tier holds its newest save
+        whole (``last_load`` ``("local", <its path there>)``), else the checkpoint dir. None:
+        FLASHCKPT_LOCAL_DIR (unset: no local tier).
+    local_max_to_keep: saves the local tier keeps (0 keeps all; one not yet uploaded is never deleted).
 
 Thread safety: Lightning calls it from the training thread only; so must you.
 """
@@ -94,7 +100,8 @@ class _FlashIOImpl:
 
     def __init__(self, checkpoint_dir: str | None = None, *, weights_only: bool = True,
                  teardown_timeout_s: float | None = 1800.0, load_wait_s: float = 600.0,
-                 storage_options: dict[str, Any] | None = None, scratch_dir: str | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, scratch_dir: str | None = None,
+                 local_dir: str | os.PathLike[str] | None = None, local_max_to_keep: int = 2) -> None:
         super().__init__()
         if teardown_timeout_s is not None and teardown_timeout_s <= 0:
             raise E.InvalidArgumentError(f"FlashCheckpointIO(teardown_timeout_s={teardown_timeout_s!r}): must be > 0 or None")
@@ -104,7 +111,9 @@ class _FlashIOImpl:
         self.load_wait_s = load_wait_s
         self.storage_options = storage_options
         self.scratch_dir = scratch_dir
-        self.last_load: tuple[str, str] | None = None  # (source: "memory" | "storage", path)
+        self.local_dir = None if local_dir is None else os.fspath(local_dir)
+        self.local_max_to_keep = local_max_to_keep
+        self.last_load: tuple[str, str] | None = None  # (source: "memory" | "local" | "storage", path)
         self.deferred_removals = 0  # removals that waited for a persist of their path
         self._warned_dir = False
         self._warned_url = False
@@ -126,6 +135,7 @@ class _FlashIOImpl:
         self._late_error: BaseException | None = None  # a save's error while fit fails, for teardown
         self._finalizer: weakref.finalize | None = None  # closes the engine when the plugin is dropped
         self._loaded_only = True  # the engine has only loaded so far (its directory is not yet the plugin's)
+        self._on_local: tuple[str, tuple[int, str] | None] | None = None  # a load's (path, local_file of it)
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the Trainer: no engine crosses over
         state = dict(self.__dict__)
@@ -379,8 +389,10 @@ class _FlashIOImpl:
             target = link_target(target)
             root = self.checkpoint_dir or (self._engine.checkpoint_dir if self._engine else locations.parent(target))
             # An engine is made for a load only where a saver of this job may hold snapshots (its runtime
-            # dir exists): loading someone else's checkpoint never starts a saver or writes into its dir.
-            if path_inside(target, root) and (self._engine is not None or job_in_memory(root)):
+            # dir exists), or this plugin's local tier may hold the file: loading someone else's checkpoint
+            # never starts a saver or writes into its dir.
+            if path_inside(target, root) and (self._engine is not None or job_in_memory(root)
+                                              or (self.local_dir is not None and os.path.isdir(self.local_dir))):
                 self._ensure_engine(target, "load_checkpoint")
                 seq = self._memory_choice(target)
         own = target
@@ -390,12 +402,15 @@ class _FlashIOImpl:
                      and seq in engine.memory_steps() and names.snapshot_name(seq) == target)
 
         def from_storage(_attempt: LoadAttempt) -> Opened:
-            if target is not None and seq is not None and engine is not None:
-                self._wait_committed(target, seq)
             io = self._torch_io_cls()
             kw: dict[str, Any] = {"weights_only": weights_only}
             if map_location is not None:
                 kw["map_location"] = map_location
+            local = self._local_copy(target, seq)  # this node's whole copy of that save on the local tier
+            if local is not None:
+                return Opened(io.load_checkpoint(local, **kw), seq, local, source=LOCAL)
+            if target is not None and seq is not None and engine is not None:
+                self._wait_committed(target, seq)
             if target is not None and locations.is_url(target):
                 sd = read_stored(target, io, kw, engine=engine, checkpoint_dir=self.checkpoint_dir,
                                  storage_options=self.storage_options, scratch_dir=self.scratch_dir)
@@ -516,7 +531,8 @@ class _FlashIOImpl:
             if not path_inside(target, root):
                 raise FlashCheckpointError(self._outside(op, target, root))
             engine = CheckpointEngine(root, max_to_keep=0, replicated=True, weights_only=self.weights_only,
-                                      storage_options=self.storage_options)
+                                      storage_options=self.storage_options, local_dir=self.local_dir,
+                                      local_max_to_keep=self.local_max_to_keep)
             self._engine = engine
             _open_ios.add(self)
             # A plugin dropped without teardown (a save outside fit) detaches when collected; at exit the
@@ -621,6 +637,10 @@ class _FlashIOImpl:
             return None
         self._reconcile()
         newest_on_storage = max(self._live.get(target, []), default=-1)
+        on_local = engine.local_file(target)  # a newer save of it committed on the local tier, not yet uploaded
+        self._on_local = (target, on_local)  # for _local_copy: the checksums are verified once per load
+        if on_local is not None:
+            newest_on_storage = max(newest_on_storage, on_local[0])
         for step in engine.memory_steps():
             if names.snapshot_name(step) == target and step >= newest_on_storage:
                 return step
@@ -635,6 +655,16 @@ class _FlashIOImpl:
         obj: list[Any] = [(target, seq)]
         dist.broadcast_object_list(obj, src=0)
         return obj[0]
+
+    def _local_copy(self, target: str | None, seq: int | None) -> str | None:
+        """The local tier's file of save ``seq`` of ``target``, when this node's local tier holds that save
+        whole and it is the newest save of ``target`` there (``CheckpointEngine.local_file``); else None."""
+        engine, cached = self._engine, self._on_local
+        self._on_local = None
+        if engine is None or target is None or seq is None or engine.local_dir is None:
+            return None
+        found = cached[1] if cached is not None and cached[0] == target else engine.local_file(target)
+        return found[1] if found is not None and found[0] == seq else None
 
     def _wait_committed(self, target: str, seq: int) -> None:
         """Waits until save ``seq`` of ``target`` is on storage (another node's saver may be writing it)."""

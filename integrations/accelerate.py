@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from flashckpt import CheckpointEngine, FileSet, StorageType
 from flashckpt import errors as E
-from flashckpt.engine.adapter import AdapterBase, LoadAttempt, Opened
+from flashckpt.engine.adapter import AdapterBase, LoadAttempt, Opened, is_stored
 from flashckpt.engine.collective import barrier
 from flashckpt.engine.engine import Located
 from flashckpt.integrations._kit_files import (
@@ -42,6 +42,8 @@ class _Config(Protocol):
 
     scratch_dir: str | None
     storage_options: dict[str, Any] | None
+    local_dir: str | None
+    local_max_to_keep: int
 
 
 class AcceleratorCheckpointer(AdapterBase):
@@ -59,10 +61,17 @@ class AcceleratorCheckpointer(AdapterBase):
             inside it, in ``.flashckpt/``): ``output_dir`` then names a directory in it (a URL, or a path
             relative to it), automatic naming puts ``checkpoints/checkpoint_<i>`` in it, and a load from
             the store downloads the step into ``scratch_dir`` first.
-        config: a ``flashckpt.integrations.hf.FlashCkptConfig``; its ``scratch_dir`` and ``storage_options``
-            are used (the other fields are the Trainer's).
+        config: a ``flashckpt.integrations.hf.FlashCkptConfig``; its ``scratch_dir``, ``storage_options``,
+            ``local_dir`` and ``local_max_to_keep`` are used (the other fields are the Trainer's).
         storage_options: options of the store's backend (``s3://``: ``flashckpt.storage.s3.options.S3Options``
             fields such as ``endpoint_url``); default: the config's.
+        local_dir: a node-local directory (NVMe, a local disk) as the fast tier: a DISK save commits there
+            first (the same relative path as under ``checkpoint_dir``) and the node's saver uploads it in the
+            background; ``load_state()`` reads it when this node's copy holds every process's files of the
+            newest step (``source`` "local"), else ``checkpoint_dir``. Default: the config's, else
+            FLASHCKPT_LOCAL_DIR (unset: no local tier).
+        local_max_to_keep: checkpoints the local tier keeps (0 keeps all; one not yet uploaded is never
+            deleted); default: the config's, else 2.
 
     Example::
 
@@ -77,7 +86,8 @@ class AcceleratorCheckpointer(AdapterBase):
     """
 
     def __init__(self, accelerator: Any, checkpoint_dir: str | None = None, *,
-                 config: _Config | None = None, storage_options: dict[str, Any] | None = None) -> None:
+                 config: _Config | None = None, storage_options: dict[str, Any] | None = None,
+                 local_dir: str | os.PathLike[str] | None = None, local_max_to_keep: int | None = None) -> None:
         pc = accelerator.project_configuration
         self.accelerator = accelerator
         self.config = config
@@ -94,7 +104,10 @@ class AcceleratorCheckpointer(AdapterBase):
             storage_options = getattr(config, "storage_options", None)
         self.engine = CheckpointEngine(checkpoint_dir, max_to_keep=limit, replicated=False,
                                        weights_only=accelerator.distributed_type.value != "DEEPSPEED",
-                                       storage_options=storage_options)
+                                       storage_options=storage_options,
+                                       local_dir=local_dir if local_dir is not None else getattr(config, "local_dir", None),
+                                       local_max_to_keep=(local_max_to_keep if local_max_to_keep is not None
+                                                          else getattr(config, "local_max_to_keep", 2)))
         self.checkpoint_dir = self.engine.checkpoint_dir
         self.last_load: Located | None = None
 
@@ -181,10 +194,10 @@ class AcceleratorCheckpointer(AdapterBase):
                 self._load_from(want, None, **kwargs)
                 return Opened(None, None, want)
             loc = attempt.stored()
-            if loc.source != "storage" or not loc.path:
+            if not is_stored(loc) or not loc.path:
                 return None
-            self._load_from(loc.path, loc.step, **kwargs)
-            return Opened(None, loc.step, loc.path)
+            self._load_from(loc.path, loc.step, **kwargs)  # "local": this node's whole copy, a local directory
+            return Opened(None, loc.step, loc.path, source=loc.source)
 
         r = self.resolve_load(op="load_state()", event="accelerate_load", logger=log, refuse=refuse,
                               from_memory=from_memory, from_storage=from_storage)

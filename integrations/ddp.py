@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from flashckpt import CheckpointEngine, StorageType
@@ -43,14 +44,21 @@ class DdpCheckpointer(AdapterBase):
         weights_only: load persisted files with ``torch.load(weights_only=True)``.
         overlap: ``save_checkpoint`` returns before the copy is done; call ``wait_snapshot()`` before
             the optimizer step (see ``CheckpointEngine.save``).
+        local_dir: a node-local directory (NVMe, a local disk) as the fast tier: a DISK save commits there
+            first and the node's saver uploads it to ``checkpoint_dir`` in the background; a load reads it
+            when this node holds the newest step there (``last_load.source`` "local"), else
+            ``checkpoint_dir``. None: FLASHCKPT_LOCAL_DIR (unset: no local tier).
+        local_max_to_keep: steps the local tier keeps (0 keeps all; a step not yet uploaded is never
+            deleted).
     """
 
     def __init__(self, checkpoint_dir: str, *, deletion_strategy: CheckpointDeletionStrategy | None = None,
                  max_to_keep: int = 0, process_group: Any = None, weights_only: bool = True,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, local_dir: str | os.PathLike[str] | None = None,
+                 local_max_to_keep: int = 2) -> None:
         self.engine = CheckpointEngine(checkpoint_dir, max_to_keep=max_to_keep, deletion_strategy=deletion_strategy,
                                        replicated=True, process_group=process_group, weights_only=weights_only,
-                                       overlap=overlap)
+                                       overlap=overlap, local_dir=local_dir, local_max_to_keep=local_max_to_keep)
         self.checkpoint_dir = self.engine.checkpoint_dir
 
     def save_checkpoint(self, step: int, state_dict: Any, path: str = "",

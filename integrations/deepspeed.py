@@ -58,7 +58,7 @@ from flashckpt import CheckpointEngine as FlashEngine
 from flashckpt import FlashCheckpointError, LoadResult, StorageType
 from flashckpt import errors as E
 from flashckpt.commit.retention import CheckpointDeletionStrategy
-from flashckpt.engine.adapter import AdapterBase, LoadAttempt, Opened
+from flashckpt.engine.adapter import LOCAL, MEMORY, NONE, STORAGE, AdapterBase, LoadAttempt, Opened
 from flashckpt.engine.collective import exchange_files, rank, world
 from flashckpt.engine.engine import Located
 from flashckpt.engine.routing import path_inside, swapped
@@ -94,6 +94,13 @@ class DeepSpeedCheckpointer(AdapterBase):
         max_to_keep: committed checkpoints kept without a ``deletion_strategy`` (0 keeps all, as
             DeepSpeed does).
         process_group: the ranks that agree on what to load (the default group when None).
+        local_dir: a node-local directory (NVMe, a local disk) as the fast tier: a DISK save commits there
+            first (the tag directory and ``latest`` under the same relative path) and the node's saver
+            uploads it to ``checkpoint_dir`` in the background; a load reads the tag there when this node's
+            copy holds every rank's files of the newest step (DeepSpeed reads rank 0's model states on
+            every rank), else from ``load_dir``. None: FLASHCKPT_LOCAL_DIR (unset: no local tier).
+        local_max_to_keep: steps the local tier keeps (0 keeps all; a step not yet uploaded is never
+            deleted).
 
     Raises:
         TypeError: ``engine`` is not a DeepSpeed engine.
@@ -105,7 +112,8 @@ class DeepSpeedCheckpointer(AdapterBase):
 
     def __init__(self, engine: Any, checkpoint_dir: str, *,
                  deletion_strategy: CheckpointDeletionStrategy | None = None, max_to_keep: int = 0,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, local_dir: str | os.PathLike[str] | None = None,
+                 local_max_to_keep: int = 2) -> None:
         inner = getattr(engine, "checkpoint_engine", None)
         if inner is None or not hasattr(engine, "save_checkpoint") or not hasattr(engine, "global_steps"):
             raise E.InvalidArgumentTypeError(f"DeepSpeedCheckpointer(engine={type(engine).__name__}): pass the engine returned by "
@@ -128,7 +136,8 @@ class DeepSpeedCheckpointer(AdapterBase):
         # DeepSpeed's files hold Python objects (configs, enums, shapes) and DeepSpeed loads them with
         # weights_only=False; memory snapshots are decoded the same way (they are this job's own, mode 0600).
         self._core = FlashEngine(checkpoint_dir, max_to_keep=max_to_keep, deletion_strategy=deletion_strategy,
-                                 replicated=False, process_group=process_group, weights_only=False)
+                                 replicated=False, process_group=process_group, weights_only=False,
+                                 local_dir=local_dir, local_max_to_keep=local_max_to_keep)
         self.checkpoint_dir = self._core.checkpoint_dir  # absolute, or the store's URL; a file:// URL mapped
         self._ds_engine = FlashDeepSpeedCheckpointEngine(inner)
         engine.checkpoint_engine = self._ds_engine
@@ -300,8 +309,12 @@ class DeepSpeedCheckpointer(AdapterBase):
 
         def from_storage(attempt: LoadAttempt) -> Opened | None:
             loc = attempt.located
-            if loc.source != "memory":
+            if loc.source == MEMORY and tag is None and self._core.local_dir is not None:
+                loc = attempt.stored()  # memory did not serve it: the newest committed step, maybe local
+            if loc.source != MEMORY:
                 newest[0] = self._tag_in(root, loc)
+            if loc.source == LOCAL and newest[0] is not None and (tag is None or str(tag) == newest[0]):
+                return self._load_local(root, newest[0], loc, kw)
             # memory held the newest but did not serve it: DeepSpeed's `latest` (the newest committed tag)
             want = None if tag is None and loc.source == "memory" else newest[0] if tag is None else str(tag)
             if locations.is_url(root):
@@ -318,12 +331,24 @@ class DeepSpeedCheckpointer(AdapterBase):
         return r.value if r.value is not None else (None, None)
 
     def _tag_in(self, root: str, loc: Located) -> str | None:
-        """The tag of the checkpoint ``loc`` names, when its directory lies directly in ``root``."""
-        newest = loc.path if loc.source == "memory" else (
-            self._core.step_path(loc.step) if loc.source == "storage" and loc.step is not None else None)
-        if newest and locations.parent(newest) == root:
+        """The tag of the checkpoint ``loc`` names, when its directory lies directly in ``root`` (a step on
+        the local tier: in ``root``'s place there)."""
+        newest = loc.path if loc.source in (MEMORY, LOCAL) else (
+            self._core.step_path(loc.step) if loc.source == STORAGE and loc.step is not None else None)
+        if loc.source == LOCAL:
+            root = self._core.local_path(root) or ""
+        if newest and root and locations.parent(newest) == root:
             return locations.basename(newest)
         return None
+
+    def _load_local(self, root: str, tag: str, loc: Located, kw: dict[str, Any]) -> Opened:
+        """DeepSpeed's own load of ``tag`` from this node's local tier (a whole copy of the step, in
+        ``root``'s place there: ``locate(local=True)``); ``load_path`` is the file it read there."""
+        local_root = self._core.local_path(root)
+        assert local_root is not None  # _tag_in found the tag there
+        load_path, client_state = self.engine.load_checkpoint(local_root, tag, **kw)
+        return Opened((load_path, client_state), loc.step if load_path is not None else None, loc.path,
+                      source=LOCAL if load_path is not None else NONE)
 
     @staticmethod
     def _no_tag(tag: str, where: str, newest_tag: str | None, source: str) -> FlashCheckpointError:

@@ -42,7 +42,7 @@ from typing import Any
 from flashckpt import CheckpointEngine, FileSet, StorageType
 from flashckpt import errors as E
 from flashckpt.commit.retention import CheckpointDeletionStrategy
-from flashckpt.engine.adapter import AdapterBase, LoadAttempt, Opened, Resolved, log_load
+from flashckpt.engine.adapter import LOCAL, AdapterBase, LoadAttempt, Opened, Resolved, is_stored, log_load
 from flashckpt.engine.engine import LoadResult, Located
 from flashckpt.engine.routing import path_inside
 from flashckpt.errors import CheckpointCorruptError
@@ -81,16 +81,24 @@ class FsdpShardCheckpointer(AdapterBase):
         max_to_keep: committed checkpoints kept without a ``deletion_strategy`` (0 keeps all).
         process_group: the group that saves and loads (the default group when None); DCP's coordinator is
             its rank 0.
+        local_dir: a node-local directory (NVMe, a local disk) as the fast tier: a DISK save commits there
+            first and the node's saver uploads it to ``checkpoint_dir`` in the background; a load reads it
+            when this node's copy holds every rank's files of the newest step (DCP reads across ranks), else
+            ``checkpoint_dir``. None: FLASHCKPT_LOCAL_DIR (unset: no local tier).
+        local_max_to_keep: steps the local tier keeps (0 keeps all; a step not yet uploaded is never
+            deleted).
 
     Every rank of the group constructs one and makes the same calls (they are collective).
     """
 
     def __init__(self, checkpoint_dir: str, *, deletion_strategy: CheckpointDeletionStrategy | None = None,
-                 max_to_keep: int = 0, process_group: Any = None) -> None:
+                 max_to_keep: int = 0, process_group: Any = None, local_dir: str | os.PathLike[str] | None = None,
+                 local_max_to_keep: int = 2) -> None:
         from flashckpt.integrations.dcp import CachingSavePlanner, FileSetStorageWriter
 
         self.engine = CheckpointEngine(checkpoint_dir, max_to_keep=max_to_keep, deletion_strategy=deletion_strategy,
-                                       replicated=False, process_group=process_group)
+                                       replicated=False, process_group=process_group, local_dir=local_dir,
+                                       local_max_to_keep=local_max_to_keep)
         self.checkpoint_dir = self.engine.checkpoint_dir
         self.process_group = process_group
         self._writer = FileSetStorageWriter()
@@ -201,12 +209,14 @@ class FsdpShardCheckpointer(AdapterBase):
         from flashckpt.integrations.dcp import METADATA_NAME
 
         loc = attempt.stored()
-        if loc.source != "storage" or loc.step is None:
+        if not is_stored(loc):
             return None
-        if not loc.path or not self._has_metadata(loc.path):
+        local = loc.source == LOCAL  # this node's whole copy under the local dir: plain files
+        if not loc.path or not (os.path.exists(os.path.join(loc.path, METADATA_NAME)) if local
+                                else self._has_metadata(loc.path)):
             raise CheckpointCorruptError(f"get_storage_reader(): committed step {loc.step} at {loc.path} has no "
                                          f"{METADATA_NAME}; it was not written by this checkpointer")
-        return Opened(self._storage_reader(loc.path), loc.step, loc.path)
+        return Opened(self._storage_reader(loc.path), loc.step, loc.path, source=loc.source)
 
     def _resolved(self, r: Resolved) -> Any:
         self.last_load = r.result()

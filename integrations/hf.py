@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from flashckpt import CheckpointEngine, FileSet, StorageType
 from flashckpt import errors as E
-from flashckpt.engine.adapter import LoadAttempt, Opened, resolve_load
+from flashckpt.engine.adapter import LOCAL, MEMORY, STORAGE, LoadAttempt, Opened, is_stored, resolve_load
 from flashckpt.engine.collective import barrier
 from flashckpt.engine.engine import Located
 from flashckpt.integrations._hf_files import (
@@ -115,6 +115,13 @@ class FlashCkptConfig:
             stays local: the Trainer writes its logs and the final model there. None: ``output_dir``.
         storage_options: options of the store's backend (``s3://``: ``flashckpt.storage.s3.options.S3Options``
             fields such as ``endpoint_url``, ``part_size_mb``); the node's saver gets them too.
+        local_dir: a node-local directory (NVMe, a local disk) as the fast tier: a checkpoint saved to
+            storage is committed there first (``<local_dir>/checkpoint-N/``) and the node's saver uploads it
+            to the checkpoint dir in the background; a resume reads it there when this node's copy holds
+            every rank's files of the newest step, else from the checkpoint dir. A trial of a hyperparameter
+            search uses its run's subdirectory of it. None: FLASHCKPT_LOCAL_DIR (unset: no local tier).
+        local_max_to_keep: checkpoints the local tier keeps (0 keeps all; one not yet uploaded is never
+            deleted).
     """
 
     memory_snapshot_steps: int = 0
@@ -122,6 +129,8 @@ class FlashCkptConfig:
     scratch_dir: str | None = None
     checkpoint_dir: str | None = None
     storage_options: dict[str, Any] | None = None
+    local_dir: str | None = None
+    local_max_to_keep: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.memory_snapshot_steps, int) or self.memory_snapshot_steps < 0:
@@ -200,9 +209,20 @@ class FlashCkptTrainer(Trainer):
         strategy = TrainerRetention(limit, self._flash_best_step) if limit and limit > 0 else None
         self._flash = CheckpointEngine(run_dir, max_to_keep=0, deletion_strategy=strategy, replicated=False,
                                        weights_only=not self.is_deepspeed_enabled,
-                                       storage_options=self.flashckpt_config.storage_options)
+                                       storage_options=self.flashckpt_config.storage_options,
+                                       local_dir=self._flash_local_dir(run_dir),
+                                       local_max_to_keep=self.flashckpt_config.local_max_to_keep)
         self._flash_run_dir = self._flash.checkpoint_dir
         return self._flash
+
+    def _flash_local_dir(self, run_dir: str) -> str | None:
+        """The local tier of ``run_dir``'s engine: ``flashckpt_config.local_dir``, a trial's run in its
+        subdirectory (as under the checkpoint dir); None: FLASHCKPT_LOCAL_DIR decides."""
+        given = self.flashckpt_config.local_dir
+        if not given:
+            return None
+        rel = locations.relpath(run_dir, self._flash_checkpoint_dir(None))
+        return given if rel in (None, ".") else os.path.join(given, *rel.split("/"))
 
     @property
     def _flash_in_store(self) -> bool:
@@ -240,16 +260,17 @@ class FlashCkptTrainer(Trainer):
         A step that memory holds (at least as new as the newest committed one) gives its
         ``<output_dir>/checkpoint-N`` path, which ``train`` then resumes from memory, even while that
         directory is still being persisted or does not exist (a memory-only snapshot); otherwise the
-        newest committed checkpoint whose checksums verify; in a directory flashckpt never wrote to, the
-        newest vanilla ``checkpoint-N`` with a ``trainer_state.json``; else None (start from scratch).
-        Every rank calls it (as ``train``)."""
+        newest committed checkpoint whose checksums verify (also when it is newer on the local tier than on
+        the checkpoint dir: its ``checkpoint-N`` path there, which ``train`` reads from the local tier); in a
+        directory flashckpt never wrote to, the newest vanilla ``checkpoint-N`` with a
+        ``trainer_state.json``; else None (start from scratch). Every rank calls it (as ``train``)."""
         run_dir = self._flash_checkpoint_dir(None)
         engine = self.flashckpt_engine(run_dir)
-        loc = engine.locate()
+        loc = engine.locate(local=True)
         if loc.source == "none":
             return last_checkpoint(run_dir, engine.layout, False)
         self._flash_located = (engine, loc)  # train() uses it rather than verifying the checksums again
-        return loc.path
+        return _durable_path(engine, loc)
 
     def _flash_best_step(self) -> int | None:
         best = self.state.best_model_checkpoint
@@ -305,27 +326,34 @@ class FlashCkptTrainer(Trainer):
         def from_storage(attempt: LoadAttempt) -> Opened:
             if want is None:
                 return self._flash_newest_stored(engine, run_dir, attempt.stored())
+            if attempt.located.source in (LOCAL, MEMORY) and engine.local_dir is not None:
+                loc = attempt.stored()  # the newest checkpoint, asked for by its name: from the local tier
+                if loc.source == LOCAL and want == _durable_path(engine, loc):
+                    return self._flash_newest_stored(engine, run_dir, loc)
             return self._flash_given(engine, run_dir, want, resume)  # type: ignore[arg-type]
 
         # Every rank locates (they agree on the step), or every rank uses get_last_checkpoint's answer.
         r = resolve_load(engine, op="train(resume_from_checkpoint)", event="resume", logger=log, refuse=refuse,
                          from_memory=from_memory, from_storage=from_storage,
-                         locate=lambda: cached[1] if cached is not None and cached[0] is engine else engine.locate())
+                         locate=lambda: cached[1] if cached is not None and cached[0] is engine
+                         else engine.locate(local=True))
         self.flashckpt_last_resume = Located(r.step, r.source, r.path)
         out: str = r.value
         return out
 
     def _flash_newest_stored(self, engine: CheckpointEngine, run_dir: str, loc: Located) -> Opened:
-        """The newest committed checkpoint (``loc``), else a vanilla Trainer's newest ``checkpoint-N``."""
-        path = loc.path if loc.source == "storage" else last_checkpoint(run_dir, engine.layout, False)
+        """The newest committed checkpoint (``loc``: on the checkpoint dir, or this node's whole copy on the
+        local tier), else a vanilla Trainer's newest ``checkpoint-N``."""
+        committed = is_stored(loc)
+        path = loc.path if committed else last_checkpoint(run_dir, engine.layout, False)
         if path is None:
             raise E.InvalidArgumentError(f"No valid checkpoint found in output directory ({run_dir}): nothing committed "
                                          "by flashckpt, in memory, or written by a vanilla Trainer")
-        step = loc.step if loc.source == "storage" else checkpoint_step(path)
+        step = loc.step if committed else checkpoint_step(path)
         if locations.is_url(path):
-            return Opened(self._flash_download(engine, path, loc.step if loc.source == "storage" else None).dir,
+            return Opened(self._flash_download(engine, path, loc.step if committed else None).dir,
                           step, path)
-        return Opened(path, step, path)
+        return Opened(path, step, path, source=LOCAL if loc.source == LOCAL else STORAGE)
 
     def _flash_given(self, engine: CheckpointEngine, run_dir: str, want: str, resume: str) -> Opened:
         """``resume_from_checkpoint=<path>`` (``want`` normalized): refused when it is not committed."""
@@ -510,3 +538,12 @@ def _check_version() -> None:
 
 
 _check_version()
+
+
+def _durable_path(engine: CheckpointEngine, loc: Located) -> str | None:
+    """``loc.path``, a step on the local tier named by its path on the checkpoint dir (``checkpoint-N`` under
+    the output dir, as the Trainer names it; ``train`` maps it back to the local copy)."""
+    if loc.source != LOCAL or not loc.path or engine.local_dir is None:
+        return loc.path
+    rel = os.path.relpath(loc.path, engine.local_dir)
+    return locations.normpath(locations.join(engine.checkpoint_dir, *rel.split(os.sep)))

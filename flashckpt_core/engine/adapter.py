@@ -5,7 +5,9 @@ adapter's own ``locate``); when memory holds it, read this rank's snapshot and h
 ("open this step from memory"); when memory does not hold it, or cannot serve it (the adapter refuses it,
 a rank cannot read its snapshot, the adapter's opener says why not), have the adapter open it from
 storage ("open it from storage"), where ``LoadAttempt.stored()`` gives the newest committed step that
-verifies; then the result (what was loaded, from where, which step, why memory was not used) and one
+verifies: on this node's local tier when it holds the whole step (``Located.source`` "local", its path
+under the local dir, which has the checkpoint dir's layout: an opener opens it as a durable path), else on
+the checkpoint dir ("storage"); then the result (what was loaded, from where, which step, why memory was not used) and one
 log line. An adapter implements only the two openers, in its framework's terms.
 
 ``AdapterBase`` adds ``wait`` / ``close`` / ``with`` over the adapter's ``CheckpointEngine``.
@@ -33,19 +35,26 @@ from typing import Any, Self
 from flashckpt.engine.collective import gather_errors, rank
 from flashckpt.engine.engine import LoadResult, Located
 
-__all__ = ["AdapterBase", "LoadAttempt", "Opened", "Resolved", "resolve_load", "log_load", "MEMORY", "STORAGE",
-           "NONE"]
+__all__ = ["AdapterBase", "LoadAttempt", "Opened", "Resolved", "resolve_load", "log_load", "is_stored",
+           "MEMORY", "STORAGE", "LOCAL", "NONE"]
 
 log = logging.getLogger(__name__)
 
-MEMORY, STORAGE, NONE = "memory", "storage", "none"
+MEMORY, STORAGE, LOCAL, NONE = "memory", "storage", "local", "none"
+
+
+def is_stored(loc: Located) -> bool:
+    """Whether ``loc`` is a committed step on a tier of files: the checkpoint dir ("storage") or this node's
+    local tier ("local": a whole copy, see ``CheckpointEngine.locate(local=True)``)."""
+    return loc.source in (STORAGE, LOCAL) and loc.step is not None
 
 
 @dataclass(frozen=True)
 class Opened:
     """What an opener opened: ``value`` (a state dict, a reader, a directory, what the framework's load
-    returned), the ``step`` it is, and its ``path`` (None: not known). ``source`` is "storage" or "none"
-    (nothing loaded after all); the base sets "memory" for what ``from_memory`` opened."""
+    returned), the ``step`` it is, and its ``path`` (None: not known). ``source`` is "storage", "local" (the
+    node-local tier: ``LoadAttempt.stored()`` said so) or "none" (nothing loaded after all); the base sets
+    "memory" for what ``from_memory`` opened."""
 
     value: Any
     step: int | None
@@ -56,7 +65,7 @@ class Opened:
 @dataclass(frozen=True)
 class Resolved:
     """The result of ``resolve_load``: what was loaded (``value``), from where (``source``: "memory",
-    "storage" or "none"), which ``step`` and ``path``, in how many ``seconds``, the snapshot's ``nbytes``
+    "local", "storage" or "none"), which ``step`` and ``path``, in how many ``seconds``, the snapshot's ``nbytes``
     (memory), why memory was not used when it held the step (``why_not_memory``, "" otherwise) and what
     ``locate`` answered (``located``)."""
 
@@ -75,8 +84,9 @@ class Resolved:
 
 
 class LoadAttempt:
-    """What ``from_storage`` gets: ``located`` (what ``locate`` answered: memory, storage or none) and
-    ``why_not_memory``; ``stored()`` is where the newest checkpoint on storage is."""
+    """What ``from_storage`` gets: ``located`` (what ``locate`` answered: memory, local, storage or none) and
+    ``why_not_memory``; ``stored()`` is where the newest committed checkpoint is (on the local tier when this
+    node's holds the whole step)."""
 
     def __init__(self, engine: Any, located: Located, why_not_memory: str) -> None:
         self.engine = engine
@@ -85,10 +95,11 @@ class LoadAttempt:
         self._stored: Located | None = None if located.source == MEMORY else located
 
     def stored(self) -> Located:
-        """``located`` when it is on storage (or nothing); else, memory having held it but not served it,
-        the newest committed step that verifies on every rank (``locate(memory=False)``; collective, once)."""
+        """``located`` when it is committed (on the local tier or storage) or nothing; else, memory having
+        held it but not served it, the newest committed step that verifies on every rank
+        (``locate(memory=False, local=True)``; collective, once)."""
         if self._stored is None:
-            self._stored = self.engine.locate(memory=False)
+            self._stored = self.engine.locate(memory=False, local=True)
         return self._stored
 
 
@@ -135,7 +146,8 @@ def resolve_load(engine: Any, *, op: str, event: str,
         from_storage: opens the checkpoint from storage (``attempt.stored()`` is where the newest one is);
             None when there is nothing to load.
         refuse: "" when memory may serve the located step, else why not (checked before the snapshot is read).
-        locate: where the checkpoint is, instead of ``engine.locate()`` (an adapter that agrees its own way).
+        locate: where the checkpoint is, instead of ``engine.locate(local=True)`` (an adapter that agrees its
+            own way).
         agree: the ranks agree on whether every rank could read its snapshot (False where each rank loads
             on its own: replicated state, whose ranks fall back one by one).
         group: the process group of that agreement (default: the engine's).
@@ -145,7 +157,7 @@ def resolve_load(engine: Any, *, op: str, event: str,
         What the openers raise (a snapshot that cannot be read is not an error: storage serves then).
     """
     t0 = time.perf_counter()
-    located = locate() if locate is not None else engine.locate()
+    located = locate() if locate is not None else engine.locate(local=True)
     why = ""
     if located.source == MEMORY and located.step is not None and from_memory is not None:
         why = refuse(located) if refuse is not None else ""

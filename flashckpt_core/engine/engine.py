@@ -34,7 +34,7 @@ from flashckpt.engine.ranks import RankInfo
 from flashckpt.engine.restore import LoadResult, Located, Restorer
 from flashckpt.engine.session import SaverSession, commit_spec_for
 from flashckpt.engine.snapshot import Snapshots, open_memory
-from flashckpt.engine.tiers import local_tier
+from flashckpt.engine.tiers import local_file, local_tier
 from flashckpt.format.files import FileSet, is_fileset_tree
 from flashckpt.format.tree import gc_paused
 from flashckpt.storage import locations
@@ -236,6 +236,28 @@ class CheckpointEngine:
                                               weights_only=self.weights_only, resolve=self.resolve,
                                               cache_dir=self.job_dir, world_size=self.ranks.world_size)
         return self._tier_loader
+
+    def local_path(self, path: str | os.PathLike[str]) -> str | None:
+        """Where ``path`` (of the checkpoint dir; absolute, or relative as ``resolve`` says) lies on this
+        node's local tier: the same path relative to the local dir. None without a local tier, or for a
+        path outside the checkpoint dir. For adapters whose framework derives its paths from a directory
+        (a load dir, an output dir) rather than from ``Located.path``."""
+        if self.local_dir is None:
+            return None
+        rel = locations.relpath(self.resolve(path), self.checkpoint_dir)
+        if rel is None:
+            return None
+        return self.local_dir if rel == "." else os.path.join(self.local_dir, *rel.split("/"))
+
+    def local_file(self, path: str | os.PathLike[str]) -> tuple[int, str] | None:
+        """(step, its file there): the newest step committed on this node's local tier whose manifest lists
+        ``path`` (a file of the checkpoint dir, as ``resolve`` says), when the local tier holds that whole step
+        intact for this rank (``tiers.whole_copy``); None otherwise (no local tier, not there, incomplete).
+        Not collective: for an adapter whose ranks each load the one file on their own (replicated state)."""
+        tier = self._local_loader
+        if tier is None:
+            return None
+        return local_file(tier.layout, self.checkpoint_dir, self.resolve(path), self.ranks.rank, self.ranks.world_size)
 
     def resolve(self, path: str | os.PathLike[str]) -> str:
         """The absolute path a ``path`` argument (of ``save``, ``load``, ``delete_checkpoint``) names: see
@@ -574,16 +596,24 @@ class CheckpointEngine:
         return self._reader.memory_steps()
 
     @engine_call("locate")
-    def locate(self, *, memory: bool = True) -> Located:
+    def locate(self, *, memory: bool = True, local: bool = False) -> Located:
         """Where the newest checkpoint that every rank has lives, without loading it.
 
         All ranks of the process group must call it (one ``all_gather``, and an ``all_reduce`` per
         storage step verified). Memory wins when it holds the agreed step; storage steps are
         checksum-verified on every rank, falling back to the previous committed step when damaged.
-        ``memory=False`` considers storage only (for a caller that cannot use the memory snapshot)."""
+        ``memory=False`` considers storage only (for a caller that cannot use the memory snapshot).
+
+        ``local=True`` (an adapter whose framework opens the files itself) also considers the node-local
+        tier, as a whole: ``Located(step, "local", this rank's path under the local dir)`` when every rank's
+        local tier holds every file of the step (its local manifest lists every rank of the job, each rank
+        verified its part, all agree: one more ``all_reduce`` pair) and it is the step the checkpoint dir
+        would serve or a newer one committed locally and not yet uploaded. A node holding only its own
+        ranks' files (a multi-node job) or a wiped local dir gives the checkpoint dir's step, as without
+        it. The local dir has the checkpoint dir's layout: the path opens as a durable one would."""
         self._check_open("locate")
         self.wait_snapshot()
-        return self._restore.locate(memory=memory, deep=True)
+        return self._restore.locate(memory=memory, deep=True, local="whole" if local else "")
 
     @engine_call("load")
     def load(self, resume_path: str = "", *, into: Any = None) -> Any:

@@ -17,14 +17,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from flashckpt import errors as E
 from flashckpt.commit.layout import CommitLayout
 from flashckpt.engine.agreement import agree, all_ranks, memory_across_nodes, multi_node, newer_in_memory, verified_step
 from flashckpt.engine.loader import StorageLoader
 from flashckpt.engine.ranks import RankInfo
-from flashckpt.engine.tiers import agreed_local, local_copy
+from flashckpt.engine.tiers import agreed_local, local_copy, whole_copy
 from flashckpt.memory.reader import SnapshotReader
 from flashckpt.transport import messages as M
 
@@ -78,11 +78,13 @@ class Restorer:
         self.downloads = False  # a load from an object store may have left a shared download
 
     def locate(self, *, memory: bool, deep: bool, exclude: frozenset[int] | set[int] = frozenset(),
-               local: bool = False) -> Located:
+               local: Literal["", "mine", "whole"] = "") -> Located:
         """``CheckpointEngine.locate``; ``deep=False`` verifies storage steps by size only (for a load that
         checks the checksums while it reads), ``exclude``: steps found damaged by such a load; ``local``:
-        the node-local tier too (``load()``: "local" when every rank holds the newest step there, or this
-        rank's intact local copy of the step the checkpoint dir serves)."""
+        the node-local tier too. ``"mine"`` (``load()``, each rank reading its own files only): "local"
+        when every rank holds the newest step there, or this rank's intact local copy of the step the
+        checkpoint dir serves. ``"whole"`` (an adapter, whose framework may read another rank's files):
+        "local" only when every rank's local tier holds the whole step (``whole_copy``), on every rank."""
         layout = self._layout()
         committed = layout.committed_steps()
         if memory and multi_node(self.ranks, self.group):
@@ -95,17 +97,26 @@ class Restorer:
         if source == "memory" and step is not None:
             return Located(step, "memory", self.reader.snapshot_name(step) or None)
         tier = self._local_loader() if local else None
+        whole = self.ranks.world_size if local == "whole" else 0
         if tier is not None:
-            newer = agreed_local(tier.layout, layout, committed, self.ranks.rank, exclude, self.group)
+            newer = agreed_local(tier.layout, layout, committed, self.ranks.rank, exclude, self.group, whole=whole)
             if newer is not None:
                 return Located(newer, "local", tier.path_of(newer))
         if source == "storage":
             step = verified_step(layout, self.ranks.rank, committed, step, self.group, deep=deep,
                                  exclude=exclude, world_size=self.ranks.world_size)
-            if tier is not None and local_copy(tier.layout, step, self.ranks.rank, layout.root):
+            if tier is not None and step is not None and self._local_serves(tier, step, layout.root, whole):
                 return Located(step, "local", tier.path_of(step))
             return Located(step, "storage", self._loader().path_of(step))
         return Located(None, "none", None)
+
+    def _local_serves(self, tier: StorageLoader, step: int, durable_root: str, whole: int) -> bool:
+        """Whether this rank reads committed ``step`` from the local tier: its own intact copy there; with
+        ``whole`` (the job's number of ranks), the whole step on every rank's node (collective, every rank
+        alike)."""
+        if not whole:
+            return local_copy(tier.layout, step, self.ranks.rank, durable_root)
+        return all_ranks(whole_copy(tier.layout, step, self.ranks.rank, whole, durable_root), self.group)
 
     def _across_nodes(self, layout: CommitLayout, committed: list[int]) -> int | None:
         """The step memory holds for every rank across nodes (a rank's snapshot may be on a peer: a backup
@@ -131,7 +142,7 @@ class Restorer:
         """
         damaged: set[int] = set()
         while True:
-            loc = self.locate(memory=not damaged, deep=deep, exclude=damaged, local=True)
+            loc = self.locate(memory=not damaged, deep=deep, exclude=damaged, local="mine")
             if loc.source not in ("storage", "local") or loc.step is None:
                 return loc, None, 0
             ok, sd, nbytes = self._load_step(loc.step, into, local=loc.source == "local")

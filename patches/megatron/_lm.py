@@ -22,7 +22,7 @@ business. Only the I/O is routed through flashckpt, while the call runs:
 The swaps are module attributes of Megatron-LM (and ``megatron.core.optimizer.distrib_optimizer``) set
 for the duration of the call and restored after it; one training thread.
 
-One concept, so one module (~505 lines): Megatron-LM's save/load entry points with their swaps; the
+One concept, so one module (~540 lines): Megatron-LM's save/load entry points with their swaps; the
 megatron-core side is ``dist_ckpt`` (with ``_view`` and ``_stager``).
 """
 
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from flashckpt import FileSet, StorageType
 from flashckpt.commit.retention import CheckpointDeletionStrategy
-from flashckpt.engine.adapter import LoadAttempt, Opened
+from flashckpt.engine.adapter import LOCAL, LoadAttempt, Opened
 from flashckpt.engine.collective import exchange_files, rank, world
 from flashckpt.engine.engine import Located
 from flashckpt.engine.routing import rel_inside, swapped
@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 
 _MODULES = ("megatron.training.checkpointing", "megatron.checkpointing")
 _CHECKPOINTERS: dict[str, MegatronCheckpointer] = {}
-_OPTIONS: dict[str, Any] = {"max_to_keep": 0, "deletion_strategy": None, "weights_only": True}
+_OPTIONS: dict[str, Any] = {"max_to_keep": 0, "deletion_strategy": None, "weights_only": True, "local_dir": None,
+                             "local_max_to_keep": 2}
 
 
 def megatron_lm() -> ModuleType:
@@ -80,18 +81,25 @@ def megatron_lm() -> ModuleType:
 
 
 def configure(*, max_to_keep: int = 0, deletion_strategy: CheckpointDeletionStrategy | None = None,
-              weights_only: bool = True) -> None:
+              weights_only: bool = True, local_dir: str | os.PathLike[str] | None = None,
+              local_max_to_keep: int = 2) -> None:
     """Options of the checkpointers ``save_checkpoint``/``load_checkpoint`` create (call before the first).
 
     Args:
         max_to_keep: committed iterations to keep (0 keeps all, as Megatron-LM does).
         deletion_strategy: which committed iterations to delete after each commit.
         weights_only: ``torch.load(weights_only=...)`` for legacy files served from memory.
+        local_dir: a node-local directory as the fast tier of ``--save`` (see ``MegatronCheckpointer``):
+            iterations commit there first and are uploaded in the background; a load reads Megatron-LM's
+            files there (``args.load`` pointed at it for the call, with ``args.ckpt_step``) when this node
+            holds every rank's files of the newest iteration. None: FLASHCKPT_LOCAL_DIR.
+        local_max_to_keep: iterations the local tier keeps (0 keeps all).
     """
     if _CHECKPOINTERS:
         raise FlashCheckpointError("flashckpt.patches.megatron.configure(): call it before the first save_checkpoint/"
                                    "load_checkpoint (checkpointers already exist)")
-    _OPTIONS.update(max_to_keep=max_to_keep, deletion_strategy=deletion_strategy, weights_only=weights_only)
+    _OPTIONS.update(max_to_keep=max_to_keep, deletion_strategy=deletion_strategy, weights_only=weights_only,
+                    local_dir=local_dir, local_max_to_keep=local_max_to_keep)
 
 
 def get_checkpointer(checkpoint_dir: str) -> MegatronCheckpointer:
@@ -474,6 +482,9 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
             return Opened(_call(mlm.load_checkpoint, values, kwargs), loc.step, loc.path)
 
     def from_storage(attempt: LoadAttempt) -> Opened:
+        local = _load_local(mlm, ck, attempt, args, load_arg, values, kwargs)
+        if local is not None:
+            return local
         if locations.is_url(ck.checkpoint_dir):
             return _load_from_store(mlm, ck, attempt, args, values, kwargs)
         loc = attempt.located
@@ -493,6 +504,28 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
                         from_memory=from_memory, from_storage=from_storage)
     ck.last_load = r.result()
     return r.value
+
+
+def _load_local(mlm: ModuleType, ck: MegatronCheckpointer, attempt: LoadAttempt, args: Any, load_arg: str,
+                values: dict[str, Any], kwargs: dict[str, Any]) -> Opened | None:
+    """Megatron-LM's own load of the newest committed iteration from this node's local tier, when it holds
+    every rank's files of it (``locate(local=True)``): ``args.<load_arg>`` names the local dir (which has
+    the checkpoint dir's layout: ``iter_XXXXXXX`` and the tracker) and ``args.ckpt_step`` the iteration for
+    the call. None when the local tier does not serve it (or Megatron-LM has no ``ckpt_step``)."""
+    if ck.engine.local_dir is None or not hasattr(args, "ckpt_step"):
+        return None
+    loc = attempt.stored()
+    root = ck.engine.local_path(ck.checkpoint_dir)
+    if loc.source != LOCAL or loc.step is None or root is None:
+        return None
+    given = getattr(args, load_arg), args.ckpt_step
+    setattr(args, load_arg, root)
+    args.ckpt_step = loc.step
+    try:
+        return Opened(_call(mlm.load_checkpoint, values, kwargs), loc.step, loc.path, source=LOCAL)
+    finally:
+        setattr(args, load_arg, given[0])
+        args.ckpt_step = given[1]
 
 
 def _load_from_store(mlm: ModuleType, ck: MegatronCheckpointer, attempt: LoadAttempt, args: Any,

@@ -64,7 +64,7 @@ import torch
 from flashckpt import CheckpointEngine, FileSet, StorageType
 from flashckpt import errors as E
 from flashckpt.commit.retention import CheckpointDeletionStrategy
-from flashckpt.engine.adapter import AdapterBase, LoadAttempt, Opened
+from flashckpt.engine.adapter import LOCAL, STORAGE, AdapterBase, LoadAttempt, Opened
 from flashckpt.engine.collective import rank
 from flashckpt.engine.engine import LoadResult, Located
 from flashckpt.engine.routing import path_inside, step_of
@@ -130,7 +130,14 @@ class MegatronCheckpointer(AdapterBase):
             like Megatron-LM).
         deletion_strategy: which committed iterations to delete after each commit.
         weights_only: load ``common.pt`` and legacy files with ``torch.load(weights_only=True)``.
-        engine: use this engine instead of constructing one (its ``checkpoint_dir`` wins).
+        engine: use this engine instead of constructing one (its ``checkpoint_dir`` and local tier win).
+        local_dir: a node-local directory (NVMe, a local disk) as the fast tier: a DISK save commits there
+            first (``iter_XXXXXXX`` and the tracker file under the same relative paths) and the node's saver
+            uploads it to ``checkpoint_dir`` in the background; a load reads it when this node's copy holds
+            every rank's files of the newest iteration (megatron-core reads across ranks), else
+            ``checkpoint_dir``. None: FLASHCKPT_LOCAL_DIR (unset: no local tier).
+        local_max_to_keep: iterations the local tier keeps (0 keeps all; one not yet uploaded is never
+            deleted).
 
     Thread safety: one training thread per checkpointer. A save returns once the shards are in shared
     memory; the model may then change.
@@ -138,10 +145,12 @@ class MegatronCheckpointer(AdapterBase):
 
     def __init__(self, checkpoint_dir: str, *, max_to_keep: int = 0,
                  deletion_strategy: CheckpointDeletionStrategy | None = None, weights_only: bool = True,
-                 engine: CheckpointEngine | None = None) -> None:
+                 engine: CheckpointEngine | None = None, local_dir: str | os.PathLike[str] | None = None,
+                 local_max_to_keep: int = 2) -> None:
         self.engine = engine or CheckpointEngine(checkpoint_dir, max_to_keep=max_to_keep,
                                                  deletion_strategy=deletion_strategy, replicated=False,
-                                                 weights_only=weights_only)
+                                                 weights_only=weights_only, local_dir=local_dir,
+                                                 local_max_to_keep=local_max_to_keep)
         self.checkpoint_dir = self.engine.checkpoint_dir
         self.weights_only = weights_only
         self.last_load: LoadResult | None = None
@@ -431,9 +440,11 @@ def load(sharded_state_dict: Any, checkpoint_dir: str | Path | None = None, shar
 
     With ``checkpoint_dir`` None it loads the newest checkpoint every rank has (memory first, else the
     newest committed one on storage, checksum-verified, falling back to the previous committed one when
-    damaged); with a directory, that checkpoint (from memory when it is the one memory holds). A checkpoint
-    in a store (``s3://...``) is read through the storage backend (``store_view``). Collective: call it on
-    every rank.
+    damaged); with a directory, that checkpoint (from memory when it is the one memory holds). With a local
+    tier, the newest committed checkpoint is read from this node's local dir when it holds every rank's
+    files of it (``last_load.source`` "local"), also when ``checkpoint_dir`` names it. A checkpoint in a
+    store (``s3://...``) is read through the storage backend (``store_view``). Collective: call it on every
+    rank.
 
     Returns:
         What ``dist_checkpointing.load`` returns, or None when there is no checkpoint at all.
@@ -451,8 +462,9 @@ def load(sharded_state_dict: Any, checkpoint_dir: str | Path | None = None, shar
     def from_storage(attempt: LoadAttempt) -> Opened | None:
         step: int | None = None
         where = str(checkpoint_dir) if checkpoint_dir is not None else None
-        if where is None:
-            loc = attempt.stored()
+        loc = attempt.located
+        if where is None or (loc.source == LOCAL and checkpointer.engine.local_path(where) == loc.path):
+            loc = attempt.stored()  # the newest; "local": this node's whole copy (a directory of the local dir)
             if loc.path is None:
                 return None
             step, where = loc.step, loc.path
@@ -461,7 +473,8 @@ def load(sharded_state_dict: Any, checkpoint_dir: str | Path | None = None, shar
                 return Opened(dist_checkpointing.load(sharded_state_dict, store.path, sharded_strategy,
                                                       common_strategy, validate_access_integrity, strict), step)
         return Opened(dist_checkpointing.load(sharded_state_dict, where, sharded_strategy, common_strategy,
-                                              validate_access_integrity, strict), step)
+                                              validate_access_integrity, strict), step, where,
+                      source=LOCAL if loc.source == LOCAL and where == loc.path else STORAGE)
 
     r = checkpointer.resolve_load(op="load()", event="megatron_load", logger=log, refuse=_asked_for(checkpoint_dir),
                                   from_memory=from_memory, from_storage=from_storage)
