@@ -20,8 +20,9 @@ warmed by a first save that is not measured:
 
 **Goodput with the store down**, a simulated job (a 200 MB state, a 0.25 s step, ``save(DISK)`` every 4 steps,
 ``--outage-s`` of a store that answers every request with 500 InternalError through the fault proxy of the test suite,
-starting 10 s in, then 30 s more): the share of wall time spent on steps kept, the steps redone, the largest
-lag ``engine.durability()`` reported and whether every step the store should hold reached it, for
+starting 10 s in, then 30 s more): the share of the training time spent on steps kept (the final ``wait()``
+for storage to catch up is shown beside it, not counted: a longer job overlaps it with later steps), the steps
+redone, the largest lag ``engine.durability()`` reported and whether every step the store should hold reached it, for
 tiers + ``on_persist_error="warn"``, straight to the store with "warn", and straight to the store with
 "raise", where the error ends the job and a restart (a new engine, ``load()``) follows at once, as under an
 orchestrator that restarts failed jobs.
@@ -261,6 +262,7 @@ def goodput_run(srv: LocalS3, proxy: Any, name: str, tmp: str, *, tiers: bool, p
                 redone += step - back
                 kept_s -= (step - back) * _STEP_S
                 step = back
+        trained = time.perf_counter() - start  # the job's training time: the goodput's denominator
         proxy.set_faults([])
         try:
             engine.wait()
@@ -271,9 +273,10 @@ def goodput_run(srv: LocalS3, proxy: Any, name: str, tmp: str, *, tiers: bool, p
         proxy.set_faults([])
         engine.close()
         shutil.rmtree(local, ignore_errors=True)
-    wall = time.perf_counter() - start
-    return {"goodput": kept_s / wall, "redone": redone, "restarts": restarts, "max_lag_s": max_lag,
-            "newest_stored": stored[-1] if stored else None, "last_step": step, "wall_s": wall}
+    drain = time.perf_counter() - start - trained
+    return {"goodput": kept_s / trained, "redone": redone, "restarts": restarts, "max_lag_s": max_lag,
+            "newest_stored": stored[-1] if stored else None, "last_step": step, "wall_s": trained,
+            "drain_s": drain}
 
 
 def _restart(url: str, policy: str, kw: dict[str, Any], name: str, tick: Any) -> tuple[Any, Any]:
@@ -296,9 +299,9 @@ def _restart(url: str, policy: str, kw: dict[str, Any], name: str, tick: Any) ->
 
 def goodput_table(res: dict[str, dict[str, Any]], outage_s: float) -> str:
     rows = [[name, f"{r['goodput'] * 100:.1f} %", r["restarts"], r["redone"], fmt_time(r["max_lag_s"]),
-             f"{r['newest_stored']} of {r['last_step']}"] for name, r in res.items()]
+             f"{r['newest_stored']} of {r['last_step']}", fmt_time(r["drain_s"])] for name, r in res.items()]
     return markdown_table([f"store down {outage_s:g} s", "goodput", "restarts", "steps redone", "largest lag",
-                           "newest step on the store / last step"], rows)
+                           "newest step on the store / last step", "wait() at the end"], rows)
 
 
 # ------------------------------------------------------------------------------------------ main
