@@ -75,10 +75,11 @@ class LastWords:
         with self.state.last_words_lock:
             with self.state.cv:
                 persisters = dict(self.state.persisters)
-                # Steps persisted or being persisted here; one whose persist failed (a full local tier, a store
-                # that refused it) is persisted again, straight to the checkpoint dir, when it is the newest.
-                known = {s for s, st in self.state.steps.items() if st.status != "failed"}
                 local = self.state.local
+                # Steps persisted or being persisted here. With a local tier, one whose persist failed there (a full
+                # local disk) is persisted again, straight to the checkpoint dir, when it is the newest; without
+                # one, last words would write where it just failed.
+                known = {s for s, st in self.state.steps.items() if st.status != "failed" or local is None}
                 newest_committed = self.state.committed[-1] if self.state.committed else -1
             saved = saved_at(self.layout, newest_committed)
             if not persisters:
