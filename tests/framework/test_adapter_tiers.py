@@ -358,6 +358,10 @@ def megatron_worker(durable: str, local: str) -> dict:
          step=10, storage_type=StorageType.DISK, tracker=True)
     ck.wait(120)
     ck.close()
+    from helpers import saver_pids, wait_for
+
+    # the saver lets the snapshots go and exits after the final goodbye: memory cannot serve the next load
+    wait_for(lambda: not saver_pids(os.environ["FLASHCKPT_RUNTIME_DIR"]), 60, "the saver to exit after close()")
     out: dict = {"local_tracker": open(os.path.join(local, "latest_checkpointed_iteration.txt")).read()}
 
     def load_once() -> list:
