@@ -242,12 +242,10 @@ class CheckpointEngine:
         node's local tier: the same path relative to the local dir. None without a local tier, or for a
         path outside the checkpoint dir. For adapters whose framework derives its paths from a directory
         (a load dir, an output dir) rather than from ``Located.path``."""
-        if self.local_dir is None:
+        tier, target = self._local_loader, self.resolve(path)
+        if tier is None or locations.relpath(target, self.checkpoint_dir) is None:
             return None
-        rel = locations.relpath(self.resolve(path), self.checkpoint_dir)
-        if rel is None:
-            return None
-        return self.local_dir if rel == "." else os.path.join(self.local_dir, *rel.split("/"))
+        return local_target(self.layout, tier.layout, target)
 
     def local_file(self, path: str | os.PathLike[str]) -> tuple[int, str] | None:
         """(step, its file there): the newest step committed on this node's local tier whose manifest lists
