@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from flashckpt import FileSet
 from flashckpt.engine.collective import all_gather, exchange_files
+from flashckpt.engine.collective import rank as group_rank
+from flashckpt.engine.reshard import Resharded
 from flashckpt.errors import CheckpointCorruptError, FlashCheckpointError
 from flashckpt.format.files import tensor_view
 from flashckpt.integrations._dcp_format import DATA_FILE, METADATA_NAME, torch_save_frame
@@ -37,7 +39,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-__all__ = ["FileSetStorageReader", "open_memory_reader"]
+__all__ = ["FileSetStorageReader", "ReshardedStorageReader", "open_memory_reader"]
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +215,72 @@ class FileSetStorageReader(FileSystemReader):
         return parts.read(info.offset, info.length)
 
 
+class ReshardedStorageReader(FileSetStorageReader):
+    """A DCP ``StorageReader`` over a step that another number of ranks saved, held in the nodes' memory
+    (``Resharded``): each rank reads the data files its plan needs, whole, from the old ranks' snapshots (this
+    node's memory, or fetched into it from the peer that holds them, saver to saver) and serves its items as
+    ``FileSetStorageReader`` does; no exchange between the ranks. DCP's planner does the resharding, as from
+    storage. The file ``__{r}_0.distcp`` is old rank ``r``'s.
+
+    Args:
+        path: the checkpoint's directory (its ``checkpoint_id``).
+        metadata: the checkpoint's ``Metadata`` (old rank 0's ``.metadata``).
+        held: the old ranks' states.
+        process_group: the group DCP loads with.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, metadata: Metadata, held: Resharded,
+                 process_group: Any = None) -> None:
+        super().__init__(path, metadata=metadata, files={}, owners={}, process_group=process_group)
+        self.held = held
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans  # every rank reads what it needs itself
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        needed = dict.fromkeys(self._info(req.storage_index).relative_path for req in plan.items)
+        for name in needed:
+            if name not in self.files:
+                self.files[name] = _Parts(self._data_file(name))
+        log.info("event=reshard_read step=%d from_ranks=%d files=%d read_from=%s bytes=%d seconds=%.3f",
+                 self.held.step, self.held.world, len(needed), self.held.read_from, self.held.nbytes,
+                 self.held.seconds)
+        return super().read_data(plan, planner)
+
+    def _data_file(self, name: str) -> list[Any]:
+        """The parts of data file ``name``, from the old rank that wrote it."""
+        m = DATA_FILE.match(name)
+        order = [int(m.group(1))] if m and int(m.group(1)) < self.held.world else []
+        order += [r for r in range(self.held.world) if r not in order]
+        for r in order:  # its writer first (a process group other than the default numbers them otherwise)
+            st = self.held.state(r)
+            files, _meta = _held(st if isinstance(st, FileSet) else None)
+            if name in files:
+                return files[name]
+        raise CheckpointCorruptError(f"ReshardedStorageReader: no rank of the {self.held.world}-rank step "
+                                     f"{self.held.step} in memory holds {name}")
+
+
+def _resharded_reader(held: Resharded, path: str | os.PathLike[str], group: Any) -> ReshardedStorageReader | None:
+    """A reader of a step another number of ranks saved, or None on every rank: rank 0 reads old rank 0's
+    ``.metadata`` and every rank gets it (one ``all_gather_object``)."""
+    answer: tuple[str, bytes | None] = ("", None)
+    if group_rank(group) == 0:
+        try:
+            fs0 = held.state(0)
+            meta = fs0.raw_bytes(METADATA_NAME) if isinstance(fs0, FileSet) and METADATA_NAME in fs0 else None
+            answer = ("" if meta is not None else f"old rank 0's snapshot has no {METADATA_NAME}", meta)
+        except FlashCheckpointError as e:
+            answer = (str(e), None)
+    error, meta = all_gather(answer, group)[0]
+    if error or meta is None:
+        log.info("open_memory_reader: the %d-rank step %d in memory cannot be read (%s); reading from storage",
+                 held.world, held.step, error)
+        return None
+    metadata: Metadata = pickle.loads(meta)  # the coordinator's own pickle (as DCP reads .metadata)
+    return ReshardedStorageReader(path, metadata=metadata, held=held, process_group=group)
+
+
 def _index_key(idx: MetadataIndex) -> tuple[str, tuple[int, ...]]:
     return idx.fqn, tuple(idx.offset or ())
 
@@ -231,11 +299,13 @@ def _held(fileset: FileSet | None) -> tuple[dict[str, list[Any]], bytes | None]:
     return files, meta_bytes
 
 
-def open_memory_reader(fileset: FileSet | None, path: str | os.PathLike[str], *,
+def open_memory_reader(fileset: FileSet | Resharded | None, path: str | os.PathLike[str], *,
                        process_group: Any = None) -> FileSetStorageReader | None:
     """A reader over the ranks' in-memory sets of one checkpoint, or None (on every rank) when they cannot
     serve it: a rank lacks its set, the coordinator's ``.metadata`` is missing, or the checkpoint has data
     files that no current rank holds (it was saved by a different number of ranks or another layout).
+    Given a ``Resharded`` (every rank: ``load_memory`` of a step that ``locate(reshard=True)`` found saved by
+    another number of ranks), a ``ReshardedStorageReader`` over the old ranks' snapshots.
 
     Collective: every rank of ``process_group`` calls it (one ``all_gather_object``), passing its own set
     (None when it has none). Single-process use needs no process group.
@@ -245,6 +315,8 @@ def open_memory_reader(fileset: FileSet | None, path: str | os.PathLike[str], *,
         path: the checkpoint's directory (its ``checkpoint_id``).
         process_group: the group DCP loads with.
     """
+    if isinstance(fileset, Resharded):
+        return _resharded_reader(fileset, path, process_group)
     files, meta_bytes = _held(fileset)
     gathered = all_gather((None if fileset is None else list(files), meta_bytes), process_group)
     if any(g[0] is None for g in gathered):

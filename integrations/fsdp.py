@@ -44,6 +44,7 @@ from flashckpt import errors as E
 from flashckpt.commit.retention import CheckpointDeletionStrategy
 from flashckpt.engine.adapter import LOCAL, AdapterBase, LoadAttempt, Opened, Resolved, is_stored, log_load
 from flashckpt.engine.engine import LoadResult, Located
+from flashckpt.engine.reshard import Resharded
 from flashckpt.engine.routing import path_inside
 from flashckpt.errors import CheckpointCorruptError
 from flashckpt.storage import locations
@@ -191,13 +192,14 @@ class FsdpShardCheckpointer(AdapterBase):
             self._loaded(None, "storage", t0)
             return self._storage_reader(d)
         return self._resolved(self.resolve_load(op="get_storage_reader()", event="fsdp_load", logger=log,
-                                                from_memory=self._open_memory, from_storage=self._open_stored))
+                                                from_memory=self._open_memory, from_storage=self._open_stored,
+                                                reshard=True))
 
     def _open_memory(self, loc: Located, fs: Any) -> Opened | str:
         """A reader over the ranks' snapshots of the located step (collective), or why not."""
         from flashckpt.integrations.dcp import open_memory_reader
 
-        if fs is not None and not isinstance(fs, FileSet):
+        if fs is not None and not isinstance(fs, (FileSet, Resharded)):
             log.warning("get_storage_reader(): the snapshot of step %s is not a DCP checkpoint of this "
                         "checkpointer; reading from storage", loc.step)
             fs = None

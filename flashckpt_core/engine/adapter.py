@@ -132,7 +132,8 @@ def resolve_load(engine: Any, *, op: str, event: str,
                  from_storage: Callable[[LoadAttempt], Opened | None],
                  refuse: Callable[[Located], str] | None = None,
                  locate: Callable[[], Located] | None = None,
-                 agree: bool = True, group: Any = None, logger: logging.Logger = log) -> Resolved:
+                 agree: bool = True, group: Any = None, logger: logging.Logger = log,
+                 reshard: bool = False) -> Resolved:
     """The load protocol (see the module docstring): memory when it holds the step and serves it, else
     storage; the result, and its log line.
 
@@ -152,12 +153,15 @@ def resolve_load(engine: Any, *, op: str, event: str,
             on its own: replicated state, whose ranks fall back one by one).
         group: the process group of that agreement (default: the engine's).
         logger: the adapter's logger (the log line names its module).
+        reshard: the framework reshards a checkpoint saved by another number of ranks (DCP): memory may serve
+            such a step (``CheckpointEngine.locate(reshard=True)``); ``from_memory`` then gets a ``Resharded``
+            (the old ranks' states) instead of this rank's snapshot.
 
     Raises:
         What the openers raise (a snapshot that cannot be read is not an error: storage serves then).
     """
     t0 = time.perf_counter()
-    located = locate() if locate is not None else engine.locate(local=True)
+    located = locate() if locate is not None else engine.locate(local=True, reshard=reshard)
     why = ""
     if located.source == MEMORY and located.step is not None and from_memory is not None:
         why = refuse(located) if refuse is not None else ""
@@ -168,10 +172,14 @@ def resolve_load(engine: Any, *, op: str, event: str,
             grp = group if group is not None else getattr(engine, "process_group", None)
             snapshot, why = _read_snapshot(engine, located, agree, grp)
             opened = from_memory(located, snapshot) if not why else why
-            del snapshot
             if isinstance(opened, Opened):
                 nbytes = engine.last_load.nbytes if getattr(engine, "last_load", None) is not None else 0
+                if located.world:
+                    logger.info("%s: step %s is in memory as saved by %d ranks; this job has %d: read resharded from "
+                                "the old ranks' snapshots (this node's memory, or fetched from the peer holding them)",
+                                op, located.step, located.world, engine.ranks.world_size)
                 return _done(logger, event, t0, opened, MEMORY, nbytes, "", located)
+            del snapshot
             why = opened
             logger.warning("%s: %s; loading from storage", op, why)
     opened_s = from_storage(LoadAttempt(engine, located, why))

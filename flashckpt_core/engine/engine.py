@@ -31,6 +31,7 @@ from flashckpt.engine.guard import CallGuard, engine_call, open_engines
 from flashckpt.engine.interval import SavePolicy
 from flashckpt.engine.loader import StorageLoader
 from flashckpt.engine.ranks import RankInfo
+from flashckpt.engine.reshard import Resharded
 from flashckpt.engine.restore import LoadResult, Located, Restorer
 from flashckpt.engine.session import SaverSession, commit_spec_for
 from flashckpt.engine.snapshot import Snapshots, open_memory
@@ -167,6 +168,9 @@ class CheckpointEngine:
         self._restore = Restorer(ranks=r, group=process_group, replicated=replicated, snapshots=self.snapshots,
                                  reader=self._reader, layout=lambda: self.layout, loader=lambda: self._loader,
                                  call=lambda req: self._client_call(req), local_loader=lambda: self._local_loader)
+        self._restore.make_resharded = lambda plan, instance: Resharded(
+            plan, job_dir=self.job_dir, local_rank=r.local_rank, instance=instance, copier=self._copier,
+            fetch=lambda req: self._client_call(req), weights_only=weights_only)
         self._closed = False
         self._session = SaverSession(self._link, ranks=r, replicated=replicated, persists=self.persists,
                                      handler=self._handler, reader=self._reader, job_dir=self.job_dir,
@@ -594,7 +598,7 @@ class CheckpointEngine:
         return self._reader.memory_steps()
 
     @engine_call("locate")
-    def locate(self, *, memory: bool = True, local: bool = False) -> Located:
+    def locate(self, *, memory: bool = True, local: bool = False, reshard: bool = False) -> Located:
         """Where the newest checkpoint that every rank has lives, without loading it.
 
         All ranks of the process group must call it (one ``all_gather``, and an ``all_reduce`` per
@@ -608,10 +612,18 @@ class CheckpointEngine:
         verified its part, all agree: one more ``all_reduce`` pair) and it is the step the checkpoint dir
         would serve or a newer one committed locally and not yet uploaded. A node holding only its own
         ranks' files (a multi-node job) or a wiped local dir gives the checkpoint dir's step, as without
-        it. The local dir has the checkpoint dir's layout: the path opens as a durable one would."""
+        it. The local dir has the checkpoint dir's layout: the path opens as a durable one would.
+
+        ``reshard=True`` (an adapter whose framework reshards a checkpoint saved by another number of ranks:
+        FSDP/DCP, megatron-core ``torch_dist``): when memory holds no step of this job's number of ranks, a step
+        saved by another number that the nodes' memory holds whole (every old rank's snapshot on some node: its
+        own, a copy, or a partner's backup) and that is not older than the newest commit gives
+        ``Located(step, "memory", its path, world=<the old number of ranks>)``; ``load_memory`` then returns a
+        ``Resharded`` (the old ranks' states, read from this node's memory or fetched from a peer on first
+        use) for the adapter's resharding reader."""
         self._check_open("locate")
         self.wait_snapshot()
-        return self._restore.locate(memory=memory, deep=True, local="whole" if local else "")
+        return self._restore.locate(memory=memory, deep=True, local="whole" if local else "", reshard=reshard)
 
     @engine_call("load")
     def load(self, resume_path: str = "", *, into: Any = None) -> Any:
@@ -678,11 +690,18 @@ class CheckpointEngine:
         """This rank's snapshot of ``step`` (the newest when None) from shared memory, without agreeing
         with other ranks (``locate`` does that). A ``FileSet`` for sets; see ``load`` for ``into``.
 
+        After ``locate(reshard=True)`` found a step saved by another number of ranks, that step gives its
+        ``Resharded`` (the old ranks' states, for a resharding reader) instead.
+
         Raises:
             FlashCheckpointError: memory holds no such snapshot (any more)."""
         self._check_open("load_memory")
         self.wait_snapshot()
         t0 = time.perf_counter() if _t0 is None else _t0
+        resharded = self._restore.resharded
+        if resharded is not None and step == resharded.step:  # located by ``locate(reshard=True)``
+            self._loaded(resharded.step, "memory", t0, resharded.nbytes)
+            return resharded
         snap = self._reader.load_snapshot(step, into=into)
         if snap is None:
             raise E.FlashCheckpointError(f"load(): the snapshot of step {step} is not (or no longer) in memory")

@@ -24,9 +24,12 @@ from flashckpt.commit.layout import CommitLayout
 from flashckpt.engine.agreement import agree, all_ranks, memory_across_nodes, multi_node, newer_in_memory, verified_step
 from flashckpt.engine.loader import StorageLoader
 from flashckpt.engine.ranks import RankInfo
+from flashckpt.engine.reshard import Resharded, agree_resharded
 from flashckpt.engine.tiers import agreed_local, local_copy, whole_copy
+from flashckpt.format.segment import local_ranks
 from flashckpt.memory.reader import SnapshotReader
 from flashckpt.transport import messages as M
+from flashckpt.transport.peers import ReshardPlan
 
 __all__ = ["LoadResult", "Located", "Restorer"]
 
@@ -55,6 +58,7 @@ class Located:
     step: int | None
     source: str
     path: str | None
+    world: int = 0  # memory: the number of ranks that saved the step, when it differs from this job's (resharded)
 
 
 class Restorer:
@@ -76,17 +80,25 @@ class Restorer:
         self.reader, self._layout, self._loader, self._call = reader, layout, loader, call
         self._local_loader = local_loader
         self.downloads = False  # a load from an object store may have left a shared download
+        # the step of another number of ranks that the last ``locate(reshard=True)`` found in memory
+        self.resharded: Resharded | None = None
+        self.make_resharded: Callable[[ReshardPlan, str], Resharded] | None = None
 
     def locate(self, *, memory: bool, deep: bool, exclude: frozenset[int] | set[int] = frozenset(),
-               local: Literal["", "mine", "whole"] = "") -> Located:
+               local: Literal["", "mine", "whole"] = "", reshard: bool = False) -> Located:
         """``CheckpointEngine.locate``; ``deep=False`` verifies storage steps by size only (for a load that
         checks the checksums while it reads), ``exclude``: steps found damaged by such a load; ``local``:
         the node-local tier too. ``"mine"`` (``load()``, each rank reading its own files only): "local"
         when every rank holds the newest step there, or this rank's intact local copy of the step the
         checkpoint dir serves. ``"whole"`` (an adapter, whose framework may read another rank's files):
-        "local" only when every rank's local tier holds the whole step (``whole_copy``), on every rank."""
+        "local" only when every rank's local tier holds the whole step (``whole_copy``), on every rank.
+        ``reshard`` (an adapter whose framework reshards): when memory holds no step of this job's number of
+        ranks, a step of another number that the nodes' memory holds whole (``reshard.agree_resharded``;
+        ``Located.world`` says how many ranks saved it, and ``self.resharded`` serves the old ranks' states)."""
         layout = self._layout()
         committed = layout.committed_steps()
+        self.resharded = None
+        asked = memory
         if memory and multi_node(self.ranks, self.group):
             found = self._across_nodes(layout, committed)
             if found is not None:
@@ -96,6 +108,10 @@ class Restorer:
         step, source = agree(mem, committed, self.group)
         if source == "memory" and step is not None:
             return Located(step, "memory", self.reader.snapshot_name(step) or None)
+        if asked and reshard and not self.replicated and self.make_resharded is not None:
+            self.resharded = self._resharded(layout, committed)
+            if self.resharded is not None:
+                return Located(self.resharded.step, "memory", self.resharded.name or None, self.resharded.world)
         tier = self._local_loader() if local else None
         whole = self.ranks.world_size if local == "whole" else 0
         if tier is not None:
@@ -130,6 +146,16 @@ class Restorer:
                                                            step=step, sources=sources)),
             layout, self.ranks, committed, replicated=self.replicated, writes_snapshots=self.snapshots,
             group=self.group)
+
+    def _resharded(self, layout: CommitLayout, committed: list[int]) -> Resharded | None:
+        """A step of another number of ranks held whole in the nodes' memory (collective), or None; None at
+        once when a local rank's segments here are another live training's (logged by the reader)."""
+        assert self.make_resharded is not None
+        others = [lr for lr in local_ranks(self.reader.job_dir) if self.reader.written_by_another(lr) is not None]
+        if not all_ranks(not others, self.group):
+            return None
+        return agree_resharded(lambda: self._call(M.Inventory()).to_wire(), layout, committed, self.ranks,
+                               self.group, self.make_resharded)
 
     def newest(self, *, deep: bool, into: Any) -> tuple[Located, Any, int]:
         """Locates the newest checkpoint every rank has and, from storage, loads it: (where, the state dict,

@@ -57,7 +57,8 @@ from flashckpt import errors as E
 
 __all__ = ["Segment", "SlotHeader", "SlotRef", "EMPTY", "WRITING", "COMPLETE", "FLAG_PINNED", "FLAG_PENDING",
            "FLAG_UNRESERVED", "FLAG_SENDING", "FLAG_FETCHED", "FLAGS_BUSY", "PAGE", "live_snapshots", "segment_paths",
-           "segment_path", "local_ranks", "lock_path", "writer_lease_path", "advise_huge_pages", "unreadable"]
+           "segment_path", "local_ranks", "lock_path", "writer_lease_path", "advise_huge_pages", "unreadable",
+           "BACKUP_BASE", "backup_paths"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,26 @@ def segment_paths(job_dir: str, local_rank: int) -> list[tuple[int, str]]:
         if m:
             out.append((int(m.group(2)), os.path.join(job_dir, name)))
     return sorted(out)
+
+
+#: A backup segment's local-rank field (and lock): BACKUP_BASE + the global rank it backs up.
+BACKUP_BASE = 100_000
+_BAK_RE = re.compile(r"bak-r(\d+)-e(\d+)\.shm")
+
+
+def backup_paths(job_dir: str) -> dict[int, list[tuple[int, str]]]:
+    """rank -> (epoch, path) of its backup segments in ``job_dir`` (a partner node's snapshots, received by
+    this node's saver), oldest first; {} when the job has no runtime dir here.
+
+    Raises:
+        SharedMemoryError: the dir could not be listed (see ``segment_paths``).
+    """
+    out: dict[int, list[tuple[int, str]]] = {}
+    for name in _segment_names(job_dir):
+        m = _BAK_RE.fullmatch(name)
+        if m:
+            out.setdefault(int(m.group(1)), []).append((int(m.group(2)), os.path.join(job_dir, name)))
+    return {r: sorted(v) for r, v in out.items()}
 
 
 def local_ranks(job_dir: str) -> list[int]:

@@ -34,6 +34,7 @@ from flashckpt.format.segment import (
     Segment,
     SlotHeader,
     _page,
+    backup_paths,
     live_snapshots,
     local_ranks,
     segment_paths,
@@ -47,7 +48,7 @@ from flashckpt.util import cuda as _cuda
 from flashckpt.util.copy import Copier, file_reader
 from flashckpt.util.lease import describe_holder, live_holder
 
-__all__ = ["SnapshotReader", "SnapshotInfo", "Snapshot", "read_snapshot", "job_in_memory"]
+__all__ = ["SnapshotReader", "SnapshotInfo", "Snapshot", "read_snapshot", "read_held", "job_in_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,39 @@ def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None =
         return None
     with gc_paused(), seg.read_fd() as fd:
         return _read_slot(seg, slot, h, copier, fd, weights_only=weights_only, into=into)
+
+
+def read_held(job_dir: str, rank: int, world: int, step: int, copier: Copier, *,
+              weights_only: bool = False) -> Snapshot | None:
+    """Copies global rank ``rank``'s snapshot of ``step``, saved by a job of ``world`` ranks, out of whichever
+    segment of this node holds it: any local rank's (the node's own ranks, and copies fetched from a peer) or a
+    backup of another node's (its newest save of that step when several hold one); None when none here does,
+    or when every copy was overwritten while it was read. For a load that reshards a step saved by another
+    number of ranks: the rank that reads is not the rank that saved."""
+    groups = [segment_paths(job_dir, lr) for lr in local_ranks(job_dir)] + list(backup_paths(job_dir).values())
+    found: list[tuple[Segment, int, SlotHeader]] = []
+    opened: list[Segment] = []
+    try:
+        for paths in groups:
+            segs = []
+            for _epoch, path in paths:
+                try:
+                    segs.append(Segment(path, populate=False))
+                except (FileNotFoundError, E.FlashCheckpointError):
+                    continue  # reaped since it was listed
+                except OSError as e:
+                    raise unreadable("open the shared-memory segment", path, e) from e
+            opened += segs
+            found += [x for x in live_snapshots(segs)
+                      if x[2].rank == rank and x[2].world_size == world and x[2].step == step]
+        for seg, i, _h in sorted(found, key=lambda x: x[2].wall_time, reverse=True):
+            snap = read_snapshot(seg, i, copier, step=step, weights_only=weights_only)
+            if snap is not None:
+                return snap
+        return None
+    finally:
+        for seg in opened:
+            seg.close()
 
 
 def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int | None, *,

@@ -108,8 +108,9 @@ class ReplicaService:
     def hello(self, req: M.Hello) -> None:
         """Starts the peer service at the first hello of a multi-node job, and publishes the ranks served."""
         nnodes = max(1, req.world_size // max(1, req.local_world_size))
-        if nnodes < 2:
+        if nnodes < 2 and self.rep is None:
             return
+        # (A job that shrank to one node keeps its peer service, with no partners: nothing to back up to.)
         node = req.rank // max(1, req.local_world_size)
         moved_from = None
         with self.state.cv:
@@ -220,7 +221,7 @@ class ReplicaService:
                             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.knobs.persist_nice)
                     self._receive_backup(rep, conn, req)
                 elif op == "fetch":
-                    self._send_held(conn, int(req["rank"]), int(req["step"]))
+                    self._send_held(conn, int(req["rank"]), int(req["step"]), int(req.get("world", 0)))
                 elif op == "inventory":
                     send_msg(conn, {"ok": True, **self.inventory().to_wire()})
                 elif op == "persist_held":
@@ -273,8 +274,8 @@ class ReplicaService:
             os.close(fd)
         send_msg(conn, {"intact": seg.header(slot).generation == h.generation})
 
-    def _send_held(self, conn: socket.socket, rank: int, step: int) -> None:
-        found = self.pool.find_held(rank, step)
+    def _send_held(self, conn: socket.socket, rank: int, step: int, world: int = 0) -> None:
+        found = self.pool.find_held(rank, step, world)
         if found is None:
             send_msg(conn, {"ok": False, "error": f"no snapshot of step {step} of rank {rank} here"})
             return
@@ -455,7 +456,7 @@ class ReplicaService:
                 continue
             try:
                 conn.settimeout(max(30.0, rep.knobs.loss_s))
-                send_msg(conn, {"op": "fetch", "rank": req.rank, "step": req.step})
+                send_msg(conn, {"op": "fetch", "rank": req.rank, "step": req.step, "world": req.world})
                 hdr = recv_msg(conn)
                 if not hdr.get("ok"):
                     errors.append(f"{src.get('host')}:{src.get('port')}: {hdr.get('error')}")

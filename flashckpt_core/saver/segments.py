@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import re
 import stat
 import threading
 import time
@@ -21,6 +20,7 @@ from collections.abc import Iterator
 
 from flashckpt import errors as E
 from flashckpt.format.segment import (
+    BACKUP_BASE,
     COMPLETE,
     EMPTY,
     FLAG_FETCHED,
@@ -31,6 +31,7 @@ from flashckpt.format.segment import (
     Segment,
     SlotHeader,
     _page,
+    backup_paths,
     live_snapshots,
     local_ranks,
     lock_path,
@@ -44,25 +45,6 @@ from flashckpt.transport.spawn import SOCKET_NAME
 from flashckpt.transport.wire import Client
 
 __all__ = ["SegmentPool", "BACKUP_BASE", "backup_paths", "own_local_ranks"]
-
-#: A backup segment's local-rank field (and lock): BACKUP_BASE + the global rank it backs up.
-BACKUP_BASE = 100_000
-_BAK_RE = re.compile(r"bak-r(\d+)-e(\d+)\.shm$")
-
-
-def backup_paths(job_dir: str) -> dict[int, list[tuple[int, str]]]:
-    """rank -> (epoch, path) of its backup segments in ``job_dir``, oldest first."""
-    out: dict[int, list[tuple[int, str]]] = {}
-    try:
-        names = os.listdir(job_dir)
-    except FileNotFoundError:
-        return out
-    for name in names:
-        m = _BAK_RE.match(name)
-        if m:
-            out.setdefault(int(m.group(1)), []).append((int(m.group(2)), os.path.join(job_dir, name)))
-    return {r: sorted(v) for r, v in out.items()}
-
 
 own_local_ranks = local_ranks  # the local ranks with segments of their own here (not backups)
 
@@ -131,11 +113,12 @@ class SegmentPool:
             for seg, i, h in live_snapshots(segs):
                 yield "backup", -1, seg, i, h
 
-    def find_held(self, rank: int, step: int) -> tuple[str, Segment, int, SlotHeader] | None:
-        """The newest live snapshot of ``step`` of ``rank`` held here (any rank's with -1), own ones first."""
+    def find_held(self, rank: int, step: int, world: int = 0) -> tuple[str, Segment, int, SlotHeader] | None:
+        """The newest live snapshot of ``step`` of ``rank`` held here (any rank's with -1; with ``world``, saved
+        by a job of that many ranks), own ones first."""
         best = None
         for kind, _lr, seg, i, h in self.held():
-            if h.step == step and (rank < 0 or h.rank == rank):
+            if h.step == step and (rank < 0 or h.rank == rank) and (not world or h.world == world):
                 key = (kind == "own", h.seq)
                 if best is None or key > best[0]:
                     best = (key, (kind, seg, i, h))

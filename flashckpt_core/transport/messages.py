@@ -373,12 +373,14 @@ class Inventory(Request[InventoryReply]):
 @dataclass(frozen=True)
 class Fetch(Request[FetchReply]):
     """Copy ``rank``'s snapshot of ``step`` (any rank's with ``rank`` -1: replicated state) from the first
-    of ``sources`` (peer savers: host, port) that holds it into a new segment of ``local_rank`` here."""
+    of ``sources`` (peer savers: host, port) that holds it into a new segment of ``local_rank`` here; with
+    ``world``, only a snapshot saved by a job of that many ranks (a load that reshards another layout)."""
 
     local_rank: int
     rank: int
     step: int
     sources: list[dict[str, Any]] = field(default_factory=list)
+    world: int = 0
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from flashckpt.storage.base import CheckpointStorage
 from flashckpt.transport.wire import PeerClosed, recv_msg, send_msg
 
 __all__ = ["ReplicaKnobs", "backup_group", "partners", "PeerBook", "NodePlan", "across_nodes", "takes_over_rank0",
+           "ReshardPlan", "reshard_plan",
            "connect", "accept", "advertised_host", "Pacer", "send_range", "recv_into"]
 
 
@@ -311,6 +312,52 @@ def across_nodes(inventories: Sequence[dict[str, Any]], ranks: Sequence[int], *,
         everyone = [h for hs in avail[best].values() for h in hs]
         return NodePlan(best, {r: everyone for r in ranks}, partial)
     return NodePlan(best, {r: avail[best][r] for r in ranks}, partial)
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """A step saved by another number of ranks (``world``) that the nodes' memory holds whole: for every rank
+    of that job, the holders of its snapshot of ``step`` (``sources``: rank -> [node, instance, host, port, kind,
+    local_rank], the holders of one rank in the order it is best read: own snapshots before backups). ``step``
+    None: no such step; then ``partial`` is the newest (world, step) some node holds and ``missing`` the ranks of
+    it that no answering node holds."""
+
+    step: int | None
+    world: int
+    sources: dict[int, list[dict[str, Any]]]
+    partial: tuple[int, int] | None = None
+    missing: tuple[int, ...] = ()
+
+
+def reshard_plan(inventories: Sequence[dict[str, Any]], *, world_size: int, newest_committed: int,
+                 committed_world: int, saved_at: dict[str, float]) -> ReshardPlan:
+    """Picks, from what every node holds (its saver's ``Inventory`` reply), the newest step saved by a job of
+    another number of ranks than ``world_size`` of which every rank of that job has a copy on some node, and
+    that is not older than the newest commit (``newest_committed``, saved by ``committed_world`` ranks;
+    ``saved_at``: its rank -> the wall time of the snapshot its files came from, compared only for a snapshot
+    of the same number of ranks, else the step). One step and one number of ranks for every rank's state:
+    a rank whose shard no node holds makes the step unusable, never a mix of steps. Pure: the caller gathers
+    the inventories."""
+    avail: dict[tuple[int, int], dict[int, list[dict[str, Any]]]] = {}
+    for key, inv in _by_instance(inventories).items():
+        for e in inv.get("held", []):
+            rank, step, world = int(e.get("rank", -1)), int(e.get("step", -1)), int(e.get("world", 0))
+            if rank < 0 or step < 0 or world <= 0 or world == world_size or rank >= world:
+                continue  # unrecorded, this job's own number of ranks (not resharded), or not a rank of it
+            ref = saved_at.get(str(rank)) if world == committed_world else None
+            if (float(e.get("wall_time", 0.0)) < ref) if ref else (step < newest_committed):
+                continue  # older than the newest commit
+            avail.setdefault((world, step), {}).setdefault(rank, []).append(
+                {"node": inv.get("node", -1), "instance": key, "host": inv.get("host", ""),
+                 "port": int(inv.get("port", 0)), "kind": e.get("kind", "own"), "local_rank": e.get("local_rank", -1)})
+    whole = [ws for ws, by in avail.items() if set(by) == set(range(ws[0]))]
+    if not whole:
+        partial = max(avail, key=lambda ws: (ws[1], ws[0]), default=None)
+        missing = tuple(sorted(set(range(partial[0])) - set(avail[partial]))) if partial is not None else ()
+        return ReshardPlan(None, 0, {}, partial, missing)
+    world, step = max(whole, key=lambda ws: (ws[1], ws[0]))
+    sources = {r: sorted(hs, key=lambda h: h["kind"] != "own") for r, hs in sorted(avail[(world, step)].items())}
+    return ReshardPlan(step, world, sources)
 
 
 def _rank0_copies(inv: dict[str, Any], replicated: bool) -> set[int]:

@@ -67,6 +67,7 @@ from flashckpt.commit.retention import CheckpointDeletionStrategy
 from flashckpt.engine.adapter import LOCAL, STORAGE, AdapterBase, LoadAttempt, Opened
 from flashckpt.engine.collective import rank
 from flashckpt.engine.engine import LoadResult, Located
+from flashckpt.engine.reshard import Resharded
 from flashckpt.engine.routing import path_inside, step_of
 from flashckpt.errors import FlashCheckpointError
 from flashckpt.integrations.dcp import METADATA_NAME, open_memory_reader
@@ -240,7 +241,7 @@ class MegatronCheckpointer(AdapterBase):
         holds; a directory is served from memory only when it is that checkpoint. Returns None (on every
         rank) when memory cannot serve it; then read it from storage.
         """
-        r = self.resolve_load(op="memory_view()", event="megatron_memory_view", logger=log,
+        r = self.resolve_load(op="memory_view()", event="megatron_memory_view", logger=log, reshard=True,
                               refuse=_asked_for(checkpoint_dir), from_storage=lambda _attempt: None,
                               from_memory=lambda loc, fs: self.view_of(loc, fs))
         if r.source != "memory":
@@ -254,8 +255,9 @@ class MegatronCheckpointer(AdapterBase):
         and ``metadata.json`` go to every rank, and the ranks' data files are gathered), or why memory
         cannot serve it (on every rank)."""
         assert loc.step is not None and loc.path is not None  # a memory location has both
-        reader = open_memory_reader(fs if isinstance(fs, FileSet) else None, loc.path)
-        head = from_rank0(raw_entry(fs, COMMON_STATE_FNAME), raw_entry(fs, CONFIG_FNAME))
+        reader = open_memory_reader(fs if isinstance(fs, (FileSet, Resharded)) else None, loc.path)
+        fs0 = fs.state(0) if isinstance(fs, Resharded) and rank() == 0 else fs  # another layout: old rank 0's
+        head = from_rank0(raw_entry(fs0, COMMON_STATE_FNAME), raw_entry(fs0, CONFIG_FNAME))
         if reader is None or head is None:
             return f"the snapshot of iteration {loc.step} cannot be served from memory"
         common, config = head
@@ -476,7 +478,8 @@ def load(sharded_state_dict: Any, checkpoint_dir: str | Path | None = None, shar
                                               validate_access_integrity, strict), step, where,
                       source=LOCAL if loc.source == LOCAL and where == loc.path else STORAGE)
 
-    r = checkpointer.resolve_load(op="load()", event="megatron_load", logger=log, refuse=_asked_for(checkpoint_dir),
+    r = checkpointer.resolve_load(op="load()", event="megatron_load", logger=log, reshard=True,
+                                  refuse=_asked_for(checkpoint_dir),
                                   from_memory=from_memory, from_storage=from_storage)
     checkpointer.last_load = r.result()
     return r.value

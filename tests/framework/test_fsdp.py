@@ -335,8 +335,9 @@ def test_bad_input_is_refused_before_anything_is_written(ckpt_dir):
 
 # ------------------------------------------------------------------------------------------ ranks
 def test_resume_from_memory_bit_identical_vanilla_dcp_loads_and_resharding(ckpt_dir, tmp_path):
-    """One job's life: 2 ranks save, restart and resume from memory; 4 ranks load the 2-rank checkpoint from
-    storage; 2 ranks refuse the 4-rank memory snapshot and load the 4-rank checkpoint from storage."""
+    """One job's life: 2 ranks save, restart and resume from memory; 4 ranks resume the 2-rank step from memory,
+    resharded (grow); 2 ranks resume the 4-rank snapshot from memory, resharded (shrink); with memory gone, 2
+    ranks load the 4-rank checkpoint from storage, resharded. Each resharded state equals the saved one."""
     out = str(tmp_path / "out")
     os.makedirs(out)
     # No last words, so the snapshots a run leaves behind stay uncommitted (only memory holds them), and a
@@ -349,10 +350,11 @@ def test_resume_from_memory_bit_identical_vanilla_dcp_loads_and_resharding(ckpt_
     a = run_ranks(train_worker, 2, str(tmp_path / "run1"), env=env, args={
         "ckpt_dir": ckpt_dir, "out_dir": out, "steps": 6, "disk_at": [2], "memory_at": [3, 4],
         "full_at": [2], "vanilla_at": 2, "release": False})
-    # Run 2 (2 new processes): resume from memory at step 4 and train on to step 6; persist step 6.
+    # Run 2 (2 new processes): resume from memory at step 4 and train on to step 6; snapshot step 5, persist
+    # step 6, and leave the snapshots in memory.
     b = run_ranks(train_worker, 2, str(tmp_path / "run2"), env=env, args={
-        "ckpt_dir": ckpt_dir, "out_dir": out, "steps": 6, "resume": True, "disk_at": [6], "full_at": [6],
-        "vanilla_check": [os.path.join(ckpt_dir, "step_2"), 2]})
+        "ckpt_dir": ckpt_dir, "out_dir": out, "steps": 6, "resume": True, "memory_at": [5], "disk_at": [6],
+        "full_at": [6], "vanilla_check": [os.path.join(ckpt_dir, "step_2"), 2], "release": False})
     for rank in range(2):
         assert b[rank]["memory_steps"][0] == 4, rank
         assert b[rank]["resumed"] == ["memory", 4, 4], rank
@@ -362,23 +364,31 @@ def test_resume_from_memory_bit_identical_vanilla_dcp_loads_and_resharding(ckpt_
     step2 = os.path.join(ckpt_dir, "step_2")
     assert sorted(os.listdir(step2)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
-    # Run 3 (4 ranks): the 2-rank checkpoint of step 6 loads from storage, resharded; persist step 8,
+    # Run 3 (4 ranks, grow): memory holds step 6 of the 2-rank layout; ranks 2 and 3 have no snapshot of their
+    # own, every rank reads the items it needs from the old ranks' snapshots, resharded. Persist step 8,
     # snapshot step 9, leave it in memory.
     c = run_ranks(train_worker, 4, str(tmp_path / "run3"), env=env, timeout=240, args={
         "ckpt_dir": ckpt_dir, "out_dir": out, "steps": 9, "resume": True, "disk_at": [8], "memory_at": [9],
-        "full_at": [8], "compare_full": os.path.join(out, "full_6.pt"), "release": False})
-    assert [r["resumed"] for r in c] == [["storage", 6, 6]] * 4
-    assert c[0]["full_matches"] is True, "2 -> 4: the loaded state differs from the saved one"
-    # Run 4 (2 ranks): ranks 0 and 1 hold step 9 in memory with the 4-rank layout; the engine does not take
-    # snapshots of 4 ranks for a job of 2 (memory_steps() leaves them out), and the 4-rank checkpoint of
-    # step 8 loads from storage, resharded.
+        "full_at": [8, 9], "compare_full": os.path.join(out, "full_6.pt"), "release": False})
+    assert [r["resumed"] for r in c] == [["memory", 6, 6]] * 4
+    assert c[0]["full_matches"] is True, "2 -> 4 from memory: the loaded state differs from the saved one"
+    # Run 4 (2 ranks, shrink): ranks 0 and 1 hold step 9 in memory with the 4-rank layout; the engine does not
+    # hand a rank a snapshot of 4 ranks as its own (memory_steps() leaves them out), but the FSDP adapter reads
+    # step 9 from the four old ranks' snapshots, resharded.
     d = run_ranks(train_worker, 2, str(tmp_path / "run4"), env=env, args={
+        "ckpt_dir": ckpt_dir, "out_dir": out, "steps": 9, "resume": True,
+        "compare_full": os.path.join(out, "full_9.pt")})
+    assert all(r["held"][0] == 9 for r in d), "run 4 did not see run 3's snapshots"
+    assert all(9 not in r["memory_steps"] for r in d), "the engine offers snapshots of 4 ranks to a job of 2 as its own"
+    assert [r["resumed"] for r in d] == [["memory", 9, 9]] * 2
+    assert d[0]["full_matches"] is True, "4 -> 2 from memory: the loaded state differs from the saved one"
+    # Run 5 (2 ranks): memory released by run 4's close; the 4-rank checkpoint of step 8 loads from storage,
+    # resharded.
+    e = run_ranks(train_worker, 2, str(tmp_path / "run5"), env=env, args={
         "ckpt_dir": ckpt_dir, "out_dir": out, "steps": 8, "resume": True,
         "compare_full": os.path.join(out, "full_8.pt")})
-    assert all(r["held"][0] == 9 for r in d), "run 4 did not see run 3's snapshots: nothing was refused"
-    assert all(r["memory_steps"] == [] for r in d), "the engine offers snapshots of 4 ranks to a job of 2"
-    assert [r["resumed"] for r in d] == [["storage", 8, 8]] * 2
-    assert d[0]["full_matches"] is True, "4 -> 2: the loaded state differs from the saved one"
+    assert [r["resumed"] for r in e] == [["storage", 8, 8]] * 2
+    assert e[0]["full_matches"] is True, "4 -> 2 from storage: the loaded state differs from the saved one"
     assert sorted(os.listdir(os.path.join(ckpt_dir, "step_8"))) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
 
     # Step 2 holds the same items at the same offsets as DCP's own FileSystemWriter wrote for that state.
