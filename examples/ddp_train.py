@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             start = int(sd["step"]) + 1
         info = ckpt.last_load
         emit(event="resume", step=info.step if info else None, source=info.source if info else "none",
-             seconds=info.seconds if info else 0.0)
+             seconds=info.seconds if info else 0.0, world=dist.get_world_size() if dist.is_initialized() else 1)
         if rank == 0:
             print(f"[rank 0] resumed from {info.source if info else 'none'} at step {info.step if info else None} "
                   f"in {info.seconds if info else 0:.3f} s", flush=True)

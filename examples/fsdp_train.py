@@ -13,7 +13,9 @@ of an uninterrupted one. ``--crash_at_step N --crash_rank R`` makes rank R kill 
 step N, once (a resumed run does not crash again). ``--metrics FILE`` appends one JSON line per event:
 rank 0's, or every rank's with ``--metrics_all_ranks`` (each line carries its rank; the ``end`` event's
 digest is rank 0's only). ``--step_sleep S`` sleeps S seconds after every step (tests use it to act
-between steps).
+between steps). ``--state_digests`` adds the digest of the unsharded training state after every save and at
+the resume, the same whatever the number of ranks: a job that resumes on fewer or more ranks (an elastic
+``flashckpt-run --nnodes MIN:MAX`` that lost or gained a node) must resume exactly the state it saved.
 """
 
 from __future__ import annotations
@@ -54,6 +56,33 @@ def full_weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def full_state_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    """SHA-256 of the unsharded weights and optimizer state, by key (collective; rank 0's value is meaningful):
+    the same for the same training state whatever the number of ranks that holds it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    h = hashlib.sha256()
+
+    def walk(prefix: str, x: object) -> None:
+        if isinstance(x, dict):
+            for k in sorted(x, key=str):
+                walk(f"{prefix}/{k}", x[k])
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(f"{prefix}/{i}", v)
+        elif isinstance(x, torch.Tensor):
+            t = x.detach().contiguous()
+            h.update(f"{prefix}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(ctypes.string_at(t.data_ptr(), t.nbytes))
+        else:
+            h.update(f"{prefix}={x!r}".encode())
+
+    walk("model", msd)
+    walk("optim", osd)
+    return h.hexdigest()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20)
@@ -67,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics_all_ranks", action="store_true",
                    help="every rank appends its events to --metrics (default: rank 0 only, and crashes)")
     p.add_argument("--step_sleep", type=float, default=0.0, help="sleep this many seconds after every step")
+    p.add_argument("--state_digests", action="store_true",
+                   help="after every save and at the resume, emit the digest of the unsharded training state "
+                        "(weights and optimizer; collective): a resume on another number of ranks must match it")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -104,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         if extra:
             start = int(extra["step"]) + 1
         info = ckpt.last_load
+        digest = full_state_digest(model, opt) if args.state_digests else None
         emit(event="resume", step=info.step if info else None, source=info.source if info else "none",
-             seconds=info.seconds if info else 0.0)
+             seconds=info.seconds if info else 0.0, world=world, state_digest=digest)
         if rank == 0:
             print(f"[rank 0] resumed from {info.source if info else 'none'} at step {info.step if info else None} "
                   f"in {info.seconds if info else 0:.3f} s", flush=True)
@@ -122,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
             model_sd, optim_sd = get_state_dict(model, opt)
             ckpt.save_checkpoint(step, {"model": model_sd, "optim": optim_sd, "step": step}, f"step_{step}",
                                  storage_type=kind)
-            emit(event="save", step=step, storage=kind.value, seconds=time.perf_counter() - t0)
+            emit(event="save", step=step, storage=kind.value, seconds=time.perf_counter() - t0, world=world)
+            if args.state_digests:
+                emit(event="state", step=step, world=world, state_digest=full_state_digest(model, opt))
         if rank == 0 and (step % 10 == 0 or step == args.steps):
             print(f"[rank 0] step {step} loss {loss.item():.4f}", flush=True)
         if step == args.crash_at_step and rank == args.crash_rank and start == 1:

@@ -176,6 +176,8 @@ def agree_resharded(inventory: Callable[[], dict[str, Any]], layout: CommitLayou
     resharded.name = name
     if first:
         where = {r: [f"node {h['node']} {h['kind']}" for h in hs] for r, hs in plan.sources.items()}
-        log.info("event=reshard_plan step=%d from_ranks=%d to_ranks=%d holders=%s", plan.step, plan.world,
-                 ranks.world_size, where)
+        # a warning: the job's number of ranks changed (a node lost or added), which its operators want to see
+        log.warning("load(): resuming from memory at step %d, saved by %d ranks, resharded to this job's %d "
+                    "(event=reshard_plan step=%d from_ranks=%d to_ranks=%d holders=%s)", plan.step, plan.world,
+                    ranks.world_size, plan.step, plan.world, ranks.world_size, where)
     return resharded

@@ -23,7 +23,6 @@ counted dead in 3 s; torch's default is 15 s), and the scenarios keep the launch
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import re
 import time
@@ -35,11 +34,15 @@ from _nodes import (  # noqa: F401
     FSDP_TRAIN,
     MEGATRON_TRAIN,
     Cluster,
+    _log_time,
     cluster,
     committed_steps,
     pids_in_ns,
     reference_digest,
 )
+from _nodes import LOG_TIME as _LOG_TIME
+from _nodes import first_step_after as _first_step_after
+from _nodes import memory_step as _memory_step
 
 SCRIPTS = {"ddp": DDP_TRAIN, "fsdp": FSDP_TRAIN, "deepspeed": DS_TRAIN, "megatron": MEGATRON_TRAIN,
            "megatron-distopt": MEGATRON_TRAIN}
@@ -83,15 +86,6 @@ def _check_digest(c: Cluster, want: str) -> None:
     c.check(got == want, f"the final weights equal an uninterrupted run's: {got} != {want}")
 
 
-def _first_step_after(c: Cluster, t: float) -> float:
-    """When the last rank finished its first step after ``t`` (wall clock)."""
-    per_rank: dict[int, float] = {}
-    for e in c.all_events("first_step", after=t):
-        per_rank.setdefault(e["rank"], e["t"])
-    c.check(per_rank, "a first step after the restart")
-    return max(per_rank.values())
-
-
 def _wait_before_loss(c: Cluster, nodes: list[int], timeout: float = 120.0, *, replicated: bool = False) -> None:
     """Waits until the first persist is committed (so storage holds an older step than memory) and the
     ranks of ``nodes`` saved KILL_AT (the first persist may come later on 2 busy cores: the kill then
@@ -108,42 +102,6 @@ def _no_commit_timeouts(c: Cluster) -> None:
     text = c.all_text()
     hits = [ln for ln in text.splitlines() if "CheckpointTimeoutError" in ln]
     c.check(not hits, f"no CheckpointTimeoutError in any log: {hits[:5]}")
-
-
-_LOG_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \d+ flashckpt\.saver ")
-
-
-def _log_time(stamp: str) -> float:
-    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
-
-
-def _memory_step(c: Cluster, lost: list[int], before: float, *, replicated: bool) -> int:
-    """The step the job must resume at from memory after the nodes ``lost`` are gone, from what the
-    survivors hold before ``before`` (the first resume): replicated state, the newest step a surviving rank
-    saved; sharded state, the newest step every surviving rank saved and of which a surviving node received
-    every lost rank's backup (its saver's ``event=backup_received ... ok=True``). A kill may fall between a
-    snapshot and its backup: then the job rightly resumes from the step before."""
-    saved: dict[int, set[int]] = {}
-    for i in range(len(c.nodes)):
-        if i not in lost:
-            for e in c.events(i, "save"):
-                if e["t"] < before:
-                    saved.setdefault(e["rank"], set()).add(int(e["step"]))
-    c.check(saved, f"the surviving ranks saved snapshots before the loss: {saved}")
-    if replicated:
-        return max(s for steps in saved.values() for s in steps)
-    lost_ranks = {e["rank"] for i in lost for e in c.events(i, "save") if e["t"] < before}
-    got: dict[int, set[int]] = {}
-    with c._lock:
-        logs = [text for (node, _gen, _job), text in c.saver_logs.items() if node not in lost]
-    for ln in "\n".join(logs).splitlines():
-        m = _LOG_TIME.match(ln)
-        b = re.search(r"event=backup_received rank=(\d+) step=(\d+) .*ok=True", ln)
-        if m and b and _log_time(m.group(1)) < before:
-            got.setdefault(int(b.group(1)), set()).add(int(b.group(2)))
-    steps = set.intersection(*saved.values(), *(got.get(r, set()) for r in lost_ranks))
-    c.check(steps, f"a step every rank has in surviving memory: saved {saved}, backups received {got}")
-    return max(steps)
 
 
 def _saver_event_time(c: Cluster, needle: str) -> float:

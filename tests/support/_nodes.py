@@ -38,9 +38,11 @@ rank 0's final weights digest, cached per arguments for the session.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -164,19 +166,21 @@ class Cluster:
                max_restarts: int = 3, env: dict[str, str] | None = None, warm_workers: bool = False,
                rdzv_conf: str = "", shm_size: str = "256m", node_args: dict[int, list[str]] | None = None,
                agent_args: dict[int, list[str]] | None = None, start_timeout: float = 60.0,
-               external_store: bool = False) -> None:
+               external_store: bool = False, nnodes_spec: str = "") -> None:
         """Starts ``nnodes`` nodes of one job running ``script`` (node 0 first; the others once it hosts
         the rendezvous store; with ``external_store``, a process outside the nodes hosts it and every node
         may be lost). The script gets ``--checkpoint_dir`` (shared), ``--metrics`` (its node's
         file), ``--metrics_all_ranks`` and ``--resume`` before ``script_args``; ``node_args[i]`` is added
         on node i only, ``agent_args[i]`` to node i's ``flashckpt-run`` (before the script: e.g. its own
-        ``--local-dir``). Warm workers are off unless asked for (2 cores: their imports slow the others)."""
+        ``--local-dir``). Warm workers are off unless asked for (2 cores: their imports slow the others).
+        ``nnodes_spec`` (``"MIN:MAX"``): an elastic job's ``--nnodes``, which goes on with fewer nodes after a
+        loss (``nnodes`` nodes are started)."""
         port = free_ports(1)[0]
         self.rdzv_id = f"mn-{uuid.uuid4().hex[:8]}"
         self.nnodes = nnodes
         self.port = port
         self.shm_size = shm_size
-        self.cmd = [sys.executable, "-m", "flashckpt.launch.launcher", "--nnodes", str(nnodes),
+        self.cmd = [sys.executable, "-m", "flashckpt.launch.launcher", "--nnodes", nnodes_spec or str(nnodes),
                     "--nproc_per_node", str(nproc_per_node), "--rdzv_backend", "c10d",
                     "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", self.rdzv_id,
                     "--max_restarts", str(max_restarts)]
@@ -635,3 +639,49 @@ def _without_step_sleep(argv: list[str]) -> list[str]:
         elif not a.startswith("--step_sleep="):
             out.append(a)
     return out
+
+
+# ------------------------------------------------------------------------------------------ reading the run
+def first_step_after(c: Cluster, t: float) -> float:
+    """When the last rank finished its first step after ``t`` (wall clock)."""
+    per_rank: dict[int, float] = {}
+    for e in c.all_events("first_step", after=t):
+        per_rank.setdefault(e["rank"], e["t"])
+    c.check(per_rank, "a first step after the restart")
+    return max(per_rank.values())
+
+
+LOG_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \d+ flashckpt\.saver ")
+
+
+def _log_time(stamp: str) -> float:
+    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def memory_step(c: Cluster, lost: list[int], before: float, *, replicated: bool) -> int:
+    """The step the job must resume at from memory after the nodes ``lost`` are gone, from what the
+    survivors hold before ``before`` (the first resume): replicated state, the newest step a surviving rank
+    saved; sharded state, the newest step every surviving rank saved and of which a surviving node received
+    every lost rank's backup (its saver's ``event=backup_received ... ok=True``). A kill may fall between a
+    snapshot and its backup: then the job rightly resumes from the step before."""
+    saved: dict[int, set[int]] = {}
+    for i in range(len(c.nodes)):
+        if i not in lost:
+            for e in c.events(i, "save"):
+                if e["t"] < before:
+                    saved.setdefault(e["rank"], set()).add(int(e["step"]))
+    c.check(saved, f"the surviving ranks saved snapshots before the loss: {saved}")
+    if replicated:
+        return max(s for steps in saved.values() for s in steps)
+    lost_ranks = {e["rank"] for i in lost for e in c.events(i, "save") if e["t"] < before}
+    got: dict[int, set[int]] = {}
+    with c._lock:
+        logs = [text for (node, _gen, _job), text in c.saver_logs.items() if node not in lost]
+    for ln in "\n".join(logs).splitlines():
+        m = LOG_TIME.match(ln)
+        b = re.search(r"event=backup_received rank=(\d+) step=(\d+) .*ok=True", ln)
+        if m and b and _log_time(m.group(1)) < before:
+            got.setdefault(int(b.group(1)), set()).add(int(b.group(2)))
+    steps = set.intersection(*saved.values(), *(got.get(r, set()) for r in lost_ranks))
+    c.check(steps, f"a step every rank has in surviving memory: saved {saved}, backups received {got}")
+    return max(steps)
