@@ -13,7 +13,7 @@ of an uninterrupted one. ``--crash_at_step N --crash_rank R`` makes rank R kill 
 step N, once (a resumed run does not crash again). ``--metrics FILE`` appends one JSON line per event:
 rank 0's, or every rank's with ``--metrics_all_ranks`` (each line carries its rank; the ``end`` event's
 digest is rank 0's only). ``--step_sleep S`` sleeps S seconds after every step (tests use it to act
-between steps). ``--state_digests`` adds the digest of the unsharded training state after every save and at
+between steps). ``--state_digests`` adds the digest of the unsharded training state at every save and at
 the resume, the same whatever the number of ranks: a job that resumes on fewer or more ranks (an elastic
 ``flashckpt-run --nnodes MIN:MAX`` that lost or gained a node) must resume exactly the state it saved.
 """
@@ -151,13 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         kind = storage_type_for(step, args.save_memory_interval, args.save_storage_interval)
         if kind is not None:
+            if args.state_digests:  # (before the save: a worker stopped right after it still left its digest)
+                emit(event="state", step=step, world=world, state_digest=full_state_digest(model, opt))
             t0 = time.perf_counter()
             model_sd, optim_sd = get_state_dict(model, opt)
             ckpt.save_checkpoint(step, {"model": model_sd, "optim": optim_sd, "step": step}, f"step_{step}",
                                  storage_type=kind)
             emit(event="save", step=step, storage=kind.value, seconds=time.perf_counter() - t0, world=world)
-            if args.state_digests:
-                emit(event="state", step=step, world=world, state_digest=full_state_digest(model, opt))
         if rank == 0 and (step % 10 == 0 or step == args.steps):
             print(f"[rank 0] step {step} loss {loss.item():.4f}", flush=True)
         if step == args.crash_at_step and rank == args.crash_rank and start == 1:

@@ -733,3 +733,60 @@ def test_megatron_lm_save_and_load_checkpoint(fmt, world, tmp_path):
     for s, r in zip(saved, loaded):
         assert r["loaded"] == [20, 200] and r["source"] == "memory"
         assert r["digest"] == s["digest20"]
+
+
+# ------------------------------------------------------------------------------------------ a changed DP size
+def dp_save_worker(root: str) -> dict:
+    """4 ranks (data-parallel size 4) with the distributed optimizer: iterations 1-5, iteration 5 persisted
+    (DISK: also the memory snapshot); the snapshots stay for the next job (close(release=False))."""
+    from flashckpt.patches.megatron.dist_ckpt import MegatronCheckpointer, StorageType, iteration_dir, save
+
+    _setup()
+    mt = _example()
+    model, ddp, opt = _distopt(mt)
+    ck = MegatronCheckpointer(root)
+    for it in range(1, 6):
+        _train_to(mt, model, ddp, opt, it, it)
+        save(mt.training_state(model, opt, ddp, it), iteration_dir(root, it), checkpointer=ck, step=it,
+             storage_type=StorageType.DISK if it == 5 else StorageType.MEMORY, tracker=True)
+    ck.wait(120)
+    ck.close(release=False)
+    return {"digest5": mt.digest(model)}
+
+
+def dp_resume_worker(root: str) -> dict:
+    """2 ranks (data-parallel size 2): the 4-rank iteration 5 through flashckpt (memory, resharded by
+    megatron-core's own planner over the old ranks' snapshots), then the same iteration through vanilla
+    megatron-core from storage; this rank's model and optimizer shard after each."""
+    from flashckpt.patches.megatron.dist_ckpt import MegatronCheckpointer, iteration_dir, load
+    from megatron.core import dist_checkpointing
+
+    _setup()
+    mt = _example()
+    out: dict = {}
+    ck = MegatronCheckpointer(root)
+    try:
+        model, ddp, opt = _distopt(mt)
+        state = load(mt.training_state(model, opt, ddp, None), checkpointer=ck)
+        out["source"] = [ck.last_load.source, ck.last_load.step]
+        out["memory"] = [mt.load_training_state(model, opt, ddp, state), mt.digest(model), _optim_digest(opt)]
+    finally:
+        ck.close(release=True)
+    model, ddp, opt = _distopt(mt)
+    sd = dist_checkpointing.load(mt.training_state(model, opt, ddp, None), iteration_dir(root, 5))
+    out["storage"] = [mt.load_training_state(model, opt, ddp, sd), mt.digest(model), _optim_digest(opt)]
+    return out
+
+
+def test_distributed_optimizer_data_parallel_4_to_2_resumes_from_memory_as_megatron_reshards_storage(tmp_path):
+    """megatron-core's distributed optimizer (``dp_reshardable``), data-parallel size 4 -> 2 on one node: the
+    2-rank job resumes iteration 5 from the 4 ranks' snapshots in memory, and gets exactly what megatron-core's
+    own resharding load of the persisted iteration 5 gives each rank (model and optimizer shard)."""
+    root = str(tmp_path / "ckpt")
+    saved = run_ranks(dp_save_worker, 4, str(tmp_path / "save"), args={"root": root}, env=KEEP_ENV, timeout=300)
+    loaded = run_ranks(dp_resume_worker, 2, str(tmp_path / "resume"), args={"root": root}, env=ENV, timeout=300)
+    for r in loaded:
+        assert r["source"] == ["memory", 5], r["source"]
+        assert r["memory"] == r["storage"], "the memory load differs from megatron-core's load from storage"
+        assert r["memory"][1] == saved[0]["digest5"]
+    assert loaded[0]["memory"][2] != loaded[1]["memory"][2], "each rank holds its own optimizer shard"
