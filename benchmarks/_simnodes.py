@@ -183,12 +183,13 @@ class Node:
 
 
 class SimCluster:
-    """``nnodes`` simulated nodes of one job running ``script`` (1 rank each unless told), one checkpoint dir.
-    Use as a context manager: leaving it kills every node whole and forgets their namespaces."""
+    """``nnodes`` simulated nodes of one job running ``script`` (1 rank each unless told), one checkpoint dir;
+    ``nnodes_spec`` ("MIN:MAX"): an elastic job's ``--nnodes``. Use as a context manager: leaving it kills every
+    node whole and forgets their namespaces."""
 
     def __init__(self, work: str, nnodes: int, script: str, script_args: list[str], *,
                  env: dict[str, str] | None = None, shm_size: str = "4g", rdzv_conf: str = "",
-                 nproc_per_node: int = 1, max_restarts: int = 3) -> None:
+                 nproc_per_node: int = 1, max_restarts: int = 3, nnodes_spec: str = "") -> None:
         self.work = work
         self.ckpt_dir = os.path.join(work, "ckpt")
         os.makedirs(self.ckpt_dir, exist_ok=True)
@@ -196,7 +197,8 @@ class SimCluster:
         self.shm_size = shm_size
         self.port = free_ports(1)[0]
         self.rdzv_id = f"bn-{uuid.uuid4().hex[:8]}"
-        self.cmd = [sys.executable, "-m", "flashckpt.launch.launcher", "--nnodes", str(nnodes), "--nproc_per_node",
+        self.cmd = [sys.executable, "-m", "flashckpt.launch.launcher", "--nnodes", nnodes_spec or str(nnodes),
+                    "--nproc_per_node",
                     str(nproc_per_node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{self.port}",
                     "--rdzv_id", self.rdzv_id, "--max_restarts", str(max_restarts)]
         if rdzv_conf:

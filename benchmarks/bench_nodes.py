@@ -18,6 +18,9 @@ every step, a persist to storage every ``--storage-interval`` steps, ``--step-sl
    seconds after the kill): a surviving agent noticed the failure, its last words were done, the last
    rendezvous before training resumed completed, the workers were started, and the load's own seconds
    (the longest rank's). "restarts" counts the surviving node 0's worker starts in between.
+   **Shrink** (``--shrink-nodes``, 4 by default): the same loss in an elastic job (``--nnodes N-1:N``), no node
+   started: the N-1 survivors resume resharded, from the memory they hold (the lost node's shards from its
+   partner's backup) or, with the replica off, from storage (the newest commit).
 2. **Replication throughput**: the savers log every backup sent (``event=backup_sent ... bytes= seconds=``,
    the partner's reply included) and every shard a node sent for a load after the loss, to the fresh node or
    to a node whose ranks the rendezvous renumbered (``replica_fetch_sent``);
@@ -99,7 +102,7 @@ def _saver_stats(c: SimCluster) -> dict[str, Any]:
 
 
 def _cluster(args: argparse.Namespace, work: str, name: str, nnodes: int, steps: int, flags: list[str],
-             state: int, env: dict[str, str]) -> SimCluster:
+             state: int, env: dict[str, str], *, shrink: bool = False) -> SimCluster:
     per_rank = state / nnodes
     shm_gib = max(1, int(6 * per_rank / 2**30) + 1)  # own segment (2 slots), a partner's backup (2), a fetch
     script_args = [*flags, "--steps", str(steps), "--save_memory_interval", "1", "--save_storage_interval",
@@ -107,6 +110,11 @@ def _cluster(args: argparse.Namespace, work: str, name: str, nnodes: int, steps:
     if args.no_warm_workers:
         env = dict(env, FLASHCKPT_WARM_WORKERS="0")
     d = os.path.join(work, re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-"))
+    if shrink:  # an elastic job (--nnodes N-1:N) whose rendezvous closes soon after the survivors arrive
+        shm_gib = max(1, int((6 + nnodes) * per_rank / 2**30) + 1)  # + the old ranks' states a load reads
+        return SimCluster(d, nnodes, FSDP_TRAIN, script_args, env=env, shm_size=f"{shm_gib}g",
+                          rdzv_conf=",".join(c for c in [args.rdzv_conf, "last_call_timeout=2"] if c),
+                          nnodes_spec=f"{nnodes - 1}:{nnodes}")
     return SimCluster(d, nnodes, FSDP_TRAIN, script_args, env=env, shm_size=f"{shm_gib}g",
                       rdzv_conf=args.rdzv_conf)
 
@@ -121,9 +129,10 @@ def _failure_note(c: SimCluster, why: str) -> str:
 
 
 def run_loss(args: argparse.Namespace, work: str, name: str, nnodes: int, flags: list[str], state: int,
-             env: dict[str, str]) -> dict[str, Any]:
-    """Kills node 1 whole after step ``--kill-after`` and starts a fresh one; what the resume cost."""
-    with _cluster(args, work, name, nnodes, args.steps, flags, state, env) as c:
+             env: dict[str, str], *, shrink: bool = False) -> dict[str, Any]:
+    """Kills node 1 whole after step ``--kill-after`` and starts a fresh one (``shrink``: none; the job goes on
+    with one node fewer); what the resume cost."""
+    with _cluster(args, work, name, nnodes, args.steps, flags, state, env, shrink=shrink) as c:
         c.launch()
         deadline = time.monotonic() + args.timeout
         while c.newest_step() < args.kill_after:
@@ -132,14 +141,17 @@ def run_loss(args: argparse.Namespace, work: str, name: str, nnodes: int, flags:
             time.sleep(0.05)
         time.sleep(args.kill_delay)
         t_kill = c.kill_node(1)
-        c.start_node(1)
+        if not shrink:
+            c.start_node(1)
         rcs = c.wait_exit(args.timeout)
+        if shrink:
+            rcs = [rc for i, rc in enumerate(rcs) if i != 1]  # node 1's launcher was killed with it
         c.mirror_now()
         newest = c.newest_step(before=t_kill)
         firsts: dict[int, float] = {}
         for e in c.events("first_step", after=t_kill):
             firsts.setdefault(e["rank"], e["t"])
-        if len(firsts) < nnodes:
+        if len(firsts) < nnodes - shrink:
             return {"error": _failure_note(c, f"training did not resume on every rank (exit codes {rcs})"),
                     "saver": _saver_stats(c)}
         t_up = max(firsts.values())
@@ -352,6 +364,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--state-gb", type=float, default=1.0, help="model + AdamW state of the whole job, GB")
     p.add_argument("--nodes", default="2,4", help="node counts of the node-loss runs")
+    p.add_argument("--shrink-nodes", default="4", help="node counts of the shrink runs (an elastic job, node 1 "
+                                                       "lost and not replaced; '' for none)")
     p.add_argument("--steps", type=int, default=14, help="training steps of a node-loss run")
     p.add_argument("--kill-after", type=int, default=12, help="node 1 is killed once every rank saved this step")
     p.add_argument("--kill-delay", type=float, default=1.0, help="seconds from that save to the kill")
@@ -384,6 +398,9 @@ def main() -> int:
     for n in nodes:
         runs += [(f"{n} nodes replica", "loss", n, {}),
                  (f"{n} nodes storage only", "loss", n, {"FLASHCKPT_REPLICA": "off"})]
+    for n in [int(x) for x in args.shrink_nodes.split(",") if x.strip()]:
+        runs += [(f"shrink {n} -> {n - 1} nodes, from memory", "shrink", n, {}),
+                 (f"shrink {n} -> {n - 1} nodes, storage only", "shrink", n, {"FLASHCKPT_REPLICA": "off"})]
     steady: list[tuple[str, str, int, dict[str, str]]] = [
         ("steady replica (cap 1000 MB/s)", "steady", 2, {}),
         ("steady replica uncapped", "steady", 2, {"FLASHCKPT_REPLICA_MBPS": "0"}),
@@ -405,8 +422,8 @@ def main() -> int:
         for name, kind, n, env in runs:
             t0 = time.perf_counter()
             try:
-                res[name] = (run_loss(args, work, name, n, flags, state, env) if kind == "loss"
-                             else run_steady(args, work, name, flags, state, env))
+                res[name] = (run_loss(args, work, name, n, flags, state, env, shrink=kind == "shrink")
+                             if kind in ("loss", "shrink") else run_steady(args, work, name, flags, state, env))
             except (RuntimeError, OSError) as e:
                 res[name] = {"error": str(e)[:500]}
             r = res[name]
@@ -435,7 +452,7 @@ def main() -> int:
 
     loss_rows = []
     for name, kind, n, _ in runs:
-        if kind != "loss":
+        if kind not in ("loss", "shrink"):
             continue
         r = res[name]
         if "error" in r:
@@ -457,7 +474,8 @@ def main() -> int:
                          "the newest steps were in no surviving memory")
     if loss_rows:
         lines += [f"## 1. Node 1 lost whole after step {args.kill_after} (+{args.kill_delay:g} s), a fresh node 1 "
-                  "started at once", "",
+                  "started at once; shrink: none started (an elastic job, --nnodes N-1:N, goes on with N-1, "
+                  "resharded)", "",
                   markdown_table(("run", "snapshot per rank", "step before", "newest snapshot", "resumed from",
                                   "steps lost",
                                   "kill -> training resumed", "failure noticed", "last words done",
