@@ -308,6 +308,7 @@ class DeepSpeedCheckpointer(AdapterBase):
             return Opened(out, loc.step) if not isinstance(out, str) else out
 
         def from_storage(attempt: LoadAttempt) -> Opened | None:
+            self._say_other_layout()  # before DeepSpeed's own load, which refuses partitions of another layout
             loc = attempt.located
             if loc.source == MEMORY and tag is None and self._core.local_dir is not None:
                 loc = attempt.stored()  # memory did not serve it: the newest committed step, maybe local
@@ -329,6 +330,20 @@ class DeepSpeedCheckpointer(AdapterBase):
                               from_memory=from_memory, from_storage=from_storage)
         self.last_load = r.result()
         return r.value if r.value is not None else (None, None)
+
+    def _say_other_layout(self) -> None:
+        """One warning when this rank's node holds snapshots of the job saved by another number of ranks (an
+        elastic job that lost or gained a node): DeepSpeed cannot reshard ZeRO partitions from them."""
+        from flashckpt.memory.reader import SnapshotReader
+
+        world = self._core.ranks.world_size
+        with SnapshotReader(self._core, self._core.ranks.local_rank) as held:
+            other = [s for s in held.snapshots() if s.world_size is not None and s.world_size != world]
+        if other and self._core.ranks.rank == 0:
+            log.warning("load_checkpoint: memory holds step %d saved by %d ranks; this job has %d, and DeepSpeed "
+                        "cannot reshard ZeRO partitions to another number of ranks without a universal checkpoint "
+                        "(DeepSpeed's ds_to_universal, then load_universal): loaded from storage", other[0].step,
+                        other[0].world_size, world)
 
     def _tag_in(self, root: str, loc: Located) -> str | None:
         """The tag of the checkpoint ``loc`` names, when its directory lies directly in ``root`` (a step on

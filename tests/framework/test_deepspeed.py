@@ -24,7 +24,7 @@ import os
 import signal
 
 import pytest
-from helpers import launch_ranks, wait_for
+from helpers import launch_ranks, run_ranks, wait_for
 
 pytest.importorskip("deepspeed")
 
@@ -395,3 +395,53 @@ def test_latest_never_names_a_tag_killed_while_persisting(tmp_path, runtime_dir)
         assert r["flash"] == [os.path.join("global_step2", "mp_rank_00_model_states.pt"), 2, "memory"], r
         assert r["latest"] == "global_step2"
     assert layout.committed_steps() == [1, 2] and files_named(ckpt, ".flashckpt-tmp") == []
+
+
+# ------------------------------------------------------------------------------------------ another number of ranks
+def two_ranks_worker(ckpt: str) -> dict:
+    """ZeRO-1 on 2 ranks: global_step1 committed, global_step2 a memory snapshot left for the next job."""
+    from flashckpt.integrations.deepspeed import DeepSpeedCheckpointer, StorageType
+
+    engine = _engine("zero1")
+    ck = DeepSpeedCheckpointer(engine, ckpt)
+    _train(engine, 1, 1)
+    ck.save_checkpoint(ckpt)
+    ck.wait(60)
+    _train(engine, 2, 2)
+    ck.save_checkpoint(ckpt, storage_type=StorageType.MEMORY)
+    ck.close(release=False)
+    return {}
+
+
+def one_rank_worker(ckpt: str) -> dict:
+    """The same job on 1 rank: DeepSpeed cannot reshard the 2-rank ZeRO partitions held in memory."""
+    import logging
+
+    from flashckpt.integrations.deepspeed import DeepSpeedCheckpointer
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("flashckpt.integrations.deepspeed").addHandler(Keep(logging.WARNING))
+    engine = _engine("zero1")
+    with DeepSpeedCheckpointer(engine, ckpt) as ck:
+        try:
+            ck.load_checkpoint(ckpt)
+        except Exception as e:  # DeepSpeed's own refusal of the 2-rank partitions, from storage as today
+            said.append(f"raised {type(e).__name__}")
+        return {"source": ck.last_load.source if ck.last_load else None, "said": said}
+
+
+def test_zero_partitions_of_another_number_of_ranks_say_why_memory_is_not_used(tmp_path):
+    """A DeepSpeed job that comes back with 1 rank instead of 2: memory holds ZeRO-1 partitions of 2 ranks,
+    which DeepSpeed cannot reshard without a universal checkpoint; one warning says so, and the load is
+    DeepSpeed's own from storage, as before (which refuses the 2-rank files of global_step1 itself)."""
+    ckpt = str(tmp_path / "ckpt")
+    run_ranks(two_ranks_worker, 2, str(tmp_path / "two"), env={**DS_ENV, "FLASHCKPT_SAVER_GRACE_S": "120"},
+              args={"ckpt": ckpt})
+    (r,) = run_ranks(one_rank_worker, 1, str(tmp_path / "one"), env=DS_ENV, args={"ckpt": ckpt})
+    assert r["source"] != "memory", r  # (None: DeepSpeed's own load refused the 2-rank files, as without us)
+    assert any("cannot reshard ZeRO partitions" in m and "saved by 2 ranks" in m for m in r["said"]), r["said"]
