@@ -245,7 +245,12 @@ class ReshardedStorageReader(FileSetStorageReader):
         log.info("event=reshard_read step=%d from_ranks=%d files=%d read_from=%s bytes=%d seconds=%.3f",
                  self.held.step, self.held.world, len(needed), self.held.read_from, self.held.nbytes,
                  self.held.seconds)
-        return super().read_data(plan, planner)
+        done = super().read_data(plan, planner)
+        torn = self.held.torn()
+        if torn:  # the items were copied from snapshots that changed meanwhile
+            raise CheckpointCorruptError(f"ReshardedStorageReader: the snapshots of step {self.held.step} of old ranks "
+                                         f"{torn} were overwritten while they were read")
+        return done
 
     def _data_file(self, name: str) -> list[Any]:
         """The parts of data file ``name``, from the old rank that wrote it."""

@@ -169,7 +169,7 @@ class CheckpointEngine:
                                  reader=self._reader, layout=lambda: self.layout, loader=lambda: self._loader,
                                  call=lambda req: self._client_call(req), local_loader=lambda: self._local_loader)
         self._restore.make_resharded = lambda plan, instance: Resharded(
-            plan, job_dir=self.job_dir, local_rank=r.local_rank, instance=instance, copier=self._copier,
+            plan, job_dir=self.job_dir, local_rank=r.local_rank, instance=instance,
             fetch=lambda req: self._client_call(req), weights_only=weights_only)
         self._closed = False
         self._session = SaverSession(self._link, ranks=r, replicated=replicated, persists=self.persists,
@@ -700,6 +700,7 @@ class CheckpointEngine:
         t0 = time.perf_counter() if _t0 is None else _t0
         resharded = self._restore.resharded
         if resharded is not None and step == resharded.step:  # located by ``locate(reshard=True)``
+            self._restore.resharded = None  # the caller's now: its views of the segments go with its last use
             self._loaded(resharded.step, "memory", t0, resharded.nbytes)
             return resharded
         snap = self._reader.load_snapshot(step, into=into)

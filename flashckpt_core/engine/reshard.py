@@ -12,7 +12,7 @@ what a framework reads first: DCP's ``.metadata``, megatron-core's ``common.pt``
 decision is logged once, on rank 0.
 
 ``Resharded`` is what the engine's ``load_memory`` then hands an adapter in place of this rank's snapshot: the
-old ranks' states by old rank (``state(r)``), read on first use from this node's memory (``read_held``) or
+old ranks' states by old rank (``state(r)``), read on first use in place from this node's memory (``view_held``) or
 fetched into it first (``Fetch``: the replica transport, saver to saver; never the training process group),
 and where each came from (``read_from``, logged). Only adapters whose framework reshards (DCP: FSDP,
 megatron-core ``torch_dist``) ask for it (``locate(reshard=True)``); a rank's own state of another layout is
@@ -34,10 +34,9 @@ from flashckpt.commit.layout import CommitLayout
 from flashckpt.engine.agreement import world
 from flashckpt.engine.ranks import RankInfo
 from flashckpt.format.files import FileSet, is_fileset_tree
-from flashckpt.memory.reader import Snapshot, read_held
+from flashckpt.memory.reader import HeldView, view_held
 from flashckpt.transport import messages as M
 from flashckpt.transport.peers import ReshardPlan, reshard_plan
-from flashckpt.util.copy import Copier
 
 __all__ = ["Resharded", "agree_resharded"]
 
@@ -56,11 +55,15 @@ class Resharded:
             into a new segment of it).
         instance: this node's saver instance (its holders are read in place, never fetched).
         fetch: sends a ``Fetch`` to this node's saver.
-        copier / weights_only: as the engine's reader.
+        weights_only: as the engine's reader (the snapshots' Python objects).
+
+    The states' tensors are views of the segments that hold them (``view_held``: no copy; a reader copies the
+    parts it needs); ``torn()`` names those whose slot changed since they were read (a reader checks it after
+    copying); ``close()`` lets them go, as the garbage collector does with the last reference.
     """
 
     def __init__(self, plan: ReshardPlan, *, job_dir: str, local_rank: int, instance: str,
-                 fetch: Callable[[M.Fetch], Any], copier: Copier, weights_only: bool) -> None:
+                 fetch: Callable[[M.Fetch], Any], weights_only: bool) -> None:
         assert plan.step is not None
         self.step: int = plan.step
         self.world = plan.world
@@ -70,8 +73,9 @@ class Resharded:
         self.nbytes = 0
         self.seconds = 0.0
         self._job_dir, self._local_rank, self._instance = job_dir, local_rank, instance
-        self._fetch, self._copier, self._weights_only = fetch, copier, weights_only
+        self._fetch, self._weights_only = fetch, weights_only
         self._states: dict[int, Any] = {}
+        self._views: dict[int, HeldView] = {}
 
     def state(self, rank: int) -> Any:
         """Old rank ``rank``'s state of the step (a ``FileSet`` for sets), read once and kept.
@@ -83,18 +87,22 @@ class Resharded:
             raise E.InvalidArgumentError(f"Resharded.state({rank}): the step was saved by ranks 0..{self.world - 1}")
         if rank not in self._states:
             t0 = time.perf_counter()
-            snap = self._read(rank)
-            sd = snap.state_dict
+            view = self._views[rank] = self._read(rank)
+            sd = view.snapshot.state_dict
             self._states[rank] = FileSet.decode(sd) if is_fileset_tree(sd) else sd
-            self.nbytes += snap.nbytes
+            self.nbytes += view.snapshot.nbytes
             self.seconds += time.perf_counter() - t0
             if rank == 0:
-                self.name = snap.name
+                self.name = view.snapshot.name
         return self._states[rank]
 
-    def _read(self, rank: int) -> Snapshot:
-        def here() -> Snapshot | None:
-            return read_held(self._job_dir, rank, self.world, self.step, self._copier, weights_only=self._weights_only)
+    def torn(self) -> list[int]:
+        """The old ranks whose snapshot read here was overwritten since (a torn read): [] when none."""
+        return [r for r, v in sorted(self._views.items()) if not v.intact()]
+
+    def _read(self, rank: int) -> HeldView:
+        def here() -> HeldView | None:
+            return view_held(self._job_dir, rank, self.world, self.step, weights_only=self._weights_only)
 
         snap = here()
         if snap is not None:
@@ -114,9 +122,12 @@ class Resharded:
         self.read_from[rank] = f"node {first.get('node')} ({first.get('kind')})"
         return snap
 
-    def forget(self) -> None:
-        """Drops the states read (the caller's tensors built from them stay valid)."""
+    def close(self) -> None:
+        """Lets the states read go (tensors copied out of them stay valid)."""
         self._states.clear()
+        for v in self._views.values():
+            v.close()
+        self._views.clear()
 
 
 def agree_resharded(inventory: Callable[[], dict[str, Any]], layout: CommitLayout, committed: list[int],

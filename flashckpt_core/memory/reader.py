@@ -48,7 +48,7 @@ from flashckpt.util import cuda as _cuda
 from flashckpt.util.copy import Copier, file_reader
 from flashckpt.util.lease import describe_holder, live_holder
 
-__all__ = ["SnapshotReader", "SnapshotInfo", "Snapshot", "read_snapshot", "read_held", "job_in_memory"]
+__all__ = ["SnapshotReader", "SnapshotInfo", "Snapshot", "HeldView", "read_snapshot", "view_held", "job_in_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +114,28 @@ def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None =
         return _read_slot(seg, slot, h, copier, fd, weights_only=weights_only, into=into)
 
 
-def read_held(job_dir: str, rank: int, world: int, step: int, copier: Copier, *,
-              weights_only: bool = False) -> Snapshot | None:
-    """Copies global rank ``rank``'s snapshot of ``step``, saved by a job of ``world`` ranks, out of whichever
-    segment of this node holds it: any local rank's (the node's own ranks, and copies fetched from a peer) or a
-    backup of another node's (its newest save of that step when several hold one); None when none here does,
-    or when every copy was overwritten while it was read. For a load that reshards a step saved by another
-    number of ranks: the rank that reads is not the rank that saved."""
+class HeldView:
+    """A snapshot read in place: its state dict's tensors are views of the segment's mapping (no copy; CPU
+    tensors whatever device they were saved from), valid while the view is open. ``intact()`` says whether the
+    slot still holds the same snapshot (check it after using the tensors: a slot overwritten meanwhile was a
+    torn read). Close it to unmap (tensors still viewing it keep the mapping alive until they go)."""
+
+    def __init__(self, seg: Segment, slot: int, h: SlotHeader, snapshot: Snapshot) -> None:
+        self.seg, self.slot, self.header, self.snapshot = seg, slot, h, snapshot
+
+    def intact(self) -> bool:
+        h = self.seg.header(self.slot)
+        return h.state == COMPLETE and h.generation == self.header.generation
+
+    def close(self) -> None:
+        self.snapshot.state_dict = None
+        self.seg.close()
+
+
+def _held_slots(job_dir: str, rank: int, world: int, step: int) -> tuple[list[tuple[Segment, int, SlotHeader]],
+                                                                            list[Segment]]:
+    """Every live snapshot of ``rank``'s ``step`` saved by a job of ``world`` ranks in this node's segments
+    (any local rank's, and backups), newest save first; and every segment opened (the caller closes those)."""
     groups = [segment_paths(job_dir, lr) for lr in local_ranks(job_dir)] + list(backup_paths(job_dir).values())
     found: list[tuple[Segment, int, SlotHeader]] = []
     opened: list[Segment] = []
@@ -137,14 +152,49 @@ def read_held(job_dir: str, rank: int, world: int, step: int, copier: Copier, *,
             opened += segs
             found += [x for x in live_snapshots(segs)
                       if x[2].rank == rank and x[2].world_size == world and x[2].step == step]
-        for seg, i, _h in sorted(found, key=lambda x: x[2].wall_time, reverse=True):
-            snap = read_snapshot(seg, i, copier, step=step, weights_only=weights_only)
-            if snap is not None:
-                return snap
+    except BaseException:
+        for seg in opened:
+            seg.close()
+        raise
+    return sorted(found, key=lambda x: x[2].wall_time, reverse=True), opened
+
+
+def view_held(job_dir: str, rank: int, world: int, step: int, *, weights_only: bool = False) -> HeldView | None:
+    """Global rank ``rank``'s snapshot of ``step``, saved by a job of ``world`` ranks, as views of whichever
+    segment of this node holds it: any local rank's (the node's own ranks, and copies fetched from a peer) or a
+    backup of another node's (its newest save of that step when several hold one). No copy: a reader that needs
+    only parts of it (a resharded load: the rank that reads is not the rank that saved) copies those. None when
+    no segment here holds it."""
+    found, opened = _held_slots(job_dir, rank, world, step)
+    keep: Segment | None = None
+    try:
+        for seg, i, h in found:
+            with gc_paused():
+                meta = seg.read_meta(i, h)
+                metas = [TensorMeta.from_json(v) for v in meta["tensors"]]
+                data = seg.data_off(i)
+                view = memoryview(seg.mm)
+                regions: dict[tuple[int, int], torch.UntypedStorage] = {}
+                for m in metas:
+                    key = (m.offset, m.nbytes)
+                    if key not in regions:
+                        regions[key] = (torch.frombuffer(view[data + m.offset: data + m.offset + m.nbytes],
+                                                         dtype=torch.uint8).untyped_storage()
+                                        if m.nbytes else torch.UntypedStorage(0))
+                tensors = [build_tensor(regions[(m.offset, m.nbytes)], m) for m in metas]
+                blob_off = data + h.tensor_bytes
+                blob = seg.mm[blob_off: blob_off + h.blob_len]
+                opaque = [decode_opaque(b, weights_only=weights_only) for b in split_opaque(blob, meta["opaque"])]
+                state = unflatten(meta["tree"], tensors, opaque)
+            held = HeldView(seg, i, h, Snapshot(h.step, state, meta.get("name", ""), h.tensor_bytes))
+            if held.intact():
+                keep = seg
+                return held
         return None
     finally:
         for seg in opened:
-            seg.close()
+            if seg is not keep:
+                seg.close()
 
 
 def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int | None, *,

@@ -80,6 +80,8 @@ class ControlServer:
         self.agent: _Watch | None = None  # the launcher of the job, when it has one
         self._queues: dict[str, collections.deque[Any]] = collections.defaultdict(collections.deque)
         self._dicts: dict[str, dict[str, Any]] = collections.defaultdict(dict)
+        self._layouts_checked = 0.0  # when ``_tidy_layouts`` last looked (monotonic)
+        self._layouts_busy = False
 
     def close_socket(self) -> None:
         """Stops accepting (the saver exits)."""
@@ -243,7 +245,46 @@ class ControlServer:
     def _on_status(self, req: M.Status, info: ClientInfo | None) -> M.Reply:
         if req.local_rank is not None:
             self.pool.reap_quietly(req.local_rank)
+        self._tidy_layouts(info)
         return M.StatusReply(**self.status(req.cursor))
+
+    _LAYOUTS_EVERY_S = 2.0
+
+    def _tidy_layouts(self, info: ClientInfo | None) -> None:
+        """After a job changed its number of ranks (a resharded resume), gives the earlier layout's memory back
+        once storage holds a newer state of the job as it is now: looked at from a trainer's news request, at
+        most every 2 s and only while this node holds snapshots of another number of ranks, in the background
+        (the newest commit is read from storage)."""
+        if info is None or info.world_size <= 0 or not self.records.ready or self._layouts_busy:
+            return
+        now = time.monotonic()
+        if now < self._layouts_checked + self._LAYOUTS_EVERY_S:
+            return
+        self._layouts_checked = now
+        if not self.pool.other_layouts(info.world_size):
+            return
+        self._layouts_busy = True
+        self.state.spawn(self._release_layouts, "layouts", info.world_size)
+
+    def _release_layouts(self, world: int) -> None:
+        try:
+            layout = self.state.layout
+            committed = layout.committed_steps()
+            if not committed:
+                return
+            m = layout.read_manifest(committed[-1])
+            before = min((float(t) for t in m.extra.get("saved_at_ranks", {}).values()), default=0.0)
+            if m.world_size != world or before <= 0:
+                return  # storage holds nothing newer of this layout yet: the earlier one may still be needed
+            removed, freed = self.pool.release_layouts(world, before)
+            if removed:
+                log.info("event=layout_released world=%d step=%d segments=%d bytes=%d: the snapshots of another number "
+                         "of ranks are older than committed step %d of this one (%s)", world, m.step, len(removed),
+                         freed, m.step, ", ".join(os.path.basename(p) for p in removed))
+        except (OSError, ValueError, TypeError, E.FlashCheckpointError) as e:
+            log.warning("giving back the memory of an earlier layout of the job: %s", e)
+        finally:
+            self._layouts_busy = False
 
     def _on_wait(self, req: M.Wait, info: ClientInfo | None) -> M.Reply:
         return M.StatusReply(**self.wait(req.timeout_s, req.cursor))

@@ -437,6 +437,45 @@ class SegmentPool:
             free = self.shm_free()
         return free
 
+    # ------------------------------------------------------------------ an earlier layout of the job
+    def other_layouts(self, world: int) -> float:
+        """The wall time of the newest snapshot here (own segments and backups) saved by a job of another number
+        of ranks than ``world``; 0 when there is none (or ``world`` is not known)."""
+        newest = 0.0
+        if world <= 0:
+            return newest
+        for _kind, _lr, _seg, _i, h in self.held():
+            if h.world and h.world != world:
+                newest = max(newest, h.wall_time)
+        return newest
+
+    def release_layouts(self, world: int, before: float) -> tuple[list[str], int]:
+        """Gives back the memory of an earlier layout of the job (another number of ranks than ``world``, the
+        job's now) once storage holds a newer state: removes every segment whose snapshots were all saved by
+        another number of ranks before ``before`` (the snapshot time of the newest commit): backups, copies
+        fetched for a resharded load, the segments of a local rank the job no longer has. Never a segment with a
+        slot being persisted, sent or received, nor one without a snapshot (just allocated). Returns the paths
+        removed and their bytes."""
+        groups = [segment_paths(self.job_dir, lr) for lr in local_ranks(self.job_dir)]
+        groups += list(backup_paths(self.job_dir).values())
+        removed, freed = [], 0
+        for paths in groups:
+            for _epoch, path in paths:
+                seg = self.segment(path)
+                with SharedLock(lock_path(self.job_dir, seg.local_rank)):
+                    hs = [seg.header(i) for i in range(seg.nslots)]
+                    done = [h for h in hs if h.state == COMPLETE]
+                    if not done or any(h.flags & FLAGS_BUSY or h.state == WRITING for h in hs):
+                        continue
+                    if any(not h.world or h.world == world or h.wall_time >= before for h in done):
+                        continue
+                    freed += seg.reserved_bytes()
+                    os.unlink(path)
+                    with contextlib.suppress(BufferError):
+                        self.segments.pop(path).close()
+                    removed.append(path)
+        return removed, freed
+
     def reap_backups(self, rank: int) -> None:
         """Removes a rank's older backup segments once the newest holds a complete backup."""
         paths = backup_paths(self.job_dir).get(rank, [])

@@ -13,6 +13,7 @@ The workers below run in the rank processes (see helpers.launch_ranks) and retur
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -426,3 +427,37 @@ def test_a_rank_whose_persist_fails_leaves_no_metadata_and_no_commit(ckpt_dir, t
         assert r["committed_end"] == [1, 3]
     assert not os.path.exists(os.path.join(ckpt_dir, "step_2", ".metadata"))
     assert os.path.exists(os.path.join(ckpt_dir, "step_3", ".metadata"))
+
+
+def test_a_reshard_never_mixes_steps_when_the_old_ranks_hold_different_steps(ckpt_dir, tmp_path):
+    """2 ranks snapshot steps 3 and 4; rank 1's snapshot of step 4 is then gone (its node lost it before its
+    backup reached a partner: its slot emptied here). A job of 1 rank must resume step 3, the newest step every
+    old rank holds, whole: the loaded state equals step 3's for every item (rank 0's items from its step-4
+    snapshot would differ), never a mix."""
+    from flashckpt import SnapshotReader
+    from flashckpt.format.segment import EMPTY, Segment, local_ranks, segment_paths
+
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    env = {"FLASHCKPT_LAST_WORDS": "0", "FLASHCKPT_SAVER_GRACE_S": "300"}
+    run_ranks(train_worker, 2, str(tmp_path / "run1"), env=env, args={
+        "ckpt_dir": ckpt_dir, "out_dir": out, "steps": 4, "memory_at": [3, 4], "full_at": [3, 4], "release": False})
+    with SnapshotReader(ckpt_dir) as reader:
+        job_dir = reader.job_dir
+    emptied = 0
+    for lr in local_ranks(job_dir):
+        for _epoch, path in segment_paths(job_dir, lr):
+            seg = Segment(path, populate=False)
+            try:
+                for i in range(seg.nslots):
+                    h = seg.header(i)
+                    if h.rank == 1 and h.step == 4:
+                        seg.write_header(i, dataclasses.replace(h, state=EMPTY))
+                        emptied += 1
+            finally:
+                seg.close()
+    assert emptied == 1, "rank 1's snapshot of step 4 was not found in memory"
+    (r,) = run_ranks(train_worker, 1, str(tmp_path / "run2"), env=env, args={
+        "ckpt_dir": ckpt_dir, "out_dir": out, "steps": 4, "resume": True, "compare_full": os.path.join(out, "full_3.pt")})
+    assert r["resumed"] == ["memory", 3, 3], r["resumed"]
+    assert r["full_matches"] is True, "the 1-rank job's state is not step 3's: steps were mixed"

@@ -10,7 +10,8 @@ every save and at the resume (``--state_digests``): the state a smaller or large
 bit, the state the old job saved at that step.
 
 1. FSDP2, 2 nodes -> 1 (node 1 lost, not replaced): the survivor resumes from memory at the newest step of
-   which it holds node 1's backup, resharded, trains on and commits;
+   which it holds node 1's backup, resharded, trains on and commits, and gives the old layout's memory (node 1's
+   backup) back once a step of the new one is committed;
 2. DDP (replicated state), 2 nodes -> 1: from memory, any copy;
 3. FSDP2, 4 nodes -> 3 -> 4 (``--extended``, as 4): one node lost, the three go on from memory; a fresh node joins
    and the four go on from memory again;
@@ -104,6 +105,10 @@ def test_a_node_lost_and_not_replaced_the_survivor_goes_on_from_memory(cluster: 
         cluster.check("event=reshard_plan" in text and "from_ranks=2 to_ranks=1" in text,
                       "the decision is logged (event=reshard_plan ... from_ranks=2 to_ranks=1)")
     cluster.check(max(committed) == STEPS, f"training went on on one node and committed step {STEPS}: {committed}")
+    if sharded:  # node 1's shard (its backup on node 0) goes once a step of the one-rank job is committed
+        released = [ln for ln in cluster.all_text().splitlines() if "event=layout_released world=1" in ln]
+        cluster.check(released and "bak-r00001" in released[0],
+                      f"node 0 gives back the 2-rank layout's memory (rank 1's backup) after a commit: {released}")
 
 
 def _four_nodes(c: Cluster, lost: list[int]) -> float:

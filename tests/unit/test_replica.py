@@ -237,3 +237,45 @@ def test_backups_give_way_to_own_snapshots_and_newer_backups_never_busy_ones(tmp
     # own snapshots come first: an allocation that does not fit drops the remaining backups it can
     path = saver.pool.alloc(0, 4096, 5 << 20, 1)
     assert os.path.exists(path) and not os.path.exists(new2) and os.path.exists(busy3)
+
+
+def test_an_earlier_layouts_memory_is_given_back_only_once_storage_holds_a_newer_state_of_the_new_one(tmp_path):
+    """After a resharded resume (4 ranks -> 3): backups, fetched copies and a gone local rank's segments whose
+    snapshots all belong to the 4-rank job and are older than the newest commit's snapshots are removed; a
+    segment holding a snapshot of the 3-rank job, a newer one, one being sent, or a just-allocated one stays."""
+    import os
+
+    from flashckpt.format.segment import COMPLETE, FLAG_FETCHED, FLAG_SENDING, Segment, SlotHeader, segment_path
+    from flashckpt.saver.server import CheckpointSaver
+
+    job = tmp_path / "job"
+    job.mkdir()
+    saver = CheckpointSaver(str(job), str(tmp_path / "ckpt"))
+
+    def own(lr: int, epoch: int, slots: list[tuple[int, int, int, float]], flags: int = 0) -> str:
+        """A segment of local rank ``lr``: slots of (rank, world, step, wall time)."""
+        path = segment_path(saver.job_dir, lr, epoch)
+        Segment.create(path, local_rank=lr, epoch=epoch, nslots=2, meta_cap=4096, data_cap=4096)
+        seg = saver.pool.segment(path)
+        for i, (rank, world, step, t) in enumerate(slots):
+            seg.write_header(i, SlotHeader(COMPLETE, flags, step, 1, 0, 0, 0, 0, t, step, rank + 1, world))
+        return path
+
+    writer = own(0, 0, [(0, 3, 21, 21.0), (0, 4, 17, 17.0)])  # the new job's rank 0 writes here: stays
+    fetched = own(0, 1, [(3, 4, 17, 17.0)], flags=FLAG_FETCHED)  # old rank 3, fetched for the load
+    gone = own(1, 0, [(1, 4, 17, 17.0), (1, 4, 16, 16.0)])  # local rank 1: the 3-rank job has one per node
+    sending = own(1, 1, [(1, 4, 15, 15.0)], flags=FLAG_SENDING)
+    fresh = own(2, 0, [])  # allocated, nothing in it yet
+    newer = own(3, 0, [(2, 4, 25, 25.0)])  # taken after the newest commit: not older than it
+    bak = _backup(saver, 3, 17)  # (world 0: not recorded; stays)
+    bak4 = os.path.join(saver.job_dir, "bak-r00002-e000000.shm")
+    Segment.create(bak4, local_rank=100_002, epoch=0, nslots=2, meta_cap=4096, data_cap=4096)
+    saver.pool.segment(bak4).write_header(0, SlotHeader(COMPLETE, 0, 17, 1, 0, 0, 0, 0, 17.0, 17, 3, 4))
+
+    assert saver.pool.other_layouts(3) == 25.0 and saver.pool.other_layouts(0) == 0.0
+    removed, freed = saver.pool.release_layouts(3, before=20.0)  # the newest commit: snapshots taken at 20
+    assert sorted(removed) == sorted([fetched, gone, bak4]) and freed > 0
+    for p in (writer, sending, fresh, newer, bak):
+        assert os.path.exists(p), p
+    for p in removed:
+        assert not os.path.exists(p), p
