@@ -31,6 +31,7 @@ import torch
 from flashckpt import errors as E
 from flashckpt.commit.layout import CommitLayout
 from flashckpt.engine.collective import exchange_files, world
+from flashckpt.engine.reshard import Resharded
 from flashckpt.engine.routing import rel_inside, swapped
 from flashckpt.format.files import FileEntry, FileSet
 from flashckpt.storage import locations
@@ -229,9 +230,18 @@ class SnapshotDir:
         self.close()
 
 
-def all_ranks_files(mine: FileSet, *, group: Any = None) -> FileSet:
+def all_ranks_files(mine: FileSet | Resharded, *, group: Any = None) -> FileSet:
     """The union of every rank's files of one step (each rank holds its own, and keeps it; a file it lacks
-    comes from the lowest rank that has it). Collective: every rank of ``group`` calls it."""
+    comes from the lowest rank that has it). Collective: every rank of ``group`` calls it. Given a ``Resharded``
+    (a step saved by another number of ranks, on every rank), the union of the old ranks' files, each from the
+    lowest old rank holding it, read from this node's memory or fetched into it; no collective."""
+    if isinstance(mine, Resharded):
+        union = FileSet()
+        for r in range(mine.world):
+            old = mine.state(r)
+            for name, e in (old.items() if isinstance(old, FileSet) else ()):
+                union.setdefault(name, e)
+        return union
     if world(group) == 1:
         return mine
     got = exchange_files({n: (e.format, e.kind, e.data) for n, e in mine.items()}, sorted(mine), None,

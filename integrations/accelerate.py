@@ -199,8 +199,10 @@ class AcceleratorCheckpointer(AdapterBase):
             self._load_from(loc.path, loc.step, **kwargs)  # "local": this node's whole copy, a local directory
             return Opened(None, loc.step, loc.path, source=loc.source)
 
+        # a step saved by another number of processes: the union of their files (DDP), not ZeRO or FSDP shards
+        reshard = self.accelerator.distributed_type.value not in ("DEEPSPEED", "FSDP", "MEGATRON_LM")
         r = self.resolve_load(op="load_state()", event="accelerate_load", logger=log, refuse=refuse,
-                              from_memory=from_memory, from_storage=from_storage)
+                              from_memory=from_memory, from_storage=from_storage, reshard=reshard)
         loc = Located(r.step, r.source, r.path)
         if self.automatic and loc.source != "none":
             m = re.search(r"(\d+)$", locations.basename(loc.path or ""))

@@ -225,6 +225,14 @@ class FlashCkptTrainer(Trainer):
         return given if rel in (None, ".") else os.path.join(given, *rel.split("/"))
 
     @property
+    def _flash_reshards(self) -> bool:
+        """Whether a step saved by another number of ranks may resume from memory: with replicated weights and
+        optimizer (DDP, one process), whose files the Trainer reads whatever the number of ranks (the union of
+        the old ranks' files: weights, optimizer, scheduler, state, each rank's RNG state); not with DeepSpeed,
+        whose ZeRO partitions it cannot reshard (from storage neither)."""
+        return not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+
+    @property
     def _flash_in_store(self) -> bool:
         return locations.is_url(self.flashckpt_config.checkpoint_dir or "")
 
@@ -266,7 +274,7 @@ class FlashCkptTrainer(Trainer):
         ``trainer_state.json``; else None (start from scratch). Every rank calls it (as ``train``)."""
         run_dir = self._flash_checkpoint_dir(None)
         engine = self.flashckpt_engine(run_dir)
-        loc = engine.locate(local=True)
+        loc = engine.locate(local=True, reshard=self._flash_reshards)
         if loc.source == "none":
             return last_checkpoint(run_dir, engine.layout, False)
         self._flash_located = (engine, loc)  # train() uses it rather than verifying the checksums again
@@ -336,7 +344,7 @@ class FlashCkptTrainer(Trainer):
         r = resolve_load(engine, op="train(resume_from_checkpoint)", event="resume", logger=log, refuse=refuse,
                          from_memory=from_memory, from_storage=from_storage,
                          locate=lambda: cached[1] if cached is not None and cached[0] is engine
-                         else engine.locate(local=True))
+                         else engine.locate(local=True, reshard=self._flash_reshards))
         self.flashckpt_last_resume = Located(r.step, r.source, r.path)
         out: str = r.value
         return out

@@ -384,12 +384,13 @@ from tiers import TIERS  # noqa: E402
 # the files out heaviest first, so that no long file starts last and runs alone at the end (test_conformance,
 # a DeepSpeed file, after test_megatron: DeepSpeed's op, built in the background meanwhile, is ready then).
 _FILE_SECONDS = {
-    "test_multinode.py": 750, "test_megatron.py": 170, "test_conformance.py": 165, "test_lightning.py": 140,
+    "test_multinode.py": 750, "test_megatron.py": 240, "test_conformance.py": 165, "test_lightning.py": 140,
     "test_process_events.py": 140, "test_dir_moves.py": 125, "test_s3_dist_adapters.py": 120, "test_hf.py": 117,
     "test_killpoints.py": 112, "test_starts_and_leftovers.py": 102, "test_identity.py": 95, "test_native.py": 94,
     "test_fault_injection.py": 92, "test_engine.py": 89, "test_deepspeed.py": 88, "test_lifecycle.py": 87,
     "test_s3_engine.py": 79, "test_fidelity.py": 69, "test_documented_api.py": 63, "test_dlrover_guide.py": 63,
     "test_launcher.py": 62, "test_norename_storage.py": 57, "test_promises.py": 54, "test_hf_s3.py": 53,
+    "test_elastic.py": 50,
 }
 # What `--extended` adds (not run by default, so not in CI): the multi-node scenarios under more adapters and
 # variants than CI's, each scenario of which CI runs at least once (with DDP or FSDP), and the four-node loss
@@ -397,7 +398,9 @@ _FILE_SECONDS = {
 # naming the ranks, is test_replica.py::test_a_whole_group_lost_leaves_memory_to_storage_and_names_the_ranks);
 # a background build of the C++ fast path waited for to its end (a minute of a core: CI builds it once before
 # the tests, and test_native.py starts one in the background and stops it); Megatron-LM's torch_dist format on
-# one rank (CI runs it on two) and its legacy torch format on S3 (CI runs torch_dist on S3, torch locally).
+# one rank (CI runs it on two) and its legacy torch format on S3 (CI runs torch_dist on S3, torch locally); the
+# elastic scenarios beyond FSDP's 2 -> 1 (DDP 2 -> 1, FSDP 4 -> 3 -> 4, a whole pair lost: its rule is
+# test_reshard_plan.py's, and the one-node 2 -> 4 -> 2 is test_fsdp.py's).
 _EXTENDED = {
     "test_native.py::test_a_background_build_is_loaded_once_done",
     "test_megatron.py::test_megatron_lm_save_and_load_checkpoint[torch_dist-1]",
@@ -410,6 +413,7 @@ _EXTENDED = {
     "test_multinode.py::test_rank0_node_lost_survivor_commits_and_resumes[fsdp]",
     "test_multinode.py::test_four_nodes_whole_pair_lost_falls_back_to_storage",
     "test_multinode.py::test_node_lost_fresh_node_joins_resumes_from_memory[ddp]",
+    "test_elastic.py::test_a_node_lost_and_not_replaced_the_survivor_goes_on_from_memory[ddp]",
     "test_elastic.py::test_four_nodes_shrink_to_three_then_grow_back_from_memory",
     "test_elastic.py::test_both_nodes_of_a_pair_lost_the_job_shrinks_to_storage_and_says_why",
 }

@@ -634,6 +634,72 @@ def test_two_ranks_ddp_and_deepspeed_zero2(tmp_path):
         assert name in files, (name, files)
 
 
+def _state_digest(model, opt) -> str:
+    """sha256 of the weights and the optimizer's state, by key (the same whatever the number of ranks)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode() + v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    for i, st in sorted(opt.state_dict()["state"].items()):
+        for k, v in sorted(st.items()):
+            h.update(f"{i}.{k}".encode() + v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _digests(at: int | None, out: dict):
+    """A callback putting the state's digest in ``out``: after step ``at``'s snapshot (None: at the start of a
+    resumed training, right after the Trainer loaded its checkpoint)."""
+    from transformers import TrainerCallback
+
+    class Digest(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kw):
+            if at is not None and state.global_step == at:
+                out["digest"] = _state_digest(model, optimizer)
+
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
+            if at is None:
+                out["digest"], out["step"] = _state_digest(model, optimizer), state.global_step
+
+    return Digest()
+
+
+def hf_two_ranks_fail_worker(out_dir: str) -> dict:
+    """FlashCkptTrainer on 2 gloo ranks (DDP), a snapshot every step, failing after step 3: the snapshots stay."""
+    got: dict = {}
+    try:
+        make_trainer(out_dir, callbacks=[_stopper(3, "raise"), _digests(3, got)], max_steps=4, save_steps=10,
+                     per_device_train_batch_size=2).train()
+        raise AssertionError("the run should have failed")
+    except RuntimeError as e:
+        assert "simulated failure" in str(e)
+    return got
+
+
+def hf_one_rank_resume_worker(out_dir: str) -> dict:
+    got: dict = {}
+    r = make_trainer(out_dir, callbacks=[_digests(None, got)], max_steps=4, save_steps=10,
+                     per_device_train_batch_size=2)
+    r.train(resume_from_checkpoint=True)
+    loc = r.flashckpt_last_resume
+    return {**got, "source": loc.source, "resumed": loc.step}
+
+
+@pytest.mark.multiproc
+def test_ddp_job_that_comes_back_with_one_rank_resumes_from_memory(tmp_path):
+    """The Trainer with DDP on 2 ranks fails after step 3 (nothing on storage); the job comes back with 1 rank:
+    it resumes step 3 from the 2 ranks' snapshots in memory (the union of their files: weights, optimizer,
+    scheduler, state, each rank's RNG state), with the weights and optimizer state step 3 had."""
+    out = str(tmp_path / "out")
+    env = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": REPO, "FLASHCKPT_SAVER_GRACE_S": "120"}
+    saved = run_ranks(hf_two_ranks_fail_worker, 2, str(tmp_path / "two"), args={"out_dir": out}, timeout=300,
+                      env={**env, "MASTER_PORT": str(29500 + os.getpid() % 1000)})
+    (r,) = run_ranks(hf_one_rank_resume_worker, 1, str(tmp_path / "one"), args={"out_dir": out}, timeout=300,
+                     env={**env, "MASTER_PORT": str(30500 + os.getpid() % 1000)})
+    assert (r["source"], r["resumed"], r["step"]) == ("memory", 3, 3), r
+    assert r["digest"] == saved[0]["digest"] == saved[1]["digest"], "the resumed state is not step 3's"
+
+
 def test_fsdp_is_refused(tmp_path, monkeypatch):
     """accelerate's FSDP does not run on CPU (the Trainer wants several processes and accelerate leaves
     FSDP off on CPU), so it cannot be verified here and FlashCkptTrainer refuses it. FSDP being on is
