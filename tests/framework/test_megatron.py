@@ -344,6 +344,21 @@ def _optim_digest(opt) -> str:
     return h.hexdigest()
 
 
+def _resume_distopt(mt, root: str, out: dict):
+    """A fresh model with megatron-core's distributed optimizer, loaded through flashckpt (memory first):
+    (model, ddp, optimizer, the iteration loaded); ``out["source"]`` says from where and which step."""
+    from flashckpt.patches.megatron.dist_ckpt import MegatronCheckpointer, load
+
+    ck = MegatronCheckpointer(root)
+    try:
+        model, ddp, opt = _distopt(mt)
+        state = load(mt.training_state(model, opt, ddp, None), checkpointer=ck)
+        out["source"] = [ck.last_load.source, ck.last_load.step]
+        return model, ddp, opt, mt.load_training_state(model, opt, ddp, state)
+    finally:
+        ck.close(release=True)
+
+
 def _train_to(mt, model, ddp, opt, start: int, end: int) -> None:
     import torch.distributed as dist
 
@@ -383,23 +398,16 @@ def distopt_crash_worker(root: str, ready: str) -> None:
 def distopt_resume_worker(root: str) -> dict:
     """Fresh ranks: load from memory (iteration 13) and train on; vanilla megatron-core loads of the
     persisted iterations; an uninterrupted run of the same training."""
-    from flashckpt.patches.megatron.dist_ckpt import MegatronCheckpointer, iteration_dir, load
+    from flashckpt.patches.megatron.dist_ckpt import iteration_dir
     from megatron.core import dist_checkpointing
 
     _setup()
     mt = _example()
     out: dict = {}
-    ck = MegatronCheckpointer(root)
-    try:
-        model, ddp, opt = _distopt(mt)
-        state = load(mt.training_state(model, opt, ddp, None), checkpointer=ck)
-        out["source"] = [ck.last_load.source, ck.last_load.step]
-        start = mt.load_training_state(model, opt, ddp, state) + 1
-        out["loaded"] = [start - 1, mt.digest(model), _optim_digest(opt)]
-        _train_to(mt, model, ddp, opt, start, DISTOPT_ITERS)
-        out["resumed"] = mt.digest(model)
-    finally:
-        ck.close(release=True)
+    model, ddp, opt, loaded = _resume_distopt(mt, root, out)
+    out["loaded"] = [loaded, mt.digest(model), _optim_digest(opt)]
+    _train_to(mt, model, ddp, opt, loaded + 1, DISTOPT_ITERS)
+    out["resumed"] = mt.digest(model)
     for it in (13, 10):  # vanilla megatron-core, from the files (13: the last words' commit)
         model, ddp, opt = _distopt(mt)
         sd = dist_checkpointing.load(mt.training_state(model, opt, ddp, None), iteration_dir(root, it))
@@ -758,20 +766,14 @@ def dp_resume_worker(root: str) -> dict:
     """2 ranks (data-parallel size 2): the 4-rank iteration 5 through flashckpt (memory, resharded by
     megatron-core's own planner over the old ranks' snapshots), then the same iteration through vanilla
     megatron-core from storage; this rank's model and optimizer shard after each."""
-    from flashckpt.patches.megatron.dist_ckpt import MegatronCheckpointer, iteration_dir, load
+    from flashckpt.patches.megatron.dist_ckpt import iteration_dir
     from megatron.core import dist_checkpointing
 
     _setup()
     mt = _example()
     out: dict = {}
-    ck = MegatronCheckpointer(root)
-    try:
-        model, ddp, opt = _distopt(mt)
-        state = load(mt.training_state(model, opt, ddp, None), checkpointer=ck)
-        out["source"] = [ck.last_load.source, ck.last_load.step]
-        out["memory"] = [mt.load_training_state(model, opt, ddp, state), mt.digest(model), _optim_digest(opt)]
-    finally:
-        ck.close(release=True)
+    model, ddp, opt, loaded = _resume_distopt(mt, root, out)
+    out["memory"] = [loaded, mt.digest(model), _optim_digest(opt)]
     model, ddp, opt = _distopt(mt)
     sd = dist_checkpointing.load(mt.training_state(model, opt, ddp, None), iteration_dir(root, 5))
     out["storage"] = [mt.load_training_state(model, opt, ddp, sd), mt.digest(model), _optim_digest(opt)]
