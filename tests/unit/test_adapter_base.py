@@ -114,7 +114,7 @@ class _FakeEngine:
         self.bad, self.r, self.last_load, self.process_group = bad, r, None, None
         self.relocated = 0
 
-    def locate(self, *, memory: bool = True, local: bool = False) -> Located:
+    def locate(self, *, memory: bool = True, local: bool = False, reshard: bool = False) -> Located:
         if not memory:
             self.relocated += 1
             return Located(2, "storage", "/ckpt/2")
