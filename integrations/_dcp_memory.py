@@ -215,12 +215,23 @@ class FileSetStorageReader(FileSystemReader):
         return parts.read(info.offset, info.length)
 
 
+@dataclass(frozen=True)
+class _ReshardRouting(_Routing):
+    """``_Routing`` of a resharded load, and the old data files this rank reads itself (``load``: held on its
+    node, or fetched into it first)."""
+
+    load: tuple[str, ...] = ()
+
+
 class ReshardedStorageReader(FileSetStorageReader):
     """A DCP ``StorageReader`` over a step that another number of ranks saved, held in the nodes' memory
-    (``Resharded``): each rank reads the data files its plan needs, whole, from the old ranks' snapshots (this
-    node's memory, or fetched into it from the peer that holds them, saver to saver) and serves its items as
-    ``FileSetStorageReader`` does; no exchange between the ranks. DCP's planner does the resharding, as from
-    storage. The file ``__{r}_0.distcp`` is old rank ``r``'s.
+    (``Resharded``). DCP's planner does the resharding, as from storage; the coordinator then routes every item:
+    an item of an old data file that this rank's node holds is read in place (the old rank's snapshot, no copy
+    but the item's own); one of a file held on another node is fetched with its whole file into this node
+    (the replica's fetch, saver to saver) when the rank needs more than ``SMALL`` bytes of it, else served by
+    a rank whose node holds it inside ``read_data`` (the same exchange as ``FileSetStorageReader``'s: the
+    small replicated items DCP stores in one rank's file, a step counter, never a whole shard). The file
+    ``__{r}_0.distcp`` is old rank ``r``'s.
 
     Args:
         path: the checkpoint's directory (its ``checkpoint_id``).
@@ -229,33 +240,68 @@ class ReshardedStorageReader(FileSetStorageReader):
         process_group: the group DCP loads with.
     """
 
+    SMALL = 4 << 20
+
     def __init__(self, path: str | os.PathLike[str], *, metadata: Metadata, held: Resharded,
                  process_group: Any = None) -> None:
         super().__init__(path, metadata=metadata, files={}, owners={}, process_group=process_group)
         self.held = held
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans  # every rank reads what it needs itself
+        here = [set(h) for h in self.held.here_by_rank] or [set(range(self.held.world))]
+        here += [set() for _ in range(len(plans) - len(here))]
+        need: dict[tuple[int, str], int] = {}  # (rank, file it does not hold) -> its bytes of items in it
+        load: list[set[str]] = [set() for _ in plans]
+        for p, plan in enumerate(plans):
+            for req in plan.items:
+                info = self._info(req.storage_index)
+                old = self._writer(info.relative_path)
+                if old is not None and old in here[p]:
+                    load[p].add(info.relative_path)
+                else:
+                    need[(p, info.relative_path)] = need.get((p, info.relative_path), 0) + info.length
+        serve: list[set[MetadataIndex]] = [set() for _ in plans]
+        for (p, name), nbytes in sorted(need.items()):
+            old = self._writer(name)
+            servers = [q for q in range(len(plans)) if old is not None and old in here[q]]
+            if nbytes > self.SMALL or not servers:
+                load[p].add(name)  # fetched whole into p's node
+                continue
+            for req in plans[p].items:
+                if self._info(req.storage_index).relative_path == name:
+                    serve[servers[0]].add(req.storage_index)
+            load[servers[0]].add(name)
+        exchange = any(serve)
+        return [dataclasses.replace(p, storage_data=_ReshardRouting(exchange, tuple(sorted(serve[i], key=_index_key)),
+                                                                    tuple(sorted(load[i]))))
+                for i, p in enumerate(plans)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        needed = dict.fromkeys(self._info(req.storage_index).relative_path for req in plan.items)
-        for name in needed:
+        routing = plan.storage_data
+        names = routing.load if isinstance(routing, _ReshardRouting) else tuple(dict.fromkeys(
+            self._info(req.storage_index).relative_path for req in plan.items))
+        for name in names:
             if name not in self.files:
                 self.files[name] = _Parts(self._data_file(name))
         log.info("event=reshard_read step=%d from_ranks=%d files=%d read_from=%s bytes=%d seconds=%.3f",
-                 self.held.step, self.held.world, len(needed), self.held.read_from, self.held.nbytes,
+                 self.held.step, self.held.world, len(names), self.held.read_from, self.held.nbytes,
                  self.held.seconds)
-        done = super().read_data(plan, planner)
+        done = super().read_data(plan, planner)  # items of files not loaded here come through the exchange
         torn = self.held.torn()
         if torn:  # the items were copied from snapshots that changed meanwhile
             raise CheckpointCorruptError(f"ReshardedStorageReader: the snapshots of step {self.held.step} of old ranks "
                                          f"{torn} were overwritten while they were read")
         return done
 
+    def _writer(self, name: str) -> int | None:
+        """The old rank that wrote data file ``name`` (None: not a name of the ``__{r}_0.distcp`` form)."""
+        m = DATA_FILE.match(name)
+        return int(m.group(1)) if m and int(m.group(1)) < self.held.world else None
+
     def _data_file(self, name: str) -> list[Any]:
         """The parts of data file ``name``, from the old rank that wrote it."""
-        m = DATA_FILE.match(name)
-        order = [int(m.group(1))] if m and int(m.group(1)) < self.held.world else []
+        writer = self._writer(name)
+        order = [writer] if writer is not None else []
         order += [r for r in range(self.held.world) if r not in order]
         for r in order:  # its writer first (a process group other than the default numbers them otherwise)
             st = self.held.state(r)

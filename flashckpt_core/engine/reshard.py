@@ -36,7 +36,7 @@ from flashckpt.engine.ranks import RankInfo
 from flashckpt.format.files import FileSet, is_fileset_tree
 from flashckpt.memory.reader import HeldView, view_held
 from flashckpt.transport import messages as M
-from flashckpt.transport.peers import ReshardPlan, reshard_plan
+from flashckpt.transport.peers import ReshardPlan, node_key, reshard_plan
 
 __all__ = ["Resharded", "agree_resharded"]
 
@@ -53,7 +53,7 @@ class Resharded:
         plan: the agreed plan (every rank the same).
         job_dir / local_rank: this node's runtime dir of the job, and this rank's local rank (fetched copies go
             into a new segment of it).
-        instance: this node's saver instance (its holders are read in place, never fetched).
+        instance: this node's key (``node_key``: its holders are read in place, never fetched).
         fetch: sends a ``Fetch`` to this node's saver.
         weights_only: as the engine's reader (the snapshots' Python objects).
 
@@ -70,6 +70,7 @@ class Resharded:
         self.plan = plan
         self.name = ""
         self.read_from: dict[int, str] = {}
+        self.here_by_rank: list[list[int]] = []  # by group rank: the old ranks its node holds (set by the agreement)
         self.nbytes = 0
         self.seconds = 0.0
         self._job_dir, self._local_rank, self._instance = job_dir, local_rank, instance
@@ -163,7 +164,10 @@ def agree_resharded(inventory: Callable[[], dict[str, Any]], layout: CommitLayou
                         "(lost with their node and its backup partners); this job of %d ranks loads from storage",
                         plan.partial[1], plan.partial[0], list(plan.missing), ranks.world_size)
         return None
-    resharded = make(plan, str(mine.get("instance", "")))
+    resharded = make(plan, node_key(mine))
+    # which old ranks each rank's node holds (its reader reads them in place; the others serve or fetch them)
+    resharded.here_by_rank = [sorted(r for r, hs in plan.sources.items() if any(h["instance"] == node_key(row)
+                                                                                for h in hs)) for row in rows]
     # Rank 0 reads the old rank 0's snapshot (what a framework reads first) and tells every rank its name,
     # or why it could not: then memory cannot serve the step, on every rank alike.
     answer: Any = None

@@ -40,7 +40,7 @@ from flashckpt.storage.base import CheckpointStorage
 from flashckpt.transport.wire import PeerClosed, recv_msg, send_msg
 
 __all__ = ["ReplicaKnobs", "backup_group", "partners", "PeerBook", "NodePlan", "across_nodes", "takes_over_rank0",
-           "ReshardPlan", "reshard_plan",
+           "ReshardPlan", "reshard_plan", "node_key",
            "connect", "accept", "advertised_host", "Pacer", "send_range", "recv_into"]
 
 
@@ -253,11 +253,16 @@ class NodePlan:
     missing: tuple[int, ...] = ()
 
 
+def node_key(inv: dict[str, Any]) -> str:
+    """Which node an inventory is from: its saver instance, else host:port (the same for every rank of a node)."""
+    return str(inv.get("instance") or f"{inv.get('host')}:{inv.get('port')}")
+
+
 def _by_instance(inventories: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The inventories by saver instance (else host:port), the first of each kept: one per node."""
     nodes: dict[str, dict[str, Any]] = {}
     for inv in inventories:
-        nodes.setdefault(str(inv.get("instance") or f"{inv.get('host')}:{inv.get('port')}"), inv)
+        nodes.setdefault(node_key(inv), inv)
     return nodes
 
 
