@@ -127,8 +127,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def crash_and_resume(tmp_path, ckpt: str, devices: int, kill_at: int, steps: int) -> list[dict]:
-    """Runs ``train_rank`` on ``devices`` ranks until they kill themselves at ``kill_at``, then again."""
+def crash_and_resume(tmp_path, ckpt: str, devices: int, kill_at: int, steps: int,
+                     resume_devices: int | None = None) -> list[dict]:
+    """Runs ``train_rank`` on ``devices`` ranks until they kill themselves at ``kill_at``, then again (on
+    ``resume_devices`` ranks when given: a job that comes back with another number of ranks)."""
     # The saver the crashed run started keeps its snapshots this long for the restart (the default
     # test grace can run out while the restarted ranks import Lightning on a busy machine).
     env = {"MASTER_PORT": str(free_port()), "FLASHCKPT_SAVER_GRACE_S": "300"}
@@ -140,8 +142,9 @@ def crash_and_resume(tmp_path, ckpt: str, devices: int, kill_at: int, steps: int
         crashed.kill()
     assert [p.returncode for p in crashed.procs] == [-signal.SIGKILL] * devices, crashed.logs()
     env = {"MASTER_PORT": str(free_port())}
-    return launch_ranks(train_rank, devices, str(tmp_path / "resume"), dist=False, env=env,
-                        args={"ckpt": ckpt, "steps": steps, "devices": devices}).wait(180)
+    again = resume_devices or devices
+    return launch_ranks(train_rank, again, str(tmp_path / "resume"), dist=False, env=env,
+                        args={"ckpt": ckpt, "steps": steps, "devices": again}).wait(180)
 
 
 def assert_resumed_from_memory(results: list[dict], ckpt: str, step: int, steps: int) -> None:
@@ -285,6 +288,17 @@ def test_ddp_two_ranks_kill9_resume_from_memory(tmp_path) -> None:
     assert_resumed_from_memory(results, ckpt, 13, 20)
     assert sorted(f for f in os.listdir(ckpt) if f.endswith(".ckpt")) == [
         "epoch=1-step=10.ckpt", "epoch=3-step=20.ckpt", "last-flash.ckpt", "last.ckpt"]
+
+
+@pytest.mark.multiproc
+def test_ddp_job_that_comes_back_with_one_rank_resumes_from_memory(tmp_path) -> None:
+    """DDP on 2 ranks killed after the snapshot of step 13; the job comes back with 1 rank: Lightning's
+    checkpoint is replicated state (rank 0's), which any number of ranks takes, so it resumes step 13 from
+    memory and trains on to the end."""
+    ckpt = str(tmp_path / "ckpt")
+    (res,) = crash_and_resume(tmp_path, ckpt, devices=2, kill_at=13, steps=16, resume_devices=1)
+    snapshot = os.path.join(ckpt, "last-flash.ckpt")
+    assert (res["resume"], res["start"], res["load"]) == (snapshot, 13, ["memory", snapshot]), res
 
 
 def test_wrong_setups_fail_clearly(tmp_path) -> None:
