@@ -241,6 +241,9 @@ def main() -> None:
     ap.add_argument("--step_sleep", type=float, default=0.0, help="sleep this many seconds after every iteration")
     ap.add_argument("--distributed-optimizer", "--distributed_optimizer", action="store_true",
                     help="megatron-core's DistributedDataParallel and distributed optimizer (each rank saves its shard)")
+    ap.add_argument("--state_digests", action="store_true",
+                    help="emit the weights' digest at every save and at the resume (the same on any number of "
+                         "ranks: a job that resumes on another number of ranks must resume the weights it saved)")
     opts = ap.parse_args()
     warnings.filterwarnings("ignore")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -274,7 +277,8 @@ def main() -> None:
         start = load_training_state(model, opt, ddp, state) + 1
     info = ckpt.last_load
     emit(event="resume", step=start - 1 if state is not None else None,
-         source=info.source if info is not None and state is not None else "none", seconds=time.perf_counter() - t0)
+         source=info.source if info is not None and state is not None else "none", seconds=time.perf_counter() - t0,
+         world=world, state_digest=digest(model) if opts.state_digests else None)
     if state is not None:
         if rank == 0:
             source = ckpt.last_load.source if ckpt.last_load is not None else "?"
@@ -286,6 +290,8 @@ def main() -> None:
         loss = train_step(model, opt, ddp, it, rank, world)
 
         kind = StorageType.DISK if it % opts.save_interval == 0 else StorageType.MEMORY
+        if opts.state_digests:
+            emit(event="state", step=it, world=world, state_digest=digest(model))
         t = time.perf_counter()
         save(training_state(model, opt, ddp, it), iteration_dir(opts.ckpt, it), checkpointer=ckpt, step=it,
              storage_type=kind, tracker=True)

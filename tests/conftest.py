@@ -414,6 +414,7 @@ _EXTENDED = {
     "test_multinode.py::test_four_nodes_whole_pair_lost_falls_back_to_storage",
     "test_multinode.py::test_node_lost_fresh_node_joins_resumes_from_memory[ddp]",
     "test_elastic.py::test_a_node_lost_and_not_replaced_the_survivor_goes_on_from_memory[ddp]",
+    "test_elastic.py::test_a_node_lost_and_not_replaced_the_survivor_goes_on_from_memory[megatron-distopt]",
     "test_elastic.py::test_four_nodes_shrink_to_three_then_grow_back_from_memory",
     "test_elastic.py::test_both_nodes_of_a_pair_lost_the_job_shrinks_to_storage_and_says_why",
 }

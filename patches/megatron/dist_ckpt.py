@@ -231,8 +231,10 @@ class MegatronCheckpointer(AdapterBase):
 
     # ------------------------------------------------------------------ load
     def locate(self) -> Any:
-        """Where the newest checkpoint every rank has lives (``Located``: step, source, path). Collective."""
-        return self.engine.locate()
+        """Where the newest checkpoint every rank has lives (``Located``: step, source, path; ``world``: the
+        number of ranks that saved a step in memory when this job has another, which ``load`` reads resharded).
+        Collective."""
+        return self.engine.locate(reshard=True)
 
     def memory_view(self, checkpoint_dir: str | None = None) -> View | None:
         """A context that lets megatron-core's loading functions read a checkpoint from memory.

@@ -12,7 +12,8 @@ bit, the state the old job saved at that step.
 1. FSDP2, 2 nodes -> 1 (node 1 lost, not replaced): the survivor resumes from memory at the newest step of
    which it holds node 1's backup, resharded, trains on and commits, and gives the old layout's memory (node 1's
    backup) back once a step of the new one is committed;
-2. DDP (replicated state), 2 nodes -> 1: from memory, any copy;
+2. DDP (replicated state), 2 nodes -> 1: from memory, any copy; megatron-core with its distributed optimizer,
+   2 nodes -> 1 (data-parallel size 2 -> 1): from memory, resharded by megatron-core (``--extended``, as 2);
 3. FSDP2, 4 nodes -> 3 -> 4 (``--extended``, as 4): one node lost, the three go on from memory; a fresh node joins
    and the four go on from memory again;
 4. both nodes of a backup pair lost (4 -> 2, ``--extended``): the pair's shards are held nowhere: storage, with
@@ -21,12 +22,14 @@ bit, the state the old job saved at that step.
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import pytest
 from _nodes import (  # noqa: F401
     DDP_TRAIN,
     FSDP_TRAIN,
+    MEGATRON_TRAIN,
     Cluster,
     cluster,
     committed_steps,
@@ -39,6 +42,9 @@ PERSIST_EVERY = 10
 KILL_AT = 15
 ARGS = ["--steps", str(STEPS), "--dim", "64", "--layers", "2", "--vocab", "512",
         "--save_storage_interval", str(PERSIST_EVERY), "--step_sleep", "0.15"]
+# megatron-core with its distributed optimizer: each rank snapshots its shard of Adam's state (dp_reshardable),
+# resharded by megatron-core's own planner to the new data-parallel size (its digests: the weights)
+MEGATRON_ARGS = ["--steps", str(STEPS), "--save_storage_interval", str(PERSIST_EVERY), "--step_sleep", "0.15"]
 # The rendezvous of the smaller world closes soon after the survivors arrive (torch's default waits 30 s for
 # more nodes); keep-alive and failure detection are flashckpt-run's defaults.
 RDZV = "last_call_timeout=2"
@@ -83,12 +89,15 @@ def _lose(c: Cluster, lost: list[int], *, replicated: bool) -> float:
     return c.kill_nodes(lost)
 
 
-@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+@pytest.mark.parametrize("kind", ["fsdp", "ddp", "megatron-distopt"])
 def test_a_node_lost_and_not_replaced_the_survivor_goes_on_from_memory(cluster: Cluster, request, kind) -> None:  # noqa: F811
-    sharded = kind == "fsdp"
-    script = FSDP_TRAIN if sharded else DDP_TRAIN
+    if kind == "megatron-distopt" and importlib.util.find_spec("megatron") is None:
+        pytest.skip("megatron.core is not installed")
+    sharded = kind != "ddp"
+    script = {"fsdp": FSDP_TRAIN, "ddp": DDP_TRAIN, "megatron-distopt": MEGATRON_TRAIN}[kind]
+    args = ([*MEGATRON_ARGS, "--distributed-optimizer"] if kind == "megatron-distopt" else ARGS)
     extra = ["--state_digests"] if sharded else []
-    cluster.launch(script, 2, [*ARGS, *extra], nnodes_spec="1:2", rdzv_conf=RDZV)
+    cluster.launch(script, 2, [*args, *extra], nnodes_spec="1:2", rdzv_conf=RDZV)
     t_kill = _lose(cluster, [1], replicated=not sharded)
     rcs = cluster.wait_exit([0], timeout=240)
     res = _resumed(cluster, t_kill, 1)
@@ -105,7 +114,7 @@ def test_a_node_lost_and_not_replaced_the_survivor_goes_on_from_memory(cluster: 
         cluster.check("event=reshard_plan" in text and "from_ranks=2 to_ranks=1" in text,
                       "the decision is logged (event=reshard_plan ... from_ranks=2 to_ranks=1)")
     cluster.check(max(committed) == STEPS, f"training went on on one node and committed step {STEPS}: {committed}")
-    if sharded:  # node 1's shard (its backup on node 0) goes once a step of the one-rank job is committed
+    if kind == "fsdp":  # node 1's shard (its backup on node 0) goes once a step of the one-rank job is committed
         released = [ln for ln in cluster.all_text().splitlines() if "event=layout_released world=1" in ln]
         cluster.check(released and "bak-r00001" in released[0],
                       f"node 0 gives back the 2-rank layout's memory (rank 1's backup) after a commit: {released}")
