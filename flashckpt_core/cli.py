@@ -34,7 +34,7 @@ from flashckpt.storage.registry import checkpoint_location, storage_for
 from flashckpt.transport.wire import Client
 from flashckpt.util import owned_dirs as _owned_dirs
 
-__all__ = ["main"]
+__all__ = ["main", "parser"]
 
 
 def _size(n: float) -> str:
@@ -396,23 +396,24 @@ def cmd_native(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The ``flashckpt`` command line (every argument with its help text)."""
     p = argparse.ArgumentParser(prog="flashckpt", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("ls", help="list the checkpoints of a checkpoint dir")
-    ls.add_argument("dir")
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("dir", help="the checkpoint dir (a path, file:// or s3:// URL)")
+    ls.add_argument("--json", action="store_true", help="one JSON list of rows instead of the table")
     ls.add_argument("--local-dir", default=None, help="the job's local tier (default: FLASHCKPT_LOCAL_DIR)")
     ls.set_defaults(fn=cmd_ls)
     up = sub.add_parser("upload", help="upload to DIR the steps committed on the local tier and not on DIR, and "
                                        "commit them there (a saver that died mid-upload)")
-    up.add_argument("dir")
+    up.add_argument("dir", help="the durable checkpoint dir (a path, file:// or s3:// URL)")
     up.add_argument("--local-dir", default=None, help="the job's local tier (default: FLASHCKPT_LOCAL_DIR)")
     up.set_defaults(fn=cmd_upload)
     v = sub.add_parser("verify", help="check files against their manifests; exit 1 on damage")
-    v.add_argument("dir")
-    v.add_argument("--step", type=int)
+    v.add_argument("dir", help="the checkpoint dir (a path, file:// or s3:// URL)")
+    v.add_argument("--step", type=int, help="verify this committed step only (default: every committed step)")
     v.set_defaults(fn=cmd_verify)
     g = sub.add_parser("gc", help="remove shared memory and sockets of jobs whose saver is gone and the staging "
                                   "dirs of dead trainers; with DIR, also DIR's stale commit records and those of "
@@ -429,7 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     n = sub.add_parser("native", help="the C++ fast path for many small tensors: its state; --build builds it now")
     n.add_argument("--build", action="store_true", help="compile it now (needs a C++ compiler and ninja)")
     n.set_defaults(fn=cmd_native)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if getattr(args, "dir", None) is not None:  # a plain path or a URL, as the engine takes it
         try:
             args.dir = checkpoint_location(args.dir, f"flashckpt {args.cmd}")
