@@ -109,6 +109,14 @@ def batch(step: int, rank: int, *, bs: int, ctx: int, vocab: int) -> tuple[torch
     return x[:, :-1], x[:, 1:]
 
 
+def resume_line(info: object) -> str:
+    """The one line a resume prints: where from and which step, or that there was nothing to resume."""
+    source, step, secs = (getattr(info, "source", "none"), getattr(info, "step", None), getattr(info, "seconds", 0.0))
+    if source == "none" or step is None:
+        return f"[rank 0] no checkpoint to resume (memory and storage looked at in {secs:.3f} s): starting at step 1"
+    return f"[rank 0] resumed from {source} at step {step} in {secs:.3f} s"
+
+
 def weights_digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for k, v in sorted(model.state_dict().items()):
@@ -241,8 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         emit(event="resume", step=info.step if info else None, source=info.source if info else "none",
              seconds=info.seconds if info else 0.0, world=dist.get_world_size() if dist.is_initialized() else 1)
         if rank == 0:
-            print(f"[rank 0] resumed from {info.source if info else 'none'} at step {info.step if info else None} "
-                  f"in {info.seconds if info else 0:.3f} s", flush=True)
+            print(resume_line(info), flush=True)
 
     for step in range(start, args.steps + 1):
         t_step = time.perf_counter()

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flashckpt import storage_type_for  # noqa: E402
 from flashckpt.integrations.fsdp import FsdpShardCheckpointer  # noqa: E402
 
-from examples.ddp_train import TinyGPT, batch  # noqa: E402
+from examples.ddp_train import TinyGPT, batch, resume_line  # noqa: E402
 
 
 def full_weights_digest(model: torch.nn.Module) -> str:
@@ -140,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         emit(event="resume", step=info.step if info else None, source=info.source if info else "none",
              seconds=info.seconds if info else 0.0, world=world, state_digest=digest)
         if rank == 0:
-            print(f"[rank 0] resumed from {info.source if info else 'none'} at step {info.step if info else None} "
-                  f"in {info.seconds if info else 0:.3f} s", flush=True)
+            print(resume_line(info), flush=True)
 
     for step in range(start, args.steps + 1):
         x, y = batch(step, rank, bs=args.batch_size, ctx=args.ctx, vocab=args.vocab)

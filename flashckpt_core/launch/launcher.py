@@ -110,8 +110,8 @@ def last_words_for_job(job_id: str, timeout: float) -> dict[str, Any]:
         finally:
             client.close()
     for d, step in out.items():
-        log.warning("flashckpt-run: last words of %s: %s", os.path.basename(d),
-                    "nothing newer than the last commit" if step is None else f"step {step}")
+        log.warning("last words of job %s (its saver persists the newest snapshot not yet committed): %s",
+                    os.path.basename(d), "nothing newer than the last commit" if step is None else f"step {step}")
     return out
 
 
