@@ -86,6 +86,11 @@ class Manifest:
         """The ranks of a job of ``world_size`` ranks that have no files in this step (none when replicated)."""
         return [] if self.replicated else [r for r in range(world_size) if r not in self.files]
 
+    def saved_at_ranks(self) -> dict[str, float]:
+        """Rank (as a string) -> the wall time of the snapshot its files were persisted from
+        (``extra.saved_at_ranks``); {} in manifests that do not record it."""
+        return {str(r): float(t) for r, t in self.extra.get("saved_at_ranks", {}).items()}
+
     def all_files(self) -> list[FileRecord]:
         return [f for r in sorted(self.files) for f in self.files[r]]
 

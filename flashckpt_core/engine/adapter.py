@@ -172,14 +172,10 @@ def resolve_load(engine: Any, *, op: str, event: str,
             grp = group if group is not None else getattr(engine, "process_group", None)
             snapshot, why = _read_snapshot(engine, located, agree, grp)
             opened = from_memory(located, snapshot) if not why else why
+            del snapshot
             if isinstance(opened, Opened):
                 nbytes = engine.last_load.nbytes if getattr(engine, "last_load", None) is not None else 0
-                if located.world:
-                    logger.info("%s: step %s is in memory as saved by %d ranks; this job has %d: read resharded from "
-                                "the old ranks' snapshots (this node's memory, or fetched from the peer holding them)",
-                                op, located.step, located.world, engine.ranks.world_size)
                 return _done(logger, event, t0, opened, MEMORY, nbytes, "", located)
-            del snapshot
             why = opened
             logger.warning("%s: %s; loading from storage", op, why)
     opened_s = from_storage(LoadAttempt(engine, located, why))

@@ -136,8 +136,7 @@ def _saved_at_ranks(layout: CommitLayout, committed: list[int]) -> dict[str, flo
     if not committed:
         return {}
     try:
-        return {str(k): float(v) for k, v in
-                layout.read_manifest(committed[-1]).extra.get("saved_at_ranks", {}).items()}
+        return layout.read_manifest(committed[-1]).saved_at_ranks()
     except (E.CheckpointCorruptError, TypeError, ValueError):
         return {}
 

@@ -32,6 +32,7 @@ from typing import Any
 from flashckpt import errors as E
 from flashckpt.commit.layout import CommitLayout
 from flashckpt.engine.agreement import world
+from flashckpt.engine.collective import group_ranks
 from flashckpt.engine.ranks import RankInfo
 from flashckpt.format.files import FileSet, is_fileset_tree
 from flashckpt.memory.reader import HeldView, view_held
@@ -59,7 +60,7 @@ class Resharded:
 
     The states' tensors are views of the segments that hold them (``view_held``: no copy; a reader copies the
     parts it needs); ``torn()`` names those whose slot changed since they were read (a reader checks it after
-    copying); ``close()`` lets them go, as the garbage collector does with the last reference.
+    copying). The mappings go with the last reference to them (a framework may keep a tensor it loaded as is).
     """
 
     def __init__(self, plan: ReshardPlan, *, job_dir: str, local_rank: int, instance: str,
@@ -123,13 +124,6 @@ class Resharded:
         self.read_from[rank] = f"node {first.get('node')} ({first.get('kind')})"
         return snap
 
-    def close(self) -> None:
-        """Lets the states read go (tensors copied out of them stay valid)."""
-        self._states.clear()
-        for v in self._views.values():
-            v.close()
-        self._views.clear()
-
 
 def agree_resharded(inventory: Callable[[], dict[str, Any]], layout: CommitLayout, committed: list[int],
                     ranks: RankInfo, group: Any, make: Callable[[ReshardPlan, str], Resharded]) -> Resharded | None:
@@ -152,12 +146,13 @@ def agree_resharded(inventory: Callable[[], dict[str, Any]], layout: CommitLayou
         try:
             m = layout.read_manifest(committed[-1])
             committed_world = m.world_size
-            saved_at = {str(k): float(v) for k, v in m.extra.get("saved_at_ranks", {}).items()}
+            saved_at = m.saved_at_ranks()
         except (E.CheckpointCorruptError, TypeError, ValueError):
             pass
     plan = reshard_plan(rows, world_size=ranks.world_size, newest_committed=committed[-1] if committed else -1,
                         committed_world=committed_world, saved_at=saved_at)
-    first = ranks.rank == (dist.get_process_group_ranks(group)[0] if n is not None and group is not None else 0)
+    src = group_ranks(group)[0]  # the group's first rank (global): it reads old rank 0's snapshot, and warns
+    first = ranks.rank == src
     if plan.step is None:
         if plan.partial is not None and first:
             log.warning("load(): memory holds step %d saved by %d ranks, but no node holds the snapshots of ranks %s "
@@ -179,8 +174,7 @@ def agree_resharded(inventory: Callable[[], dict[str, Any]], layout: CommitLayou
             answer = (str(e), "")
     if n is not None:
         box = [answer]
-        dist.broadcast_object_list(box, src=dist.get_process_group_ranks(group)[0] if group is not None else 0,
-                                   group=group)
+        dist.broadcast_object_list(box, src=src, group=group)
         answer = box[0]
     error, name = answer
     if error:

@@ -118,7 +118,7 @@ class HeldView:
     """A snapshot read in place: its state dict's tensors are views of the segment's mapping (no copy; CPU
     tensors whatever device they were saved from), valid while the view is open. ``intact()`` says whether the
     slot still holds the same snapshot (check it after using the tensors: a slot overwritten meanwhile was a
-    torn read). Close it to unmap (tensors still viewing it keep the mapping alive until they go)."""
+    torn read). The mapping lives as long as the view or a tensor viewing it."""
 
     def __init__(self, seg: Segment, slot: int, h: SlotHeader, snapshot: Snapshot) -> None:
         self.seg, self.slot, self.header, self.snapshot = seg, slot, h, snapshot
@@ -126,10 +126,6 @@ class HeldView:
     def intact(self) -> bool:
         h = self.seg.header(self.slot)
         return h.state == COMPLETE and h.generation == self.header.generation
-
-    def close(self) -> None:
-        self.snapshot.state_dict = None
-        self.seg.close()
 
 
 def _held_slots(job_dir: str, rank: int, world: int, step: int) -> tuple[list[tuple[Segment, int, SlotHeader]],

@@ -107,7 +107,7 @@ class Committer:
     def _snapshot_at(m: Manifest) -> float:
         """The wall time of the oldest snapshot the files of manifest ``m`` came from; 0 when unknown."""
         try:
-            return min((float(t) for t in m.extra.get("saved_at_ranks", {}).values() if float(t) > 0), default=0.0)
+            return min((t for t in m.saved_at_ranks().values() if t > 0), default=0.0)
         except (TypeError, ValueError, AttributeError):
             return 0.0
 

@@ -273,7 +273,7 @@ class ControlServer:
             if not committed:
                 return
             m = layout.read_manifest(committed[-1])
-            before = min((float(t) for t in m.extra.get("saved_at_ranks", {}).values()), default=0.0)
+            before = min(m.saved_at_ranks().values(), default=0.0)
             if m.world_size != world or before <= 0:
                 return  # storage holds nothing newer of this layout yet: the earlier one may still be needed
             removed, freed = self.pool.release_layouts(world, before)

@@ -207,6 +207,6 @@ def saved_at(layout: CommitLayout, step: int) -> dict[str, float]:
     if step < 0:
         return {}
     try:
-        return {str(r): float(t) for r, t in layout.read_manifest(step).extra.get("saved_at_ranks", {}).items()}
+        return layout.read_manifest(step).saved_at_ranks()
     except (E.FlashCheckpointError, TypeError, ValueError):
         return {}
