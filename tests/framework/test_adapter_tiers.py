@@ -421,6 +421,10 @@ def test_megatron_lm_patch_loads_the_local_iteration_then_the_checkpoint_dir(mon
         lm.get_checkpointer(root).wait(60)
     finally:
         lm.finalize()
+    from helpers import saver_pids, wait_for
+
+    # (the saver lets the snapshot go as it exits after the close: until then a new load finds it in memory)
+    wait_for(lambda: not saver_pids(os.environ["FLASHCKPT_RUNTIME_DIR"]), 60, "the saver to exit after finalize()")
     assert os.path.exists(os.path.join(local, "iter_0000010", "mp_rank_00", "model_optim_rng.pt"))
     for source in ("local", "storage"):
         fresh = torch.nn.Linear(4, 3)
