@@ -314,8 +314,9 @@ class FlashCkptSaveStrategy(AsyncSaveShardedStrategy):
         checkpointer: the ``MegatronCheckpointer`` of the checkpoint root.
         step: the iteration; None takes it from the directory's name (``iter_0000100`` -> 100).
         storage_type: MEMORY (a snapshot only) or DISK (also persisted).
-        thread_count / keep_only_main_replica / separation_hint: as for megatron-core's
-            ``TorchDistSaveShardedStrategy`` (``thread_count`` files per rank).
+        thread_count: files per rank, as for megatron-core's ``TorchDistSaveShardedStrategy``.
+        keep_only_main_replica: as for megatron-core's ``TorchDistSaveShardedStrategy``.
+        separation_hint: as for megatron-core's ``TorchDistSaveShardedStrategy``.
     """
 
     def __init__(self, checkpointer: MegatronCheckpointer, *, step: int | None = None,
