@@ -430,6 +430,9 @@ def parser() -> argparse.ArgumentParser:
     n = sub.add_parser("native", help="the C++ fast path for many small tensors: its state; --build builds it now")
     n.add_argument("--build", action="store_true", help="compile it now (needs a C++ compiler and ninja)")
     n.set_defaults(fn=cmd_native)
+    from flashckpt.export import add_parser as add_export  # flashckpt export (#34): its own module
+
+    add_export(sub)
     return p
 
 
