@@ -296,6 +296,10 @@ class Knobs:
         warm_workers: ``flashckpt-run`` hands restarted workers to warm processes (1/0);
             FLASHCKPT_WARM_WORKERS.
         warm_delay_s: how long after a worker's start its warm twin is started; FLASHCKPT_WARM_DELAY_S.
+        auto_resume: a worker that ``flashckpt-run`` (or torchrun) restarted after a failure resumes from
+            the newest checkpoint by itself (memory first), where the script passes no resume path, in the
+            adapters that take one (the HF Trainer's ``train()``, Lightning's ``fit()``); their own
+            ``auto_resume`` argument wins over it; FLASHCKPT_AUTO_RESUME (1/0).
         warm_modules_dir: where a worker of ``flashckpt-run`` records the modules it imported for its warm
             twin (set by the launcher); FLASHCKPT_WARM_MODULES_DIR.
         rdzv_poll_s: seconds between a waiting agent's polls of the rendezvous state (None: 0.1 up to 64
@@ -349,6 +353,7 @@ class Knobs:
     warm_workers: bool = _knob("FLASHCKPT_WARM_WORKERS", True, _flag)
     warm_delay_s: float = _knob("FLASHCKPT_WARM_DELAY_S", 5.0, _float())
     warm_modules_dir: str = _knob(WARM_MODULES_DIR_ENV, "")
+    auto_resume: bool = _knob("FLASHCKPT_AUTO_RESUME", True, _flag)
     rdzv_poll_s: float | None = _knob("FLASHCKPT_RDZV_POLL_S", None, _float(0.01))
     local_dir: str = _knob(LOCAL_DIR_ENV, "")
     local_keep: int = _knob(LOCAL_KEEP_ENV, 2, _int(0, refuse=True))

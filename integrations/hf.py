@@ -40,10 +40,12 @@ retention and downloads are in ``_hf_files``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -75,6 +77,7 @@ from flashckpt.integrations._kit_files import (
     scratch,
     scratch_root,
 )
+from flashckpt.integrations._kit_resume import auto_resume, resume_flag, resume_line, steps_lost
 from flashckpt.integrations.accelerate import AcceleratorCheckpointer
 from flashckpt.storage import locations, registry
 
@@ -122,6 +125,10 @@ class FlashCkptConfig:
             search uses its run's subdirectory of it. None: FLASHCKPT_LOCAL_DIR (unset: no local tier).
         local_max_to_keep: checkpoints the local tier keeps (0 keeps all; one not yet uploaded is never
             deleted).
+        auto_resume: a worker that ``flashckpt-run`` (or torchrun) restarted after a failure runs
+            ``train()`` with no ``resume_from_checkpoint`` as ``train(resume_from_checkpoint=True)``, except
+            that nothing to resume from starts at step 1 (the script, e.g. transformers' ``run_clm.py``,
+            passes the same arguments on every attempt). None: ``FLASHCKPT_AUTO_RESUME`` (on by default).
     """
 
     memory_snapshot_steps: int = 0
@@ -131,8 +138,12 @@ class FlashCkptConfig:
     storage_options: dict[str, Any] | None = None
     local_dir: str | None = None
     local_max_to_keep: int = 2
+    auto_resume: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.auto_resume is not None and not isinstance(self.auto_resume, bool):
+            raise E.InvalidArgumentError(f"FlashCkptConfig(auto_resume={self.auto_resume!r}): True, False, or None "
+                                         "(FLASHCKPT_AUTO_RESUME decides)")
         if not isinstance(self.memory_snapshot_steps, int) or self.memory_snapshot_steps < 0:
             raise E.InvalidArgumentError(f"FlashCkptConfig(memory_snapshot_steps={self.memory_snapshot_steps!r}): "
                              "must be an integer >= 0 (0 turns memory-only snapshots off)")
@@ -289,8 +300,11 @@ class FlashCkptTrainer(Trainer):
     # ------------------------------------------------------------------ train
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
-        """``Trainer.train``; ``resume_from_checkpoint=True`` resumes from the newest checkpoint every rank
-        has, in memory or committed on storage; a path resumes from it (from memory when memory holds it).
+        """``Trainer.train``; ``resume_from_checkpoint=True`` (or the string ``"True"`` a command line gives)
+        resumes from the newest checkpoint every rank has, in memory or committed on storage; a path resumes
+        from it (from memory when memory holds it). None in a worker the launcher restarted resumes as True
+        does, or starts at step 1 when there is nothing (``FlashCkptConfig(auto_resume)``). Where it resumed
+        from is logged once at WARNING (docs/hf.md, **Logs**).
         A checkpoint in a store (``FlashCkptConfig(checkpoint_dir="s3://...")``; a path may be its URL) is
         downloaded into ``scratch_dir`` and checked against its manifest, and the Trainer reads that copy.
 
@@ -301,7 +315,10 @@ class FlashCkptTrainer(Trainer):
         self._flash_disk_steps.clear()
         try:
             local_output_dir(self._get_output_dir(trial=trial))  # a URL is refused before any step
-            resume = self._flash_resolve(resume_from_checkpoint, trial)
+            resume_from_checkpoint = resume_flag(resume_from_checkpoint)
+            automatic = resume_from_checkpoint is None and auto_resume(self.flashckpt_config.auto_resume,
+                                                                       op="FlashCkptConfig(auto_resume)")
+            resume = self._flash_resolve(True if automatic else resume_from_checkpoint, trial, automatic=automatic)
             out = super().train(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
                                 **kwargs)
             if self.flashckpt_config.wait_on_train_end:
@@ -314,8 +331,9 @@ class FlashCkptTrainer(Trainer):
                 view.close()
             self.flashckpt_close(release=ok)
 
-    def _flash_resolve(self, resume: str | bool | None, trial: Any) -> str | None:
-        """Where to resume from: a local storage path, a memory view's or a download's directory, or None."""
+    def _flash_resolve(self, resume: str | bool | None, trial: Any, *, automatic: bool = False) -> str | None:
+        """Where to resume from: a local storage path, a memory view's or a download's directory, or None
+        (``automatic``: a restarted worker's resume, which starts afresh when there is nothing)."""
         self.flashckpt_last_resume = None
         if resume is None or resume is False:
             return None
@@ -333,7 +351,7 @@ class FlashCkptTrainer(Trainer):
 
         def from_storage(attempt: LoadAttempt) -> Opened:
             if want is None:
-                return self._flash_newest_stored(engine, run_dir, attempt.stored())
+                return self._flash_newest_stored(engine, run_dir, attempt.stored(), automatic=automatic)
             if attempt.located.source in (LOCAL, MEMORY) and engine.local_dir is not None:
                 loc = attempt.stored()  # the newest checkpoint, asked for by its name: from the local tier
                 if loc.source == LOCAL and want == _durable_path(engine, loc):
@@ -346,14 +364,27 @@ class FlashCkptTrainer(Trainer):
                          locate=lambda: cached[1] if cached is not None and cached[0] is engine
                          else engine.locate(local=True, reshard=self._flash_reshards))
         self.flashckpt_last_resume = Located(r.step, r.source, r.path)
+        self._flash_resume_line(engine, automatic)
         out: str = r.value
         return out
 
-    def _flash_newest_stored(self, engine: CheckpointEngine, run_dir: str, loc: Located) -> Opened:
+    def _flash_resume_line(self, engine: CheckpointEngine, automatic: bool) -> None:
+        """The one line a user reads about the resume (world rank 0): where from, and the steps lost against
+        the newest snapshot this rank knows of."""
+        loc = self.flashckpt_last_resume
+        if loc is None or not self.is_world_process_zero():
+            return
+        resume_line(log, "FlashCkptTrainer", source=loc.source, step=loc.step, path=loc.path,
+                    lost=steps_lost(engine, loc.step), automatic=automatic)
+
+    def _flash_newest_stored(self, engine: CheckpointEngine, run_dir: str, loc: Located, *,
+                             automatic: bool = False) -> Opened | None:
         """The newest committed checkpoint (``loc``: on the checkpoint dir, or this node's whole copy on the
-        local tier), else a vanilla Trainer's newest ``checkpoint-N``."""
+        local tier), else a vanilla Trainer's newest ``checkpoint-N``; else None when ``automatic``."""
         committed = is_stored(loc)
         path = loc.path if committed else last_checkpoint(run_dir, engine.layout, False)
+        if path is None and automatic:
+            return None
         if path is None:
             raise E.InvalidArgumentError(f"No valid checkpoint found in output directory ({run_dir}): nothing committed "
                                          "by flashckpt, in memory, or written by a vanilla Trainer")
@@ -435,7 +466,7 @@ class FlashCkptTrainer(Trainer):
         fs = FileSet()
         with scratch(scratch_root(self.flashckpt_config.scratch_dir), name, prefix="flashckpt-hf-") as tmp:
             cap = Capture(tmp, fs)
-            with cap:
+            with cap, _quiet_save_lines(locations.join(run_dir, name) if storage == StorageType.DISK else None):
                 self.save_model(tmp, _internal_call=True)
                 if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST):
                     self._flash_update_best(run_dir, step, storage == StorageType.DISK)
@@ -546,6 +577,28 @@ def _check_version() -> None:
 
 
 _check_version()
+
+
+@contextlib.contextmanager
+def _quiet_save_lines(persisted: str | None) -> Iterator[None]:
+    """The Trainer's save methods, writing into the scratch dir, log "Saving model checkpoint to
+    /dev/shm/flashckpt-hf-.../checkpoint-N" and the files it saved there at INFO; those lines are shown
+    only at DEBUG (transformers' verbosity), and a checkpoint that is persisted (``persisted``: its real
+    path) gets the Trainer's own INFO line, with that path, as a vanilla Trainer logs it."""
+    from transformers.utils import logging as hf_logging
+
+    trainer_log = hf_logging.get_logger("transformers.trainer")
+    if persisted is not None:
+        trainer_log.info("Saving model checkpoint to %s", persisted)
+    level = hf_logging.get_verbosity()
+    if level <= logging.DEBUG:
+        yield
+        return
+    hf_logging.set_verbosity(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _durable_path(engine: CheckpointEngine, loc: Located) -> str | None:
