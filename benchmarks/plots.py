@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import textwrap
 from typing import Any
@@ -30,7 +31,18 @@ COLORS = {"copy_limit": "#999999", "flashckpt.snapshot": "#d62728", "flashckpt.p
           "torch.save": "#1f77b4", "dcp.save": "#2ca02c", "dcp.async_save": "#98df8a",
           "dcp.async_save.shm": "#17becf", "dlrover.snapshot": "#9467bd",
           "none": "#999999", "torch_save": "#1f77b4", "dcp_async": "#98df8a", "dcp_async_shm": "#17becf",
-          "flashckpt": "#d62728", "flashckpt_overlap": "#ff7f0e"}
+          "flashckpt": "#d62728", "flashckpt_overlap": "#ff7f0e", "flashckpt_mem": "#ff9896"}
+
+
+def _shown_path(text: str) -> str:
+    """``text`` with each absolute path made relative to the repository (else its file name): a figure
+    in docs/ names no machine's directories."""
+    def rel(m: re.Match[str]) -> str:
+        path = m.group(0)
+        inside = os.path.commonpath([REPO_ROOT, path]) == REPO_ROOT if os.path.isabs(path) else False
+        return os.path.relpath(path, REPO_ROOT) if inside else os.path.basename(path)
+
+    return re.sub(r"/[^\s,;()]+", rel, text)
 
 
 def _plt() -> Any:
@@ -94,8 +106,8 @@ def plot_overhead(ov: dict[str, Any], img: str) -> str | None:
     if not modes:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
     names = list(modes)
+    fig, ax = plt.subplots(figsize=(max(7.5, 1.75 * len(names) + 1.5), 4.6))
     ys = [modes[m]["overhead_pct"] for m in names]
     lo = [y - min(modes[m].get("overhead_pct_per_round") or [y]) for m, y in zip(names, ys, strict=True)]
     hi = [max(modes[m].get("overhead_pct_per_round") or [y]) - y for m, y in zip(names, ys, strict=True)]
@@ -105,8 +117,11 @@ def plot_overhead(ov: dict[str, Any], img: str) -> str | None:
                     ha="left", fontsize=8)
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xticks(range(len(names)))
-    ax.set_xticklabels([textwrap.fill(modes[m]["label"], 24) for m in names], fontsize=7)
     cfg = ov.get("config", {})
+    every = cfg.get("save_every")
+    # the labels say "every k steps"; the run's k is in its config (and in the title)
+    shown = [modes[m]["label"].replace("every k", f"every {every}") if every else modes[m]["label"] for m in names]
+    ax.set_xticklabels([textwrap.fill(label, 20) for label in shown], fontsize=7)
     base = ov.get("modes", {}).get("none", {}).get("mean_step_s")
     ax.set_ylabel("step-time overhead vs no checkpointing (%)")
     ax.set_title(f"Training overhead, DDP on {cfg.get('ranks', 2)} gloo ranks, persist every "
@@ -136,12 +151,13 @@ def plot_goodput(gp: dict[str, Any], img: str) -> str | None:
             ys = [100 * y if y is not None and not (isinstance(y, float) and math.isnan(y)) else math.nan
                   for y in cv[key]["goodput"]]
             color = COLORS.get("flashckpt" if key == "flashckpt" else key)
-            ax.plot(xs, ys, label=label, color=color)
             ox, oy = cv[key]["opt"]
-            if ox and oy is not None:
+            best = ox and oy is not None
+            # each optimum's value goes in the legend: beside the dots, labels would cross the other curves
+            ax.plot(xs, ys, color=color,
+                    label=f"{label}: {100 * oy:.1f} % at {ox:,.0f} s" if best else label)
+            if best:
                 ax.plot([ox], [100 * oy], "o", color=color)
-                ax.annotate(f"{100 * oy:.1f} %", (ox, 100 * oy), textcoords="offset points",
-                            xytext=(4, -11) if key == "dcp_async" else (4, 4), fontsize=7, color=color)
         ax.set_xscale("log")
         ax.set_xlabel("checkpoint interval (s)")
         ax.set_ylabel("expected goodput (%)")
@@ -155,10 +171,11 @@ def plot_goodput(gp: dict[str, Any], img: str) -> str | None:
         ax.legend(fontsize=7, loc="lower center")
     a = gp.get("assumptions", {})
     fig.suptitle(f"Goodput vs checkpoint interval (per-GPU MTBF {a.get('gpu_mtbf_h', 0):,.0f} h, "
-                 f"{100 * a.get('node_fraction', 0):.0f} % node failures, restart {a.get('restart_s', 0):.0f} s)",
+                 f"{100 * a.get('node_fraction', 0):.0f} % node failures, restart {a.get('restart_s', 0):.0f} s, "
+                 f"+{a.get('replace_s', 0):.0f} s to replace a node)",
                  fontsize=10)
     src = gp.get("costs", {}).get("source", "")
-    fig.text(0.01, 0.005, f"costs: {src}"[:180], fontsize=6, color="#666666", ha="left", va="bottom")
+    fig.text(0.01, 0.005, f"costs: {_shown_path(src)}"[:180], fontsize=6, color="#666666", ha="left", va="bottom")
     fig.tight_layout(rect=(0, 0.03, 1, 0.95))
     os.makedirs(img, exist_ok=True)
     path = os.path.join(img, "goodput_vs_interval.png")
