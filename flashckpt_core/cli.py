@@ -16,16 +16,22 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
+import logging
 import os
+import re
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from flashckpt import errors as E
 from flashckpt.commit.adopt import adopt, unrecorded
 from flashckpt.commit.layout import CommitLayout
+from flashckpt.commit.manifest import Manifest
 from flashckpt.commit.protocol import commit_step
 from flashckpt.commit.tiers import check_local_dir, durable_spec_of, local_layout, pending_uploads, upload_step
 from flashckpt.config import Knobs, job_key_digest
@@ -33,6 +39,7 @@ from flashckpt.storage.base import CheckpointStorage
 from flashckpt.storage.registry import checkpoint_location, storage_for
 from flashckpt.transport.wire import Client
 from flashckpt.util import owned_dirs as _owned_dirs
+from tqdm import tqdm
 
 __all__ = ["main", "parser"]
 
@@ -69,13 +76,20 @@ def _not_a_dir(storage: CheckpointStorage, path: str) -> str | None:
     return f"{path} is a file, not a checkpoint dir" if os.path.isfile(local) else f"{path} is not a directory"
 
 
-def _layout(args: argparse.Namespace) -> CommitLayout | None:
-    """The commit layout of ``args.dir``; None (the reason printed) when it is not a checkpoint dir."""
+class _Refused(Exception):
+    """A command refuses its input (a dir that is not a checkpoint dir, a step not committed): ``main``
+    prints the message as it is, one line, and exits 2."""
+
+
+def _layout(args: argparse.Namespace) -> CommitLayout:
+    """The commit layout of ``args.dir``.
+
+    Raises:
+        _Refused: it is not a checkpoint dir (missing, a file): says which."""
     storage = storage_for(args.dir)
     why = _not_a_dir(storage, storage.normpath(args.dir))
     if why:
-        print(why, file=sys.stderr)
-        return None
+        raise _Refused(why)
     return CommitLayout(args.dir, storage)
 
 
@@ -92,10 +106,6 @@ def _mtime(layout: CommitLayout, d: str) -> float | None:
         except FileNotFoundError:
             continue
     return max(times, default=time.time())
-
-
-def _ranks(rs: set[int]) -> str:
-    return ",".join(str(r) for r in sorted(rs))
 
 
 def _in_memory(checkpoint_dir: str) -> dict[int, dict[str, set[int]]]:
@@ -140,14 +150,6 @@ def _in_memory(checkpoint_dir: str) -> dict[int, dict[str, set[int]]]:
     return out
 
 
-def _memory_column(held: dict[str, set[int]] | None) -> str:
-    if not held:
-        return "-"
-    parts = [f"ranks {_ranks(held['own'])}" if held["own"] else "",
-             f"backups of ranks {_ranks(held['backup'])}" if held["backup"] else ""]
-    return "; ".join(p for p in parts if p).replace("-1", "?")
-
-
 def _warn_stale(layout: CommitLayout) -> None:
     """Say on stderr when the commit records of `layout` are stale (and so not used)."""
     stale = layout.stale_reason() if layout.storage.isdir(layout.meta) else None
@@ -157,45 +159,168 @@ def _warn_stale(layout: CommitLayout) -> None:
               f"parent), `flashckpt gc {layout.root}` removes them", file=sys.stderr)
 
 
-def _committed_row(layout: CommitLayout, step: int, latest: int | None) -> tuple[Any, ...]:
-    """The `ls` row of a committed step: its size, age and files, or "damaged" with why."""
+@dataclasses.dataclass
+class _Row:
+    """One step of ``flashckpt ls``: the numbers (``--json`` prints them as they are) and the table's text.
+
+    ``training_step``/``epoch``: the trainer's own count, read from the step's file names when they carry it
+    (Lightning's ``epoch=E-step=S.ckpt``): flashckpt's ``step`` of a Lightning dir counts saves."""
+
+    step: int
+    state: str
+    latest: bool = False
+    bytes: int | None = None
+    saved_at: float | None = None  # commit time (committed), the records' newest change (not committed)
+    files: list[str] = dataclasses.field(default_factory=list)
+    note: str = ""  # why damaged, what a step not committed may be
+    memory: dict[str, list[int | None]] = dataclasses.field(default_factory=dict)
+    tiers: str = "-"
+    training_step: int | None = None
+    epoch: int | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        age = None if self.saved_at is None else round(max(0.0, time.time() - self.saved_at), 3)
+        return {**dataclasses.asdict(self), "age_s": age}
+
+
+_TRAINING = re.compile(r"(?:^|[-_/ ])(epoch|step)=(\d+)")
+
+
+def _training_step(files: list[str]) -> tuple[int | None, int | None]:
+    """(training step, epoch) named by the step's file names (``epoch=3-step=400.ckpt``), else Nones."""
+    for path in files:
+        got = dict(_TRAINING.findall(os.path.basename(path)))
+        if "step" in got:
+            return int(got["step"]), int(got["epoch"]) if "epoch" in got else None
+    return None, None
+
+
+def _committed_row(layout: CommitLayout, step: int, latest: int | None, state: str = "committed") -> _Row:
+    """The `ls` row of a committed step: its size, commit time and files, or "damaged" with why."""
     try:
         m = layout.read_manifest(step)
     except E.CheckpointCorruptError as e:
-        return (step, "damaged", "-", "-", str(e))
-    files = m.all_files()
-    return (step, "committed" + (" (latest)" if step == latest else ""),
-            _size(sum(f.size for f in files)), _age(m.time), ", ".join(f.path for f in files))
+        return _Row(step, "damaged", note=str(e))
+    files = [f.path for f in m.all_files()]
+    trained, epoch = _training_step(files)
+    return _Row(step, state, latest=step == latest, bytes=sum(f.size for f in m.all_files()), saved_at=m.time,
+                files=files, training_step=trained, epoch=epoch)
 
 
 def _ls_rows(layout: CommitLayout, committed: list[int], pending: list[int], latest: int | None,
              memory: dict[int, dict[str, set[int]]], local: CommitLayout | None = None,
-             local_steps: list[int] | None = None) -> list[tuple[Any, ...]]:
-    """One row (step, state, size, age, files) per step committed, pending, held in this node's memory or
-    committed on the local tier only."""
+             local_steps: list[int] | None = None) -> list[_Row]:
+    """One row per step committed, pending, held in this node's memory or committed on the local tier only,
+    with which ranks' snapshots of it this node's memory holds (its own, backups of other nodes') and the
+    tiers holding it."""
     rows = []
     only_local = set(local_steps or []) - set(committed)
     for step in sorted(set(committed) | set(pending) | set(memory) | only_local):
         if step in only_local and local is not None:
-            r = _committed_row(local, step, None)
-            rows.append((step, "committed locally, not yet on " + layout.root, *r[2:]))
+            row = _committed_row(local, step, None, "committed locally")
         elif step not in committed and step not in pending:
-            rows.append((step, "in memory", "-", "-", "(this node's shared memory)"))
+            row = _Row(step, "in memory", note="(this node's shared memory)")
         elif step in committed:
-            rows.append(_committed_row(layout, step, latest))
+            row = _committed_row(layout, step, latest)
         else:
-            mtime = _mtime(layout, layout.step_dir(step))
-            rows.append((step, "not committed", "-", "-" if mtime is None else _age(mtime),
-                         "in progress, or left by a crash"))
+            row = _Row(step, "not committed", saved_at=_mtime(layout, layout.step_dir(step)),
+                       note="in progress, or left by a crash")
+        held = memory.get(step) or {"own": set(), "backup": set()}
+        row.memory = {k: [None if r == -1 else r for r in sorted(held[h])]
+                      for k, h in (("ranks", "own"), ("backups_of_ranks", "backup"))}
+        row.tiers = _tiers(step, memory, local_steps or [], committed)
+        rows.append(row)
     return rows
 
 
-def _print_ls_table(table: list[tuple[Any, ...]]) -> None:
-    """Print the `ls` rows as aligned columns under a header, the files column last and unpadded."""
-    head = ("STEP", "STATE", "SIZE", "AGE", "MEMORY", "TIERS", "FILES")
-    widths = [max(len(str(r[i])) for r in table + [head]) for i in range(6)]
-    for r in [head] + table:
-        print("  ".join(str(v).ljust(w) for v, w in zip(r[:6], widths)) + "  " + str(r[6]))
+def _files_cell(files: list[str], note: str) -> str:
+    """The FILES cell: the first file and how many more (a step of 64 ranks has 64 files), or the note."""
+    if not files:
+        return note
+    return files[0] + (f" (+{len(files) - 1} more)" if len(files) > 1 else "")
+
+
+def _cells(row: _Row, root: str, training: bool) -> list[str]:
+    """The table's cells of ``row``: STEP, [TRAINING STEP,] STATE, SIZE, AGE, MEMORY, TIERS, FILES."""
+    state = {"committed": "committed (latest)" if row.latest else "committed",
+             "committed locally": f"committed locally, not yet on {root}"}.get(row.state, row.state)
+    held = {k: ["?" if r is None else str(r) for r in v] for k, v in row.memory.items()}
+    memory = "; ".join(p for p in (f"ranks {','.join(held['ranks'])}" if held.get("ranks") else "",
+                                   f"backups of ranks {','.join(held['backups_of_ranks'])}"
+                                   if held.get("backups_of_ranks") else "") if p) or "-"
+    trained = "-" if row.training_step is None else str(row.training_step) + (
+        "" if row.epoch is None else f" (epoch {row.epoch})")
+    return [str(row.step), *([trained] if training else []), state, "-" if row.bytes is None else _size(row.bytes),
+            "-" if row.saved_at is None else _age(row.saved_at), memory, row.tiers, _files_cell(row.files, row.note)]
+
+
+def _clip(text: str, width: int, *, middle: bool = False) -> str:
+    """``text`` in at most ``width`` characters: its end (``middle``: its middle, so that a path keeps its
+    start and its file name) elided with "…" when longer."""
+    if len(text) <= width:
+        return text
+    if width < 2:
+        return text[:width]
+    if not middle:
+        return text[:width - 1] + "…"
+    head = (width - 1) // 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
+
+
+def _width() -> int | None:
+    """The terminal's width when rows should fit one (stdout a terminal, or COLUMNS set); None when the
+    output goes to a pipe or a file, which gets every row whole."""
+    if os.environ.get("COLUMNS") or sys.stdout.isatty():
+        return shutil.get_terminal_size().columns
+    return None
+
+
+#: the columns ``_fit`` may narrow, most readily first, and how narrow (their header's width at least)
+_SHRINK = {"MEMORY": 6, "TIERS": 5, "STATE": 9}
+_FILES_MIN = 10
+
+
+def _fit(table: list[list[str]], cols: int) -> tuple[list[list[str]], list[int]]:
+    """The table (header first, FILES last) and the widths of its padded columns, made to fit ``cols``
+    characters: a column of "-" only (MEMORY when this node's memory holds nothing) is left out, then
+    MEMORY, TIERS and STATE are narrowed, until FILES has room."""
+    head = table[0]
+    keep = [i for i, h in enumerate(head) if h not in _SHRINK or any(r[i] != "-" for r in table[1:])]
+    table = [[r[i] for i in keep] for r in table]
+    head = table[0]
+    n = len(head) - 1
+    widths = [max(len(r[i]) for r in table) for i in range(n)]
+    for name, least in _SHRINK.items():
+        if name not in head:
+            continue
+        i = head.index(name)
+        over = sum(widths) + 2 * n + _FILES_MIN - (cols - 1)
+        if over > 0:
+            widths[i] = max(least, len(name), widths[i] - over)
+    return table, widths
+
+
+def _print_ls_table(rows: list[_Row], root: str) -> None:
+    """Prints the `ls` rows as aligned columns under a header, the files column last. On a terminal every
+    row fits its width (``_fit``; the files cell elided in its middle, a row that is still too wide cut):
+    a row never wraps. A dir whose files name the trainer's steps (Lightning's) gets a TRAINING STEP
+    column: flashckpt's STEP of such a dir counts saves."""
+    training = any(r.training_step is not None for r in rows)
+    head = ["STEP", *(["TRAINING STEP"] if training else []), "STATE", "SIZE", "AGE", "MEMORY", "TIERS", "FILES"]
+    table = [head] + [_cells(r, root, training) for r in rows]
+    cols = _width()
+    if cols is None:
+        widths = [max(len(r[i]) for r in table) for i in range(len(head) - 1)]
+    else:
+        table, widths = _fit(table, cols)
+    n = len(widths)
+    for r in table:
+        line = "  ".join(_clip(v, w).ljust(w) for v, w in zip(r[:n], widths)) + "  "
+        if cols is None:
+            line += r[n]
+        else:
+            line = _clip(line + _clip(r[n], max(cols - 1 - len(line), 1), middle=True), cols - 1)
+        print(line.rstrip())
 
 
 def _local_tier(args: argparse.Namespace, layout: CommitLayout) -> CommitLayout | None:
@@ -212,8 +337,6 @@ def _tiers(step: int, memory: dict[int, dict[str, set[int]]], local: list[int], 
 
 def cmd_ls(args: argparse.Namespace) -> int:
     layout = _layout(args)
-    if layout is None:
-        return 2
     _warn_stale(layout)
     committed = layout.committed_steps()
     pending = layout.uncommitted_steps()
@@ -222,20 +345,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     local = _local_tier(args, layout)
     local_steps = local.committed_steps() if local is not None else []
     rows = _ls_rows(layout, committed, pending, latest, memory, local, local_steps)
-    # Which ranks' snapshots of each step this node holds in memory, its own and backups of other nodes'.
-    table: list[tuple[Any, ...]] = [(*r[:4], _memory_column(memory.get(r[0])),
-                                     _tiers(r[0], memory, local_steps, committed), r[4]) for r in rows]
     note = None if committed else unrecorded(layout)
     if note:
         print(note, file=sys.stderr)
-    if args.json:
-        print(json.dumps([dict(zip(("step", "state", "size", "age", "memory", "tiers", "files"), r)) for r in table],
-                         indent=1))
+    if args.json:  # numbers as numbers: bytes, epoch times, seconds
+        print(json.dumps([r.as_json() for r in rows], indent=1))
         return 0
-    if not table:
+    if not rows:
         print(f"no flashckpt checkpoints in {layout.root}")
         return 0
-    _print_ls_table(table)
+    _print_ls_table(rows, layout.root)
     return 0
 
 
@@ -244,56 +363,83 @@ def cmd_upload(args: argparse.Namespace) -> int:
     (global rank 0's node: the steps whose local manifest carries the durable commit spec; on other nodes
     only their files and done markers go up). Run it where no saver of the job runs."""
     layout = _layout(args)
-    if layout is None:
-        return 2
     local = _local_tier(args, layout)
     if local is None:
-        print("flashckpt upload: give the local tier (--local-dir, or FLASHCKPT_LOCAL_DIR)", file=sys.stderr)
-        return 2
+        raise _Refused("give the local tier (--local-dir, or FLASHCKPT_LOCAL_DIR)")
     steps = pending_uploads(local, layout)
     if not steps:
         print(f"nothing to upload: {layout.root} holds every step committed on {local.root}")
         return 0
     knobs = Knobs.from_env()
-    for step in steps:
-        t0 = time.monotonic()
-        layout.job = local.job = local.read_manifest(step).job  # the markers and the manifest name the job
-        m = upload_step(local, layout, step)
-        spec = durable_spec_of(m)
-        if spec is not None:
-            commit_step(layout, step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
-                        replicated=bool(spec.get("replicated", False)), extra=dict(spec.get("extra", {})),
-                        timeout=knobs.commit_timeout_s)
-        print(f"step {step}: uploaded{' and committed' if spec is not None else ''} "
-              f"({_size(sum(f.size for f in m.all_files()))}, {time.monotonic() - t0:.1f} s)")
+    sizes = {step: sum(f.size for f in local.read_manifest(step).all_files()) for step in steps}
+    with _progress("upload", sum(sizes.values())) as bar:
+        for step in steps:
+            t0 = time.monotonic()
+            layout.job = local.job = local.read_manifest(step).job  # the markers and the manifest name the job
+            m = upload_step(local, layout, step)
+            spec = durable_spec_of(m)
+            if spec is not None:
+                commit_step(layout, step, [int(r) for r in spec["ranks"]], int(spec["world_size"]),
+                            replicated=bool(spec.get("replicated", False)), extra=dict(spec.get("extra", {})),
+                            timeout=knobs.commit_timeout_s)
+            bar.update(sizes[step])
+            bar.write(f"step {step}: uploaded{' and committed' if spec is not None else ''} "
+                      f"({_size(sizes[step])}, {time.monotonic() - t0:.1f} s)", file=sys.stdout)
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     layout = _layout(args)
-    if layout is None:
-        return 2
     steps = layout.committed_steps()
     if args.step is not None:
         if args.step not in steps:
-            print(f"step {args.step} is not committed in {layout.root} (committed: {steps})")
-            return 2
+            raise _Refused(f"step {args.step} is not committed in {layout.root} (committed: {steps})")
         steps = [args.step]
     if not steps:
-        print(f"no committed checkpoints in {layout.root}")
-        return 2
-    bad = 0
+        raise _Refused(f"no committed checkpoints in {layout.root}")
+    manifests = {}
     for step in steps:
-        problems = layout.verify(step)
-        if problems:
-            bad += 1
-            print(f"step {step}: DAMAGED")
-            for p in problems:
-                print(f"  {p}")
-        else:
-            n = len(layout.read_manifest(step).all_files())
-            print(f"step {step}: ok ({n} file{'s' if n != 1 else ''})")
+        with contextlib.suppress(E.CheckpointCorruptError):  # verify says why
+            manifests[step] = layout.read_manifest(step)
+    bad = 0
+    with _progress("verify", sum(f.size for m in manifests.values() for f in m.all_files())) as bar:
+        for step in steps:
+            m = manifests.get(step)
+            # Rank by rank (the bar moves within a step of many ranks); [None]: the verify says what is damaged.
+            problems = [p for r in (sorted(m.files) if m is not None else [None])
+                        for p in _verify_rank(layout, step, r, m, bar)]
+            if problems:
+                bad += 1
+                bar.write("\n".join([f"step {step}: DAMAGED", *(f"  {p}" for p in problems)]), file=sys.stdout)
+            else:
+                n = len(m.all_files()) if m is not None else 0
+                bar.write(f"step {step}: ok ({n} file{'s' if n != 1 else ''})", file=sys.stdout)
     return 1 if bad else 0
+
+
+def _verify_rank(layout: CommitLayout, step: int, rank: int | None, m: Manifest | None, bar: tqdm) -> list[str]:
+    """The problems of rank ``rank``'s files of ``step`` (every rank's: None); moves ``bar`` by their bytes."""
+    problems = layout.verify(step, rank)
+    if m is not None and rank is not None:
+        bar.update(sum(f.size for f in m.files[rank]))
+    return problems
+
+
+class _Bar(tqdm):
+    """tqdm without its monitor thread (started by every bar, shown or not, and left running): a command
+    that runs inside another program (``main``) leaves no thread behind."""
+
+    monitor_interval = 0
+
+
+@contextlib.contextmanager
+def _progress(what: str, total: int) -> Iterator[tqdm]:
+    """A progress bar of ``total`` bytes on stderr, shown only when stderr is a terminal (tqdm's
+    ``disable=None``): a pipe or a log file gets the result lines only. Lines printed meanwhile go through
+    ``bar.write`` (above the bar)."""
+    with _Bar(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+              disable=None, dynamic_ncols=True, leave=False) as bar:
+        yield bar
 
 
 def _alive(job_dir: str) -> bool:
@@ -433,22 +579,71 @@ def parser() -> argparse.ArgumentParser:
     from flashckpt.export import add_parser as add_export  # flashckpt export (#34): its own module
 
     add_export(sub)
+    from flashckpt.status import add_parser as add_status  # flashckpt status (#34): its own module
+
+    add_status(sub)
     return p
 
 
+def _is_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a failure the command reports in one line: flashckpt's own errors, the system's
+    (OSError: a missing file, a full disk, no connection) and the AWS SDK's (botocore: no credentials,
+    an endpoint that does not answer), which the S3 backend raises as they are in a few places."""
+    return isinstance(e, (E.FlashCheckpointError, OSError)) or any(
+        c.__module__.split(".")[0] == "botocore" for c in type(e).__mro__)
+
+
+class _HeldWarnings(logging.Handler):
+    """The warnings flashckpt's modules log while a command runs (an S3 backend's outage warning and its
+    retries, ...), held until the command ends: printed after a success (one line each), dropped after a
+    failure, whose one line says what failed and why (the outage's cause included)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(" ".join(record.getMessage().split()))
+
+
+@contextlib.contextmanager
+def _holding_warnings() -> Iterator[_HeldWarnings]:
+    """Holds the warnings of the ``flashckpt`` loggers in a ``_HeldWarnings`` for the block (not shown
+    through the root logger meanwhile); undoes it after (``main`` also runs inside other programs)."""
+    logger = logging.getLogger("flashckpt")
+    held = _HeldWarnings()
+    propagate = logger.propagate
+    logger.addHandler(held)
+    logger.propagate = False
+    try:
+        yield held
+    finally:
+        logger.removeHandler(held)
+        logger.propagate = propagate
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Runs the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code. Every failure of
+    every subcommand (bad input, a checkpoint dir that is not one, a store that does not answer) is one
+    line on stderr and exit code 2: the subcommands raise, this reports."""
     args = parser().parse_args(argv)
-    if getattr(args, "dir", None) is not None:  # a plain path or a URL, as the engine takes it
+    with _holding_warnings() as held:
         try:
-            args.dir = checkpoint_location(args.dir, f"flashckpt {args.cmd}")
-        except E.FlashCheckpointError as e:
+            if getattr(args, "dir", None) is not None:  # a plain path or a URL, as the engine takes it
+                args.dir = checkpoint_location(args.dir, f"flashckpt {args.cmd}")
+            rc = int(args.fn(args))
+        except _Refused as e:
             print(f"flashckpt {args.cmd}: {e}", file=sys.stderr)
             return 2
-    try:
-        return int(args.fn(args))
-    except (E.FlashCheckpointError, OSError) as e:  # said in full (what failed, and what to do); no traceback
-        print(f"flashckpt {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        except Exception as e:
+            if not _is_failure(e):
+                raise  # a bug: its traceback helps
+            # Said in full (what failed, and what to do); no traceback.
+            print(f"flashckpt {args.cmd}: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+            return 2
+    for line in held.lines:
+        print(f"flashckpt {args.cmd}: {line}", file=sys.stderr)
+    return rc
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+from _cli_helpers import save_steps
 from _fault_helpers import (  # noqa: F401
     FaultEnv,
     close_and_wait,
@@ -31,13 +32,8 @@ def _mib(n: int) -> str:
 
 def test_ls_lists_committed_and_uncommitted_steps_with_sizes(fault_env: FaultEnv) -> None:
     ckpt = os.path.join(fault_env.tmp, "ckpt")
-    engine = CheckpointEngine(ckpt, max_to_keep=0)
-    try:
-        for step, mb in ((10, 1.5), (20, 3)):
-            engine.save(step, make_state(step, mb), storage_type=StorageType.DISK)
-            engine.wait(timeout=60)
-    finally:
-        close_and_wait(engine)
+    save_steps(ckpt, [10], 1.5)
+    save_steps(ckpt, [20], 3)
     # What a crash mid-persist leaves: an intent marker and a temporary file, no manifest.
     layout = CommitLayout(ckpt, PosixDiskStorage())
     partial = os.path.join(ckpt, "step_30", "rank_00000.pt")
@@ -51,10 +47,17 @@ def test_ls_lists_committed_and_uncommitted_steps_with_sizes(fault_env: FaultEnv
     assert r.returncode == 0, r.stderr
     rows = {row["step"]: row for row in json.loads(r.stdout)}
     assert sorted(rows) == [10, 20, 30]
-    assert rows[10]["state"] == "committed" and rows[10]["size"] == _mib(sizes[10]) == "1.5 MiB"
-    assert rows[20]["state"] == "committed (latest)" and rows[20]["size"] == _mib(sizes[20]) == "3.0 MiB"
-    assert rows[10]["files"] == os.path.join("step_10", "rank_00000.pt")
-    assert rows[30]["state"] == "not committed"
+    assert rows[10]["state"] == "committed" and rows[10]["bytes"] == sizes[10] and not rows[10]["latest"]
+    assert rows[20]["state"] == "committed" and rows[20]["bytes"] == sizes[20] and rows[20]["latest"] is True
+    assert _mib(sizes[10]) == "1.5 MiB" and _mib(sizes[20]) == "3.0 MiB"
+    assert rows[10]["files"] == [os.path.join("step_10", "rank_00000.pt")]
+    assert rows[30]["state"] == "not committed" and rows[30]["bytes"] is None and rows[30]["files"] == []
+    # Numbers as numbers: bytes, the commit's epoch time, its age in seconds; no display strings.
+    manifest_time = layout.read_manifest(10).time
+    assert rows[10]["saved_at"] == manifest_time and isinstance(rows[10]["age_s"], float)
+    assert 0 <= rows[10]["age_s"] < 600 and isinstance(rows[30]["saved_at"], float)
+    assert rows[10]["memory"] == {"ranks": [], "backups_of_ranks": []} and rows[10]["tiers"] == "durable"
+    assert rows[10]["training_step"] is None and rows[10]["epoch"] is None
 
     r = run_cli(fault_env, "ls", ckpt, console=True)  # the installed command, human-readable
     assert r.returncode == 0, r.stderr
@@ -95,13 +98,7 @@ def test_gc_dry_run_with_nothing_to_do_says_so(fault_env: FaultEnv) -> None:
 
 def test_verify_reports_missing_files_and_uncommitted_steps(fault_env: FaultEnv) -> None:
     ckpt = os.path.join(fault_env.tmp, "ckpt")
-    engine = CheckpointEngine(ckpt, max_to_keep=0)
-    try:
-        for step in (1, 2):
-            engine.save(step, make_state(step, 1), storage_type=StorageType.DISK)
-            engine.wait(timeout=60)
-    finally:
-        close_and_wait(engine)
+    save_steps(ckpt, [1, 2], 1)
     r = run_cli(fault_env, "verify", ckpt)
     assert r.returncode == 0 and "step 1: ok" in r.stdout and "step 2: ok" in r.stdout, r.stdout
 
@@ -111,7 +108,7 @@ def test_verify_reports_missing_files_and_uncommitted_steps(fault_env: FaultEnv)
     assert r.returncode == 1 and f"{gone}: missing" in r.stdout and "step 2: ok" in r.stdout, r.stdout
     assert run_cli(fault_env, "verify", ckpt, "--step", "2").returncode == 0
     r = run_cli(fault_env, "verify", ckpt, "--step", "7")
-    assert r.returncode not in (0, 1) and "not committed" in r.stdout
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "step 7 is not committed" in r.stderr, r
 
 
 @pytest.mark.multiproc
