@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from flashckpt.config import StorageType
     from flashckpt.engine.durability import Durability
     from flashckpt.engine.engine import CheckpointEngine, LoadResult
+    from flashckpt.engine.events import Event, Stats
     from flashckpt.engine.interval import storage_type_for
     from flashckpt.errors import (
         AlreadyExistsError,
@@ -57,7 +58,8 @@ _ERRORS = ("AlreadyExistsError", "CheckpointCorruptError", "CheckpointDirError",
 __getattr__, __dir__ = lazy_attributes(__name__, {
     "StorageType": "flashckpt.config", "CheckpointEngine": "flashckpt.engine.engine", "LoadResult": "flashckpt.engine.engine", "FileSet": "flashckpt.format.files",
     "storage_type_for": "flashckpt.engine.interval", "CheckpointDeletionStrategy": "flashckpt.commit.retention", "KeepLatestStepStrategy": "flashckpt.commit.retention",
-    "KeepStepIntervalStrategy": "flashckpt.commit.retention", "Durability": "flashckpt.engine.durability", "SnapshotReader": "flashckpt.memory.reader", "CheckpointStorage": "flashckpt.storage.base",
+    "KeepStepIntervalStrategy": "flashckpt.commit.retention", "Durability": "flashckpt.engine.durability",
+    "Event": "flashckpt.engine.events", "Stats": "flashckpt.engine.events", "SnapshotReader": "flashckpt.memory.reader", "CheckpointStorage": "flashckpt.storage.base",
     **{name: "flashckpt.errors" for name in _ERRORS},
 })
 
@@ -65,7 +67,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointEngine", "LoadResult", "Durability", "StorageType", "storage_type_for", "FileSet", "SnapshotReader",
+    "CheckpointEngine", "LoadResult", "Durability", "Event", "Stats", "StorageType", "storage_type_for", "FileSet", "SnapshotReader",
     "CheckpointDeletionStrategy", "KeepLatestStepStrategy", "KeepStepIntervalStrategy", "CheckpointStorage",
     "FlashCheckpointError", "InvalidStateDictError", "InvalidArgumentError", "InvalidArgumentTypeError",
     "CheckpointDirError", "CheckpointNotFoundError", "SharedMemoryError", "SaverError", "PersistError",

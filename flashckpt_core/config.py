@@ -319,6 +319,10 @@ class Knobs:
         unreadable_backoff_s: under "warn", how long saves to storage go to memory at once, owed, after one
             found the checkpoint dir unreadable (a store that is down), before a save asks it again;
             FLASHCKPT_UNREADABLE_BACKOFF_S.
+        metrics_file: a file each engine keeps its checkpointing figures in, in Prometheus' text format, for a
+            node exporter's textfile collector or any scraper ("": none, the default); ``{rank}`` in it is
+            the engine's global rank (one file per rank; without it, local rank 0's engine writes it); see
+            ``engine.events``; FLASHCKPT_METRICS_FILE.
         replica: the backups to a partner node (``ReplicaKnobs``): FLASHCKPT_REPLICA*, FLASHCKPT_NODE_LOSS_S.
         s3: the S3 backend's options (``S3Knobs``): FLASHCKPT_S3_*.
     """
@@ -361,6 +365,7 @@ class Knobs:
     on_persist_error: str = _knob("FLASHCKPT_ON_PERSIST_ERROR", "raise", _word("raise", "warn"))
     max_lag_s: float = _knob("FLASHCKPT_MAX_LAG_S", 0.0, _float(0.0))
     unreadable_backoff_s: float = _knob("FLASHCKPT_UNREADABLE_BACKOFF_S", 30.0, _float(0.0))
+    metrics_file: str = _knob("FLASHCKPT_METRICS_FILE", "")
     replica: ReplicaKnobs = _group(ReplicaKnobs)
     s3: S3Knobs = _group(S3Knobs)
 

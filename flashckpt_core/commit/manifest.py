@@ -86,6 +86,10 @@ class Manifest:
         """The ranks of a job of ``world_size`` ranks that have no files in this step (none when replicated)."""
         return [] if self.replicated else [r for r in range(world_size) if r not in self.files]
 
+    def nbytes(self) -> int:
+        """The bytes of every file of the step."""
+        return sum(f.size for fs in self.files.values() for f in fs)
+
     def saved_at_ranks(self) -> dict[str, float]:
         """Rank (as a string) -> the wall time of the snapshot its files were persisted from
         (``extra.saved_at_ranks``); {} in manifests that do not record it."""

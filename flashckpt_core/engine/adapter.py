@@ -34,6 +34,7 @@ from typing import Any, Self
 
 from flashckpt.engine.collective import gather_errors, rank
 from flashckpt.engine.engine import LoadResult, Located
+from flashckpt.engine.events import EventStream, Loaded
 
 __all__ = ["AdapterBase", "LoadAttempt", "Opened", "Resolved", "resolve_load", "log_load", "is_stored",
            "MEMORY", "STORAGE", "LOCAL", "NONE"]
@@ -160,6 +161,20 @@ def resolve_load(engine: Any, *, op: str, event: str,
     Raises:
         What the openers raise (a snapshot that cannot be read is not an error: storage serves then).
     """
+    events: EventStream | None = getattr(engine, "_events", None)
+    if events is None:
+        return _resolve(engine, op, event, from_memory, from_storage, refuse, locate, agree, group, logger, reshard)
+    with events.one_load():  # the engine calls below report their loads: this is one, reported once
+        out = _resolve(engine, op, event, from_memory, from_storage, refuse, locate, agree, group, logger, reshard)
+    events.emit(Loaded(time.time(), out.step, getattr(engine.ranks, "rank", None), source=out.source,
+                       seconds=out.seconds, bytes=out.nbytes, note=out.why_not_memory))
+    return out
+
+
+def _resolve(engine: Any, op: str, event: str, from_memory: Callable[[Located, Any], Opened | str] | None,
+             from_storage: Callable[[LoadAttempt], Opened | None], refuse: Callable[[Located], str] | None,
+             locate: Callable[[], Located] | None, agree: bool, group: Any, logger: logging.Logger,
+             reshard: bool) -> Resolved:
     t0 = time.perf_counter()
     located = locate() if locate is not None else engine.locate(local=True, reshard=reshard)
     why = ""

@@ -15,7 +15,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from flashckpt import errors as E
@@ -27,6 +27,7 @@ from flashckpt.commit.tiers import local_layout, local_target
 from flashckpt.config import Knobs, StorageType, job_dir
 from flashckpt.engine.deletions import Deletions
 from flashckpt.engine.durability import Durability, DurabilityPolicy
+from flashckpt.engine.events import Event, EventStream, Loaded, SnapshotTaken, Stats, metrics_file
 from flashckpt.engine.guard import CallGuard, engine_call, open_engines
 from flashckpt.engine.interval import SavePolicy
 from flashckpt.engine.loader import StorageLoader
@@ -174,11 +175,16 @@ class CheckpointEngine:
             plan, job_dir=self.job_dir, local_rank=r.local_rank, instance=instance,
             fetch=lambda req: self._client_call(req), weights_only=weights_only)
         self._closed = False
+        self._events = EventStream(r.rank, r.local_rank)
+        self._metrics = metrics_file(self.knobs.metrics_file, r.rank, r.local_rank, os.path.basename(self.job_dir),
+                                     self._stats_now)
+        if self._metrics is not None:
+            self._events.add_listener(self._metrics)
         self._session = SaverSession(self._link, ranks=r, replicated=replicated, persists=self.persists,
                                      handler=self._handler, reader=self._reader, job_dir=self.job_dir,
                                      call=lambda req, **kw: self._client_call(req, **kw), on_status=self._on_status,
                                      durability=self._durability,
-                                     tier=None if self.local_dir is None else self._tier_spec)
+                                     tier=None if self.local_dir is None else self._tier_spec, events=self._events)
         self._snapshots = Snapshots(self._handler, writes=self.snapshots, done=self._session.after_snapshot)
         if hello.records_ready:
             self._records_readied(hello.committed)
@@ -351,6 +357,7 @@ class CheckpointEngine:
             PersistError: an earlier persist failed (raised once, after this snapshot was taken).
         """
         self._check_open("save")
+        t_enter = time.perf_counter()
         if self._restore.downloads:  # the node's shared download of a replicated step: mapped by now
             self._restore.downloads = False
             self._loader.drop_downloads()
@@ -380,8 +387,11 @@ class CheckpointEngine:
         self._policy.observe_snapshot(step, auto_kind, blocked)
         log.info("event=save step=%d storage=%s bytes=%d seconds=%.4f overlap=%d", step, storage_type.value,
                  nbytes, blocked, int(overlap))
-        if not self._snapshots.pending:
-            self._session.after_snapshot(step, storage_type, target, ref)
+        with self._events.after(lambda: SnapshotTaken(  # the pause: the whole call, the persist request included
+                time.time(), step, self.ranks.rank, bytes=nbytes, pause_s=time.perf_counter() - t_enter,
+                storage=storage_type.value, overlap=overlap)):
+            if not self._snapshots.pending:
+                self._session.after_snapshot(step, storage_type, target, ref)
         record_modules()  # under flashckpt-run, once: what this rank's warm worker imports ahead
         return True
 
@@ -492,6 +502,47 @@ class CheckpointEngine:
         See ``flashckpt.engine.durability``."""
         return self._durability.report()
 
+    def add_listener(self, fn: Callable[[Event], Any], kinds: Iterable[str] | None = None) -> Callable[[], None]:
+        """Calls ``fn(event)`` for every checkpointing event this engine hears from now on: its snapshots
+        (``SnapshotTaken``: bytes, the pause), the persists of its rank (``PersistStarted``, ``Persisted``:
+        bytes, seconds, throughput; ``PersistFailed``), its loads (``Loaded``: source, step, seconds), failures
+        (``Failed``: what is still safe); on local rank 0 also the node's commits (``Committed``: step, tier,
+        lag), uploads, storage retries (``Retried``), last words and replica traffic. ``kinds``: only these
+        (the events' ``kind`` names). Returns a function that removes the listener.
+
+        ``fn`` runs in the training thread, inside the engine call that learnt of the event (a save,
+        ``wait``, ``stats``, a load, ``close``): the saver's events arrive with its news, which every save
+        asks for without waiting (so a commit is heard at a save or ``wait`` after it). Keep it short; an
+        exception it raises is logged and ignored. Every event is also logged at INFO on the
+        ``flashckpt.events`` logger. See ``flashckpt.engine.events``.
+
+        Raises:
+            InvalidArgumentError: ``fn`` is not callable, or ``kinds`` names an unknown kind.
+        """
+        return self._events.add_listener(fn, kinds)
+
+    @engine_call("stats")
+    def stats(self) -> Stats:
+        """A running summary of this engine's checkpointing: snapshots and the pause they cost, this rank's
+        persists (bytes, seconds, throughput), commits per tier and the newest step on each tier, the lag,
+        retries, failures, loads and replica traffic (``flashckpt.engine.events.Stats``). Asks the node's
+        saver for its news first (one round trip), so the figures are current.
+
+        Raises:
+            PersistError: a persist failed since the last call that reported one (as ``save`` and ``wait``
+                raise it), with ``on_persist_error="raise"``.
+        """
+        self._check_open("stats")
+        self.wait_snapshot()
+        self._session.absorb(self._client_call(M.Status(cursor=self._link.cursor, local_rank=self.ranks.local_rank,
+                                                        since=self._link.event_seq)))
+        return self._stats_now()
+
+    def _stats_now(self) -> Stats:
+        d = self._durability.report()
+        return self._events.stats(durable_step=d.durable_step, local_step=d.local_step, memory_step=d.memory_step,
+                                  lag_s=d.lag_s)
+
     def saver_cpu_seconds(self) -> float | None:
         """CPU time (user + system, all threads) the node's saver daemon and its persist workers have used
         since it started: what persisting costs the host's cores, for monitoring. None where ``/proc``
@@ -512,7 +563,8 @@ class CheckpointEngine:
         self.wait_snapshot()
         for _ in range(2):  # a second round covers the retention the first commit triggered
             applied = self._deletions.applied
-            reply = self._client_call(M.Wait(timeout_s=timeout or 0, cursor=self._link.cursor),
+            reply = self._client_call(M.Wait(timeout_s=timeout or 0, cursor=self._link.cursor,
+                                             since=self._link.event_seq),
                                       timeout=None if timeout is None else timeout + self.knobs.rpc_timeout_s)
             self._session.absorb(reply)
             if self._deletions.applied == applied:
@@ -558,6 +610,8 @@ class CheckpointEngine:
                 self._snapshots.close()
             self._link.bye(intent)
         finally:
+            if self._metrics is not None:
+                self._metrics.flush()
             if self._reader is not self._handler:
                 self._reader.close()
             self._handler.close()
@@ -728,6 +782,8 @@ class CheckpointEngine:
         if note:
             log.warning("load(): %s", note)
         log.info("event=load step=%s source=%s bytes=%d seconds=%.4f", step, source, nbytes, self.last_load.seconds)
+        self._events.emit(Loaded(time.time(), step, self.ranks.rank, source=source, seconds=self.last_load.seconds,
+                                 bytes=nbytes, note=note))
 
 
 def _closed_message(op: str) -> str:

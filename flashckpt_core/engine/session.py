@@ -21,9 +21,11 @@ from flashckpt import errors as E
 from flashckpt.commit.protocol import commit_spec
 from flashckpt.config import StorageType, dir_identity
 from flashckpt.engine.durability import DurabilityPolicy
+from flashckpt.engine.events import EventStream, Failed, Retried
 from flashckpt.engine.ranks import RankInfo
 from flashckpt.memory.reader import SnapshotReader
 from flashckpt.memory.writer import SharedMemoryHandler
+from flashckpt.storage.base import take_retries
 from flashckpt.transport import messages as M
 from flashckpt.transport.link import SaverLink
 
@@ -48,13 +50,15 @@ class SaverSession:
         on_status: called with each status reply first (the persist time, the commits).
         durability: the engine's failure policy and lag bound (it sees every save and status reply).
         tier: with a local tier, makes what each persist tells the saver (``Persist.local``), else None.
+        events: the engine's event stream: the saver's events in each reply, and the failures, go there.
     """
 
     def __init__(self, link: SaverLink, *, ranks: RankInfo, replicated: bool, persists: bool,
                  handler: SharedMemoryHandler, reader: SnapshotReader, job_dir: str, call: Callable[..., Any],
                  on_status: Callable[[M.StatusReply], None], durability: DurabilityPolicy,
-                 tier: Callable[[], dict[str, Any]] | None = None) -> None:
+                 tier: Callable[[], dict[str, Any]] | None = None, events: EventStream | None = None) -> None:
         self.link, self.ranks, self.replicated, self.persists = link, ranks, replicated, persists
+        self.events = events
         self.durability = durability
         self.tier = tier  # with a local tier: makes a Persist request's ``local`` (at each persist)
         self.handler, self.reader, self.job_dir = handler, reader, job_dir
@@ -83,6 +87,7 @@ class SaverSession:
                 M.Persist(step=step, rank=self.ranks.rank, local_rank=self.ranks.local_rank, seg_path=ref.path,
                           slot=ref.slot, generation=ref.generation, path=target,
                           commit=commit_spec_for(self.ranks, self.replicated), cursor=link.cursor,
+                          since=link.event_seq,
                           local=None if self.tier is None else self.tier()),
                 on_reattach=lambda: handler.mark_pending(ref))
         except BaseException as e:
@@ -101,6 +106,11 @@ class SaverSession:
             PersistError: a persist or commit failed, or persists were lost with a saver that died (with
                 ``on_persist_error="warn"``: logged instead, see ``DurabilityPolicy.failed``).
         """
+        if self.events is not None:
+            self.events.from_saver(st.events, self.link.event_seq)
+            retried = take_retries()  # this process's own requests to the store (the engine's reads)
+            if retried:
+                self.events.emit(Retried(time.time(), counts=retried))
         self.link.absorb(st)
         self._on_status(st)
         self.durability.observe(st.committed, st.commits)
@@ -111,6 +121,10 @@ class SaverSession:
         lost = self.link.take_lost()
         if lost:
             msgs.append(lost)
+        if (msgs or notes) and self.events is not None:
+            d = self.durability.report()
+            self.events.emit(Failed(time.time(), rank=self.ranks.rank, error=". ".join(msgs + notes),
+                                    durable_step=d.durable_step, local_step=d.local_step, memory_step=d.memory_step))
         if (msgs or notes) and not self.durability.failed(". ".join(msgs + notes), len(failed) + bool(lost) + len(notes)):
             return  # on_persist_error="warn": logged, training goes on
         if msgs:

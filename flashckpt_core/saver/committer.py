@@ -82,8 +82,8 @@ class Committer:
                                    waiting=self._commit_waiting(step))
             self._committed_now(step)
             rec = st.note_commit(step, "durable", self._snapshot_at(manifest))
-            log.info("event=commit step=%d tier=durable ranks=%s lag_s=%s", step, spec["ranks"],
-                     "?" if rec["lag_s"] is None else f"{rec['lag_s']:.3f}")
+            st.note("commit", step=step, tier="durable", ranks=spec["ranks"], lag_s=rec["lag_s"],
+                    bytes=manifest.nbytes())
             self._uploaded(step)
             st.finish(step, None, committed=True)
         except TrackerUpdateError as e:  # committed: never reported as a failed step
@@ -150,8 +150,8 @@ class Committer:
             except (OSError, E.FlashCheckpointError):
                 pass
         rec = st.note_commit(job.step, "local", 0.0 if manifest is None else self._snapshot_at(manifest))
-        log.info("event=commit step=%d tier=local ranks=%s seconds=%.3f lag_s=%s path=%s", job.step, list(job.ranks),
-                 time.monotonic() - t0, "?" if rec["lag_s"] is None else f"{rec['lag_s']:.3f}", local.root)
+        st.note("commit", step=job.step, tier="local", ranks=list(job.ranks), seconds=time.monotonic() - t0,
+                lag_s=rec["lag_s"], path=local.root, bytes=0 if manifest is None else manifest.nbytes())
         self.uploader.enqueue(job.step)  # the unit of work goes on with it
         self._local_retention()
 

@@ -22,6 +22,7 @@ from flashckpt.saver.housekeeping import NEEDS_RECORDS, Records
 from flashckpt.saver.lastwords import LastWords
 from flashckpt.saver.persist import PersistQueues
 from flashckpt.saver.replica import ReplicaService
+from flashckpt.saver.report import inspect
 from flashckpt.saver.segments import SegmentPool
 from flashckpt.saver.state import ClientInfo, SaverState, log
 from flashckpt.transport import messages as M
@@ -93,14 +94,16 @@ class ControlServer:
             self.sock.close()
             self.sock = None
 
-    def status(self, cursor: int) -> dict[str, Any]:
+    def status(self, cursor: int, since: int = -1) -> dict[str, Any]:
         st = self.state
+        events, seq = st.events_since(since)
         with st.cv:
             return {"committed": list(st.committed), "errors": st.errors[cursor:], "commits": list(st.commits),
                     "cursor": len(st.errors), "inflight": st.inflight,
-                    "last_persist_s": st.stats.last_persist_s, "records_ready": self.records.ready}
+                    "last_persist_s": st.stats.last_persist_s, "records_ready": self.records.ready,
+                    "events": events, "event_seq": seq}
 
-    def wait(self, timeout: float, cursor: int) -> dict[str, Any]:
+    def wait(self, timeout: float, cursor: int, since: int = -1) -> dict[str, Any]:
         st = self.state
         deadline = time.monotonic() + timeout if timeout > 0 else None
         with st.cv:
@@ -110,7 +113,7 @@ class ControlServer:
                     raise E.CheckpointTimeoutError(
                         f"wait(): {st.inflight} persist(s) still running after {timeout:.0f} s")
                 st.cv.wait(timeout=min(left, 1.0) if left is not None else 1.0)
-        return self.status(cursor)
+        return self.status(cursor, since)
 
     # ------------------------------------------------------------------ connections
     def accept_loop(self) -> None:
@@ -230,6 +233,9 @@ class ControlServer:
     def _on_inventory(self, req: M.Inventory, info: ClientInfo | None) -> M.Reply:
         return self.replica.inventory()
 
+    def _on_inspect(self, req: M.Inspect, info: ClientInfo | None) -> M.Reply:
+        return inspect(self.state, self.pool, self.replica, req)
+
     def _on_fetch(self, req: M.Fetch, info: ClientInfo | None) -> M.Reply:
         return self.replica.fetch(req)
 
@@ -240,13 +246,13 @@ class ControlServer:
     def _on_persist(self, req: M.Persist, info: ClientInfo | None) -> M.Reply:
         self.persist.enqueue(req)
         self.pool.reap_quietly(req.local_rank)
-        return M.StatusReply(**self.status(req.cursor))
+        return M.StatusReply(**self.status(req.cursor, req.since))
 
     def _on_status(self, req: M.Status, info: ClientInfo | None) -> M.Reply:
         if req.local_rank is not None:
             self.pool.reap_quietly(req.local_rank)
         self._tidy_layouts(info)
-        return M.StatusReply(**self.status(req.cursor))
+        return M.StatusReply(**self.status(req.cursor, req.since))
 
     _LAYOUTS_EVERY_S = 2.0
 
@@ -287,12 +293,12 @@ class ControlServer:
             self._layouts_busy = False
 
     def _on_wait(self, req: M.Wait, info: ClientInfo | None) -> M.Reply:
-        return M.StatusReply(**self.wait(req.timeout_s, req.cursor))
+        return M.StatusReply(**self.wait(req.timeout_s, req.cursor, req.since))
 
     def _on_last_words(self, req: M.LastWords, info: ClientInfo | None) -> M.Reply:
         timeout = req.timeout_s if req.timeout_s is not None else self.state.knobs.commit_timeout_s
         step = self.last_words.save_shm_to_storage(timeout=timeout)
-        return M.LastWordsReply(step=step, **self.status(req.cursor))
+        return M.LastWordsReply(step=step, **self.status(req.cursor, req.since))
 
     def _on_delete_steps(self, req: M.DeleteSteps, info: ClientInfo | None) -> M.Reply:
         if req.background:
@@ -361,5 +367,5 @@ class ControlServer:
         M.LastWords: _on_last_words, M.DeleteSteps: _on_delete_steps, M.DeletePath: _on_delete_path,
         M.GiveWay: _on_give_way, M.Bye: _on_bye, M.QueuePut: _on_q_put, M.QueueGet: _on_q_get,
         M.QueueSize: _on_q_size, M.DictUpdate: _on_d_update, M.DictGet: _on_d_get, M.Inventory: _on_inventory,
-        M.Fetch: _on_fetch, M.AwaitRecords: _on_await_records,
+        M.Inspect: _on_inspect, M.Fetch: _on_fetch, M.AwaitRecords: _on_await_records,
     }

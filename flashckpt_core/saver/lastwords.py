@@ -8,6 +8,8 @@ and the launcher's request): the step is chosen and queued under ``SaverState.la
 
 from __future__ import annotations
 
+import logging
+
 from flashckpt import errors as E
 from flashckpt.format.segment import (
     Segment,
@@ -131,7 +133,8 @@ class LastWords:
     def _queue_last_words(self, step: int, persisters: dict[int, ClientInfo], jobs: list[M.Persist]) -> bool:
         """Holds the slots of ``step`` and queues its persists; False (logged) when a job has no persist
         path or a snapshot was overwritten meanwhile (then nothing is held or queued)."""
-        log.warning("event=last_words step=%d ranks=%s", step, sorted(i.rank for i in persisters.values()))
+        self.state.note("last_words", level=logging.WARNING, step=step,
+                        ranks=sorted(i.rank for i in persisters.values()))
         for job in jobs:
             if not job.path:
                 log.error("step %d of local rank %d has no persist path; not persisted", step,

@@ -10,6 +10,7 @@ thread."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import queue
 import time
@@ -131,6 +132,7 @@ class PersistQueues:
                 why = f"{where}: {type(e).__name__}: {e}"
                 with self.state.cv:
                     self.state.failures[(job.step, job.rank)] = why
+                self.state.note("persist_failed", level=None, step=job.step, rank=job.rank, error=why)
                 layout.write_failed(job.step, job.rank, why)
                 self.state.finish(job.step, f"persisting step {job.step} of rank {job.rank} to {where} failed: "
                                   f"{type(e).__name__}: {e}", committed=False)
@@ -163,6 +165,14 @@ class PersistQueues:
             seg.set_flags(job.slot, h.flags | FLAG_PINNED)
         self.pool.persist_activity()
         self.pool.prepare_spares(seg)
+        self.state.note("persist_start", level=logging.DEBUG, step=job.step, rank=job.rank,
+                        bytes=h.tensor_bytes + h.blob_len, path=path,
+                        tier="local" if layout is not self.layout else "durable")
+        with self.state.cv:
+            self.state.running[(job.step, job.rank)] = {
+                "step": job.step, "rank": job.rank, "bytes": h.tensor_bytes + h.blob_len, "path": path,
+                "tier": "local" if layout is not self.layout else "durable", "since": time.monotonic(),
+                "storage": layout.storage}
         try:
             layout.clear_markers(job.step, job.rank)  # an earlier save's of the same step
             # The worker writes the intent and the files (it maps the segment read-only); then the done marker.
@@ -170,6 +180,8 @@ class PersistQueues:
                                           step=job.step, rank=job.rank, path=path)
             layout.write_done(job.step, job.rank, recs, base=path if is_set else "", saved_at=h.wall_time)
         finally:
+            with self.state.cv:
+                self.state.running.pop((job.step, job.rank), None)
             with lock:
                 h2 = seg.header(job.slot)
                 if h2.generation == job.generation:
@@ -185,8 +197,8 @@ class PersistQueues:
             self.state.stats.persisted_bytes += size
             self.state.stats.persist_seconds += dt
             self.state.stats.last_persist_s = dt
-        log.info("event=persist step=%d rank=%d bytes=%d seconds=%.3f path=%s%s", job.step, job.rank,
-                 size, dt, path, " tier=local" if layout is not self.layout else "")
+        self.state.note("persist", step=job.step, rank=job.rank, bytes=size, seconds=dt, path=path,
+                        tier="local" if layout is not self.layout else "durable")
 
     # ------------------------------------------------------------------ persisting a copy held here
     def persist_held(self, step: int, ranks: list[int]) -> list[int]:

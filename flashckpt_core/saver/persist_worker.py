@@ -53,7 +53,7 @@ from flashckpt.format.tensormeta import TensorMeta, build_tensor
 from flashckpt.format.torchfile import SPLICING_MODULE, torch_save_parts, zip_crc_slots
 from flashckpt.format.tree import split_opaque, unflatten
 from flashckpt.storage import locations
-from flashckpt.storage.base import CheckpointStorage, FileRecord, HashingWriter
+from flashckpt.storage.base import CheckpointStorage, FileRecord, HashingWriter, take_retries
 from flashckpt.storage.registry import options_from_env, storage_from_spec
 from flashckpt.transport.wire import read_frame, write_frame
 
@@ -216,6 +216,9 @@ def _serve(writer: _Writer, req: dict[str, Any], out_fd: int, out_lock: threadin
         log.error("persist of step %s rank %s failed: %s: %s", req.get("step"), req.get("rank"), type(e).__name__, e,
                   exc_info=not isinstance(e, (OSError, E.FlashCheckpointError)))
         reply = _error_reply(rid, e)
+    retries = take_retries()  # this process's, since the last reply: the saver counts them as its own
+    if retries:
+        reply["retries"] = retries
     try:
         with out_lock:
             write_frame(out_fd, reply)

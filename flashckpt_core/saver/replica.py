@@ -286,8 +286,8 @@ class ReplicaService:
                 return
             t0 = time.perf_counter()
             self._send_slot(conn, seg, slot, h, {"ok": True}, None)
-        log.info("event=replica_fetch_sent rank=%d step=%d bytes=%d seconds=%.3f", rank, step,
-                 h.tensor_bytes + h.blob_len, time.perf_counter() - t0)
+        self.state.note("replica_fetch_sent", rank=rank, step=step, bytes=h.tensor_bytes + h.blob_len,
+                        seconds=time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ receiving a slot
     def _receive_slot(self, conn: socket.socket, hdr: dict[str, Any], seg: Segment, slot: int, *, seq: int,
@@ -350,8 +350,8 @@ class ReplicaService:
         if ok:
             self.pool.reap_backups(rank)
         send_msg(conn, {"ok": ok, "error": "" if ok else "the snapshot changed while it was sent"})
-        log.info("event=backup_received rank=%d step=%d bytes=%d seconds=%.3f ok=%s", rank, int(hdr["step"]),
-                  nbytes, time.perf_counter() - t0, ok)
+        self.state.note("backup_received", rank=rank, step=int(hdr["step"]), bytes=nbytes,
+                        seconds=time.perf_counter() - t0, ok=ok)
 
     @staticmethod
     def _drain(conn: socket.socket, nbytes: int) -> None:
@@ -419,8 +419,8 @@ class ReplicaService:
                 rep.sent_bytes += h.tensor_bytes + h.blob_len
                 rep.send_seconds += dt
                 if reply.get("ok"):
-                    log.info("event=backup_sent rank=%s step=%d node=%d bytes=%d seconds=%.3f", h.rank, h.step,
-                             node, h.tensor_bytes + h.blob_len, dt)
+                    self.state.note("backup_sent", rank=h.rank, step=h.step, node=node,
+                                    bytes=h.tensor_bytes + h.blob_len, seconds=dt)
                 else:
                     log.warning("node %d did not keep the backup of rank %s step %d: %s", node, h.rank, h.step,
                                 reply.get("error"))
@@ -470,8 +470,8 @@ class ReplicaService:
                 if self._receive_slot(conn, hdr, seg, 0, seq=seq, lock=lock, flags=FLAG_FETCHED):
                     nbytes = int(hdr["tensor_bytes"]) + int(hdr["blob_len"])
                     dt = time.perf_counter() - t0
-                    log.info("event=replica_fetch rank=%d step=%d local_rank=%d bytes=%d seconds=%.3f from=%s:%s",
-                             req.rank, req.step, req.local_rank, nbytes, dt, src.get("host"), src.get("port"))
+                    self.state.note("replica_fetch", rank=req.rank, step=req.step, local_rank=req.local_rank,
+                                    bytes=nbytes, seconds=dt, **{"from": f"{src.get('host')}:{src.get('port')}"})
                     return M.FetchReply(path=path, nbytes=nbytes, seconds=dt)
                 errors.append(f"{src.get('host')}:{src.get('port')}: the snapshot changed while it was sent")
             except (OSError, ValueError, KeyError, E.FlashCheckpointError) as e:

@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ from flashckpt import errors as E
 from flashckpt.commit.layout import CommitLayout
 from flashckpt.config import Knobs
 from flashckpt.format.segment import SlotHeader
-from flashckpt.storage.base import CheckpointStorage
+from flashckpt.storage.base import CheckpointStorage, take_retries
 
 __all__ = ["SaverState", "StepState", "ClientInfo", "Stats", "CommitJob", "LocalCommitJob", "DeleteJob", "DeletePathJob", "CommitWork",
            "saved_at", "log"]
@@ -29,6 +30,7 @@ __all__ = ["SaverState", "StepState", "ClientInfo", "Stats", "CommitJob", "Local
 log = logging.getLogger("flashckpt.saver")
 
 _COMMITS_KEPT = 16  # commit records a status reply carries (the newest)
+_EVENTS_KEPT = 1024  # events the journal keeps for the trainers (``SaverState.note``)
 
 
 @dataclass
@@ -137,6 +139,10 @@ class SaverState:
     local_keep: int = 2  # locally committed steps kept (0: all)
     durable_keep: int = 0  # steps the checkpoint dir keeps, as the newest local commit's engine said (0: all)
     uploading: set[int] = field(default_factory=set)  # locally committed steps not yet committed on the durable tier
+    journal: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=_EVENTS_KEPT))  # ``note``
+    event_seq: int = 0  # the sequence number of the newest event in ``journal``
+    running: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # (step, rank) -> a persist running
+    started_at: float = field(default_factory=time.time)
 
     def spawn(self, target: Any, name: str, *args: Any) -> threading.Thread:
         """Starts a daemon thread of the saver named ``flashckpt-saver-<name>``."""
@@ -186,6 +192,32 @@ class SaverState:
             self.commits = (self.commits + [rec])[-_COMMITS_KEPT:]
         return rec
 
+    def note(self, kind: str, *, level: int | None = logging.INFO, **fields: Any) -> None:
+        """One event of this saver, for the trainers' event stream: kept in the journal (the newest
+        ``_EVENTS_KEPT``; each trainer reads it from its cursor with every status reply, ``events_since``) and
+        logged at ``level`` as ``event=<kind> key=value ...`` in the given order (None: not logged; the caller
+        logged it already). ``fields`` must be JSON values."""
+        rec = {"kind": kind, "time": time.time(), **fields}
+        with self.cv:
+            self.event_seq += 1
+            rec["seq"] = self.event_seq
+            self.journal.append(rec)
+        if level is not None and log.isEnabledFor(level):
+            log.log(level, "event=%s %s", kind, " ".join(f"{k}={_shown(v)}" for k, v in fields.items()))
+
+    def events_since(self, seq: int) -> tuple[list[dict[str, Any]], int]:
+        """The events after sequence number ``seq`` (a trainer's cursor; -1: none, only the cursor) and the
+        newest sequence number. A cursor older than the journal gets what is left (the reply's first ``seq``
+        says how many were missed). The retries counted since the last call become one ``retry`` event (not
+        at a hello, ``seq`` -1, whose cursor starts after it)."""
+        retries = take_retries() if seq >= 0 else {}
+        if retries:
+            self.note("retry", level=logging.DEBUG, counts=retries)
+        with self.cv:
+            if seq < 0 or seq >= self.event_seq:
+                return [], self.event_seq
+            return [e for e in self.journal if e["seq"] > seq], self.event_seq
+
     def wait_step(self, step: int, timeout: float | None) -> None:
         """Waits until ``step_done(step)``; raises CheckpointTimeoutError after ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -200,6 +232,15 @@ class SaverState:
         """The newest committed step (-1: none)."""
         with self.cv:
             return self.committed[-1] if self.committed else -1
+
+
+def _shown(v: Any) -> str:
+    """A field's value in an ``event=`` log line: seconds to the millisecond, None as "?"."""
+    if v is None:
+        return "?"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v)
 
 
 def saved_at(layout: CommitLayout, step: int) -> dict[str, float]:

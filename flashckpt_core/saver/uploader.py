@@ -154,9 +154,9 @@ class Uploader:
                     self._give_up(step, "the saver stopped; the next saver on this node uploads it")
                     return
                 delay = min(2 * delay, _RETRY_MAX_S)
-        nbytes = sum(f.size for fs in m.files.values() for f in fs)
-        log.info("event=upload tier=durable step=%d bytes=%d seconds=%.3f attempts=%d", step, nbytes,
-                 time.monotonic() - t0, self._failures.pop(step, 0) + 1)
+        nbytes = m.nbytes()
+        st.note("upload", tier="durable", step=step, bytes=nbytes, seconds=time.monotonic() - t0,
+                attempts=self._failures.pop(step, 0) + 1)
         spec = durable_spec_of(m)
         if spec is not None:
             st.commit_q.put(CommitJob(step, spec))  # the unit of work goes on with it

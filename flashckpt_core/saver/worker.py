@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from flashckpt import errors as E
-from flashckpt.storage.base import CheckpointStorage, FileRecord
+from flashckpt.storage.base import CheckpointStorage, FileRecord, count_retry
 from flashckpt.storage.registry import storage_spec
 from flashckpt.transport.wire import read_frame, write_frame
 
@@ -132,6 +132,8 @@ class PersistWorker:
                 first = False
                 log.info("the persist worker (pid %d) is ready after %.2f s", proc.pid, time.perf_counter() - t0)
                 continue
+            for kind, n in dict(msg.get("retries") or {}).items():  # the worker's retried requests
+                count_retry(str(kind), int(n))
             with self._lock:
                 p = self._pending.pop(msg.get("id", -1), None)
                 if p is not None:

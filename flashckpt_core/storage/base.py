@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,9 +24,29 @@ from flashckpt import errors as E
 from flashckpt.storage import locations
 from flashckpt.storage.locations import local_dir, url_scheme
 
-__all__ = ["FileRecord", "CheckpointStorage", "file_checksum", "HashingWriter", "url_scheme", "local_dir"]
+__all__ = ["FileRecord", "CheckpointStorage", "file_checksum", "HashingWriter", "url_scheme", "local_dir",
+           "count_retry", "take_retries"]
 
 _CHUNK = 8 << 20
+
+_retries: dict[str, int] = {}  # kind -> retried requests of this process since ``take_retries``
+_retries_lock = threading.Lock()
+
+
+def count_retry(kind: str, n: int = 1) -> None:
+    """Counts ``n`` retried requests of this process (``kind``: "throttled", "unreachable" or "error"), for
+    the event stream: a backend calls it at each retry; a persist worker's counts travel to its saver with its
+    replies; the saver takes the counts (``take_retries``) and reports them to the trainers as ``retry`` events."""
+    with _retries_lock:
+        _retries[kind] = _retries.get(kind, 0) + n
+
+
+def take_retries() -> dict[str, int]:
+    """The retries counted since the last call (kind -> count), and the count starts again."""
+    global _retries
+    with _retries_lock:
+        out, _retries = _retries, {}
+    return out
 
 
 @dataclass(frozen=True)

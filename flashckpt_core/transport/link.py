@@ -48,6 +48,7 @@ class SaverLink:
         self.client: Client | None = None
         self.saver_pid = 0
         self.cursor = 0  # errors the saver reported up to here are known
+        self.event_seq = -1  # the saver's events up to here are known (its journal's sequence number)
         self.requested: set[int] = set()  # steps whose persist was asked for and not known to be done
         self.lost_persists: str | None = None  # persists lost with a dead saver: reported once
         self._status_req: int | None = None  # id of the status request sent and not answered yet
@@ -78,6 +79,7 @@ class SaverLink:
                 delay = min(delay * 2, 0.2)
         self.client = client
         self.cursor = hello.cursor or 0  # errors before we attached belong to an earlier run
+        self.event_seq = hello.event_seq if hello.event_seq is not None else -1  # and so do its events
         self.saver_pid = hello.pid
         self.runtime = dir_identity(self.job_dir)
         self.attaches += 1
@@ -179,7 +181,8 @@ class SaverLink:
                 self._status_req = None
                 got = M.StatusReply.from_wire(reply)
             if seg != self._status_seg or time.monotonic() - self.status_at >= _STATUS_EVERY_S:
-                self._status_req = client.submit(M.Status(cursor=self.cursor, local_rank=local_rank))
+                self._status_req = client.submit(M.Status(cursor=self.cursor, local_rank=local_rank,
+                                                          since=self.event_seq))
                 self._status_seg = seg
                 self.status_at = time.monotonic()
         except ConnectionLost as e:
@@ -188,9 +191,11 @@ class SaverLink:
         return got
 
     def absorb(self, st: M.StatusReply) -> None:
-        """Takes in a status reply: the error cursor and the persists known to be done."""
+        """Takes in a status reply: the error and event cursors and the persists known to be done."""
         if st.cursor is not None:
             self.cursor = st.cursor
+        if st.event_seq is not None:
+            self.event_seq = st.event_seq
         if st.inflight == 0:
             self.requested.clear()
         else:

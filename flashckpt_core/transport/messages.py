@@ -27,7 +27,7 @@ __all__ = [
     "Bye", "QueuePut", "QueueGet", "QueueSize", "DictUpdate", "DictGet", "REQUESTS", "parse_request",
     "Reply", "Ok", "StatusReply", "HelloReply", "LastWordsReply", "AllocReply", "DeleteStepsReply", "DeletePathReply",
     "GiveWayReply", "QueueGetReply", "QueueSizeReply", "DictGetReply", "Inventory", "InventoryReply", "Fetch",
-    "FetchReply", "AwaitRecords", "RecordsReply",
+    "FetchReply", "AwaitRecords", "RecordsReply", "Inspect", "InspectReply",
 ]
 
 R = TypeVar("R", bound="Request[Any]")
@@ -88,6 +88,10 @@ class StatusReply(Reply):
     # The newest commits this saver made, oldest first: {"step", "tier", "snapshot_at", "committed_at", "lag_s"}
     # (wall times; lag_s: from the snapshot to the commit, None when the snapshot's time is unknown).
     commits: list[dict[str, Any]] = field(default_factory=list)
+    # The saver's events after the request's ``since`` ({"kind", "time", "seq", fields...}: ``SaverState.note``)
+    # and the newest sequence number (the next ``since``; None: not told).
+    events: list[dict[str, Any]] = field(default_factory=list)
+    event_seq: int | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,28 @@ class InventoryReply(Reply):
     port: int = 0
     held: list[dict[str, Any]] = field(default_factory=list)
     persisting: list[list[int]] = field(default_factory=list)  # [step, rank] of persists queued or running
+
+
+@dataclass(frozen=True)
+class InspectReply(Reply):
+    """What a saver is doing now, for ``flashckpt status`` (see ``Inspect``)."""
+
+    pid: int = 0
+    checkpoint_dir: str = ""
+    started_at: float = 0.0  # wall time
+    clients: list[dict[str, Any]] = field(default_factory=list)  # {"rank", "local_rank", "pid", "world_size"}
+    # persists running now: {"step", "rank", "bytes", "done" (bytes written so far; None: the store cannot
+    # tell), "path", "tier", "seconds"}
+    persisting: list[dict[str, Any]] = field(default_factory=list)
+    queued: int = 0  # units of work in flight (persists, commits, deletions, last words)
+    committed: int | None = None  # the newest step committed on the checkpoint dir, as this saver knows it
+    local_committed: int | None = None  # the newest on the node-local tier (None: none, or no local tier)
+    local_dir: str = ""
+    commits: list[dict[str, Any]] = field(default_factory=list)  # the newest commits (``StatusReply.commits``)
+    held: list[dict[str, Any]] = field(default_factory=list)  # snapshots in this node's memory (``Inventory``)
+    memory_bytes: int = 0  # shared memory of this job on the node
+    replica: dict[str, Any] = field(default_factory=dict)  # {} single node; else node, nnodes, partners, sent
+    events: list[dict[str, Any]] = field(default_factory=list)  # the newest events of the journal
 
 
 @dataclass(frozen=True)
@@ -293,6 +319,7 @@ class Persist(Request[StatusReply]):
     path: str
     commit: dict[str, Any] | None = None
     cursor: int = 0
+    since: int = -1  # events after this sequence number (-1: none)
     # With a local tier: {"node_ranks": the ranks of this node that persist the step, "world_size",
     # "replicated"}; the files go to the local tier, committed there per node, then uploaded (None: straight
     # to the checkpoint dir).
@@ -305,6 +332,7 @@ class Status(Request[StatusReply]):
 
     local_rank: int | None = None
     cursor: int = 0
+    since: int = -1  # events after this sequence number (-1: none)
 
 
 @dataclass(frozen=True)
@@ -313,6 +341,7 @@ class Wait(Request[StatusReply]):
 
     timeout_s: float = 0.0
     cursor: int = 0
+    since: int = -1  # events after this sequence number (-1: none)
 
 
 @dataclass(frozen=True)
@@ -329,6 +358,7 @@ class LastWords(Request[LastWordsReply]):
 
     timeout_s: float | None = None
     cursor: int = 0
+    since: int = -1  # events after this sequence number (-1: none)
 
 
 @dataclass(frozen=True)
@@ -368,6 +398,15 @@ class Bye(Request[Ok]):
 @dataclass(frozen=True)
 class Inventory(Request[InventoryReply]):
     """What this node holds in memory, its own and its peers' backups (a load's agreement across nodes)."""
+
+
+@dataclass(frozen=True)
+class Inspect(Request[InspectReply]):
+    """What the saver is doing now (``flashckpt status``; no hello needed): its trainers, the persists running
+    with the bytes written so far, the newest commits per tier, the memory it holds, its replica partners and
+    its newest ``events`` journal entries."""
+
+    events: int = 20
 
 
 @dataclass(frozen=True)
@@ -413,7 +452,7 @@ class DictGet(Request[DictGetReply], op="d_get"):
 
 REQUESTS: dict[str, type[Request]] = {cls.OP: cls for cls in (
     Hello, Alloc, Persist, Status, Wait, LastWords, DeleteSteps, DeletePath, GiveWay, Bye, QueuePut, QueueGet,
-    QueueSize, DictUpdate, DictGet, Inventory, Fetch, AwaitRecords)}
+    QueueSize, DictUpdate, DictGet, Inventory, Inspect, Fetch, AwaitRecords)}
 
 
 def parse_request(msg: dict[str, Any]) -> Request:

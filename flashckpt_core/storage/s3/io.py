@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from flashckpt import errors as E
 from flashckpt.format.rawio import ViewsReader, part_view
+from flashckpt.storage.base import count_retry
 
 if TYPE_CHECKING:
     from flashckpt.storage.s3.options import S3Options
@@ -244,6 +245,7 @@ class Retry:
                     if kind == "throttle" or why is not None:  # a stalled link too: fewer parts at once
                         self.throttled += kind == "throttle"
                         self.allowed = max(1, self.allowed // 2)
+                count_retry("throttled" if kind == "throttle" else "unreachable" if why is not None else "error")
                 wait_s = max(_retry_after(e), self._rng.uniform(0, delay))  # full jitter; Retry-After first
                 delay = min(delay * 2, 20.0)
                 if time.monotonic() + wait_s > self.deadline:
