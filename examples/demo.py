@@ -23,12 +23,32 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 from flashckpt.commit.layout import CommitLayout
 from flashckpt.storage.posix import PosixDiskStorage
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def stream(cmd: list[str], env: dict[str, str], show: Callable[[str], None]) -> tuple[int, list[str]]:
+    """Runs ``cmd`` and hands ``show`` each line of its output (stdout and stderr) as soon as it is written,
+    not at the end: a training job's progress appears while it runs. Returns the exit code and every line."""
+    lines: list[str] = []
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          bufsize=1) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            show(lines[-1])
+    return proc.returncode, lines
+
+
+def _show(line: str) -> None:
+    """Prints the job's lines a reader follows: the ranks' own and the launcher's last words."""
+    if line.startswith("[rank ") or "last words" in line:
+        print("   ", line, flush=True)
 
 
 def launch(ckpt_dir: str, metrics: str, job: str, *extra: str) -> int:
@@ -38,14 +58,11 @@ def launch(ckpt_dir: str, metrics: str, job: str, *extra: str) -> int:
     env = dict(os.environ, FLASHCKPT_JOB_ID=job, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                FLASHCKPT_LAUNCH_EVENTS=metrics)  # the agent's events beside the workers' (the breakdown)
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("[rank ") or "last words" in line:
-            print("   ", line)
-    if proc.returncode != 0:
-        print(proc.stdout[-4000:])
-        raise SystemExit(f"the training job failed (exit {proc.returncode}); its output is above")
-    return proc.returncode
+    rc, lines = stream(cmd, env, _show)
+    if rc != 0:
+        print("\n".join(lines)[-4000:])
+        raise SystemExit(f"the training job failed (exit {rc}); its output is above")
+    return rc
 
 
 def events(path: str) -> list[dict]:
@@ -122,7 +139,7 @@ def main() -> int:
         print(f"| of which the load | {resume['seconds'] * 1e3:.1f} ms from memory (torch.load of the "
               f"step-{disk_step} file: {disk_load_s * 1e3:.1f} ms) |")
         committed = sorted(CommitLayout(ckpt, PosixDiskStorage()).committed_steps())
-        print(f"| committed checkpoints | steps {committed} (step {args.crash_at_step}: last words after the crash) |")
+        print(f"| committed checkpoints | steps {committed} (step {args.crash_at_step}: the saver's last words after the crash) |")
         same = end_resumed["digest"] == end_ref["digest"]
         print(f"| final weights equal an uninterrupted run | {'yes' if same else 'NO'} |")
         ok = rc == 0 and resume["source"] == "memory" and resume["step"] == args.crash_at_step and same

@@ -110,8 +110,12 @@ def last_words_for_job(job_id: str, timeout: float) -> dict[str, Any]:
         finally:
             client.close()
     for d, step in out.items():
-        log.warning("last words of job %s (its saver persists the newest snapshot not yet committed): %s",
-                    os.path.basename(d), "nothing newer than the last commit" if step is None else f"step {step}")
+        said = ("nothing left to persist: its newest snapshot in memory is committed already (a saver also "
+                "does this on its own as soon as it sees a trainer die)" if step is None else
+                f"step {step}, its newest snapshot in memory, goes to storage and is committed" if isinstance(step, int)
+                else str(step))
+        log.warning("last words of job %s (its saver persists and commits the newest snapshot in memory that "
+                    "storage lacks): %s", os.path.basename(d), said)
     return out
 
 
