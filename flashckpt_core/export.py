@@ -152,7 +152,7 @@ def _check_args(out: str | os.PathLike[str], fmt: str, max_shard_size: str | int
     from huggingface_hub.serialization._base import parse_size_to_int
 
     try:
-        if parse_size_to_int(max_shard_size) <= 0:
+        if (max_shard_size if isinstance(max_shard_size, int) else parse_size_to_int(max_shard_size)) <= 0:
             raise ValueError("not positive")
     except (ValueError, TypeError) as e:
         raise E.InvalidArgumentError(f"export: max_shard_size {max_shard_size!r} is not a size such as "
@@ -388,8 +388,8 @@ def _write(read: _Read, tree: Any, key: str, out: str, fmt: str, max_shard_size:
     tmp = f"{out}.partial-{os.getpid()}"
     try:
         with bar:
-            for name, t in tensors.items():  # on the CPU and detached (a copy only for a tensor on a device)
-                tensors[name] = t.detach().cpu()
+            for name, t in tensors.items():
+                tensors[name] = _whole(t)
                 bar.update(1)
             bar.set_postfix_str("writing")
             if fmt == "torch":
@@ -407,11 +407,26 @@ def _write(read: _Read, tree: Any, key: str, out: str, fmt: str, max_shard_size:
     return Exported(read.step, read.kind, source, key, paths, len(tensors), dropped)
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU, detached, and owning its storage: a view into a larger buffer (DeepSpeed's
+    ``zero_to_fp32`` returns its weights as views of one flat buffer) is copied, since safetensors writes
+    whole storages and refuses a part of one; tensors sharing one storage whole (tied weights) stay shared."""
+    t = t.detach().cpu()
+    if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
 def _save_safetensors(tensors: dict[str, torch.Tensor], d: str, max_shard_size: str | int, configs: list[str]) -> None:
     from huggingface_hub import save_torch_state_dict
 
     os.mkdir(d)
-    save_torch_state_dict(tensors, d, max_shard_size=max_shard_size)
+    try:
+        save_torch_state_dict(tensors, d, max_shard_size=max_shard_size)
+    except (RuntimeError, ValueError) as e:  # what safetensors refuses (shared storages it cannot split...)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise E.InvalidStateDictError(f"export: safetensors cannot hold these tensors ({first}); --format torch "
+                                      "writes any state") from e
     for c in configs:
         shutil.copyfile(c, os.path.join(d, os.path.basename(c)))
 

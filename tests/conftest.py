@@ -143,7 +143,7 @@ def _native_fast_path():
 
 
 # Test files whose ranks run DeepSpeed (its CPU shared-memory allreduce op is JIT-built on first use).
-_DEEPSPEED_FILES = {"test_deepspeed.py", "test_dlrover_guide.py", "test_hf.py", "test_s3_dist_adapters.py",
+_DEEPSPEED_FILES = {"test_deepspeed.py", "test_dlrover_guide.py", "test_hf.py", "test_s3_dist_adapters.py", "test_export.py",
                     "test_conformance.py"}
 
 

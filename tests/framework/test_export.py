@@ -148,3 +148,112 @@ def test_bad_input_is_one_line_and_exit_2(make_engine, ckpt_dir, tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", "empty", "exists"] + [n for n in os.listdir(tmp_path)
                                                                               if n.startswith(".")])
     assert tree_files(ckpt_dir) == before
+
+
+# ------------------------------------------------------------------------------------------ HF Trainer
+def test_hf_trainer_checkpoint_to_sharded_safetensors_that_from_pretrained_loads(tmp_path, monkeypatch):
+    """A tiny GPT-2 trained 3 steps by FlashCkptTrainer (the last step committed to storage) exports to
+    several safetensors shards with their index and the model's config; every shard read with load_file
+    and the vanilla ``AutoModelForCausalLM.from_pretrained(OUT)`` hold the trained weights bit for bit."""
+    pytest.importorskip("transformers")
+    from test_hf import make_trainer, weights
+
+    # Accelerate's CUDA probe may leave PYTORCH_NVML_BASED_CUDA_CHECK set (as test_hf's _hf_env says)
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK")
+    from transformers import AutoModelForCausalLM
+
+    run = str(tmp_path / "run")
+    trainer = make_trainer(run, max_steps=3, save_steps=3)
+    trainer.train()
+    trained = weights(trainer.model)
+    before = tree_files(run)
+    out = str(tmp_path / "export")
+    line = exported_ok(run, out, "--max-shard-size", "20KB")
+    assert "step 3 (hf, from storage)" in line
+    shards = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+    assert len(shards) >= 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors", shards
+    assert {"model.safetensors.index.json", "config.json"} <= set(os.listdir(out))
+    got = read_safetensors(out)
+    assert set(trained) - set(got) == {"lm_head.weight"}  # tied to the token embedding: saved once, as HF does
+    assert_same(got, {k: v for k, v in trained.items() if k in got})
+    vanilla = AutoModelForCausalLM.from_pretrained(out)
+    assert_same(weights(vanilla), trained)
+    assert tree_files(run) == before
+
+
+# ------------------------------------------------------------------------------------------ FSDP / DCP
+def fsdp_worker(ckpt_dir: str, full_path: str) -> dict:
+    """2 ranks of FSDP2 (test_fsdp's model) train 2 steps and persist step 2 with FsdpShardCheckpointer
+    (DCP files); rank 0 writes the unsharded model state of step 2 to ``full_path``."""
+    import torch.distributed as dist
+    from flashckpt.integrations.fsdp import FsdpShardCheckpointer, StorageType
+    from test_fsdp import build, full_state, state, train_step
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt = build(world)
+    ckpt = FsdpShardCheckpointer(ckpt_dir)
+    try:
+        for step in (1, 2):
+            train_step(model, opt, step, rank)
+        ckpt.save_checkpoint(2, {**state(model, opt), "step": 2}, "step_2", storage_type=StorageType.DISK)
+        ckpt.wait_latest_checkpoint(120)
+        full = full_state(model, opt)
+        if rank == 0:
+            torch.save(full["model"], full_path)
+        dist.barrier()
+    finally:
+        ckpt.close()
+    return {}
+
+
+def test_fsdp_dcp_step_to_torch_file_and_safetensors(tmp_path, runtime_dir):
+    """A step FSDP2 persisted as DCP files by 2 ranks, consolidated by PyTorch's own reader: one torch file
+    and safetensors, both equal to the unsharded model state the ranks gathered."""
+    pytest.importorskip("torch.distributed.fsdp")
+    from helpers import run_ranks
+
+    ckpt, full = str(tmp_path / "ckpt"), str(tmp_path / "full.pt")
+    run_ranks(fsdp_worker, 2, str(tmp_path / "work"), args={"ckpt_dir": ckpt, "full_path": full})
+    want = torch.load(full, weights_only=True)
+    assert sorted(n for n in os.listdir(os.path.join(ckpt, "step_2")) if n.endswith(".distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]
+    pt = str(tmp_path / "model.pt")
+    assert "step 2 (dcp, from storage)" in exported_ok(ckpt, pt, "--format", "torch")
+    assert_same(torch.load(pt, weights_only=True), want)
+    out = str(tmp_path / "st")
+    exported_ok(ckpt, out)
+    assert_same(read_safetensors(out), want)
+
+
+# ------------------------------------------------------------------------------------------ DeepSpeed
+def deepspeed_worker(ckpt_dir: str, fp32_path: str) -> dict:
+    """1 rank of DeepSpeed ZeRO-2 on the CPU (test_deepspeed's model) trains 2 steps and persists
+    ``global_step2`` with DeepSpeedCheckpointer; writes the engine's fp32 weights to ``fp32_path``."""
+    from flashckpt.integrations.deepspeed import DeepSpeedCheckpointer
+    from test_deepspeed import _engine, _train
+
+    engine = _engine("zero2")
+    with DeepSpeedCheckpointer(engine, ckpt_dir) as ck:
+        _train(engine, 1, 2)
+        ck.save_checkpoint(ckpt_dir)
+        ck.wait(60)
+    torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()}, fp32_path)
+    return {}
+
+
+def test_deepspeed_zero_step_exports_the_fp32_weights(tmp_path, runtime_dir):
+    """A ZeRO-2 tag exports the fp32 weights DeepSpeed's zero_to_fp32 puts together from its partitions:
+    equal to the engine's weights."""
+    pytest.importorskip("deepspeed")
+    from helpers import run_ranks
+
+    ckpt, fp32 = str(tmp_path / "ckpt"), str(tmp_path / "fp32.pt")
+    os.makedirs(ckpt)
+    run_ranks(deepspeed_worker, 1, str(tmp_path / "work"), args={"ckpt_dir": ckpt, "fp32_path": fp32},
+              env={"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"})
+    want = torch.load(fp32, weights_only=True)
+    assert any(n.startswith("zero_pp_rank_0") for n in os.listdir(os.path.join(ckpt, "global_step2")))
+    out = str(tmp_path / "st")
+    assert "step 2 (deepspeed, from storage)" in exported_ok(ckpt, out)
+    assert_same(read_safetensors(out), want)
