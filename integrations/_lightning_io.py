@@ -43,6 +43,7 @@ from flashckpt.integrations._lightning_paths import (
     single_file_steps,
     storage_type_of,
 )
+from flashckpt.integrations.telemetry import report_lightning
 from flashckpt.memory.reader import SnapshotReader, job_in_memory
 from flashckpt.storage import locations
 
@@ -213,6 +214,9 @@ class _FlashIOImpl:
         self._reserve(target, disk)
         log.info("event=lightning_save path=%s engine_step=%d global_step=%s storage=%s seconds=%.4f", target, seq,
                  checkpoint.get("global_step"), storage.value, time.perf_counter() - t0)
+        trainer = self._saving_trainer()
+        if trainer is not None:  # the pause, persist time and durable step to the module's loggers
+            report_lightning(trainer, engine)
         if disk and context == "trainer":  # no teardown follows: durable on return, as torch.save is
             try:
                 self._wait_persists()
@@ -299,6 +303,16 @@ class _FlashIOImpl:
                 via_trainer = True
             f = f.f_back
         return "trainer" if via_trainer else "direct"
+
+    def _saving_trainer(self) -> Any:
+        """The Lightning ``Trainer`` whose ``save_checkpoint`` called us (None: a direct call)."""
+        save = self._codes()["save"]
+        f: Any = sys._getframe(2)
+        while f is not None:
+            if f.f_code is save:
+                return f.f_locals.get("self")
+            f = f.f_back
+        return None
 
     def _failing(self) -> BaseException | None:
         """The exception Lightning tears down for, if it does: the one being handled when a Trainer's

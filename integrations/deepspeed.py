@@ -66,6 +66,7 @@ from flashckpt.format.files import FileSet
 from flashckpt.format.names import META
 from flashckpt.integrations._deepspeed_engine import DsCapture, DsServe, FlashDeepSpeedCheckpointEngine
 from flashckpt.integrations._kit_files import SnapshotDir, scratch_root
+from flashckpt.integrations.telemetry import report_line
 from flashckpt.storage import locations
 from flashckpt.storage.base import CheckpointStorage
 
@@ -220,6 +221,9 @@ class DeepSpeedCheckpointer(AdapterBase):
             self._disk_dirs[set_dir] = step
         log.info("event=ds_save tag=%s step=%d storage=%s files=%d snapshot_s=%.4f seconds=%.4f", tag, step,
                  storage_type.value, len(files), cap.pause_s, seconds)
+        from deepspeed.utils import logger as ds_logger
+
+        report_line(ds_logger, step, self._core)  # the figures in DeepSpeed's own log
         return True
 
     def _scripts_copier(self, files: FileSet) -> Callable[[str], None]:

@@ -79,6 +79,7 @@ from flashckpt.integrations._kit_files import (
 )
 from flashckpt.integrations._kit_resume import auto_resume, resume_flag, resume_line, steps_lost
 from flashckpt.integrations.accelerate import AcceleratorCheckpointer
+from flashckpt.integrations.telemetry import report_hf
 from flashckpt.storage import locations, registry
 
 try:
@@ -479,6 +480,7 @@ class FlashCkptTrainer(Trainer):
                     self.state.save_to_json(os.path.join(tmp, TRAINER_STATE))
             cap.collect()
             engine.save(step, fs, path=name, storage_type=storage)
+        report_hf(self, engine)  # the pause, persist time and durable step to report_to (TensorBoard, W&B)
         self._flash_last_step = step
         if storage == StorageType.DISK:
             self._flash_disk_steps.add(step)

@@ -522,11 +522,12 @@ class CheckpointEngine:
         return self._events.add_listener(fn, kinds)
 
     @engine_call("stats")
-    def stats(self) -> Stats:
+    def stats(self, refresh: bool = True) -> Stats:
         """A running summary of this engine's checkpointing: snapshots and the pause they cost, this rank's
         persists (bytes, seconds, throughput), commits per tier and the newest step on each tier, the lag,
         retries, failures, loads and replica traffic (``flashckpt.engine.events.Stats``). Asks the node's
-        saver for its news first (one round trip), so the figures are current.
+        saver for its news first (one round trip), so the figures are current; ``refresh=False``: as of the
+        news the last save or ``wait`` brought (no round trip: what the adapters report after each save).
 
         Raises:
             PersistError: a persist failed since the last call that reported one (as ``save`` and ``wait``
@@ -534,8 +535,9 @@ class CheckpointEngine:
         """
         self._check_open("stats")
         self.wait_snapshot()
-        self._session.absorb(self._client_call(M.Status(cursor=self._link.cursor, local_rank=self.ranks.local_rank,
-                                                        since=self._link.event_seq)))
+        if refresh:
+            self._session.absorb(self._client_call(M.Status(cursor=self._link.cursor, local_rank=self.ranks.local_rank,
+                                                            since=self._link.event_seq)))
         return self._stats_now()
 
     def _stats_now(self) -> Stats:

@@ -294,7 +294,7 @@ class Stats:
         snapshots: saves that took a snapshot; snapshot_bytes: the last one's size; pause_s_total /
             pause_s_last / pause_s_max: how long training waited for them.
         persists / persisted_bytes / persist_seconds: this rank's files written; persist_mb_per_s: their
-            throughput (None: none yet).
+            throughput, persist_s_last: the newest one's seconds (None: none yet).
         commits: per tier ("durable", "local"), the commits heard; durable_step / local_step / memory_step:
             the newest step committed on each tier and in memory (None: none).
         lag_s: how far the checkpoint dir is behind the newest storage save now (``durability()``).
@@ -315,6 +315,7 @@ class Stats:
     persisted_bytes: int = 0
     persist_seconds: float = 0.0
     persist_mb_per_s: float | None = None
+    persist_s_last: float | None = None
     commits: dict[str, int] = field(default_factory=dict)
     durable_step: int | None = None
     local_step: int | None = None
@@ -344,7 +345,7 @@ def _summed(s: Stats, ev: Event) -> Stats:
     elif isinstance(ev, Persisted):
         nbytes, secs = s.persisted_bytes + ev.bytes, s.persist_seconds + ev.seconds
         up.update(persists=s.persists + 1, persisted_bytes=nbytes, persist_seconds=secs,
-                  persist_mb_per_s=_rate(nbytes, secs))
+                  persist_mb_per_s=_rate(nbytes, secs), persist_s_last=ev.seconds)
     elif isinstance(ev, Committed):
         up["commits"] = _add(s.commits, ev.tier)
         up["durable_step" if ev.tier == "durable" else "local_step"] = ev.step

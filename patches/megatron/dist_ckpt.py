@@ -71,6 +71,7 @@ from flashckpt.engine.reshard import Resharded
 from flashckpt.engine.routing import path_inside, step_of
 from flashckpt.errors import FlashCheckpointError
 from flashckpt.integrations.dcp import METADATA_NAME, open_memory_reader
+from flashckpt.integrations.telemetry import report_line
 from flashckpt.patches.megatron._stager import DistcpStager
 from flashckpt.patches.megatron._view import View, from_rank0, raw_entry
 from flashckpt.storage import locations
@@ -91,6 +92,7 @@ __all__ = ["MegatronCheckpointer", "FlashCkptSaveStrategy", "save", "load", "ite
            "StorageType"]
 
 log = logging.getLogger(__name__)
+_MEGATRON_LOG = logging.getLogger("megatron.core.dist_checkpointing")  # where megatron-core logs its saves
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d+)$")
@@ -200,6 +202,7 @@ class MegatronCheckpointer(AdapterBase):
         if tracker and rank() == 0:
             col.fileset.add_raw(TRACKER_NAME, str(step).encode(), kind="tracker")
         self.engine.save(step, col.fileset, path=col.path, storage_type=storage_type)
+        report_line(_MEGATRON_LOG, step, self.engine)  # the figures in Megatron's own log
 
     def save_strategy(self, *, step: int | None = None, storage_type: StorageType = StorageType.DISK,
                       thread_count: int = 2) -> FlashCkptSaveStrategy:

@@ -399,9 +399,21 @@ def test_latest_never_names_a_tag_killed_while_persisting(tmp_path, runtime_dir)
 
 # ------------------------------------------------------------------------------------------ another number of ranks
 def two_ranks_worker(ckpt: str) -> dict:
-    """ZeRO-1 on 2 ranks: global_step1 committed, global_step2 a memory snapshot left for the next job."""
+    """ZeRO-1 on 2 ranks: global_step1 committed, global_step2 a memory snapshot left for the next job. What
+    DeepSpeed's own logger said of flashckpt's figures is returned (rank 0 says them)."""
+    import logging
+
+    from deepspeed.utils import logger as ds_logger
     from flashckpt.integrations.deepspeed import DeepSpeedCheckpointer, StorageType
 
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    ds_logger.addHandler(Keep(logging.INFO))
+    ds_logger.setLevel(logging.INFO)  # DeepSpeed logs its own checkpoint lines at INFO too (hidden by default)
     engine = _engine("zero1")
     ck = DeepSpeedCheckpointer(engine, ckpt)
     _train(engine, 1, 1)
@@ -410,7 +422,7 @@ def two_ranks_worker(ckpt: str) -> dict:
     _train(engine, 2, 2)
     ck.save_checkpoint(ckpt, storage_type=StorageType.MEMORY)
     ck.close(release=False)
-    return {}
+    return {"said": [m for m in said if m.startswith("flashckpt:")]}
 
 
 def one_rank_worker(ckpt: str) -> dict:
@@ -440,8 +452,11 @@ def test_zero_partitions_of_another_number_of_ranks_say_why_memory_is_not_used(t
     which DeepSpeed cannot reshard without a universal checkpoint; one warning says so, and the load is
     DeepSpeed's own from storage, as before (which refuses the 2-rank files of global_step1 itself)."""
     ckpt = str(tmp_path / "ckpt")
-    run_ranks(two_ranks_worker, 2, str(tmp_path / "two"), env={**DS_ENV, "FLASHCKPT_SAVER_GRACE_S": "120"},
-              args={"ckpt": ckpt})
+    r0, r1 = run_ranks(two_ranks_worker, 2, str(tmp_path / "two"), env={**DS_ENV, "FLASHCKPT_SAVER_GRACE_S": "120"},
+                       args={"ckpt": ckpt})
+    # flashckpt's figures of each checkpoint in DeepSpeed's own log, on rank 0 (the second one knows step 1 durable)
+    assert len(r0["said"]) == 2 and r1["said"] == [], (r0, r1)
+    assert "checkpoint of step 2" in r0["said"][1] and "durable: step 1" in r0["said"][1], r0["said"]
     (r,) = run_ranks(one_rank_worker, 1, str(tmp_path / "one"), env=DS_ENV, args={"ckpt": ckpt})
     assert r["source"] != "memory", r  # (None: DeepSpeed's own load refused the 2-rank files, as without us)
     assert any("cannot reshard ZeRO partitions" in m and "saved by 2 ranks" in m for m in r["said"]), r["said"]

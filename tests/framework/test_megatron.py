@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import signal
 
@@ -246,8 +247,16 @@ def vanilla_strategy_worker(root: str, ref: str) -> dict:
     from megatron.core import dist_checkpointing
 
     _setup()
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("megatron.core.dist_checkpointing").addHandler(Keep(logging.INFO))
+    logging.getLogger("megatron.core.dist_checkpointing").setLevel(logging.INFO)
     ck = MegatronCheckpointer(root)
-    out: dict = {}
+    out: dict = {"said": said}
     try:
         model = _model(5)
         path = iteration_dir(root, 5)
@@ -288,6 +297,7 @@ def test_strategy_in_vanilla_save_matches_megatron_layout(tmp_path):
     assert r["same_config"]
     assert r["vanilla_load"]
     assert r["memory_load"] == ["memory", 5, True, 5]
+    assert [m for m in r["said"] if m.startswith("flashckpt: checkpoint of step 5:")], r["said"]  # Megatron's log
 
 
 def test_one_rank_kill9_last_words_then_restart_from_memory(tmp_path):

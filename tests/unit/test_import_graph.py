@@ -51,6 +51,7 @@ ROOM_OF = {
     "flashckpt": "top", "flashckpt.errors": "leaf", "flashckpt.config": "leaf", "flashckpt.util": "leaf",
     "flashckpt.cli": "cli", "flashckpt.integrations": "integrations", "flashckpt.patches": "patches",
     "flashckpt.export": "cli",  # a command's module (flashckpt export), which cli.parser() registers
+    "flashckpt.status": "cli",  # a command's module (flashckpt status), which cli.parser() registers
     **{f"flashckpt.{room}": room for room in ("format", "storage", "commit", "transport", "memory", "engine", "saver",
                                               "launch")},
 }

@@ -20,7 +20,7 @@ EXAMPLES = [
     M.Status(local_rank=0, cursor=4), M.Status(), M.Wait(timeout_s=2.5, cursor=1), M.LastWords(timeout_s=None),
     M.DeleteSteps(steps=[1, 2], background=True), M.DeletePath(path="/ckpt/a"), M.GiveWay(dry_run=True),
     M.Bye(final=False, intent="keep"), M.QueuePut(name="q", item={"a": [1, 2]}), M.QueueGet(name="q", timeout_s=1),
-    M.QueueSize(name="q"), M.DictUpdate(name="d", items={"k": 1}), M.DictGet(name="d"), M.Inventory(),
+    M.QueueSize(name="q"), M.DictUpdate(name="d", items={"k": 1}), M.DictGet(name="d"), M.Inventory(), M.Inspect(events=3),
     M.Fetch(local_rank=0, rank=1, step=7, sources=[{"host": "127.0.0.1", "port": 1}]), M.AwaitRecords(timeout_s=3.0),
 ]
 

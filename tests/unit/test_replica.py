@@ -144,9 +144,10 @@ def test_ls_shows_what_this_nodes_memory_and_backups_hold(tmp_path, capsys):
             seg.close()
         assert main(["ls", "--json", ckpt]) == 0
         rows = json.loads(capsys.readouterr().out)
-        assert rows == [{"step": 7, "state": "in memory", "size": "-", "age": "-",
-                         "memory": "ranks 0; backups of ranks 3", "tiers": "memory",
-                         "files": "(this node's shared memory)"}]
+        assert rows == [{"step": 7, "state": "in memory", "latest": False, "bytes": None, "saved_at": None,
+                         "files": [], "note": "(this node's shared memory)",
+                         "memory": {"ranks": [0], "backups_of_ranks": [3]}, "tiers": "memory",
+                         "training_step": None, "epoch": None, "age_s": None}]
     finally:
         shutil.rmtree(jd)
 
