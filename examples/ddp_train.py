@@ -109,6 +109,23 @@ def batch(step: int, rank: int, *, bs: int, ctx: int, vocab: int) -> tuple[torch
     return x[:, :-1], x[:, 1:]
 
 
+def checkpoint_summary(stats: object) -> str:
+    """One line of what checkpointing cost and did in this run (``CheckpointEngine.stats()``)."""
+    s: Any = stats
+    rate = f" at {s.persist_mb_per_s:.0f} MB/s" if s.persist_mb_per_s else ""
+    sent = f"; {s.replica_sent_bytes / 1e6:.1f} MB of backups sent to the partner node" if s.replica_sent_bytes else ""
+    return (f"checkpointing: {s.snapshots} snapshots, training paused {s.pause_s_total * 1e3:.0f} ms in all (the "
+            f"longest {s.pause_s_max * 1e3:.1f} ms); {s.persists} persists of this rank, {s.persisted_bytes / 1e6:.1f} "
+            f"MB{rate}; newest durable step {s.durable_step}{sent}")
+
+
+def _plain(stats: object) -> dict[str, Any] | None:
+    """``stats`` as JSON values (for the metrics file)."""
+    if stats is None:
+        return None
+    return {k: v for k, v in vars(stats).items() if k != "last_load"}
+
+
 def resume_line(info: object) -> str:
     """The one line a resume prints: where from and which step, or that there was nothing to resume."""
     source, step, secs = (getattr(info, "source", "none"), getattr(info, "step", None), getattr(info, "seconds", 0.0))
@@ -300,11 +317,15 @@ def main(argv: list[str] | None = None) -> int:
     if other is not None:
         other.close()
     digest = weights_digest(model)
+    stats = ckpt.engine.stats() if ckpt is not None else None
     emit(event="end", step=args.steps, digest=digest, mode=args.ckpt_mode, overlap=args.overlap,
          first_step=start, step_seconds=step_seconds,
-         saver_cpu_s=ckpt.engine.saver_cpu_seconds() if ckpt is not None and rank == 0 else None)
+         saver_cpu_s=ckpt.engine.saver_cpu_seconds() if ckpt is not None and rank == 0 else None,
+         stats=_plain(stats))
     if rank == 0:
         print(f"[rank 0] done: {args.steps} steps, weights sha256 {digest[:16]}", flush=True)
+        if stats is not None:
+            print(f"[rank 0] {checkpoint_summary(stats)}", flush=True)
     if ckpt is not None:
         ckpt.close()
     if dist.is_initialized():

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flashckpt import storage_type_for  # noqa: E402
 from flashckpt.integrations.fsdp import FsdpShardCheckpointer  # noqa: E402
 
-from examples.ddp_train import TinyGPT, batch, resume_line  # noqa: E402
+from examples.ddp_train import TinyGPT, _plain, batch, checkpoint_summary, resume_line  # noqa: E402
 
 
 def full_weights_digest(model: torch.nn.Module) -> str:
@@ -171,9 +171,12 @@ def main(argv: list[str] | None = None) -> int:
 
     ckpt.wait_latest_checkpoint(timeout=600)
     digest = full_weights_digest(model)
-    emit(event="end", step=args.steps, digest=digest if rank == 0 else None)  # only rank 0 has the full weights
+    stats = ckpt.engine.stats()
+    emit(event="end", step=args.steps, digest=digest if rank == 0 else None,  # only rank 0 has the full weights
+         stats=_plain(stats))
     if rank == 0:
         print(f"[rank 0] done: {args.steps} steps, weights sha256 {digest[:16]}", flush=True)
+        print(f"[rank 0] {checkpoint_summary(stats)}", flush=True)
     ckpt.close()
     dist.destroy_process_group()
     return 0

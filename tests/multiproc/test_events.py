@@ -247,3 +247,24 @@ def test_bytes_written_so_far_of_a_file_on_a_posix_dir(tmp_path: Any) -> None:
     (tmp_path / "step_1" / "sub").mkdir()
     (tmp_path / "step_1" / "sub" / "a.bin").write_bytes(b"z" * 10)
     assert _written(st, str(tmp_path / "step_1")) == 4321 + 10
+
+
+def test_last_words_are_in_the_savers_journal_for_flashckpt_status(fault_env: FaultEnv, tmp_path: Any) -> None:
+    """An engine that ends with a snapshot newer than its last commit has the saver persist it (last words):
+    the saver's journal says so, and ``flashckpt status`` shows it while the saver keeps the snapshots."""
+    ckpt = str(tmp_path / "ckpt")
+    engine = CheckpointEngine(ckpt, max_to_keep=0)
+    engine.save(1, make_state(1, MB), storage_type=StorageType.DISK)
+    engine.wait(timeout=60)
+    engine.save(2, make_state(2, MB), storage_type=StorageType.MEMORY)
+    engine.close(release=False)  # kept for a restart: the saver stays for its grace, persisting step 2
+
+    def said() -> Any:
+        js = run_cli(fault_env, "status", ckpt, "--json", "--events", "50")
+        assert js.returncode == 0, js.stderr
+        jobs = json.loads(js.stdout)
+        events = [e for job in jobs for e in job["events"]]
+        kinds = [(e["kind"], e.get("step")) for e in events]
+        return kinds if ("last_words", 2) in kinds and ("commit", 2) in kinds else None
+    kinds = wait_for(said, 30, "the saver's last words in its journal")
+    assert kinds.index(("last_words", 2)) < kinds.index(("commit", 2)), kinds

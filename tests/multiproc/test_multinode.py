@@ -208,6 +208,11 @@ def test_node_lost_fresh_node_joins_resumes_from_memory(cluster: Cluster, tmp_pa
     cluster.check(set(due) <= set(committed) and max(committed) == STEPS,
                   f"every persist after the loss committed ({due}): {committed}")
     cluster.check(newest in committed, f"the last words committed step {newest}, the newest snapshot: {committed}")
+    if kind == "fsdp":  # sharded state: every snapshot is backed up on the partner node (the events say so)
+        ends = [e for e in cluster.all_events("end") if e.get("rank") == 0 and e.get("stats")]
+        cluster.check(bool(ends) and ends[-1]["stats"]["replica_sent_bytes"] > 0 and
+                      ends[-1]["stats"]["replica_received_bytes"] > 0,
+                      f"rank 0's engine heard its backups sent and node 1's received: {ends[-1:]}")
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "ddp"])
