@@ -100,3 +100,14 @@ def test_upload_draws_a_bar_on_a_terminal_and_none_into_a_pipe(fault_env: FaultE
                        "durable_spec": {"ranks": [0], "world_size": 1, "replicated": False}})
     rc, out, err = _run(fault_env.env(), "upload", durable.root, "--local-dir", local.root, tty=False)
     assert rc == 0 and f"step {local_only}: uploaded and committed" in out and err == "", (out, err)
+
+
+def test_export_draws_a_bar_on_a_terminal_and_none_into_a_pipe(fault_env: FaultEnv) -> None:
+    """``flashckpt export`` of a committed step: tqdm's bar over the tensors it prepares, on a terminal only."""
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    save_steps(ckpt, [1], 1)
+    rc, out, err = _run(fault_env.env(), "export", ckpt, os.path.join(fault_env.tmp, "out"), tty=True)
+    assert rc == 0, (out, err)
+    assert "export step 1: 100%" in err and "tensor/s" in err, repr(err)
+    rc, out, err = _run(fault_env.env(), "export", ckpt, os.path.join(fault_env.tmp, "out2"), tty=False)
+    assert rc == 0 and "export step 1" not in err, (out, err)
