@@ -471,7 +471,7 @@ class ReplicaService:
                     nbytes = int(hdr["tensor_bytes"]) + int(hdr["blob_len"])
                     dt = time.perf_counter() - t0
                     self.state.note("replica_fetch", rank=req.rank, step=req.step, local_rank=req.local_rank,
-                                    bytes=nbytes, seconds=dt, **{"from": f"{src.get('host')}:{src.get('port')}"})
+                                    bytes=nbytes, seconds=dt, peer=f"{src.get('host')}:{src.get('port')}")
                     return M.FetchReply(path=path, nbytes=nbytes, seconds=dt)
                 errors.append(f"{src.get('host')}:{src.get('port')}: the snapshot changed while it was sent")
             except (OSError, ValueError, KeyError, E.FlashCheckpointError) as e:
