@@ -11,6 +11,12 @@
     flashckpt native [--build]       the C++ fast path for many small tensors: built or not; build it now
     flashckpt upload DIR --local-dir L  uploads the steps committed on the local tier L and not on DIR (left by a
                                      saver that died mid-upload) and commits them there, oldest first
+    flashckpt status [DIR]           what this node's savers are doing now (``flashckpt.status``)
+    flashckpt export DIR OUT         a step's weights as sharded safetensors or one torch file
+                                     (``flashckpt.export``)
+
+Every failure is one line on stderr and exit code 2 (``main``). ~650 lines: the commands that read commit
+records and the ``ls`` table; the commands with their own concern (status, export) are modules of their own.
 """
 
 from __future__ import annotations
