@@ -11,14 +11,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import subprocess
 import sys
 
 import pytest
-from _fault_helpers import VENV_BIN, FaultEnv, fault_env_fixture  # noqa: F401
+from _fault_helpers import FaultEnv, fault_env_fixture, run_restarting  # noqa: F401
 
 pytest.importorskip("transformers")
 
@@ -26,23 +24,15 @@ from test_hf import _hf_env, make_trainer  # noqa: E402, F401  (_hf_env: the aut
 
 pytestmark = pytest.mark.framework
 
-FLASHCKPT_RUN = os.path.join(VENV_BIN, "flashckpt-run")
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support", "_hf_clm_script.py")
 
 
 def _run_clm_under_launcher(fe: FaultEnv, out: str, **env: str) -> tuple[list[dict], str]:
     """flashckpt-run (1 worker, 1 restart) of the script, killed after step 5 on its first attempt: the
     RESULT lines of the attempts that ended, and the whole output."""
-    argv = [FLASHCKPT_RUN, "--nproc_per_node", "1", "--standalone", "--max_restarts", "1", SCRIPT,
-            "--output_dir", out, "--max_steps", "7", "--per_device_train_batch_size", "4", "--save_steps", "100",
-            "--logging_steps", "1", "--report_to", "none", "--use_cpu", "--disable_tqdm", "True",
-            "--kill_at", "5"]
-    p = subprocess.run(argv, env=fe.env(FLASHCKPT_SAVER_GRACE_S="30", **env), cwd=fe.tmp, stdin=subprocess.DEVNULL,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=240)
-    text = p.stdout.decode(errors="replace")
-    assert p.returncode == 0, text[-6000:]
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in text.splitlines() if "RESULT " in line]
-    return results, text
+    return run_restarting(fe, SCRIPT, "--output_dir", out, "--max_steps", "7", "--per_device_train_batch_size", "4",
+                          "--save_steps", "100", "--logging_steps", "1", "--report_to", "none", "--use_cpu",
+                          "--disable_tqdm", "True", "--kill_at", "5", **env)
 
 
 @pytest.mark.parametrize("auto", ["on", "off"])

@@ -328,6 +328,19 @@ def run_cli(fe: FaultEnv, *args: str, console: bool = False, timeout: float = 60
     return subprocess.CompletedProcess(["flashckpt", *args], rc, out.getvalue(), err.getvalue())
 
 
+def run_restarting(fe: FaultEnv, script: str, *args: str, **env: str) -> tuple[list[dict[str, Any]], str]:
+    """Runs ``flashckpt-run`` (1 worker, 1 restart) of ``script *args`` with this test's environment (a 30 s
+    saver grace; ``env`` overrides), which must succeed: the ``RESULT {json}`` lines its attempts printed, and
+    the whole output (for the auto-resume tests, whose scripts kill their first attempt)."""
+    argv = [os.path.join(VENV_BIN, "flashckpt-run"), "--nproc_per_node", "1", "--standalone", "--max_restarts", "1",
+            script, *args]
+    p = subprocess.run(argv, env=fe.env(FLASHCKPT_SAVER_GRACE_S="30", **env), cwd=fe.tmp, stdin=subprocess.DEVNULL,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=240)
+    text = p.stdout.decode(errors="replace")
+    assert p.returncode == 0, text[-6000:]
+    return [json.loads(line.split("RESULT ", 1)[1]) for line in text.splitlines() if "RESULT " in line], text
+
+
 # ------------------------------------------------------------------------------------------ tmpfs
 @contextlib.contextmanager
 def small_tmpfs(path: str, size: str) -> Iterator[str]:
