@@ -43,7 +43,7 @@ def auto_resume(given: bool | None, *, op: str) -> bool:
         InvalidArgumentError: ``given`` is not a bool or None (``op`` names the argument).
     """
     if given is not None and not isinstance(given, bool):
-        raise E.InvalidArgumentError(f"{op}={given!r}: True, False, or None (FLASHCKPT_AUTO_RESUME decides)")
+        raise E.InvalidArgumentError(f"{op} is {given!r}: give True, False, or None (FLASHCKPT_AUTO_RESUME decides)")
     return restart_count() > 0 and (knob("auto_resume") if given is None else given)
 
 

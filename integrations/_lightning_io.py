@@ -32,6 +32,7 @@ from flashckpt import errors as E
 from flashckpt.engine.adapter import LOCAL, LoadAttempt, Opened, resolve_load
 from flashckpt.engine.engine import Located
 from flashckpt.engine.routing import path_inside
+from flashckpt.integrations._kit_resume import auto_resume as resume_wanted
 from flashckpt.integrations._lightning_paths import (
     dir_of,
     find_resume_path,
@@ -80,6 +81,10 @@ Args:
         whole (``last_load`` ``("local", <its path there>)``), else the checkpoint dir. None:
         FLASHCKPT_LOCAL_DIR (unset: no local tier).
     local_max_to_keep: saves the local tier keeps (0 keeps all; one not yet uploaded is never deleted).
+    auto_resume: a worker that ``flashckpt-run`` (or torchrun) restarted after a failure runs ``fit(model)``
+        without a ``ckpt_path`` as ``fit(model, ckpt_path=<the newest checkpoint, memory first>)``, and logs
+        one WARNING line about it; done by ``FlashMemorySnapshot`` (it needs the Trainer: see docs/lightning.md,
+        **Resume without a script change**). None: ``FLASHCKPT_AUTO_RESUME`` (on by default).
 
 Thread safety: Lightning calls it from the training thread only; so must you.
 """
@@ -102,8 +107,10 @@ class _FlashIOImpl:
     def __init__(self, checkpoint_dir: str | None = None, *, weights_only: bool = True,
                  teardown_timeout_s: float | None = 1800.0, load_wait_s: float = 600.0,
                  storage_options: dict[str, Any] | None = None, scratch_dir: str | None = None,
-                 local_dir: str | os.PathLike[str] | None = None, local_max_to_keep: int = 2) -> None:
+                 local_dir: str | os.PathLike[str] | None = None, local_max_to_keep: int = 2,
+                 auto_resume: bool | None = None) -> None:
         super().__init__()
+        resume_wanted(auto_resume, op="FlashCheckpointIO(auto_resume)")  # refuses anything but a bool or None
         if teardown_timeout_s is not None and teardown_timeout_s <= 0:
             raise E.InvalidArgumentError(f"FlashCheckpointIO(teardown_timeout_s={teardown_timeout_s!r}): must be > 0 or None")
         self.checkpoint_dir = dir_of(checkpoint_dir, "FlashCheckpointIO")
@@ -114,6 +121,7 @@ class _FlashIOImpl:
         self.scratch_dir = scratch_dir
         self.local_dir = None if local_dir is None else os.fspath(local_dir)
         self.local_max_to_keep = local_max_to_keep
+        self.auto_resume = auto_resume
         self.last_load: tuple[str, str] | None = None  # (source: "memory" | "local" | "storage", path)
         self.deferred_removals = 0  # removals that waited for a persist of their path
         self._warned_dir = False
@@ -333,15 +341,16 @@ class _FlashIOImpl:
     @classmethod
     def _codes(cls) -> dict[str, Any]:
         """The code objects of this class's Lightning package that tell where a call comes from:
-        ``Trainer._run_stage``, ``Trainer._teardown``, ``Trainer.save_checkpoint`` and the exception
-        handler's ``_interrupt``."""
+        ``Trainer._run_stage``, ``Trainer._teardown``, ``Trainer.save_checkpoint``, the exception
+        handler's ``_interrupt``, and ``Trainer.fit`` (whose ``ckpt_path`` is the caller's)."""
         codes = cls.__dict__.get("_trainer_codes")
         if codes is None:
             pkg = "lightning.pytorch" if cls._tree == "lightning" else "pytorch_lightning"
             trainer = importlib.import_module(f"{pkg}.trainer.trainer").Trainer
             call = importlib.import_module(f"{pkg}.trainer.call")
             codes = {"run_stage": trainer._run_stage.__code__, "teardown": trainer._teardown.__code__,
-                     "save": trainer.save_checkpoint.__code__, "interrupt": call._interrupt.__code__}
+                     "save": trainer.save_checkpoint.__code__, "interrupt": call._interrupt.__code__,
+                     "fit": trainer.fit.__code__}
             cls._trainer_codes = codes
         return codes
 

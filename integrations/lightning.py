@@ -5,7 +5,8 @@ saves is copied into the node's shared memory (training pauses for that copy onl
 ``.ckpt`` path in Lightning's own format (``torch.save`` of the checkpoint dict) in the background by
 the node's saver daemon, which also writes the newest snapshot when the training process crashes.
 ``FlashMemorySnapshot`` adds memory-only snapshots between ``ModelCheckpoint`` saves; after a crash,
-``resume_path()`` names the newest checkpoint and ``load_checkpoint`` serves it from memory.
+``resume_path()`` names the newest checkpoint and ``load_checkpoint`` serves it from memory; a worker that
+``flashckpt-run`` restarted resumes from it by itself (``FlashMemorySnapshot`` does it; docs/lightning.md).
 
 Example::
 
@@ -38,11 +39,14 @@ import importlib
 import importlib.util
 import logging
 import os
+import sys
 from typing import Any
 
 from flashckpt import StorageType
 from flashckpt import errors as E
 from flashckpt.errors import UnsupportedStrategyError
+from flashckpt.integrations._kit_resume import auto_resume as resume_wanted
+from flashckpt.integrations._kit_resume import resume_line
 from flashckpt.integrations._lightning_io import _NAMES, _FlashIOImpl  # noqa: E402
 from flashckpt.integrations._lightning_paths import dir_of, find_resume_path
 from flashckpt.storage import locations
@@ -140,6 +144,41 @@ class _MemorySnapshotImpl:
                 f"Trainer(plugins=[{want}(...)]) (the Trainer's CheckpointIO is {got})")
         check_strategy(trainer.strategy)
         self._io = io
+        _disarm(trainer)
+        if stage == "fit" and resume_wanted(io.auto_resume, op="FlashCheckpointIO(auto_resume)") \
+                and not _ckpt_path_given(trainer, io):
+            self._arm_resume(trainer, io)
+
+    def _arm_resume(self, trainer: Any, io: _FlashIOImpl) -> None:
+        """Makes this ``fit``, in a worker the launcher restarted and called without a ``ckpt_path``, resume
+        as ``fit(ckpt_path=<the newest checkpoint>)`` would: global rank 0's ``find_resume_path`` (memory
+        first) goes to every rank, and the checkpoint connector's ``resume_start``, which ``fit`` calls with
+        the path Lightning selected before any hook ran, gets it in place of None, once. A path Lightning
+        selected by itself (``"hpc"`` under SLURM, ``"last"`` with ``OnExceptionCheckpoint``) is left alone."""
+        d = io.checkpoint_dir or locations.parent(self.snapshot_path(trainer))
+        path = find_resume_path(d, storage_options=io.storage_options) if trainer.is_global_zero else None
+        path = trainer.strategy.broadcast(path, src=0)  # every rank loads, or none does
+        connector = trainer._checkpoint_connector
+        original = connector.resume_start
+
+        def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+            _disarm(trainer)
+            if checkpoint_path is not None:
+                original(checkpoint_path, weights_only=weights_only)
+                return
+            original(path, weights_only=weights_only)
+            if trainer.is_global_zero:
+                step = connector._loaded_checkpoint.get("global_step") if path is not None else None
+                source = io.last_load[0] if io.last_load is not None else "storage"
+                # find_resume_path named the newest checkpoint there is: none newer is lost.
+                resume_line(log, type(io).__name__, source=source, step=step, path=path, lost=0, automatic=True)
+
+        resume_start._flashckpt = True  # type: ignore[attr-defined]
+        connector.resume_start = resume_start
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Takes back this fit's automatic resume when ``fit`` ended before it loaded (nothing is left armed)."""
+        _disarm(trainer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
@@ -160,13 +199,38 @@ class _MemorySnapshotImpl:
         return locations.join(dir_of(d, "FlashMemorySnapshot") or d, self.filename)
 
 
+def _ckpt_path_given(trainer: Any, io: _FlashIOImpl) -> bool:
+    """Whether the script chose a checkpoint for this ``fit``: ``trainer.ckpt_path = ...`` before it, or
+    ``fit(ckpt_path=...)`` (read from ``Trainer.fit``'s frame: Lightning resolves it before any hook runs and
+    hands no hook the caller's value)."""
+    if getattr(trainer._checkpoint_connector, "_user_managed", False):
+        return True
+    fit = io._codes()["fit"]
+    f: Any = sys._getframe(1)
+    while f is not None:
+        if f.f_code is fit and f.f_locals.get("self") is trainer:
+            return f.f_locals.get("ckpt_path") is not None
+        f = f.f_back
+    return False  # fit runs in a process of its own (ddp_spawn's workers): resume_start decides
+
+
+def _disarm(trainer: Any) -> None:
+    """Removes the ``resume_start`` of ``_MemorySnapshotImpl._arm_resume`` from ``trainer``'s checkpoint
+    connector (the class's method is back)."""
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    if connector is not None and getattr(vars(connector).get("resume_start"), "_flashckpt", False):
+        del connector.resume_start
+
+
 # ---------------------------------------------------------------------------------------- class trees
 _CB_DOC = """Callback that takes memory-only snapshots every ``every_n_train_steps`` optimizer steps.
 
 Each snapshot is a complete Lightning checkpoint in the node's shared memory (no file is written).
 When the training process dies, the saver persists the newest snapshot to ``<dir>/<filename>``
 (``last-flash.ckpt`` by default, which ``ckpt_path="last"`` also finds); ``resume_path()`` and
-``load_checkpoint`` resume from it in memory.
+``load_checkpoint`` resume from it in memory. In a worker that ``flashckpt-run`` (or torchrun) restarted,
+``fit(model)`` without a ``ckpt_path`` resumes from the newest checkpoint by itself, with one WARNING line
+(``FlashCheckpointIO(auto_resume=False)`` or ``FLASHCKPT_AUTO_RESUME=0`` turns that off).
 
 Args:
     every_n_train_steps: snapshot interval in optimizer steps (use more often than ``ModelCheckpoint``).
