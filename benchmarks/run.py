@@ -234,9 +234,24 @@ class Systems:
                 gc.collect()
 
     def before_loads(self) -> None:
-        """Lean: a flashckpt engine holding the state in its saver's memory, for the fresh-process loads."""
+        """Hands the state to the fresh-process loads as a restart does (lean: a flashckpt engine first
+        holds it in its saver's memory). A reader passes over snapshots whose writer is alive (another
+        training's), so the writing engine persists the newest snapshot (no last words then write while the
+        children load) and closes keeping its snapshots, as a crashed trainer's are kept; an engine that only
+        loads, which never takes the writer lease, stays attached so that the saver keeps them through every
+        load round. It goes with the case's closers."""
+        from flashckpt import CheckpointEngine, StorageType
+
         if self.lean:
             self._setup_flashckpt()
+        eng = self.engine
+        if eng is None:
+            return
+        eng.save(self.next_step(), self.case.sd, storage_type=StorageType.DISK)
+        eng.wait()
+        eng.close(release=False)
+        keeper = CheckpointEngine(os.path.join(self.case.work, "fc"), max_to_keep=1)
+        self.closers.append(keeper.close)
 
     def _run_closers(self, closers: list[Callable[[], None]]) -> None:
         for fn in reversed(closers):
