@@ -1,9 +1,11 @@
 """PNG plots of the benchmark results (matplotlib, Agg backend).
 
-    python -m benchmarks.plots [--in bench_out] [--img docs/img]
+    python -m benchmarks.plots [--in benchmarks/results] [--img docs/img]
 
 Reads what exists of ``<in>/run.json`` (``benchmarks.run``), ``<in>/overhead.json`` (``benchmarks.overhead``)
-and ``<in>/goodput.json`` (``benchmarks.goodput``) and writes:
+and ``<in>/goodput.json`` (``benchmarks.goodput``) and writes the figures below. ``--in`` defaults to
+``benchmarks/results``, the committed results that drew the figures in docs/img (docs/benchmarks.md says which
+run), so that anyone can redraw them; ``--in bench_out`` draws a run of one's own.
 
 * ``pause_by_method.png``: training paused per checkpoint, per method and state size (log scale);
 * ``training_overhead.png``: step-time overhead of each checkpointing mode against no checkpointing;
@@ -27,6 +29,7 @@ if __package__ in (None, ""):
 from benchmarks._common import REPO_ROOT  # noqa: E402
 
 IMG = os.path.join(REPO_ROOT, "docs", "img")
+RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results")
 COLORS = {"copy_limit": "#999999", "flashckpt.snapshot": "#d62728", "flashckpt.persist": "#ff9896",
           "torch.save": "#1f77b4", "dcp.save": "#2ca02c", "dcp.async_save": "#98df8a",
           "dcp.async_save.shm": "#17becf", "dlrover.snapshot": "#9467bd",
@@ -42,7 +45,8 @@ def _shown_path(text: str) -> str:
         inside = os.path.commonpath([REPO_ROOT, path]) == REPO_ROOT if os.path.isabs(path) else False
         return os.path.relpath(path, REPO_ROOT) if inside else os.path.basename(path)
 
-    return re.sub(r"/[^\s,;()]+", rel, text)
+    # an absolute path starts the text or follows a space or a bracket: not the "/results/..." of "benchmarks/results/..."
+    return re.sub(r"(?<![^\s(])/[^\s,;()]+", rel, text)
 
 
 def _plt() -> Any:
@@ -54,15 +58,33 @@ def _plt() -> Any:
     return plt
 
 
-def _stamp(fig: Any, machine: dict[str, Any] | None, extra: str = "") -> None:
-    if machine:
-        txt = (f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, torch {machine.get('torch', '?')}, "
-               f"{machine.get('date', '?')[:10]}{extra}")
-        fig.text(0.01, 0.005, txt, fontsize=7, color="#666666", ha="left", va="bottom")
+def _stamp(fig: Any, machine: dict[str, Any] | None, extra: str = "", command: str = "") -> float:
+    """The footer: the machine, the date and commit of the run, and the command that ran it (its settings).
+    Returns the fraction of the figure's height it takes, for ``tight_layout`` to keep the axes above it."""
+    if not machine:
+        return 0.01
+    git = f", commit {machine['git']}" if machine.get("git") else ""
+    lines = [f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, torch {machine.get('torch', '?')}, "
+             f"{machine.get('date', '?')[:10]}{git}{extra}"]
+    if command:
+        lines.append(_shown_path(command))
+    fig.text(0.01, 0.005, "\n".join(lines), fontsize=7, color="#666666", ha="left", va="bottom")
+    return (0.05 + 0.13 * len(lines)) / fig.get_figheight()  # 7 pt lines: ~0.13 inch each
 
 
-def plot_pause(run: dict[str, Any], img: str) -> str | None:
-    """Grouped bars: blocking time per checkpoint for each system and case."""
+def _save(fig: Any, img: str, name: str) -> str | None:
+    """Writes ``fig`` as ``img/name`` and closes it; the path, or None without a figure."""
+    if fig is None:
+        return None
+    os.makedirs(img, exist_ok=True)
+    path = os.path.join(img, name)
+    fig.savefig(path, dpi=130)
+    _plt().close(fig)
+    return path
+
+
+def draw_pause(run: dict[str, Any]) -> Any:
+    """Grouped bars: blocking time per checkpoint for each system and case (None without cases)."""
     cases = run.get("cases", [])
     if not cases:
         return None
@@ -89,19 +111,23 @@ def plot_pause(run: dict[str, Any], img: str) -> str | None:
     ax.set_xticks(range(len(cases)))
     ax.set_xticklabels([f"{c['label']}\n{c['tensors']:,} tensors" for c in cases], fontsize=8)
     ax.grid(axis="y", which="both", alpha=0.3)
-    ax.set_title("Pause per checkpoint (median of interleaved rounds)")
+    rounds = run.get("machine", {}).get("rounds")
+    ax.set_title(f"Pause per checkpoint (median of {rounds} interleaved rounds)" if rounds
+                 else "Pause per checkpoint (median of interleaved rounds)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    _stamp(fig, run.get("machine"))
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    os.makedirs(img, exist_ok=True)
-    path = os.path.join(img, "pause_by_method.png")
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    foot = _stamp(fig, run.get("machine"), command=run.get("command", ""))
+    fig.tight_layout(rect=(0, foot, 1, 1))
+    return fig
 
 
-def plot_overhead(ov: dict[str, Any], img: str) -> str | None:
-    """Bars: step-time overhead (mean step) of each mode versus no checkpointing, per-round range as whiskers."""
+def plot_pause(run: dict[str, Any], img: str) -> str | None:
+    """``pause_by_method.png`` in ``img`` (None when the results hold nothing to draw)."""
+    return _save(draw_pause(run), img, "pause_by_method.png")
+
+
+def draw_overhead(ov: dict[str, Any]) -> Any:
+    """Bars: step-time overhead (mean step) of each mode versus no checkpointing, per-round range as whiskers
+    (None without a mode measured against the baseline)."""
     modes = {m: s for m, s in ov.get("modes", {}).items() if m != "none" and s.get("overhead_pct") is not None}
     if not modes:
         return None
@@ -124,25 +150,30 @@ def plot_overhead(ov: dict[str, Any], img: str) -> str | None:
     ax.set_xticklabels([textwrap.fill(label, 20) for label in shown], fontsize=7)
     base = ov.get("modes", {}).get("none", {}).get("mean_step_s")
     ax.set_ylabel("step-time overhead vs no checkpointing (%)")
-    ax.set_title(f"Training overhead, DDP on {cfg.get('ranks', 2)} gloo ranks, persist every "
+    steps = f"{cfg['steps']} steps, " if cfg.get("steps") else ""
+    ax.set_title(f"Training overhead, DDP on {cfg.get('ranks', 2)} gloo ranks, {steps}persist every "
                  f"{cfg.get('save_every', '?')} steps" + (f" (step {base * 1e3:.0f} ms)" if base else ""), fontsize=9)
     ax.grid(axis="y", alpha=0.3)
-    _stamp(fig, ov.get("machine"), "; whiskers: range over rounds")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    os.makedirs(img, exist_ok=True)
-    path = os.path.join(img, "training_overhead.png")
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    rounds = f"{cfg['rounds']} rounds" if cfg.get("rounds") else "rounds"
+    foot = _stamp(fig, ov.get("machine"), f"; median and, as whiskers, range over {rounds}",
+                  command=ov.get("command", ""))
+    fig.tight_layout(rect=(0, foot, 1, 1))
+    return fig
 
 
-def plot_goodput(gp: dict[str, Any], img: str) -> str | None:
-    """Goodput versus checkpoint interval per job size; each method's automatic interval marked."""
+def plot_overhead(ov: dict[str, Any], img: str) -> str | None:
+    """``training_overhead.png`` in ``img`` (None when the results hold nothing to draw)."""
+    return _save(draw_overhead(ov), img, "training_overhead.png")
+
+
+def draw_goodput(gp: dict[str, Any]) -> Any:
+    """Goodput versus checkpoint interval per job size; each method's automatic interval marked (None without
+    curves)."""
     curves = gp.get("curves", {})
     if not curves:
         return None
     plt = _plt()
-    fig, axes = plt.subplots(1, len(curves), figsize=(5.2 * len(curves), 4.3), squeeze=False)
+    fig, axes = plt.subplots(1, len(curves), figsize=(5.2 * len(curves), 5.0), squeeze=False)
     names = {"torch_save": "torch.save", "dcp_async": "DCP async_save",
              "flashckpt": "flashckpt (memory interval; storage at auto)"}
     for ax, (n, cv) in zip(axes[0], curves.items(), strict=True):
@@ -168,7 +199,8 @@ def plot_goodput(gp: dict[str, Any], img: str) -> str | None:
             ax.set_ylim(max(0.0, worst - 3 * (100 - worst) - 0.1), 100 + 0.15 * (100 - worst) + 0.05)
         ax.grid(which="both", alpha=0.3)
         ax.set_title(f"{int(n):,} GPUs", fontsize=10)
-        ax.legend(fontsize=7, loc="lower center")
+        # below the axes: inside, the legend would hide the curves' flanks
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     a = gp.get("assumptions", {})
     fig.suptitle(f"Goodput vs checkpoint interval (per-GPU MTBF {a.get('gpu_mtbf_h', 0):,.0f} h, "
                  f"{100 * a.get('node_fraction', 0):.0f} % node failures, restart {a.get('restart_s', 0):.0f} s, "
@@ -177,16 +209,18 @@ def plot_goodput(gp: dict[str, Any], img: str) -> str | None:
     src = gp.get("costs", {}).get("source", "")
     fig.text(0.01, 0.005, f"costs: {_shown_path(src)}"[:180], fontsize=6, color="#666666", ha="left", va="bottom")
     fig.tight_layout(rect=(0, 0.03, 1, 0.95))
-    os.makedirs(img, exist_ok=True)
-    path = os.path.join(img, "goodput_vs_interval.png")
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def plot_goodput(gp: dict[str, Any], img: str) -> str | None:
+    """``goodput_vs_interval.png`` in ``img`` (None when the results hold nothing to draw)."""
+    return _save(draw_goodput(gp), img, "goodput_vs_interval.png")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.plots", description=__doc__.split("\n\n")[0])
-    p.add_argument("--in", dest="inp", default=os.path.join(REPO_ROOT, "bench_out"), help="directory of the JSON results")
+    p.add_argument("--in", dest="inp", default=RESULTS,
+                   help="directory of the JSON results (default: benchmarks/results, the committed ones)")
     p.add_argument("--img", default=IMG, help="where the PNGs go")
     args = p.parse_args(argv)
     wrote = []
