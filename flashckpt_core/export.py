@@ -152,11 +152,13 @@ def _check_args(out: str | os.PathLike[str], fmt: str, max_shard_size: str | int
     from huggingface_hub.serialization._base import parse_size_to_int
 
     try:
-        if (max_shard_size if isinstance(max_shard_size, int) else parse_size_to_int(max_shard_size)) <= 0:
-            raise ValueError("not positive")
+        size = max_shard_size if isinstance(max_shard_size, int) else parse_size_to_int(max_shard_size)
+        why = "" if size > 0 else "not positive"
     except (ValueError, TypeError) as e:
+        why = str(e)
+    if why:
         raise E.InvalidArgumentError(f"export: max_shard_size {max_shard_size!r} is not a size such as "
-                                     f"'5GB', '200MB' or a byte count ({e})") from None
+                                     f"'5GB', '200MB' or a byte count ({why})")
     path = os.fspath(out)
     if os.path.lexists(path):
         raise E.AlreadyExistsError(f"export: {path} exists; name a new {'directory' if fmt == 'safetensors' else 'file'} "

@@ -79,10 +79,12 @@ def report_hf(trainer: Any, engine: Any) -> None:
 
 def report_lightning(trainer: Any, engine: Any) -> None:
     """Logs the figures to the Lightning ``trainer``'s loggers at its global step (rank zero: Lightning's
-    loggers log there only)."""
+    loggers log there only), once the module has logged through them (``trainer.logged_metrics``): a run
+    that logs nothing gets no log files from flashckpt either (a vanilla run's loggers write nothing until
+    the first ``self.log``)."""
     def send() -> None:
         loggers = list(getattr(trainer, "loggers", None) or [])
-        if not loggers:
+        if not loggers or not getattr(trainer, "logged_metrics", None):
             return
         metrics = figures(engine.stats(refresh=False))
         for lg in loggers:

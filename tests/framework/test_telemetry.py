@@ -17,12 +17,13 @@ pytest.importorskip("lightning")
 pytest.importorskip("tensorboard")
 
 import lightning as L  # noqa: E402
+import torch  # noqa: E402
 from flashckpt.integrations.hf import FlashCkptConfig  # noqa: E402
 from flashckpt.integrations.lightning import FlashCheckpointIO  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from test_hf import make_trainer  # noqa: E402
-from test_lightning import new_model  # noqa: E402
+from test_lightning import Regressor  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 
@@ -78,6 +79,15 @@ class _LWaitAt(Callback):
             self.io.engine.wait()
 
 
+class _Logging(Regressor):
+    """The test model, logging its loss (its logger is in use: flashckpt adds its figures there)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss", loss)
+        return loss
+
+
 def test_lightning_reports_pause_persist_time_and_durable_step_to_the_modules_logger(tmp_path: Any) -> None:
     ckpt = str(tmp_path / "ckpt")
     io = FlashCheckpointIO(ckpt)
@@ -85,7 +95,8 @@ def test_lightning_reports_pause_persist_time_and_durable_step_to_the_modules_lo
     trainer = L.Trainer(max_steps=6, devices=1, accelerator="cpu", plugins=[io], logger=logger,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
                         callbacks=[_LWaitAt(io, 4), ModelCheckpoint(dirpath=ckpt, every_n_train_steps=2, save_top_k=-1)])
-    trainer.fit(new_model())
+    torch.manual_seed(0)
+    trainer.fit(_Logging())
     with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
         rows = [r for r in csv.DictReader(f) if r.get("flashckpt/pause_s")]
     steps = [int(r["step"]) for r in rows]

@@ -306,8 +306,8 @@ def test_saver_killed_between_manifest_and_tracker_is_repaired(fault_env: FaultE
     try:
         assert layout.tracker_step() == 2
         r = run_cli(fault_env, "ls", ckpt, "--json")
-        states = {row["step"]: row["state"] for row in json.loads(r.stdout)}
-        assert states == {1: "committed", 2: "committed (latest)"}, states
+        states = {row["step"]: (row["state"], row["latest"]) for row in json.loads(r.stdout)}
+        assert states == {1: ("committed", False), 2: ("committed", True)}, states  # the tracker names step 2
     finally:
         close_and_wait(engine)
 
