@@ -53,8 +53,9 @@ def test_a_restarted_run_clm_worker_resumes_from_memory_by_itself(fault_env: Fau
     # run_clm's default verbosity is INFO: the memory snapshots of every step are quiet, the checkpoint the
     # Trainer saves at the end logs its line as a vanilla Trainer's does (the last words' persist of step 5 is
     # the saver's, in its own log).
-    # (The set of paths: a line may show twice, in transformers' explicit format and, propagated, in the root
-    # logger's, as run_clm's set-up does in a process that had transformers imported before it.)
+    # (The set of paths: where CI is set, transformers propagates its logs to the root logger
+    # (transformers.utils.logging: ``propagate = is_ci``), so under run_clm's set-up every line shows twice,
+    # in transformers' explicit format and in the root logger's, vanilla or not.)
     saving = {line.split("Saving model checkpoint to ", 1)[1].strip() for line in text.splitlines()
               if "Saving model checkpoint to" in line}
     assert saving == {os.path.join(out, "checkpoint-7")}, saving
