@@ -192,13 +192,31 @@ class _Row:
 _TRAINING = re.compile(r"(?:^|[-_/ ])(epoch|step)=(\d+)")
 
 
-def _training_step(files: list[str]) -> tuple[int | None, int | None]:
-    """(training step, epoch) named by the step's file names (``epoch=3-step=400.ckpt``), else Nones."""
+def _training_step(files: list[str], root: str | None = None) -> tuple[int | None, int | None]:
+    """(training step, epoch) named by the step's file names (``epoch=3-step=400.ckpt``), else Nones. A
+    Lightning ``.ckpt`` whose name carries none (``last.ckpt``) in a local dir ``root``: the ``global_step`` and
+    ``epoch`` Lightning put in it (``_ckpt_step``)."""
     for path in files:
         got = dict(_TRAINING.findall(os.path.basename(path)))
         if "step" in got:
             return int(got["step"]), int(got["epoch"]) if "epoch" in got else None
+    for path in files:
+        if root is not None and path.endswith(".ckpt"):
+            return _ckpt_step(os.path.join(root, path))
     return None, None
+
+
+def _ckpt_step(path: str) -> tuple[int | None, int | None]:
+    """``global_step`` and ``epoch`` of the Lightning checkpoint file ``path`` (its pickle only: memory-mapped,
+    no tensor read; ``weights_only``, so nothing in it runs), else Nones."""
+    try:
+        import torch
+
+        ck = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        step, epoch = ck.get("global_step"), ck.get("epoch")
+        return (step if isinstance(step, int) else None), (epoch if isinstance(epoch, int) else None)
+    except Exception:  # not a readable Lightning checkpoint: no training step to show
+        return None, None
 
 
 def _committed_row(layout: CommitLayout, step: int, latest: int | None, state: str = "committed") -> _Row:
@@ -208,7 +226,7 @@ def _committed_row(layout: CommitLayout, step: int, latest: int | None, state: s
     except E.CheckpointCorruptError as e:
         return _Row(step, "damaged", note=str(e))
     files = [f.path for f in m.all_files()]
-    trained, epoch = _training_step(files)
+    trained, epoch = _training_step(files, layout.storage.local_path(layout.root))
     return _Row(step, state, latest=step == latest, bytes=sum(f.size for f in m.all_files()), saved_at=m.time,
                 files=files, training_step=trained, epoch=epoch)
 

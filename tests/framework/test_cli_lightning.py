@@ -20,20 +20,24 @@ from test_lightning import QUIET, new_model  # noqa: E402
 
 def test_ls_of_a_lightning_dir_shows_the_training_steps(tmp_path) -> None:
     ckpt = str(tmp_path / "ckpt")
-    every = ModelCheckpoint(dirpath=ckpt, every_n_train_steps=3, save_top_k=-1)
+    every = ModelCheckpoint(dirpath=ckpt, every_n_train_steps=3, save_top_k=-1, save_last=True)
     L.Trainer(max_steps=12, devices=1, plugins=[FlashCheckpointIO(ckpt)], callbacks=[every], **QUIET).fit(new_model())
-    names = sorted(n for n in os.listdir(ckpt) if n.endswith(".ckpt"))
+    names = sorted(n for n in os.listdir(ckpt) if n.endswith(".ckpt") and n != "last.ckpt")
     assert names == ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "epoch=0-step=9.ckpt", "epoch=1-step=12.ckpt"]
 
     r = run_cli(None, "ls", ckpt, "--json")  # type: ignore[arg-type]
     assert r.returncode == 0, r.stderr
-    rows = json.loads(r.stdout)
+    rows = [row for row in json.loads(r.stdout) if row["files"] and row["files"] != ["last.ckpt"]]
     got = {(row["training_step"], row["epoch"]): row["files"] for row in rows}
     assert got == {(3, 0): [names[0]], (6, 0): [names[1]], (9, 0): [names[2]], (12, 1): [names[3]]}, rows
-    assert [row["step"] for row in rows] == [0, 1, 2, 3]  # flashckpt's: one per save
+    # last.ckpt (a copy, save_last=True) names no step: the step Lightning put in the file is shown
+    (last,) = [row for row in json.loads(r.stdout) if row["files"] == ["last.ckpt"]]
+    assert (last["training_step"], last["epoch"]) == (12, 1), last
 
     r = run_cli(None, "ls", ckpt)  # type: ignore[arg-type]
     lines = r.stdout.splitlines()
     assert r.returncode == 0 and lines[0].split()[:3] == ["STEP", "TRAINING", "STEP"], r.stdout
-    assert [line.split()[1:4] for line in lines[1:]] == [["3", "(epoch", "0)"], ["6", "(epoch", "0)"],
-                                                         ["9", "(epoch", "0)"], ["12", "(epoch", "1)"]], r.stdout
+    files = [line for line in lines[1:] if ".ckpt" in line]  # (the others: snapshots in memory, no files)
+    assert [line.split()[1:4] for line in files] == [["3", "(epoch", "0)"], ["6", "(epoch", "0)"], ["9", "(epoch", "0)"],
+                                                     ["12", "(epoch", "1)"], ["12", "(epoch", "1)"]], r.stdout
+    assert files[-1].endswith("last.ckpt"), r.stdout
