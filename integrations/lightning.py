@@ -46,7 +46,7 @@ from flashckpt import StorageType
 from flashckpt import errors as E
 from flashckpt.errors import UnsupportedStrategyError
 from flashckpt.integrations._kit_resume import auto_resume as resume_wanted
-from flashckpt.integrations._kit_resume import resume_line
+from flashckpt.integrations._kit_resume import restart_count, resume_line
 from flashckpt.integrations._lightning_io import _NAMES, _FlashIOImpl  # noqa: E402
 from flashckpt.integrations._lightning_paths import dir_of, find_resume_path
 from flashckpt.storage import locations
@@ -147,34 +147,7 @@ class _MemorySnapshotImpl:
         _disarm(trainer)
         if stage == "fit" and resume_wanted(io.auto_resume, op="FlashCheckpointIO(auto_resume)") \
                 and not _ckpt_path_given(trainer, io):
-            self._arm_resume(trainer, io)
-
-    def _arm_resume(self, trainer: Any, io: _FlashIOImpl) -> None:
-        """Makes this ``fit``, in a worker the launcher restarted and called without a ``ckpt_path``, resume
-        as ``fit(ckpt_path=<the newest checkpoint>)`` would: global rank 0's ``find_resume_path`` (memory
-        first) goes to every rank, and the checkpoint connector's ``resume_start``, which ``fit`` calls with
-        the path Lightning selected before any hook ran, gets it in place of None, once. A path Lightning
-        selected by itself (``"hpc"`` under SLURM, ``"last"`` with ``OnExceptionCheckpoint``) is left alone."""
-        d = io.checkpoint_dir or locations.parent(self.snapshot_path(trainer))
-        path = find_resume_path(d, storage_options=io.storage_options) if trainer.is_global_zero else None
-        path = trainer.strategy.broadcast(path, src=0)  # every rank loads, or none does
-        connector = trainer._checkpoint_connector
-        original = connector.resume_start
-
-        def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
-            _disarm(trainer)
-            if checkpoint_path is not None:
-                original(checkpoint_path, weights_only=weights_only)
-                return
-            original(path, weights_only=weights_only)
-            if trainer.is_global_zero:
-                step = connector._loaded_checkpoint.get("global_step") if path is not None else None
-                source = io.last_load[0] if io.last_load is not None else "storage"
-                # find_resume_path named the newest checkpoint there is: none newer is lost.
-                resume_line(log, type(io).__name__, source=source, step=step, path=path, lost=0, automatic=True)
-
-        resume_start._flashckpt = True  # type: ignore[attr-defined]
-        connector.resume_start = resume_start
+            _arm_resume(trainer, io, io.checkpoint_dir or locations.parent(self.snapshot_path(trainer)))
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Takes back this fit's automatic resume when ``fit`` ended before it loaded (nothing is left armed)."""
@@ -197,6 +170,68 @@ class _MemorySnapshotImpl:
             cb = trainer.checkpoint_callback
             d = getattr(cb, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
         return locations.join(dir_of(d, "FlashMemorySnapshot") or d, self.filename)
+
+
+
+def _arm_resume(trainer: Any, io: _FlashIOImpl, d: str) -> None:
+    """Makes this ``fit``, in a worker the launcher restarted and called without a ``ckpt_path``, resume as
+    ``fit(ckpt_path=<the newest checkpoint in d>)`` would: global rank 0's ``find_resume_path`` (memory first)
+    goes to every rank, and the checkpoint connector's ``resume_start``, which ``fit`` calls with the path
+    Lightning selected before any hook ran, gets it in place of None, once. A path Lightning selected by
+    itself (``"hpc"`` under SLURM, ``"last"`` with ``OnExceptionCheckpoint``) is left alone."""
+    path = find_resume_path(d, storage_options=io.storage_options) if trainer.is_global_zero else None
+    path = trainer.strategy.broadcast(path, src=0)  # every rank loads, or none does
+    connector = trainer._checkpoint_connector
+    original = connector.resume_start
+
+    def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+        _disarm(trainer)
+        if checkpoint_path is not None:
+            original(checkpoint_path, weights_only=weights_only)
+            return
+        original(path, weights_only=weights_only)
+        if trainer.is_global_zero:
+            step = connector._loaded_checkpoint.get("global_step") if path is not None else None
+            source = io.last_load[0] if io.last_load is not None else "storage"
+            # find_resume_path named the newest checkpoint there is: none newer is lost.
+            resume_line(log, type(io).__name__, source=source, step=step, path=path, lost=0, automatic=True)
+
+    resume_start._flashckpt = True  # type: ignore[attr-defined]
+    connector.resume_start = resume_start
+
+
+class _AutoResumeImpl:
+    """The body of the callback Lightning adds to every Trainer of a restarted worker through its
+    ``callbacks_factory`` entry point (pyproject.toml): a ``fit`` that saves through a ``FlashCheckpointIO``
+    and has no ``FlashMemorySnapshot`` (which does the same itself) resumes as ``FlashMemorySnapshot``'s
+    ``setup`` makes it, from the plugin's ``checkpoint_dir``, else the first ``ModelCheckpoint``'s dirpath,
+    else ``<default_root_dir>/checkpoints``. Any other Trainer is left alone."""
+
+    _tree = "lightning"
+
+    def __init_subclass__(cls, *, tree: str, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._tree = tree
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        io = trainer.strategy.checkpoint_io
+        if (stage != "fit" or not isinstance(io, _FlashIOImpl) or io._tree != self._tree
+                or any(isinstance(cb, _MemorySnapshotImpl) for cb in trainer.callbacks)):
+            return
+        _disarm(trainer)
+        if resume_wanted(io.auto_resume, op="FlashCheckpointIO(auto_resume)") and not _ckpt_path_given(trainer, io):
+            d = io.checkpoint_dir or getattr(trainer.checkpoint_callback, "dirpath", None) or os.path.join(
+                trainer.default_root_dir, "checkpoints")
+            _arm_resume(trainer, io, d)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        _disarm(trainer)
+
+
+def restarted_worker_callbacks(cls: type) -> list[Any]:
+    """What the ``callbacks_factory`` entry point gives a Lightning Trainer: an ``cls`` (an ``_AutoResumeImpl``
+    of the Trainer's package) in a worker the launcher restarted, else nothing (a first start is untouched)."""
+    return [cls()] if restart_count() > 0 else []
 
 
 def _ckpt_path_given(trainer: Any, io: _FlashIOImpl) -> bool:

@@ -58,6 +58,27 @@ def test_a_restarted_worker_fits_from_the_newest_snapshot_by_itself(fault_env: F
         assert torch.equal(got[k], want[k]), f"{k} differs from the uninterrupted run"
 
 
+def test_the_plugin_alone_resumes_a_restarted_fit(fault_env: FaultEnv) -> None:
+    """No ``FlashMemorySnapshot``: Lightning's ``callbacks_factory`` entry point (pyproject.toml) gives the
+    restarted worker's Trainer the callback that resumes it, from the newest checkpoint ModelCheckpoint saved
+    through the plugin (step 10, in memory: killed after step 13); a first start gets no callback at all."""
+    ckpt = os.path.join(fault_env.tmp, "ckpt")
+    results, text = run_restarting(fault_env, SCRIPT, "--ckpt", ckpt, "--steps", "16", "--kill_at", "13",
+                                   "--plugin_only")
+    assert len(results) == 1, text[-6000:]
+    r = results[0]
+    lines = [line for line in text.splitlines() if LINE in line]
+    want = os.path.join(ckpt, "epoch=0-step=10.ckpt")
+    assert (r["start"], r["ckpt_path"], r["load"]) == (10, want, ["memory", want]), text[-6000:]
+    assert len(lines) == 1 and f"resumed from memory at step 10, 0 steps lost ({want})" in lines[0], lines
+    got = torch.load(r["final"], weights_only=True)
+    ref = reference_weights(16)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), f"{k} differs from the uninterrupted run"
+    from flashckpt.integrations._lightning_classes import callbacks_factory
+    assert callbacks_factory() == []  # this process is no restarted worker
+
+
 def _fit(ckpt: str, steps: int, io: Any, **fit_kw: Any) -> tuple[int | None, Any]:
     """Fits ``steps`` steps with ``io``, a snapshot every step, ModelCheckpoint every 2 steps (all kept, named by
     step): the step training started at and the Trainer's ckpt_path."""

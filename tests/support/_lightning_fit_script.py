@@ -42,6 +42,8 @@ def main() -> None:
     p.add_argument("--ckpt", required=True)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--kill_at", type=int, default=0)
+    p.add_argument("--plugin_only", action="store_true",
+                   help="no FlashMemorySnapshot: the plugin alone (ModelCheckpoint every 5 steps)")
     a = p.parse_args()
     torch.set_num_threads(1)
     io = FlashCheckpointIO(a.ckpt)
@@ -49,6 +51,9 @@ def main() -> None:
     callbacks = [FlashMemorySnapshot(every_n_train_steps=1), start, _KillOnFirstAttempt(a.kill_at),
                  ModelCheckpoint(dirpath=a.ckpt, every_n_train_steps=10, save_top_k=2, monitor="step", mode="max",
                                  save_last=True)]
+    if a.plugin_only:
+        callbacks = [start, _KillOnFirstAttempt(a.kill_at),
+                     ModelCheckpoint(dirpath=a.ckpt, every_n_train_steps=5, save_top_k=2, monitor="step", mode="max")]
     model = new_model()
     trainer = L.Trainer(max_steps=a.steps, devices=1, plugins=[io], callbacks=callbacks, **QUIET)
     trainer.fit(model)
