@@ -257,3 +257,52 @@ def test_deepspeed_zero_step_exports_the_fp32_weights(tmp_path, runtime_dir):
     out = str(tmp_path / "st")
     assert "step 2 (deepspeed, from storage)" in exported_ok(ckpt, out)
     assert_same(read_safetensors(out), want)
+
+
+# ------------------------------------------------------------------------------------------ megatron-core
+def megatron_worker(root: str, ref: str) -> dict:
+    """1 rank of megatron-core (test_megatron's GPT) saves iteration 5 through flashckpt's ``torch_dist``
+    strategy (MegatronCheckpointer) and, for reference, with megatron-core's own save into ``ref``."""
+    from flashckpt.patches.megatron.dist_ckpt import MegatronCheckpointer, iteration_dir
+    from megatron.core import dist_checkpointing
+    from test_megatron import _model, _setup, _state
+
+    _setup()
+    ck = MegatronCheckpointer(root)
+    try:
+        model = _model(5)
+        path = iteration_dir(root, 5)
+        os.makedirs(path)
+        dist_checkpointing.save(_state(model, 5), path, sharded_strategy=ck.save_strategy())
+        ck.wait(60)
+        os.makedirs(ref)
+        dist_checkpointing.save(_state(model, 5), ref)
+    finally:
+        ck.close()
+    return {}
+
+
+def test_megatron_core_torch_dist_iteration_exports_what_pytorchs_consolidation_gives(tmp_path, runtime_dir):
+    """An iteration megatron-core saved in its ``torch_dist`` format through flashckpt exports, to one torch
+    file and to safetensors, exactly the tensors PyTorch's own consolidation (``dcp_to_torch_save``) gives of
+    megatron-core's vanilla save of the same state."""
+    pytest.importorskip("megatron.core")
+    from helpers import run_ranks
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ckpt, ref = str(tmp_path / "ckpt"), str(tmp_path / "ref")
+    run_ranks(megatron_worker, 1, str(tmp_path / "work"), args={"root": ckpt, "ref": ref})
+    dcp_to_torch_save(ref, str(tmp_path / "ref.pt"))
+    whole = torch.load(str(tmp_path / "ref.pt"), weights_only=False)
+    want = {k: v for k, v in whole.items() if isinstance(v, torch.Tensor)}  # the model's weights, by megatron key
+    assert len(want) > 10 and all(k.startswith(("decoder.", "embedding.", "output_layer.")) for k in want), sorted(whole)
+    pt = str(tmp_path / "model.pt")
+    exported_ok(ckpt, pt, "--format", "torch")
+    got = torch.load(pt, weights_only=True)
+    assert_same({k: v for k, v in got.items() if isinstance(v, torch.Tensor)}, want)
+    out = str(tmp_path / "st")
+    exported_ok(ckpt, out)
+    st = read_safetensors(out)
+    # every tensor of the state, flattened: the model's, and the test's per-rank object (a ShardedObject)
+    assert {k for k in st if k not in want} == {"rank_state/shard_0_1.0.noise"}, sorted(st)
+    assert_same({k: v for k, v in st.items() if k in want}, want)
