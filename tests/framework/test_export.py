@@ -161,10 +161,19 @@ def test_hf_trainer_checkpoint_to_sharded_safetensors_that_from_pretrained_loads
     # Accelerate's CUDA probe may leave PYTORCH_NVML_BASED_CUDA_CHECK set (as test_hf's _hf_env says)
     monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, TrainerCallback
 
     run = str(tmp_path / "run")
-    trainer = make_trainer(run, max_steps=3, save_steps=3)
+    seen: dict = {"line": ""}
+
+    class _ExportFromMemory(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if state.global_step == 2:
+                seen["step2"] = weights(model)
+            elif state.global_step == 3:
+                seen["line"] = exported_ok(run, str(tmp_path / "from-memory"), "--from-memory")
+
+    trainer = make_trainer(run, max_steps=3, save_steps=3, callbacks=[_ExportFromMemory()])
     trainer.train()
     trained = weights(trainer.model)
     before = tree_files(run)
@@ -180,6 +189,11 @@ def test_hf_trainer_checkpoint_to_sharded_safetensors_that_from_pretrained_loads
     vanilla = AutoModelForCausalLM.from_pretrained(out)
     assert_same(weights(vanilla), trained)
     assert tree_files(run) == before
+    # The Trainer's snapshot in memory while it trains (a set of files, laid out as the Trainer writes them):
+    # exported at step 3's end, before step 3's save, it is step 2's (train() ends by closing the engine).
+    mem = str(tmp_path / "from-memory")
+    assert seen["line"] and "step 2" in seen["line"] and "memory" in seen["line"], seen
+    assert_same(read_safetensors(mem), {k: v for k, v in seen["step2"].items() if k in got})
 
 
 # ------------------------------------------------------------------------------------------ FSDP / DCP
