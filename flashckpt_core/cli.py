@@ -40,11 +40,12 @@ from flashckpt.commit.layout import CommitLayout
 from flashckpt.commit.manifest import Manifest
 from flashckpt.commit.protocol import commit_step
 from flashckpt.commit.tiers import check_local_dir, durable_spec_of, local_layout, pending_uploads, upload_step
-from flashckpt.config import Knobs, job_key_digest
+from flashckpt.config import Knobs, is_job_key_of_dir, job_key_digest
 from flashckpt.storage.base import CheckpointStorage
 from flashckpt.storage.registry import checkpoint_location, storage_for
 from flashckpt.transport.wire import Client
 from flashckpt.util import owned_dirs as _owned_dirs
+from flashckpt.util.progress import bar as progress_bar
 from tqdm import tqdm
 
 __all__ = ["main", "parser"]
@@ -126,7 +127,7 @@ def _in_memory(checkpoint_dir: str) -> dict[int, dict[str, set[int]]]:
     digest = job_key_digest(checkpoint_dir)
     runtime = Knobs.from_env().runtime_dir
     try:
-        names = [n for n in os.listdir(runtime) if n == digest or n.endswith("-" + digest)]
+        names = [n for n in os.listdir(runtime) if is_job_key_of_dir(n, digest)]
     except (FileNotFoundError, NotADirectoryError):
         return {}
     except OSError as e:
@@ -227,7 +228,7 @@ def _committed_row(layout: CommitLayout, step: int, latest: int | None, state: s
         return _Row(step, "damaged", note=str(e))
     files = [f.path for f in m.all_files()]
     trained, epoch = _training_step(files, layout.storage.local_path(layout.root))
-    return _Row(step, state, latest=step == latest, bytes=sum(f.size for f in m.all_files()), saved_at=m.time,
+    return _Row(step, state, latest=step == latest, bytes=m.nbytes(), saved_at=m.time,
                 files=files, training_step=trained, epoch=epoch)
 
 
@@ -395,7 +396,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
         print(f"nothing to upload: {layout.root} holds every step committed on {local.root}")
         return 0
     knobs = Knobs.from_env()
-    sizes = {step: sum(f.size for f in local.read_manifest(step).all_files()) for step in steps}
+    sizes = {step: local.read_manifest(step).nbytes() for step in steps}
     with _progress("upload", sum(sizes.values())) as bar:
         for step in steps:
             t0 = time.monotonic()
@@ -426,7 +427,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         with contextlib.suppress(E.CheckpointCorruptError):  # verify says why
             manifests[step] = layout.read_manifest(step)
     bad = 0
-    with _progress("verify", sum(f.size for m in manifests.values() for f in m.all_files())) as bar:
+    with _progress("verify", sum(m.nbytes() for m in manifests.values())) as bar:
         for step in steps:
             m = manifests.get(step)
             # Rank by rank (the bar moves within a step of many ranks); [None]: the verify says what is damaged.
@@ -449,20 +450,10 @@ def _verify_rank(layout: CommitLayout, step: int, rank: int | None, m: Manifest 
     return problems
 
 
-class _Bar(tqdm):
-    """tqdm without its monitor thread (started by every bar, shown or not, and left running): a command
-    that runs inside another program (``main``) leaves no thread behind."""
-
-    monitor_interval = 0
-
-
 @contextlib.contextmanager
 def _progress(what: str, total: int) -> Iterator[tqdm]:
-    """A progress bar of ``total`` bytes on stderr, shown only when stderr is a terminal (tqdm's
-    ``disable=None``): a pipe or a log file gets the result lines only. Lines printed meanwhile go through
-    ``bar.write`` (above the bar)."""
-    with _Bar(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-              disable=None, dynamic_ncols=True, leave=False) as bar:
+    """A progress bar of ``total`` bytes on stderr when it is a terminal (``util.progress.bar``)."""
+    with progress_bar(what, total) as bar:
         yield bar
 
 

@@ -27,7 +27,7 @@ from flashckpt import errors as E
 __all__ = ["StorageType", "Knobs", "ReplicaKnobs", "S3Knobs", "knob", "knob_variables", "JOB_ID_ENV", "AGENT_PID_ENV",
            "LAST_WORDS_ENV", "WARM_MODULES_DIR_ENV", "STORAGE_OPTIONS_ENV",
            "LOCAL_DIR_ENV", "LOCAL_KEEP_ENV", "job_key", "runtime_root", "job_dir", "make_private_dir",
-           "open_private_dir", "dir_identity", "is_default_runtime_dir", "is_job_key_of", "job_key_digest"]
+           "open_private_dir", "dir_identity", "is_default_runtime_dir", "is_job_key_of", "is_job_key_of_dir", "job_key_digest"]
 
 
 class StorageType(enum.Enum):
@@ -446,6 +446,12 @@ def is_job_key_of(name: str, job_id: str) -> bool:
     prefix = _safe_job_id(job_id) + "-"
     digest = name[len(prefix):]
     return name.startswith(prefix) and len(digest) == _DIGEST_LEN and set(digest) <= _HEX
+
+
+def is_job_key_of_dir(name: str, digest: str) -> bool:
+    """Whether ``name`` is a job key ``job_key`` gives for the checkpoint dir whose ``job_key_digest`` is
+    ``digest`` (any job id): the runtime dirs of that dir's jobs on this node."""
+    return name == digest or name.endswith("-" + digest)
 
 
 def make_private_dir(path: str) -> None:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from flashckpt import errors as E
 from flashckpt.commit.layout import CommitLayout
 from flashckpt.storage.registry import checkpoint_location, storage_for
+from flashckpt.util.progress import bar as progress_bar
 
 if TYPE_CHECKING:
     import torch
@@ -296,8 +297,7 @@ def _read_memory(loc: str, step: int | None, rank: int, weights_only: bool, stac
     """The state of a snapshot in this node's shared memory: a state dict as is, a set of files laid out in
     a scratch directory (with the other ranks' files of the step this node holds: a DCP or ZeRO step needs
     them) and read as the committed step would be."""
-    import torch
-    from flashckpt.format.files import FileSet
+    from flashckpt.format.files import FileSet, write_entry
     from flashckpt.memory.reader import SnapshotReader
 
     reader = stack.enter_context(SnapshotReader(loc, rank=rank, weights_only=weights_only))
@@ -324,13 +324,7 @@ def _read_memory(loc: str, step: int | None, rank: int, weights_only: bool, stac
             if entry.kind == "tracker":
                 continue
             names.add(name)
-            path = os.path.join(scratch, name)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            if entry.format == "torch":
-                torch.save(entry.data, path)
-            else:
-                with open(path, "wb") as f:
-                    f.write(fs.raw_bytes(name))
+            write_entry(os.path.join(scratch, name), entry)
     return _read_dir(scratch, sorted(names), pick.step, weights_only)
 
 
@@ -377,7 +371,6 @@ def _write(read: _Read, tree: Any, key: str, out: str, fmt: str, max_shard_size:
            progress: bool | None, source: str) -> Exported:
     """Writes ``tree`` to ``out`` (beside it first, then renamed into place); the files written."""
     import torch
-    from tqdm import tqdm
 
     leaves = list(_flat(tree))
     tensors = {k: v for k, v in leaves if isinstance(v, torch.Tensor)}
@@ -385,8 +378,7 @@ def _write(read: _Read, tree: Any, key: str, out: str, fmt: str, max_shard_size:
         raise E.InvalidArgumentError(f"export: step {read.step}'s {key or 'state'} holds no tensors; pass --key "
                                      "with the sub-tree of the weights")
     dropped = [k for k, v in leaves if not isinstance(v, torch.Tensor)] if fmt == "safetensors" else []
-    bar = tqdm(total=len(tensors), desc=f"export step {read.step}", unit="tensor", file=sys.stderr,
-               disable=None if progress is None else not progress, leave=False)
+    bar = progress_bar(f"export step {read.step}", len(tensors), unit="tensor", show=progress)
     tmp = f"{out}.partial-{os.getpid()}"
     try:
         with bar:

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from flashckpt import errors as E
-from flashckpt.config import Knobs, job_key_digest
+from flashckpt.config import Knobs, is_job_key_of_dir, job_key_digest
 from flashckpt.transport import messages as M
 from flashckpt.transport.spawn import SOCKET_NAME
 from flashckpt.transport.wire import Client
@@ -50,7 +50,7 @@ def inspect_node(checkpoint_dir: str | None = None, events: int = 5) -> list[tup
         return []
     out = []
     for name in names:
-        if digest is not None and name != digest and not name.endswith("-" + digest):
+        if digest is not None and not is_job_key_of_dir(name, digest):
             continue
         sock = os.path.join(runtime, name, SOCKET_NAME)
         if not os.path.exists(sock):

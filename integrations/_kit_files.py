@@ -33,7 +33,7 @@ from flashckpt.commit.layout import CommitLayout
 from flashckpt.engine.collective import exchange_files, world
 from flashckpt.engine.reshard import Resharded
 from flashckpt.engine.routing import rel_inside, swapped
-from flashckpt.format.files import FileEntry, FileSet
+from flashckpt.format.files import FileEntry, FileSet, write_entry
 from flashckpt.storage import locations
 from flashckpt.storage.base import CheckpointStorage, file_checksum
 from flashckpt.util.owned_dirs import owned_dir, scratch_roots, sweep_once
@@ -145,22 +145,6 @@ def scratch(root: str, name: str, *, prefix: str = "flashckpt-") -> Iterator[str
     """A private empty directory ``<root>/<tmp>/<name>`` (removed afterwards)."""
     with SnapshotDir(root, name, prefix=prefix) as d:
         yield d.dir
-
-
-def write_entry(path: str, e: FileEntry) -> None:
-    """Writes one ``FileSet`` entry to ``path`` as the saver would persist it."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    if e.format == "torch":
-        torch.save(e.data, path)
-        return
-    parts = e.data if isinstance(e.data, list) else [e.data]
-    with open(path, "wb") as f:
-        for p in parts:
-            if isinstance(p, torch.Tensor):
-                if p.numel():
-                    f.write(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-            else:
-                f.write(p)
 
 
 class SnapshotDir:

@@ -142,9 +142,7 @@ class FlashCkptConfig:
     auto_resume: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.auto_resume is not None and not isinstance(self.auto_resume, bool):
-            raise E.InvalidArgumentError(f"FlashCkptConfig(auto_resume={self.auto_resume!r}): True, False, or None "
-                                         "(FLASHCKPT_AUTO_RESUME decides)")
+        auto_resume(self.auto_resume, op="FlashCkptConfig(auto_resume)")  # refuses anything but a bool or None
         if not isinstance(self.memory_snapshot_steps, int) or self.memory_snapshot_steps < 0:
             raise E.InvalidArgumentError(f"FlashCkptConfig(memory_snapshot_steps={self.memory_snapshot_steps!r}): "
                              "must be an integer >= 0 (0 turns memory-only snapshots off)")

@@ -296,8 +296,9 @@ class Stats:
         persists / persisted_bytes / persist_seconds: this rank's files written; persist_mb_per_s: their
             throughput, persist_s_last: the newest one's seconds (None: none yet).
         commits: per tier ("durable", "local"), the commits heard; durable_step / local_step / memory_step:
-            the newest step committed on each tier and in memory (None: none).
-        lag_s: how far the checkpoint dir is behind the newest storage save now (``durability()``).
+            the newest step committed on each tier and in memory (None: none), and lag_s: how far the
+            checkpoint dir is behind the newest storage save now, as ``durability()`` knows them (it sees
+            every save and every commit the saver reports, on every rank).
         retries: storage requests retried, by why; failures: failures seen; last_words: steps persisted as
             last words.
         loads: loads, by source; last_load: the newest ``Loaded`` (None: none).
@@ -341,14 +342,13 @@ def _summed(s: Stats, ev: Event) -> Stats:
     up: dict[str, Any] = {"events": s.events + 1}
     if isinstance(ev, SnapshotTaken):
         up.update(snapshots=s.snapshots + 1, snapshot_bytes=ev.bytes, pause_s_total=s.pause_s_total + ev.pause_s,
-                  pause_s_last=ev.pause_s, pause_s_max=max(s.pause_s_max, ev.pause_s), memory_step=ev.step)
+                  pause_s_last=ev.pause_s, pause_s_max=max(s.pause_s_max, ev.pause_s))
     elif isinstance(ev, Persisted):
         nbytes, secs = s.persisted_bytes + ev.bytes, s.persist_seconds + ev.seconds
         up.update(persists=s.persists + 1, persisted_bytes=nbytes, persist_seconds=secs,
                   persist_mb_per_s=_rate(nbytes, secs), persist_s_last=ev.seconds)
     elif isinstance(ev, Committed):
         up["commits"] = _add(s.commits, ev.tier)
-        up["durable_step" if ev.tier == "durable" else "local_step"] = ev.step
     elif isinstance(ev, Retried):
         retries = dict(s.retries)
         for k, n in ev.counts.items():
@@ -459,8 +459,8 @@ class EventStream:
                 self.emit(ev)
 
     def stats(self, **now: Any) -> Stats:
-        """The summary, with ``now``'s fields (the durability report's steps and lag) taken as they are now."""
-        return dataclasses.replace(self._stats, **{k: v for k, v in now.items() if v is not None or k == "lag_s"})
+        """The summary, with ``now``'s fields (the durability report's steps and lag) as they are now."""
+        return dataclasses.replace(self._stats, **now)
 
 
 _KINDS = frozenset(c.KIND for c in (SnapshotTaken, PersistStarted, Persisted, PersistFailed, Committed, Uploaded,

@@ -34,7 +34,8 @@ import torch
 from flashckpt import errors as E
 from flashckpt.format.names import META
 
-__all__ = ["FileSet", "FileEntry", "FILES_KEY", "is_fileset_tree", "safetensors_dtype", "tensor_view", "host_bytes"]
+__all__ = ["FileSet", "FileEntry", "FILES_KEY", "is_fileset_tree", "safetensors_dtype", "tensor_view", "host_bytes",
+           "write_entry"]
 
 FILES_KEY = "__flashckpt_files__"
 KINDS = ("file", "commit", "tracker")
@@ -145,6 +146,22 @@ class FileSet(dict[str, FileEntry]):
         if into is None:
             return None
         return {FILES_KEY: {name: {"d": tree} for name, tree in into.items()}}
+
+
+def write_entry(path: str, e: FileEntry) -> None:
+    """Writes one ``FileSet`` entry to ``path`` (its directories made) as the saver would persist it."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if e.format == "torch":
+        torch.save(e.data, path)
+        return
+    parts = e.data if isinstance(e.data, list) else [e.data]
+    with open(path, "wb") as f:
+        for p in parts:
+            if isinstance(p, torch.Tensor):
+                if p.numel():
+                    f.write(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            else:
+                f.write(p)
 
 
 def is_fileset_tree(tree: Any) -> bool:

@@ -234,7 +234,7 @@ class ControlServer:
         return self.replica.inventory()
 
     def _on_inspect(self, req: M.Inspect, info: ClientInfo | None) -> M.Reply:
-        return inspect(self.state, self.pool, self.replica, req)
+        return inspect(self.state, self.replica, req)
 
     def _on_fetch(self, req: M.Fetch, info: ClientInfo | None) -> M.Reply:
         return self.replica.fetch(req)

@@ -165,14 +165,12 @@ class PersistQueues:
             seg.set_flags(job.slot, h.flags | FLAG_PINNED)
         self.pool.persist_activity()
         self.pool.prepare_spares(seg)
-        self.state.note("persist_start", level=logging.DEBUG, step=job.step, rank=job.rank,
-                        bytes=h.tensor_bytes + h.blob_len, path=path,
-                        tier="local" if layout is not self.layout else "durable")
-        with self.state.cv:
-            self.state.running[(job.step, job.rank)] = {
-                "step": job.step, "rank": job.rank, "bytes": h.tensor_bytes + h.blob_len, "path": path,
-                "tier": "local" if layout is not self.layout else "durable", "since": time.monotonic(),
-                "storage": layout.storage}
+        tier = "local" if layout is not self.layout else "durable"
+        started: dict[str, Any] = {"step": job.step, "rank": job.rank, "bytes": h.tensor_bytes + h.blob_len,
+                                   "path": path, "tier": tier}
+        self.state.note("persist_start", level=logging.DEBUG, **started)
+        with self.state.cv:  # what ``flashckpt status`` shows of it while it runs (saver/report)
+            self.state.running[(job.step, job.rank)] = {**started, "since": time.monotonic(), "storage": layout.storage}
         try:
             layout.clear_markers(job.step, job.rank)  # an earlier save's of the same step
             # The worker writes the intent and the files (it maps the segment read-only); then the done marker.
@@ -197,8 +195,7 @@ class PersistQueues:
             self.state.stats.persisted_bytes += size
             self.state.stats.persist_seconds += dt
             self.state.stats.last_persist_s = dt
-        self.state.note("persist", step=job.step, rank=job.rank, bytes=size, seconds=dt, path=path,
-                        tier="local" if layout is not self.layout else "durable")
+        self.state.note("persist", step=job.step, rank=job.rank, bytes=size, seconds=dt, path=path, tier=tier)
 
     # ------------------------------------------------------------------ persisting a copy held here
     def persist_held(self, step: int, ranks: list[int]) -> list[int]:

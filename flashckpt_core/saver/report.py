@@ -2,7 +2,7 @@
 needed, so the command never counts as a trainer): its trainers, the persists running with the bytes written
 so far, the newest commits per tier, what its node's memory holds, its replica partners and its newest events.
 
-Imports the saver's parts it reads (``state``, ``segments``, ``replica``) and the layers below."""
+Imports the saver's parts it reads (``state``, ``replica``) and the layers below."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 from flashckpt.saver.replica import ReplicaService
-from flashckpt.saver.segments import SegmentPool
 from flashckpt.saver.state import SaverState
 from flashckpt.transport import messages as M
 from flashckpt.transport.peers import partners
@@ -19,7 +18,7 @@ from flashckpt.transport.peers import partners
 __all__ = ["inspect"]
 
 
-def inspect(state: SaverState, pool: SegmentPool, replica: ReplicaService, req: M.Inspect) -> M.InspectReply:
+def inspect(state: SaverState, replica: ReplicaService, req: M.Inspect) -> M.InspectReply:
     """The ``InspectReply`` of this saver now."""
     now = time.monotonic()
     with state.cv:
