@@ -35,6 +35,9 @@ class Committer:
         self.uploader = uploader
         self.layout = state.layout
         self.storage = state.storage
+        # Called on the commit thread with each durable commit's manifest before the step is reported done
+        # (the control server gives back an earlier layout's memory there: ``ControlServer.after_commit``).
+        self.after_commit: Callable[[Manifest], None] | None = None
 
     def loop(self) -> None:
         """The commit thread: the work of ``SaverState.commit_q``, in order, until a None."""
@@ -85,6 +88,8 @@ class Committer:
             st.note("commit", step=step, tier="durable", ranks=spec["ranks"], lag_s=rec["lag_s"],
                     bytes=manifest.nbytes())
             self._uploaded(step)
+            if self.after_commit is not None:
+                self.after_commit(manifest)
             st.finish(step, None, committed=True)
         except TrackerUpdateError as e:  # committed: never reported as a failed step
             log.error("event=commit step=%d tier=durable ranks=%s: %s", step, spec["ranks"], e)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from flashckpt import errors as E
+from flashckpt.commit.layout import Manifest
 from flashckpt.saver.committer import Committer
 from flashckpt.saver.housekeeping import NEEDS_RECORDS, Records
 from flashckpt.saver.lastwords import LastWords
@@ -276,21 +277,33 @@ class ControlServer:
         try:
             layout = self.state.layout
             committed = layout.committed_steps()
-            if not committed:
-                return
-            m = layout.read_manifest(committed[-1])
-            before = min(m.saved_at_ranks().values(), default=0.0)
-            if m.world_size != world or before <= 0:
-                return  # storage holds nothing newer of this layout yet: the earlier one may still be needed
-            removed, freed = self.pool.release_layouts(world, before)
-            if removed:
-                log.info("event=layout_released world=%d step=%d segments=%d bytes=%d: the snapshots of another number "
-                         "of ranks are older than committed step %d of this one (%s)", world, m.step, len(removed),
-                         freed, m.step, ", ".join(os.path.basename(p) for p in removed))
+            if committed:
+                self.release_layouts_before(layout.read_manifest(committed[-1]), world)
         except (OSError, ValueError, TypeError, E.FlashCheckpointError) as e:
             log.warning("giving back the memory of an earlier layout of the job: %s", e)
         finally:
             self._layouts_busy = False
+
+    def after_commit(self, m: Manifest) -> None:
+        """On the commit thread, after this saver committed ``m``: the memory of an earlier layout of the job
+        goes back at once (a job that ends right after its commit sends no further news request)."""
+        if not self.pool.other_layouts(m.world_size):
+            return
+        try:
+            self.release_layouts_before(m, m.world_size)
+        except (OSError, ValueError, TypeError, E.FlashCheckpointError) as e:
+            log.warning("giving back the memory of an earlier layout of the job: %s", e)
+
+    def release_layouts_before(self, m: Manifest, world: int) -> None:
+        """Removes the segments of another number of ranks than ``world`` older than commit ``m`` of it."""
+        before = min(m.saved_at_ranks().values(), default=0.0)
+        if m.world_size != world or before <= 0:
+            return  # storage holds nothing newer of this layout yet: the earlier one may still be needed
+        removed, freed = self.pool.release_layouts(world, before)
+        if removed:
+            log.info("event=layout_released world=%d step=%d segments=%d bytes=%d: the snapshots of another number "
+                     "of ranks are older than committed step %d of this one (%s)", world, m.step, len(removed),
+                     freed, m.step, ", ".join(os.path.basename(p) for p in removed))
 
     def _on_wait(self, req: M.Wait, info: ClientInfo | None) -> M.Reply:
         return M.StatusReply(**self.wait(req.timeout_s, req.cursor, req.since))

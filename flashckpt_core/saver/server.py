@@ -95,6 +95,7 @@ class CheckpointSaver:
         self.last_words = LastWords(st, self.pool, self.persist, self.records, self.recovery)
         self.control = ControlServer(st, pool=self.pool, persist=self.persist, committer=self.committer,
                                      last_words=self.last_words, records=self.records, replica=self.replica)
+        self.committer.after_commit = self.control.after_commit
         self._dir_fd: int | None = None  # the job dir, checked: everything in it is reached through this fd
         self._sock_ino = 0  # the inode of the socket this saver bound (0: not bound)
 
