@@ -289,6 +289,13 @@ class Knobs:
         ext_dir: where the fast path's builds are cached ("": ``~/.cache/flashckpt/ext``); FLASHCKPT_EXT_DIR.
         cuda_load: how a restore copies to the GPU (``_cuda``): staged, register or pageable (anything
             else: staged); FLASHCKPT_CUDA_LOAD.
+        cuda_register: when a snapshot's slot is page-locked for its device-to-host copies: "background"
+            (default: on a thread of its own, the slot's first snapshots going through pinned bounce buffers
+            meanwhile, so the training thread never waits for the page-locking) or "inline" (on the training
+            thread at the slot's first snapshot); FLASHCKPT_CUDA_REGISTER.
+        cuda_prestage: a new engine on a job whose newest snapshot of this rank in memory holds CUDA tensors
+            page-locks that snapshot's slot in the background at once, so that ``load()`` copies it to the
+            GPU at the PCIe limit (1/0; default 1); FLASHCKPT_CUDA_PRESTAGE.
         launch_events: a file ``flashckpt-run`` (its agent, its warm workers) appends one JSON line per
             event to ("": none); FLASHCKPT_LAUNCH_EVENTS.
         last_words_blocking: ``flashckpt-run`` restarts failed workers only after their last words are
@@ -352,6 +359,9 @@ class Knobs:
     ext_dir: str = _knob("FLASHCKPT_EXT_DIR", "")
     cuda_load: str = _knob("FLASHCKPT_CUDA_LOAD", "staged", _word("staged", "register", "pageable",
                                                                   fallback="staged"))
+    cuda_register: str = _knob("FLASHCKPT_CUDA_REGISTER", "background", _word("background", "inline",
+                                                                              fallback="background"))
+    cuda_prestage: bool = _knob("FLASHCKPT_CUDA_PRESTAGE", True, _flag)
     launch_events: str = _knob("FLASHCKPT_LAUNCH_EVENTS", "")
     last_words_blocking: bool = _knob("FLASHCKPT_LAST_WORDS_BLOCKING", False, _flag)
     warm_workers: bool = _knob("FLASHCKPT_WARM_WORKERS", True, _flag)

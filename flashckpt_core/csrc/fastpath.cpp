@@ -242,16 +242,31 @@ py::object flatten_like(const py::handle& obj, const py::handle& skeleton, const
 
 // Copies the storages of a plan: for every (tensor index, destination offset, bytes) triple in
 // ``copies`` (int64s), ``bytes`` from ``ptrs[index]`` to ``dst_base + offset``. The GIL is released.
-void copy_storages(int64_t dst_base, const py::bytes& ptrs, const py::bytes& copies) {
+namespace {
+
+// A plan's copies: the storage addresses (int64s) and the (tensor index, offset, bytes) triples, checked.
+struct PlanCopies {
+  const int64_t* src;
+  const int64_t* cp;
+  size_t count;
+};
+
+PlanCopies plan_copies(const py::bytes& ptrs, const py::bytes& copies, const char* what) {
   std::string_view p = ptrs;
   std::string_view c = copies;
-  const auto* src = reinterpret_cast<const int64_t*>(p.data());
-  const auto* cp = reinterpret_cast<const int64_t*>(c.data());
-  const size_t count = c.size() / (3 * sizeof(int64_t));
+  PlanCopies out{reinterpret_cast<const int64_t*>(p.data()), reinterpret_cast<const int64_t*>(c.data()),
+                 c.size() / (3 * sizeof(int64_t))};
   const size_t nsrc = p.size() / sizeof(int64_t);
-  for (size_t k = 0; k < count; ++k) {
-    if (static_cast<size_t>(cp[3 * k]) >= nsrc) throw std::out_of_range("copy_storages: tensor index out of range");
+  for (size_t k = 0; k < out.count; ++k) {
+    if (static_cast<size_t>(out.cp[3 * k]) >= nsrc) throw std::out_of_range(std::string(what) + ": tensor index out of range");
   }
+  return out;
+}
+
+}  // namespace
+
+void copy_storages(int64_t dst_base, const py::bytes& ptrs, const py::bytes& copies) {
+  const auto [src, cp, count] = plan_copies(ptrs, copies, "copy_storages");
   py::gil_scoped_release release;
   auto* dst = reinterpret_cast<char*>(dst_base);
   for (size_t k = 0; k < count; ++k) {
@@ -259,7 +274,43 @@ void copy_storages(int64_t dst_base, const py::bytes& ptrs, const py::bytes& cop
   }
 }
 
+// The CUDA runtime's cudaMemcpyAsync, as torch loaded it (its address comes from Python: no CUDA header or
+// library is needed to build this file, and the runtime is the very one torch's streams belong to).
+using MemcpyAsync = int (*)(void* dst, const void* src, size_t n, int kind, void* stream);
+
+// Queues the copies of a plan with cudaMemcpyAsync(fn) on ``stream`` (kind: 2 device-to-host, 1
+// host-to-device): for every (tensor index, offset, bytes) triple in ``copies``, ``bytes`` between
+// ``ptrs[index]`` and ``base + offset``. One call for a snapshot's hundreds of CUDA tensors, the GIL released.
+// Returns (-1, 0), or (the index of the triple the runtime refused, its error code): the copies before it
+// are queued.
+py::tuple memcpy_async(int64_t fn, int64_t stream, int64_t base, const py::bytes& ptrs, const py::bytes& copies,
+                       int64_t kind) {
+  const auto [src, cp, count] = plan_copies(ptrs, copies, "memcpy_async");
+  if (fn == 0) throw std::invalid_argument("memcpy_async: no cudaMemcpyAsync");
+  auto copy = reinterpret_cast<MemcpyAsync>(fn);
+  auto* s = reinterpret_cast<void*>(stream);
+  auto* host = reinterpret_cast<char*>(base);
+  const int k_kind = static_cast<int>(kind);
+  int64_t failed = -1;
+  int code = 0;
+  {
+    py::gil_scoped_release release;
+    for (size_t k = 0; k < count; ++k) {
+      auto* dev = reinterpret_cast<char*>(src[cp[3 * k]]);
+      auto* h = host + cp[3 * k + 1];
+      const auto n = static_cast<size_t>(cp[3 * k + 2]);
+      code = k_kind == 2 ? copy(h, dev, n, k_kind, s) : copy(dev, h, n, k_kind, s);
+      if (code != 0) {
+        failed = static_cast<int64_t>(k);
+        break;
+      }
+    }
+  }
+  return py::make_tuple(failed, code);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("memcpy_async", &memcpy_async, "queues a plan's copies with cudaMemcpyAsync on a stream (GIL released)");
   m.def("flatten_like", &flatten_like, "the tensors of a tree shaped exactly like a cached skeleton, or None");
   m.def("scan", &scan, "signature, storage pointers and first unstorable index of a tensor list");
   m.def("copy_storages", &copy_storages, "copies a plan's storages into a slot (GIL released)");

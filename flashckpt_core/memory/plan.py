@@ -45,7 +45,8 @@ class SnapshotPlan:
         metas_json: the metas, JSON-encoded once.
         copies: (tensor index, region offset, nbytes) of the first tensor of every non-empty CPU region;
             what a snapshot copies.
-        device_copies: the same for regions on an accelerator.
+        device_copies: the same for regions on an accelerator; device_copies_packed: as packed int64
+            triples, which the native fast path queues in one call.
         native_signature: the native scan's signature of the tensors (b"" without the extension).
         small_copies_packed: ``copies`` below ``SMALL_COPY`` bytes as packed int64 triples, which the
             native fast path copies in one call; large_copies: the others, which copy on threads;
@@ -65,6 +66,7 @@ class SnapshotPlan:
     small_copies_packed: bytes = b""
     large_copies: tuple[tuple[int, int, int], ...] = ()
     small_copy_work: int = 0
+    device_copies_packed: bytes = b""
 
 
 def signature_of(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], list[int]]:
@@ -110,7 +112,8 @@ def plan_snapshot(tensors: list[torch.Tensor], signature: tuple[Any, ...], *,
     copies, device_copies = _first_copies(regions, tensor_region, signature)
     small, large, work = _split_small(copies)
     return SnapshotPlan(signature, tuple(regions), tuple(tensor_region), tuple(metas), off, metas_json,
-                        tuple(copies), tuple(device_copies), native_signature, small, large, work)
+                        tuple(copies), tuple(device_copies), native_signature, small, large, work,
+                        array.array("q", [v for c in device_copies for v in c]).tobytes())
 
 
 def _lay_out(tensors: list[torch.Tensor], signature: tuple[Any, ...], key_of: Callable[[int], str],

@@ -195,8 +195,8 @@ class SharedMemoryHandler(SnapshotReader):
                 self._device.release_stale(seg)
             slot = self._acquire_slot(seg, step)
             try:
-                device_done = self._device.copy(seg, slot, [(flat.tensors[i], off, n) for i, off, n in plan.device_copies]) \
-                    if plan.device_copies else None
+                device_done = self._device.copy(seg, slot, flat.tensors, plan, native=native, ptrs=ptrs,
+                                                host_copy=self._copier.run) if plan.device_copies else None
             except BaseException:
                 self._set_state(seg, slot, EMPTY)
                 raise
@@ -492,5 +492,6 @@ class SharedMemoryHandler(SnapshotReader):
                 self._device.forget(self._seg)
                 self._seg.close()
                 self._seg = None
+            self._device.close()
         finally:
             super().close()

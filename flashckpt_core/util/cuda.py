@@ -28,41 +28,71 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
+from flashckpt import errors as E
 from flashckpt.config import knob
 
-__all__ = ["register", "unregister", "copy_to_host", "copy_to_device", "copy_to_device_staged", "load_mode"]
+__all__ = ["register", "unregister", "copy_to_host", "copy_to_host_native", "copy_to_device", "copy_to_device_staged",
+           "load_mode", "runtime_fn", "PORTABLE"]
 
 log = logging.getLogger(__name__)
 _warned = False
 _ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 
 
+PORTABLE = 1  # cudaHostRegisterPortable: the range is page-locked for every CUDA context of the process
+_runtime: ctypes.CDLL | None = None
+_runtime_looked = False
+
+
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch loaded (never another copy), or None where none is loaded."""
+    global _runtime, _runtime_looked
+    if not _runtime_looked:
+        _runtime_looked = True
+        for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+            try:
+                lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # only the copy torch loaded
+                lib.cudaGetLastError  # noqa: B018 (a CUDA runtime indeed)
+            except (OSError, AttributeError):
+                continue
+            _runtime = lib
+            break
+    return _runtime
+
+
+def runtime_fn(name: str) -> int:
+    """The address of the CUDA runtime function ``name`` in the runtime torch loaded; 0 where there is none
+    (a CPU build, or a runtime linked into torch statically): the callers then copy from Python."""
+    lib = _cudart()
+    if lib is None:
+        return 0
+    try:
+        return int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0)
+    except AttributeError:
+        return 0
+
+
 def _clear_last_error() -> None:
     """A failed runtime call leaves its error as the thread's last error, which the next kernel launch
     check of torch would report as its own: read it back (and so reset it) where libcudart is loaded."""
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # only the copy torch loaded
-        except OSError:
-            continue
-        try:
-            lib.cudaGetLastError()
-        except AttributeError:
-            continue
-        return
+    lib = _cudart()
+    if lib is not None:
+        lib.cudaGetLastError()
 
 
-def register(addr: int, nbytes: int) -> bool:
+def register(addr: int, nbytes: int, flags: int = 0) -> bool:
     """Page-locks ``[addr, addr + nbytes)`` for DMA; True when the caller must ``unregister`` it. False where
     the range is page-locked already (by this process's writer), or where the driver refuses (one warning
-    per process): the copies then still work, synchronously through the driver's staging buffers."""
+    per process): the copies then still work, synchronously through the driver's staging buffers.
+    ``flags``: ``PORTABLE`` for a range registered off the thread (and so maybe the context) that copies."""
     global _warned
     if nbytes <= 0:
         return False
-    rc = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 0))
+    rc = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, flags))
     if rc == 0:
         return True
     _clear_last_error()
@@ -109,6 +139,22 @@ def copy_to_host(stream: torch.cuda.Stream, items: Iterable[tuple[torch.Tensor, 
     return done
 
 
+def copy_to_host_native(native: Any, stream: torch.cuda.Stream, base: int, ptrs: bytes, copies: bytes) -> torch.cuda.Event:
+    """``copy_to_host`` in one call of the native fast path: the plan's packed (tensor index, offset, bytes)
+    ``copies`` from the storages at ``ptrs`` (the native scan's) to ``base + offset``, queued with the
+    runtime's ``cudaMemcpyAsync`` on ``stream`` after the work already queued on the current stream."""
+    fn = runtime_fn("cudaMemcpyAsync")  # the caller checked it is there
+    stream.wait_stream(torch.cuda.current_stream())
+    failed, code = native.memcpy_async(fn, int(stream.cuda_stream), base, ptrs, copies, 2)
+    if failed >= 0:
+        _clear_last_error()
+        raise E.FlashCheckpointError(f"save(): the device-to-host copy {failed} of the snapshot's CUDA tensors failed "
+                                     f"(cudaMemcpyAsync: CUDA error {code}); nothing was written")
+    done = torch.cuda.Event()
+    done.record(stream)
+    return done
+
+
 def copy_to_device(items: list[tuple[torch.UntypedStorage, int, int, int]]) -> None:
     """Copies ``(CUDA storage, byte offset in it, host address, nbytes)`` host-to-device, on the current
     stream of each storage's device, and returns once every copy is done (the source may be overwritten
@@ -125,6 +171,26 @@ STAGE_BYTES = 64 << 20
 _STAGES = 3
 
 
+def buffer_rounds(sizes: list[int], size: int) -> Iterator[list[tuple[int, int, int, int]]]:
+    """Packs items of ``sizes`` bytes, in order, into rounds of a buffer of ``size`` bytes, splitting an item
+    across rounds where it does not fit: yields each round as (item index, offset in the item, bytes, offset
+    in the buffer), every round but the last full."""
+    chunk: list[tuple[int, int, int, int]] = []
+    filled = 0
+    for i, n in enumerate(sizes):
+        pos = 0
+        while pos < n:
+            take = min(n - pos, size - filled)
+            chunk.append((i, pos, take, filled))
+            filled += take
+            pos += take
+            if filled == size:
+                yield chunk
+                chunk, filled = [], 0
+    if chunk:
+        yield chunk
+
+
 def copy_to_device_staged(items: list[tuple[torch.UntypedStorage, int, int, int]],
                           read: Callable[[list[tuple[int, int, int]]], None]) -> None:
     """Copies ``(CUDA storage, byte offset in it, source, nbytes)`` host-to-device through pinned staging
@@ -133,49 +199,28 @@ def copy_to_device_staged(items: list[tuple[torch.UntypedStorage, int, int, int]
     once every copy is done."""
     total = sum(n for *_, n in items)
     size = min(STAGE_BYTES, total)
+    if not size:
+        return
     bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(min(_STAGES, -(-total // size)))]
     pending: list[list[torch.cuda.Event]] = [[] for _ in bufs]
-    chunk: list[tuple[torch.UntypedStorage, int, int, int]] = []
-    filled = 0
-    k = 0
-
-    def flush() -> None:
-        nonlocal chunk, filled, k
+    for k, chunk in enumerate(buffer_rounds([n for *_, n in items], size)):
         b = k % len(bufs)
         for ev in pending[b]:
             ev.synchronize()  # the buffer's previous DMA is done: it may be refilled
         buf = bufs[b]
         base = buf.data_ptr()
-        tasks, pos = [], 0
-        for _st, _off, src, n in chunk:
-            tasks.append((base + pos, src, n))
-            pos += n
-        read(tasks)
+        read([(base + at, items[i][2] + pos, n) for i, pos, n, at in chunk])
         devices = set()
-        pos = 0
-        for st, off, _src, n in chunk:
-            _bytes_of(st, off, n).copy_(buf[pos:pos + n], non_blocking=True)
+        for i, pos, n, at in chunk:
+            st, off = items[i][0], items[i][1]
+            _bytes_of(st, off + pos, n).copy_(buf[at:at + n], non_blocking=True)
             devices.add(st.device)
-            pos += n
         events = []
         for d in devices:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(d))
             events.append(ev)
         pending[b] = events
-        chunk, filled, k = [], 0, k + 1
-
-    for st, off, src, n in items:
-        pos = 0
-        while pos < n:
-            take = min(n - pos, size - filled)
-            chunk.append((st, off + pos, src + pos, take))
-            filled += take
-            pos += take
-            if filled == size:
-                flush()
-    if chunk:
-        flush()
     for events in pending:
         for ev in events:
             ev.synchronize()

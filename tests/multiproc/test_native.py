@@ -4,6 +4,8 @@ a failed build remembered instead of retried."""
 
 from __future__ import annotations
 
+import array
+import ctypes
 import os
 import shutil
 import subprocess
@@ -245,3 +247,50 @@ def test_flatten_like_matches_the_python_walk(native) -> None:
     assert both(changed(none_metadata)) is None  # the skeleton has _metadata: a difference either way
     param = changed(lambda t: t.update(pair=(torch.nn.Parameter(torch.ones(2)), t["pair"][1])))
     assert both(param) is not None  # a Parameter where a tensor was: the same leaf kind; scan tells them apart
+
+
+# The CUDA runtime's cudaMemcpyAsync cannot run on a machine without a GPU: a ctypes function of the same
+# C signature stands in for it (it records each call and copies with memmove), so that the C++ loop that
+# queues a snapshot's device copies in one call is checked here: its arguments, order, kinds and its stop
+# at a refused copy. On a GPU the same loop calls the runtime torch loaded (tests/gpu).
+_MEMCPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                           ctypes.c_void_p)
+
+
+@pytest.mark.parametrize("kind", [2, 1])
+def test_memcpy_async_queues_a_plans_copies_in_order_and_stops_at_a_refused_one(native, kind: int) -> None:
+    calls: list[tuple[int, int, int, int, int]] = []
+    refuse_at = {"n": -1}
+
+    def fake(dst, src, n, k, stream):  # cudaMemcpyAsync(dst, src, bytes, kind, stream)
+        calls.append((dst, src, n, k, stream))
+        if len(calls) - 1 == refuse_at["n"]:
+            return 700  # cudaErrorIllegalAddress
+        ctypes.memmove(dst, src, n)
+        return 0
+
+    fn = _MEMCPY(fake)
+    addr = ctypes.cast(fn, ctypes.c_void_p).value
+    tensors = [torch.arange(n, dtype=torch.uint8) for n in (5, 100, 1, 64)]
+    host = torch.zeros(512, dtype=torch.uint8)
+    copies = [(2, 0, 1), (0, 64, 5), (3, 128, 64), (1, 256, 100)]  # (tensor index, offset, bytes), any order
+    packed = array.array("q", [v for c in copies for v in c]).tobytes()
+    ptrs = array.array("q", [t.data_ptr() for t in tensors]).tobytes()
+    base = host.data_ptr()
+    if kind == 2:  # device-to-host: tensors -> host
+        assert native.memcpy_async(addr, 77, base, ptrs, packed, kind) == (-1, 0)
+        for i, off, n in copies:
+            assert torch.equal(host[off:off + n], tensors[i][:n])
+        assert calls == [(base + off, tensors[i].data_ptr(), n, 2, 77) for i, off, n in copies]
+    else:  # host-to-device: host -> tensors
+        for i, off, n in copies:
+            host[off:off + n] = 200 + i
+        assert native.memcpy_async(addr, 5, base, ptrs, packed, kind) == (-1, 0)
+        assert all(bool((tensors[i][:n] == 200 + i).all()) for i, _off, n in copies)
+        assert calls[0] == (tensors[2].data_ptr(), base, 1, 1, 5)
+    calls.clear()
+    refuse_at["n"] = 2
+    assert native.memcpy_async(addr, 0, base, ptrs, packed, kind) == (2, 700)
+    assert len(calls) == 3  # nothing queued after the refused copy
+    with pytest.raises(IndexError):
+        native.memcpy_async(addr, 0, base, ptrs, array.array("q", [9, 0, 1]).tobytes(), kind)
