@@ -168,6 +168,11 @@ class CheckpointEngine:
         self._handler, self._reader = open_memory(r, self.job_dir, self.checkpoint_dir, replicated=replicated,
                                                   allocate=self._allocate if self.snapshots else None,
                                                   copier=self._copier, weights_only=weights_only)
+        if self.knobs.cuda_prestage:  # a restart's newest snapshot page-locked while the process builds its model
+            try:
+                self._reader.prestage()
+            except (OSError, RuntimeError, ValueError, E.FlashCheckpointError) as e:
+                log.debug("pre-staging the newest snapshot for the GPU: %s", e)
         self._restore = Restorer(ranks=r, group=process_group, replicated=replicated, snapshots=self.snapshots,
                                  reader=self._reader, layout=lambda: self.layout, loader=lambda: self._loader,
                                  call=lambda req: self._client_call(req), local_loader=lambda: self._local_loader)

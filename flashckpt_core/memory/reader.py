@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,6 +65,17 @@ class EngineLike(Protocol):
 _CPU = torch.device("cpu")
 
 
+@dataclass(frozen=True)
+class _Prestaged:
+    """A slot's data page-locked ahead of a load (``SnapshotReader.prestage``): the snapshot's generation,
+    the registered range, and the page-locking's (ok, seconds)."""
+
+    generation: int
+    addr: int
+    nbytes: int
+    future: Future[tuple[bool, float]]
+
+
 @dataclass
 class Snapshot:
     """A snapshot copied out of shared memory: its step, state dict (a tree; a ``FileSet``'s encoding for
@@ -99,19 +112,20 @@ def _job_dir_of(checkpoint_dir: str | os.PathLike[str], knobs: Knobs) -> str:
 
 
 def read_snapshot(seg: Segment, slot: int, copier: Copier, *, step: int | None = None,
-                  weights_only: bool = False, into: Any = None) -> Snapshot | None:
+                  weights_only: bool = False, into: Any = None, pinned: bool = False) -> Snapshot | None:
     """Copies slot ``slot`` out of shared memory; None when it is not a COMPLETE, untorn snapshot.
 
     With ``into`` (a state-dict tree), the tensors of ``into`` that the rule of ``_into`` matches (same key
     path, dtype and shape; a plain contiguous CPU or CUDA tensor) are filled and returned in place of the
     snapshot's, most straight from the slot (no new memory, one copy at memcpy or PCIe speed); the others
     are left alone (one warning names them). Snapshot tensors that fill nothing are copied into new
-    storages, on the GPU they were saved from where this process has it."""
+    storages, on the GPU they were saved from where this process has it. ``pinned``: the slot's data is
+    page-locked in this mapping already (``SnapshotReader.prestage``): one DMA straight from it."""
     h = seg.header(slot)
     if h.state != COMPLETE or (step is not None and h.step != step):
         return None
     with gc_paused(), seg.read_fd() as fd:
-        return _read_slot(seg, slot, h, copier, fd, weights_only=weights_only, into=into)
+        return _read_slot(seg, slot, h, copier, fd, weights_only=weights_only, into=into, pinned=pinned)
 
 
 class HeldView:
@@ -194,7 +208,7 @@ def view_held(job_dir: str, rank: int, world: int, step: int, *, weights_only: b
 
 
 def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int | None, *,
-               weights_only: bool, into: Any) -> Snapshot | None:
+               weights_only: bool, into: Any, pinned: bool = False) -> Snapshot | None:
     meta = seg.read_meta(slot, h)
     metas = [TensorMeta.from_json(v) for v in meta["tensors"]]
     data = seg.data_off(slot)  # sources are offsets in the segment file until the copy op is chosen
@@ -205,7 +219,7 @@ def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int |
     regions = _plan_regions(metas, direct, data, tasks, device_tasks)
     _copy_to_host(seg, slot, h, copier, fd, tasks, into_new_memory=bool(regions))
     if device_tasks:
-        _read_to_device(seg, slot, h, copier, fd, device_tasks)
+        _read_to_device(seg, slot, h, copier, fd, device_tasks, pinned=pinned)
     blob_off = seg.data_off(slot) + h.tensor_bytes
     blob = seg.mm[blob_off: blob_off + h.blob_len]
     h2 = seg.header(slot)
@@ -311,9 +325,13 @@ def _device_of(device: str) -> torch.device:
 
 
 def _read_to_device(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int | None,
-                    tasks: list[tuple[torch.UntypedStorage, int, int, int]]) -> None:
+                    tasks: list[tuple[torch.UntypedStorage, int, int, int]], *, pinned: bool = False) -> None:
     """Copies slot ``slot``'s regions host-to-device as ``FLASHCKPT_CUDA_LOAD`` says (``_cuda``); the sources
-    are offsets in the segment. Returns when the copies are done."""
+    are offsets in the segment. Returns when the copies are done. ``pinned``: the slot is page-locked in this
+    mapping (pre-staged): straight from it, whatever the mode."""
+    if pinned:
+        _cuda.copy_to_device([(st, off, seg.base + src, n) for st, off, src, n in tasks])
+        return
     mode = _cuda.load_mode()
     if mode == "staged":
         if fd is not None:
@@ -330,6 +348,16 @@ def _read_to_device(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: 
     finally:
         if pinned:
             _cuda.unregister(seg.base + start)
+
+
+def _unregister_after(p: _Prestaged) -> None:
+    """Unregisters a pre-staged range once its page-locking ended (when it succeeded)."""
+    try:
+        ok, _secs = p.future.result()
+    except Exception:
+        ok = False
+    if ok:
+        _cuda.unregister(p.addr)
 
 
 class SnapshotReader:
@@ -391,6 +419,9 @@ class SnapshotReader:
         self._copier = copier
         self._own_copier = own_copier
         self._readers: dict[str, Segment] = {}
+        self._prestaged: dict[tuple[str, int], _Prestaged] = {}
+        self._pagelock: ThreadPoolExecutor | None = None
+        self._unpinning: list[Future[None]] = []
 
     def exists(self) -> bool:
         """Whether the job has a runtime dir on this node (see ``job_in_memory``)."""
@@ -410,7 +441,79 @@ class SnapshotReader:
     def _forget_removed(self, live: list[tuple[int, str]]) -> None:
         names = {p for _, p in live}
         for path in [p for p in self._readers if p not in names]:
+            self._unpin(path)
             self._readers.pop(path).close()
+
+    # ------------------------------------------------------------------ pre-staging for the GPU
+    def prestage(self) -> bool:
+        """Page-locks (``cudaHostRegister``) the data of the newest live snapshot this reader serves, in the
+        background, when it holds CUDA tensors of a device this process has: a restarted trainer's engine
+        starts it at once (``FLASHCKPT_CUDA_PRESTAGE``), so the 0.1-0.25 s per GB of page-locking runs while
+        the process builds its model, and ``load()`` copies the snapshot to the GPU at the PCIe limit, one DMA
+        from the slot (it waits for a page-locking still running). Returns whether it started one. The
+        registration goes once the snapshot was read (or at ``close``): it pins the slot's pages."""
+        live = self._live()
+        if not live or not torch.cuda.is_available():
+            return False
+        seg, i, h = live[0]
+        if (seg.path, i) in self._prestaged or not h.tensor_bytes:
+            return False
+        with gc_paused():
+            devices = {TensorMeta.from_json(v).device for v in seg.read_meta(i, h)["tensors"]}
+        cuda = sorted(d for d in devices if d.startswith("cuda"))
+        if not cuda:
+            return False
+        dev = _device_of(cuda[0])
+        if dev.type != "cuda":
+            return False
+        addr, nbytes = seg.base + seg.data_off(i), _page(h.tensor_bytes)
+        if self._pagelock is None:
+            self._pagelock = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-prestage")
+
+        def pagelock() -> tuple[bool, float]:
+            torch.cuda.set_device(dev)
+            t0 = time.perf_counter()
+            ok = _cuda.register(addr, nbytes, _cuda.PORTABLE)
+            return ok, time.perf_counter() - t0
+
+        self._prestaged[(seg.path, i)] = _Prestaged(h.generation, addr, nbytes, self._pagelock.submit(pagelock))
+        log.debug("pre-staging step %d (%d bytes of %s slot %d) for the GPU", h.step, nbytes, seg.path, i)
+        return True
+
+    def prestaged(self, wait: bool = True) -> float | None:
+        """Seconds the pre-staging of the newest snapshot took (waiting for it with ``wait``); None when
+        none was started, is still running (``wait=False``) or failed."""
+        for p in self._prestaged.values():
+            if wait or p.future.done():
+                ok, secs = p.future.result()
+                return secs if ok else None
+        return None
+
+    def _pinned(self, seg: Segment, i: int, h: SlotHeader) -> bool:
+        """Whether slot ``i`` of ``seg`` holds the very snapshot pre-staged, page-locked in this mapping
+        (waits for the page-locking when it still runs)."""
+        p = self._prestaged.get((seg.path, i))
+        if p is None or p.generation != h.generation or p.addr != seg.base + seg.data_off(i):
+            return False
+        try:
+            ok, _secs = p.future.result()
+        except Exception:
+            return False
+        return ok
+
+    def _unpin(self, path: str | None = None, *, background: bool = False) -> None:
+        """Unregisters the pre-staged slots of segment ``path`` (all with None): before they are unmapped, or,
+        ``background``, on the page-locking thread once a load read them (never on the restore's path)."""
+        for key in [k for k in self._prestaged if path is None or k[0] == path]:
+            p = self._prestaged.pop(key)
+            if background and self._pagelock is not None:
+                self._unpinning.append(self._pagelock.submit(_unregister_after, p))
+            else:
+                _unregister_after(p)
+        if not background:
+            for fut in self._unpinning:
+                fut.result()
+            self._unpinning.clear()
 
     def forget_segments(self) -> None:
         """Unmaps every segment mapped so far (the job's runtime dir was removed: a new one is read anew)."""
@@ -520,7 +623,11 @@ class SnapshotReader:
         for seg, i, h in self._live():
             if step is not None and h.step != step:
                 continue
-            snap = read_snapshot(seg, i, self._copier, step=h.step, weights_only=self.weights_only, into=into)
+            pinned = bool(self._prestaged) and self._pinned(seg, i, h)
+            snap = read_snapshot(seg, i, self._copier, step=h.step, weights_only=self.weights_only, into=into,
+                                 pinned=pinned)
+            if pinned:
+                self._unpin(seg.path, background=True)  # read: its pages need not stay locked
             if snap is not None and snap.step == h.step:
                 return snap
         return None
@@ -562,6 +669,10 @@ class SnapshotReader:
 
     def close(self) -> None:
         """Unmaps the segments (tensors loaded from them are copies and stay valid)."""
+        self._unpin()
+        if self._pagelock is not None:
+            self._pagelock.shutdown(wait=True)
+            self._pagelock = None
         for seg in self._readers.values():
             seg.close()
         self._readers.clear()

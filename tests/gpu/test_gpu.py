@@ -74,6 +74,7 @@ def test_cuda_tensors_snapshot_and_load_bit_exact(make_engine, ckpt_dir):
     assert got["model"]["view"].stride() == sd["model"]["view"].stride()
     assert_same_tree(_to_cpu(got), expected)
     handler = eng._handler  # the writer's record of registered slots; no public accessor for it
+    handler._device.wait_registered()  # page-locked in the background (FLASHCKPT_CUDA_REGISTER=background)
     assert handler._device.registered and all(handler._device.registered.values()), \
         "the slot was not registered as pinned memory"
     eng.close()
@@ -150,6 +151,7 @@ def test_registration_is_per_slot_and_undone_at_close(make_engine):
     for step in range(1, 4):
         eng.save(step, {"w": torch.full((1 << 20,), float(step), device="cuda")}, storage_type=MEMORY)
     seg = handler._seg
+    handler._device.wait_registered()
     registered = {slot for (path, slot) in handler._device.registered if path == seg.path}
     from flashckpt.format.segment import FLAG_UNRESERVED
 
@@ -158,6 +160,111 @@ def test_registration_is_per_slot_and_undone_at_close(make_engine):
     assert registered and not registered & set(spare)
     eng.close()
     assert not handler._device.registered
+
+
+@pytest.mark.parametrize("register", ["background", "inline"])
+def test_first_snapshots_of_a_slot_not_page_locked_yet_go_through_the_bounce_buffers(make_engine, monkeypatch,
+                                                                                       register):
+    """While a slot is page-locked in the background, its snapshots go device-to-host through two pinned
+    bounce buffers (here 1 MiB, so a 16 MB state takes many rounds of both), then into the slot: each
+    snapshot is the state at its save, bit for bit, overlapped or not; once registered, the slot's copies
+    are DMA straight into it (an event). ``inline`` registers on the training thread, as before."""
+    monkeypatch.setenv("FLASHCKPT_CUDA_REGISTER", register)
+    monkeypatch.setattr("flashckpt.memory.device.BOUNCE_BYTES", 1 << 20)
+    from flashckpt.memory.device import _Bounced
+
+    eng = make_engine(overlap=True)
+    handler = eng._handler
+    g = torch.Generator(device="cuda").manual_seed(3)
+    sd = {"big": torch.randn(3 << 20, device="cuda", generator=g),  # 12 MB: split across bounce rounds
+          "small": [torch.randn(i + 1, device="cuda", generator=g) for i in range(300)],
+          "half": torch.randn(1000, 333, device="cuda", generator=g).half(), "step": 0}
+    routes = []
+    orig = type(handler._device).copy
+
+    def spy(self, *a, **k):
+        out = orig(self, *a, **k)
+        routes.append(type(out).__name__)
+        return out
+
+    monkeypatch.setattr(type(handler._device), "copy", spy)
+    for step in range(1, 7):
+        for _ in range(50):  # kernels still queued at save(): the copies are ordered after them
+            sd["big"].mul_(1.0001)
+        sd["step"] = step
+        eng.save(step, sd, storage_type=MEMORY)
+        expected = tree_digest(sd)
+        eng.wait_snapshot()
+        sd["big"].add_(1.0)  # after wait_snapshot the snapshot no longer reads the tensors
+        for t in sd["small"]:
+            t.add_(1.0)
+        assert tree_digest(eng.load_memory(step)) == expected, f"step {step} ({routes[-1]})"
+        if step == 2:
+            handler._device.wait_registered()
+    if register == "background":
+        assert routes[0] == _Bounced.__name__ and routes[-1] == "Event", routes
+    else:
+        assert _Bounced.__name__ not in routes, routes
+    assert all(handler._device.registered.values()) and handler._device.register_s
+    eng.close()
+    assert not handler._device.registered
+
+
+def test_a_save_of_900_cuda_tensors_queues_its_copies_in_one_native_call(make_engine):
+    """The GPT-like state of the benchmark's shape, small: 879 CUDA tensors whose copies the native fast
+    path queues in one C++ call once the slots are page-locked; every snapshot bit exact."""
+    from flashckpt.util import native as _native
+
+    if _native.get() is None:
+        pytest.skip("the native fast path is not built here (flashckpt native --build)")
+    eng = make_engine()
+    handler = eng._handler
+    g = torch.Generator(device="cuda").manual_seed(5)
+    model = {f"p{i}": torch.randn(17 + i % 7, 33, device="cuda", generator=g) for i in range(293)}
+    state = {i: {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
+             for i, p in enumerate(model.values())}
+    sd = {"model": model, "optimizer": {"state": state}}
+    for step in range(1, 5):
+        eng.save(step, sd, storage_type=MEMORY)
+        handler._device.wait_registered()
+        assert tree_digest(eng.load_memory(step)) == tree_digest(sd)
+        for p in model.values():
+            p.add_(0.5)
+    assert handler._plan is not None and len(handler._plan.device_copies) == 879
+    assert len(handler._plan.device_copies_packed) == 879 * 3 * 8
+    eng.close()
+
+
+@pytest.mark.parametrize("prestage", ["1", "0"])
+def test_a_new_engine_prestages_the_newest_cuda_snapshot_and_loads_it_from_the_locked_slot(make_engine, monkeypatch,
+                                                                                            prestage):
+    """A new engine on a job whose newest snapshot holds CUDA tensors page-locks that slot in the background
+    (FLASHCKPT_CUDA_PRESTAGE, on by default); load(into=...) then copies straight from it, bit exact, and the
+    page-locking goes once read. Off: nothing is pre-staged and the load is as exact."""
+    monkeypatch.setenv("FLASHCKPT_CUDA_PRESTAGE", prestage)
+    eng = make_engine()
+    sd = _cuda_state(4)
+    eng.save(1, _cuda_state(9), storage_type=MEMORY)
+    eng.save(2, sd, storage_type=MEMORY)
+    expected = _to_cpu(sd)
+    eng.close(release=False)
+    again = make_engine()
+    reader = again._reader
+    if prestage == "1":
+        assert len(reader._prestaged) == 1
+        secs = reader.prestaged()
+        assert secs is not None and secs >= 0
+        (path, slot), p = next(iter(reader._prestaged.items()))
+        assert reader._readers[path].header(slot).step == 2
+    else:
+        assert not reader._prestaged and reader.prestaged() is None
+    into = _cuda_state(5)
+    got = again.load(into=into)
+    assert (again.last_load.source, again.last_load.step) == ("memory", 2)
+    assert got["model"]["w"] is into["model"]["w"]
+    assert_same_tree(_to_cpu(got), expected)
+    assert not reader._prestaged  # unregistered once read (in the background)
+    again.close()
 
 
 _TRAINER = textwrap.dedent("""
