@@ -279,9 +279,10 @@ class Flash:
 
 
 def _native_status() -> str:
-    from flashckpt.util import native
+    from flashckpt.util import cuda, native
 
-    return "loaded" if native.get() is not None else native.status()
+    runtime = "cudaMemcpyAsync found" if cuda.runtime_fn("cudaMemcpyAsync") else "no CUDA runtime reached: Python copies"
+    return ("loaded" if native.get() is not None else native.status()) + f" ({runtime})"
 
 
 # ------------------------------------------------------------------------------------------ torch / DCP

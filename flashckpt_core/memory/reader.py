@@ -452,8 +452,10 @@ class SnapshotReader:
         the process builds its model, and ``load()`` copies the snapshot to the GPU at the PCIe limit, one DMA
         from the slot (it waits for a page-locking still running). Returns whether it started one. The
         registration goes once the snapshot was read (or at ``close``): it pins the slot's pages."""
+        if not torch.cuda.is_available():  # first: on a machine without a GPU nothing else is looked at
+            return False
         live = self._live()
-        if not live or not torch.cuda.is_available():
+        if not live:
             return False
         seg, i, h = live[0]
         if (seg.path, i) in self._prestaged or not h.tensor_bytes:
