@@ -128,7 +128,7 @@ class Case:
         self.target_tensors = cuda_tensors(self.target)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
         self.s = Samples()
-        self.info: dict[str, Any] = {}
+        self.info: dict[str, Any] = {"cuda_tensors": len(self.tensors)}
         self.failed: dict[str, str] = {}
 
     def record(self, key: str, fn: Callable[[], float | dict[str, float]]) -> None:
@@ -503,7 +503,7 @@ def render(cases: list[Case], machine: dict[str, Any]) -> str:
         h2d, pre = m(c, "limit.h2d_pinned"), m(c, "flashckpt.restore_prestaged.load")
         first, later = c.info.get("flashckpt_first_save_1_returns_s", float("nan")), m(c, "flashckpt.overlap.returns")
         notes.append(f"{c.size_gb:g} GB: pre-staged restore at {h2d / pre:.2f}x the host-to-device limit; save() "
-                     f"returns in {fmt_time(later)} ({len(c.tensors)} CUDA tensors); first snapshot's save() "
+                     f"returns in {fmt_time(later)} ({c.info.get('cuda_tensors')} CUDA tensors); first snapshot's save() "
                      f"{first / later:.2f}x a later one's; native fast path: {c.info.get('flashckpt_native')}")
     notes.append("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
     out.append("\n".join(f"- {n}" for n in notes))

@@ -25,6 +25,7 @@ torn snapshot is never returned). How, by ``FLASHCKPT_CUDA_LOAD``:
 
 from __future__ import annotations
 
+import array
 import ctypes
 import logging
 import os
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 from flashckpt import errors as E
 from flashckpt.config import knob
+from flashckpt.util import native as _native
 
 __all__ = ["register", "unregister", "copy_to_host", "copy_to_host_native", "copy_to_device", "copy_to_device_staged",
            "load_mode", "runtime_fn", "PORTABLE"]
@@ -158,11 +160,24 @@ def copy_to_host_native(native: Any, stream: torch.cuda.Stream, base: int, ptrs:
 def copy_to_device(items: list[tuple[torch.UntypedStorage, int, int, int]]) -> None:
     """Copies ``(CUDA storage, byte offset in it, host address, nbytes)`` host-to-device, on the current
     stream of each storage's device, and returns once every copy is done (the source may be overwritten
-    after that)."""
-    devices = set()
-    for st, start, addr, n in items:
-        _bytes_of(st, start, n).copy_(_host(addr, n), non_blocking=True)
-        devices.add(st.device)
+    after that). With the native fast path and one device, the copies are queued in one C++ call
+    (``cudaMemcpyAsync``; a restore of hundreds of tensors from Python costs ~20 µs a tensor)."""
+    devices = {st.device for st, *_ in items}
+    fn = runtime_fn("cudaMemcpyAsync") if len(devices) == 1 else 0
+    ext = _native.get() if fn else None
+    if ext is not None:
+        ptrs = array.array("q", [st.data_ptr() + start for st, start, _a, _n in items]).tobytes()
+        copies = array.array("q", [v for k, (_st, _s, addr, n) in enumerate(items) for v in (k, addr, n)]).tobytes()
+        stream = torch.cuda.current_stream(next(iter(devices)))
+        failed, code = ext.memcpy_async(fn, int(stream.cuda_stream), 0, ptrs, copies, 1)
+        if failed >= 0:
+            _clear_last_error()
+            stream.synchronize()
+            raise E.FlashCheckpointError(f"load(): the host-to-device copy {failed} of the snapshot failed "
+                                         f"(cudaMemcpyAsync: CUDA error {code})")
+    else:
+        for st, start, addr, n in items:
+            _bytes_of(st, start, n).copy_(_host(addr, n), non_blocking=True)
     for d in devices:
         torch.cuda.current_stream(d).synchronize()
 

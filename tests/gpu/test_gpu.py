@@ -369,6 +369,9 @@ def test_fsdp2_on_cuda_resumes_from_memory_bit_exact(tmp_path):
 # ------------------------------------------------------------------------------------------ HF Trainer on CUDA
 def test_hf_trainer_on_gpu_kill9_resumes_from_memory(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
+    framework = os.path.join(os.path.dirname(TESTS_DIR), "framework")  # test_hf's folder, whoever collected first
+    if framework not in sys.path:
+        monkeypatch.syspath_prepend(framework)
     import test_hf as hf
 
     ref_dir, out = str(tmp_path / "vanilla"), str(tmp_path / "flash")
