@@ -309,7 +309,49 @@ py::tuple memcpy_async(int64_t fn, int64_t stream, int64_t base, const py::bytes
   return py::make_tuple(failed, code);
 }
 
+// cudaMemcpyBatchAsync of CUDA 13 (the runtime's own declaration, with its attribute structs as laid out there:
+// int enums, a {type, id} location each): one call for a whole batch of copies, which the driver may run in
+// any order within the batch, after the stream's earlier work.
+struct MemLocation {
+  int type;  // cudaMemLocationType: 0, no hint (ignored for memory that is not managed)
+  int id;
+};
+struct MemcpyAttributes {
+  int src_access_order;  // cudaMemcpySrcAccessOrder: 1, the sources are read in stream order
+  MemLocation src_hint;
+  MemLocation dst_hint;
+  unsigned int flags;  // cudaMemcpyFlags: 1, prefer overlap with compute
+};
+using MemcpyBatchAsync = int (*)(const void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count,
+                                 MemcpyAttributes* attrs, size_t* attrs_idxs, size_t num_attrs, void* stream);
+
+// ``memcpy_async`` in one call of cudaMemcpyBatchAsync(fn): the same (tensor index, offset, bytes) triples, the
+// sources read in stream order. Returns the runtime's error code (0: every copy is queued; else none may be
+// counted on, and the caller queues them again one by one).
+int memcpy_batch_async(int64_t fn, int64_t stream, int64_t base, const py::bytes& ptrs, const py::bytes& copies,
+                       int64_t kind) {
+  const auto [src, cp, count] = plan_copies(ptrs, copies, "memcpy_batch_async");
+  if (fn == 0) throw std::invalid_argument("memcpy_batch_async: no cudaMemcpyBatchAsync");
+  if (count == 0) return 0;
+  std::vector<const void*> dsts(count), srcs(count);
+  std::vector<size_t> sizes(count);
+  auto* host = reinterpret_cast<char*>(base);
+  for (size_t k = 0; k < count; ++k) {
+    const void* dev = reinterpret_cast<const void*>(src[cp[3 * k]]);
+    const void* h = host + cp[3 * k + 1];
+    dsts[k] = kind == 2 ? h : dev;
+    srcs[k] = kind == 2 ? dev : h;
+    sizes[k] = static_cast<size_t>(cp[3 * k + 2]);
+  }
+  MemcpyAttributes attr{1, {0, 0}, {0, 0}, 1};
+  size_t first = 0;
+  auto batch = reinterpret_cast<MemcpyBatchAsync>(fn);
+  py::gil_scoped_release release;
+  return batch(dsts.data(), srcs.data(), sizes.data(), count, &attr, &first, 1, reinterpret_cast<void*>(stream));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("memcpy_batch_async", &memcpy_batch_async, "queues a plan's copies in one cudaMemcpyBatchAsync (CUDA 13)");
   m.def("memcpy_async", &memcpy_async, "queues a plan's copies with cudaMemcpyAsync on a stream (GIL released)");
   m.def("flatten_like", &flatten_like, "the tensors of a tree shaped exactly like a cached skeleton, or None");
   m.def("scan", &scan, "signature, storage pointers and first unstorable index of a tensor list");

@@ -54,8 +54,8 @@ class Snapshots:
         the seconds the caller was held, its ``SlotRef``: None when overlapped, or when this rank writes
         none). The caller hands it on (``done``) unless it is ``pending``."""
         t0 = time.perf_counter()
-        finish = self.handler.start_save(step, state_dict, ckpt_name=target) if self.writes else None
-        nbytes = self.handler._plan.tensor_bytes if finish is not None and self.handler._plan else 0
+        finish = self.handler.start_save(step, state_dict, ckpt_name=target, defer=overlap) if self.writes else None
+        nbytes = self.handler.pending_bytes if finish is not None else 0
         if overlap and finish is not None:
             if self._bg is None:
                 self._bg = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-snapshot")

@@ -3,12 +3,14 @@
 A snapshot of CUDA tensors copies them on a side stream straight into its slot, after the work already
 queued on the current stream: with the native fast path, the plan's hundreds of copies are queued in one C++
 call (``cudaMemcpyAsync`` of the runtime torch loaded; ``csrc/fastpath.cpp``), else one ``copy_`` each from
-Python. DMA straight into the slot needs the slot page-locked (registered with the driver), which costs about
-0.1-0.25 s per GB: by default (``FLASHCKPT_CUDA_REGISTER=background``) that runs on a thread of its own, and
-until it is done the slot's snapshots go through two pinned bounce buffers (device-to-host into one while the
-other is copied into the slot by the copy threads), in ``finish``: the training thread never waits for a
-page-locking, and a first snapshot's ``save(overlap=True)`` returns as fast as a later one's. With
-``inline`` the slot is registered at its first use, on the training thread (as before).
+Python (one ``cudaMemcpyBatchAsync`` where the runtime is CUDA 13, else one ``cudaMemcpyAsync`` a copy). DMA
+straight into the slot needs the slot page-locked (registered with the driver), which costs about 0.05 s per
+GB: by default (``FLASHCKPT_CUDA_REGISTER=background``) that runs on a thread of its own, and a snapshot into
+a slot not locked yet leaves its copies to ``finish`` (the overlapped snapshot's thread), which waits for the
+lock and then copies straight into the slot (``_Unlocked``; where the driver refuses to lock the slot, through
+two pinned bounce buffers instead): the training thread never waits for a page-locking, and a first
+snapshot's ``save(overlap=True)`` returns as fast as a later one's. With ``inline`` the slot is registered at
+its first use, on the training thread (as before).
 
 A slot the saver gave back (its pages left the file) or a segment that is closed is unregistered, since the
 registration alone would still pin the old pages. Used by the writer (``memory.writer``) only, under its
@@ -52,12 +54,13 @@ class DeviceCopies:
         self._bounce: list[torch.Tensor] = []
 
     def copy(self, seg: Segment, slot: int, tensors: list[torch.Tensor], plan: SnapshotPlan, *,
-             native: Any = None, ptrs: Any = None, host_copy: Callable[[list[tuple[int, int, int]]], None]) -> Any:
+             native: Any = None, ptrs: Any = None, host_copy: Callable[[list[tuple[int, int, int]]], None],
+             ready: Any = None) -> Any:
         """Queues the device-to-host copies of ``plan.device_copies`` (tensor index, offset in the slot's data
-        area, bytes) of ``tensors`` into slot ``slot``, ordered after the work already queued on the current
-        stream; returns what completes them: an event (``synchronize()``), or, while the slot is being
-        page-locked, the bounce route whose ``synchronize()`` runs the copies (``host_copy`` copies
-        (dst, src, bytes) host tasks: the writer's copy threads)."""
+        area, bytes) of ``tensors`` into slot ``slot``, ordered after ``ready`` (an event recorded at ``save``;
+        None: the work already queued on the current stream); returns what completes them: an event
+        (``synchronize()``), or, while the slot is being page-locked, the bounce route whose ``synchronize()``
+        runs the copies (``host_copy`` copies (dst, src, bytes) host tasks: the writer's copy threads)."""
         key = (seg.path, slot)
         self._settle(key)
         addr = seg.base + seg.slot_off(slot)
@@ -69,13 +72,23 @@ class DeviceCopies:
                 self._pending[key] = (addr, self._registrar_pool().submit(self._register, key, addr,
                                                                           seg.slot_size, dev))
         if self._stream is None:
-            self._stream = torch.cuda.Stream()
+            self._stream = torch.cuda.Stream(device=tensors[plan.device_copies[0][0]].device)
+        if ready is None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self._stream.device))
         data = seg.base + seg.data_off(slot)
-        if key not in self.registered:
-            return _Bounced(self, data, [(tensors[i], off, n) for i, off, n in plan.device_copies], host_copy)
-        if native is not None and plan.device_copies_packed and _cuda.runtime_fn("cudaMemcpyAsync"):
-            return _cuda.copy_to_host_native(native, self._stream, data, ptrs, plan.device_copies_packed)
-        return _cuda.copy_to_host(self._stream, [(tensors[i], data + off, n) for i, off, n in plan.device_copies])
+
+        def dma() -> Any:
+            assert self._stream is not None
+            self._stream.wait_event(ready)
+            if native is not None and plan.device_copies_packed and _cuda.runtime_fn("cudaMemcpyAsync"):
+                return _cuda.copy_to_host_native(native, self._stream, data, ptrs, plan.device_copies_packed)
+            return _cuda.copy_to_host(self._stream, [(tensors[i], data + off, n) for i, off, n in plan.device_copies])
+
+        if key in self.registered:
+            return dma()
+        return _Unlocked(self, key, dma, data, [(tensors[i], off, n) for i, off, n in plan.device_copies], host_copy,
+                         ready)
 
     # ------------------------------------------------------------------ registration
     def _registrar_pool(self) -> ThreadPoolExecutor:
@@ -151,24 +164,35 @@ class DeviceCopies:
         self._bounce = []
 
 
-class _Bounced:
-    """The copies of a snapshot into a slot not page-locked yet: device-to-host into two pinned bounce
-    buffers in turn (a chunk of up to ``BOUNCE_BYTES`` each), each copied on into the slot by the copy threads
-    while the next chunk's DMA runs. ``synchronize()`` does it all (``finish``: the overlapped snapshot's
-    thread); the side stream waits for the work queued before ``save`` first."""
+class _Unlocked:
+    """The copies of a snapshot into a slot whose page-locking still runs on the registration thread, done by
+    ``synchronize()`` (in ``finish``: the overlapped snapshot's thread): once the slot is locked, DMA straight
+    into it (``dma``: the same copies as a locked slot's, after the work queued before ``save``); where the
+    driver refused to lock it, through two pinned bounce buffers in turn (a round of up to ``BOUNCE_BYTES``
+    each), each copied on into the slot by the copy threads while the next round's DMA runs. Measured on an
+    H200, waiting for the lock (0.05 s per GB) and then one DMA beats the bounce route (whose copies into a slot
+    being locked contend with the locking): 80 against 104 ms at 1 GB, 250 against 353 ms at 4 GB."""
 
-    def __init__(self, owner: DeviceCopies, data: int, items: list[tuple[torch.Tensor, int, int]],
-                 host_copy: Callable[[list[tuple[int, int, int]]], None]) -> None:
-        self._owner, self._data, self._items, self._host_copy = owner, data, items, host_copy
+    def __init__(self, owner: DeviceCopies, key: Key, dma: Callable[[], Any], data: int,
+                 items: list[tuple[torch.Tensor, int, int]], host_copy: Callable[[list[tuple[int, int, int]]], None],
+                 ready: Any) -> None:
+        self._owner, self._key, self._dma = owner, key, dma
+        self._data, self._items, self._host_copy = data, items, host_copy
         self._stream: torch.cuda.Stream = owner._stream
-        self._ready = torch.cuda.Event()
-        self._ready.record(torch.cuda.current_stream())
+        self._ready = ready
         self._done = False
 
     def synchronize(self) -> None:
         if self._done:
             return
         self._done = True
+        self._owner._settle(self._key, wait=True)
+        if self._owner.registered.get(self._key):
+            self._dma().synchronize()
+            return
+        self._bounce()
+
+    def _bounce(self) -> None:
         total = sum(n for _, _, n in self._items)
         if not total:
             return

@@ -101,6 +101,15 @@ class _HostCopy:
     device_done: Any
 
 
+@dataclass(frozen=True)
+class _Ready:
+    """What a deferred snapshot's copies wait for: the event recorded at ``save`` on the current stream of
+    the device of its CUDA tensors."""
+
+    device: torch.device
+    event: Any
+
+
 def _refuse(root: Any, t: torch.Tensor) -> None:
     """Raises the InvalidStateDictError for tensor ``t`` of ``root``, which the native scan found unstorable."""
     check_tensor(t, _path_to(root, t))
@@ -154,6 +163,8 @@ class SharedMemoryHandler(SnapshotReader):
         self._seg: Segment | None = None
         self._plan: SnapshotPlan | None = None
         self._tree_cache: tuple[SnapshotPlan, Any, str] | None = None
+        self._deferred_bytes: int | None = None  # pending_bytes of a deferred snapshot
+        self._py_sig: tuple[Any, ...] = ()  # the Python signature of the last scan (without the extension)
         self._device = DeviceCopies()
         self.slot_wait_timeout = slot_wait_timeout
         self._seq = -1  # the highest save sequence number seen; -1 until the live segments were read
@@ -164,7 +175,8 @@ class SharedMemoryHandler(SnapshotReader):
         """Copies ``state_dict`` into a free slot and marks it COMPLETE; see ``start_save``."""
         return self.start_save(step, state_dict, ckpt_name)()
 
-    def start_save(self, step: int, state_dict: Any, ckpt_name: str = "") -> Callable[[], SlotRef]:
+    def start_save(self, step: int, state_dict: Any, ckpt_name: str = "", *,
+                   defer: bool = False) -> Callable[[], SlotRef]:
         """Plans the snapshot, claims a free slot and queues device-to-host copies; returns ``finish``,
         which copies the host tensors and marks the slot COMPLETE (on any thread; the overlapped mode
         runs it in the background while training goes on).
@@ -173,9 +185,14 @@ class SharedMemoryHandler(SnapshotReader):
             step: the training step the snapshot belongs to.
             state_dict: the tree to snapshot. Its tensors must not change until ``finish`` returned.
             ckpt_name: where the snapshot is to be persisted (kept in its metadata).
+            defer: ``finish`` runs in the background (an overlapped save): a snapshot of CUDA tensors that
+                needs a new plan (the first one, or a new structure) then leaves the plan, the segment, the
+                slot and the queueing of its copies to ``finish`` too, ordered after the work queued before
+                this call; the walk, the tensor checks and the encoding of plain leaves still run here.
 
         Raises:
-            InvalidStateDictError: something in ``state_dict`` cannot be stored (nothing was written).
+            InvalidStateDictError: something in ``state_dict`` cannot be stored (nothing was written); a
+                deferred snapshot raises the plan's own refusals (``plan_snapshot``) from ``finish``.
             SharedMemoryError: /dev/shm cannot hold the snapshot, or another writer holds this local
                 rank's segments (the message names it; nothing was written).
             CheckpointTimeoutError: no slot became free within ``slot_wait_timeout``.
@@ -186,44 +203,86 @@ class SharedMemoryHandler(SnapshotReader):
         with gc_paused():
             native = _native.get()
             flat = self._flatten(state_dict, native)
-            plan, ptrs = self._plan_for(state_dict, flat.tensors, native)
+            nsig, ptrs = self._scan(state_dict, flat.tensors, native)
             blob, lengths = encode_opaque(flat.opaque, state_dict)
             if self.weights_only and flat.opaque:
                 self._check_loadable(state_dict, flat.opaque, blob, lengths)
-            meta = self._meta_json(step, ckpt_name, flat, plan, lengths)
-            on_device = sum(n for _i, _o, n in plan.device_copies)
-            seg = self._segment_for(len(meta), plan.tensor_bytes + len(blob),
-                                    populate=on_device * 2 < plan.tensor_bytes or knob("cuda_register") != "background")
-            if self._device.registered:
-                self._device.release_stale(seg)
-            slot = self._acquire_slot(seg, step)
-            try:
-                device_done = self._device.copy(seg, slot, flat.tensors, plan, native=native, ptrs=ptrs,
-                                                host_copy=self._copier.run) if plan.device_copies else None
-            except BaseException:
-                self._set_state(seg, slot, EMPTY)
-                raise
-        if native is not None:
-            addr = array.array("q", ptrs)
-            large = [(off, addr[i], n) for i, off, n in plan.large_copies]
-        else:
-            large = [(off, ptrs[i], n) for i, off, n in plan.copies]
-        copy = _HostCopy(seg, slot, step, plan, meta, blob, large, native, ptrs, device_done)
+            self._deferred_bytes = None
+            ready = self._deferrable(flat.tensors, nsig) if defer else None
+            copy = None if ready is not None else \
+                self._prepare(step, ckpt_name, state_dict, flat, native, nsig, ptrs, blob, lengths, None)
         # The copies read the tensors by address: they are kept alive until finish() is done with them. An
         # overlapped save's caller may drop its state dict at once (``save(step, {"w": torch.ones(3)})``),
         # and a freed tensor's memory is reused or unmapped under the background copy.
         sources: list[torch.Tensor] | None = flat.tensors
+        pending: Flat | None = flat if copy is None else None
         del flat
 
         def finish() -> SlotRef:
-            nonlocal sources
+            nonlocal sources, pending, copy
             try:
+                if copy is None:
+                    assert pending is not None
+                    with torch.cuda.device(ready.device if ready is not None else None), gc_paused():
+                        copy = self._prepare(step, ckpt_name, state_dict, pending, native, nsig, ptrs, blob,
+                                             lengths, ready)
+                    pending = None
                 self._copy_host(copy)
             finally:
                 sources = None  # copied (or failed): the caller's tensors are free to go
             return self._complete(copy)
 
         return finish
+
+    @property
+    def pending_bytes(self) -> int:
+        """The tensor bytes of the snapshot just started: its plan's, or, while a deferred snapshot's plan is
+        still to be made (``start_save(defer=True)``), the bytes of its tensors as they are (a view counts its
+        own elements, a tensor tied to another counts again)."""
+        if self._deferred_bytes is not None:
+            return self._deferred_bytes
+        return self._plan.tensor_bytes if self._plan is not None else 0
+
+    def _deferrable(self, tensors: list[torch.Tensor], nsig: bytes | None) -> _Ready | None:
+        """For an overlapped save: when the snapshot needs a new plan (made in Python, ~20 µs a tensor) and
+        holds CUDA tensors, an event on the current stream of their device (what ``finish``'s copies wait
+        for); else None (planned here, as always). Needs the native scan (its signature tells a new plan)."""
+        if nsig is None or (self._plan is not None and self._plan.native_signature == nsig):
+            return None
+        dev = next((t.device for t in tensors if t.is_cuda), None)
+        if dev is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(dev))
+        self._deferred_bytes = sum(t.nbytes for t in tensors)
+        return _Ready(dev, ev)
+
+    def _prepare(self, step: int, ckpt_name: str, state_dict: Any, flat: Flat, native: Any, nsig: bytes | None,
+                 ptrs: Any, blob: bytes, lengths: list[int], ready: _Ready | None) -> _HostCopy:
+        """The plan, metadata, segment and claimed slot of a snapshot, its device copies queued (after
+        ``ready``'s event when given, else after the current stream's work): what ``finish`` completes."""
+        plan = self._plan_of(state_dict, flat.tensors, nsig)
+        meta = self._meta_json(step, ckpt_name, flat, plan, lengths)
+        on_device = sum(n for _i, _o, n in plan.device_copies)
+        seg = self._segment_for(len(meta), plan.tensor_bytes + len(blob),
+                                populate=on_device * 2 < plan.tensor_bytes or knob("cuda_register") != "background")
+        if self._device.registered:
+            self._device.release_stale(seg)
+        slot = self._acquire_slot(seg, step)
+        try:
+            device_done = self._device.copy(seg, slot, flat.tensors, plan, native=native, ptrs=ptrs,
+                                            host_copy=self._copier.run,
+                                            ready=None if ready is None else ready.event) \
+                if plan.device_copies else None
+        except BaseException:
+            self._set_state(seg, slot, EMPTY)
+            raise
+        if native is not None:
+            addr = array.array("q", ptrs)
+            large = [(off, addr[i], n) for i, off, n in plan.large_copies]
+        else:
+            large = [(off, ptrs[i], n) for i, off, n in plan.copies]
+        return _HostCopy(seg, slot, step, plan, meta, blob, large, native, ptrs, device_done)
 
     def _flatten(self, state_dict: Any, native: Any) -> Flat:
         """The state dict's tensors, skeleton and opaque leaves: the last snapshot's skeleton reused while the
@@ -239,32 +298,40 @@ class SharedMemoryHandler(SnapshotReader):
             flat = flatten(state_dict, check_tensors=native is None, weights_only=self.weights_only)
         return flat
 
-    def _plan_for(self, state_dict: Any, tensors: list[torch.Tensor], native: Any) -> tuple[SnapshotPlan, Any]:
-        """The plan for ``tensors`` (the last one while their signature is unchanged) and their storage
-        addresses (the native scan's, or a list). Raises InvalidStateDictError naming an unstorable tensor."""
-
-        def key_of(i: int) -> str:
-            return _key_str(_path_to(state_dict, tensors[i]))
-
+    def _scan(self, state_dict: Any, tensors: list[torch.Tensor], native: Any) -> tuple[bytes | None, Any]:
+        """The native signature of ``tensors`` (None without the extension) and their storage addresses (the
+        native scan's packed int64s, or a list). Raises InvalidStateDictError naming an unstorable tensor."""
         if native is not None:
             # One C++ call for the signature and storage addresses (and the tensor checks).
             nsig, nptrs, bad = native.scan(tensors, torch.nn.Parameter)
             if bad >= 0:
                 _refuse(state_dict, tensors[bad])
-            plan = self._plan
-            if plan is None or plan.native_signature != nsig:
-                sig, _ = signature_of(tensors)
-                plan = self._plan = plan_snapshot(tensors, sig, native_signature=nsig, key_of=key_of)
-            return plan, nptrs
+            return nsig, nptrs
         try:
             sig, ptrs = signature_of(tensors)
         except RuntimeError:
             for t in tensors:
                 check_tensor(t, _path_to(state_dict, t))  # raises, naming the key
             raise
-        if self._plan is None or self._plan.signature != sig:
-            self._plan = plan_snapshot(tensors, sig, key_of=key_of)
-        return self._plan, ptrs
+        self._py_sig = sig
+        return None, ptrs
+
+    def _plan_of(self, state_dict: Any, tensors: list[torch.Tensor], nsig: bytes | None) -> SnapshotPlan:
+        """The plan for ``tensors`` (the last one while their signature is unchanged). Raises
+        InvalidStateDictError naming a tensor whose file would not load back."""
+
+        def key_of(i: int) -> str:
+            return _key_str(_path_to(state_dict, tensors[i]))
+
+        plan = self._plan
+        if nsig is not None:
+            if plan is None or plan.native_signature != nsig:
+                sig, _ = signature_of(tensors)
+                plan = self._plan = plan_snapshot(tensors, sig, native_signature=nsig, key_of=key_of)
+            return plan
+        if plan is None or plan.signature != self._py_sig:
+            plan = self._plan = plan_snapshot(tensors, self._py_sig, key_of=key_of)
+        return plan
 
     def _copy_host(self, c: _HostCopy) -> None:
         """``finish``'s copies into the claimed slot: the host tensors (small ones in one native call, large

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -56,6 +57,9 @@ class SaverLink:
         self.status_at = 0.0  # monotonic time of the last round trip
         self.runtime: tuple[int, int] | None = None  # the job dir the saver attached last serves (dir_identity)
         self.attaches = 0  # attaches so far (a new saver, or the same one again)
+        # One round trip at a time: a deferred snapshot asks for its segment from the snapshot thread
+        # (``SharedMemoryHandler.start_save(defer=True)``) while the training thread may call too.
+        self._lock = threading.RLock()
 
     def attach(self) -> M.HelloReply:
         """Connects to the job's saver (starting one when none runs) and says hello; returns its reply."""
@@ -145,6 +149,11 @@ class SaverLink:
              timeout: float | None = None) -> RP:
         """One round trip; a saver that died is replaced (``reattach``) and the request sent to the new
         one, after ``on_reattach``."""
+        with self._lock:
+            return self._call(req, on_reattach=on_reattach, timeout=timeout)
+
+    def _call(self, req: M.Request[RP], *, on_reattach: Callable[[], None] | None,
+              timeout: float | None) -> RP:
         client = self.client
         if client is not None and self._status_req is not None:  # its reply is in what this one says
             client.cancel(self._status_req)
@@ -168,7 +177,16 @@ class SaverLink:
         has arrived (else None), and the next request sent when due (at most every _STATUS_EVERY_S, and at
         once when this snapshot went to a new segment, so that the saver frees the one it outgrew:
         ``local_rank`` says whose). A saver that does not answer (stopped) delays news, never a snapshot;
-        a lost connection is re-attached by the next ``call`` (a persist, wait)."""
+        a lost connection is re-attached by the next ``call`` (a persist, wait); nor for a round trip of the
+        snapshot thread (news then waits for the next snapshot)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self._news(seg, local_rank)
+        finally:
+            self._lock.release()
+
+    def _news(self, seg: str | None, local_rank: int) -> M.StatusReply | None:
         client = self.client
         if client is None or client.lost:
             return None

@@ -78,6 +78,46 @@ def runtime_fn(name: str) -> int:
         return 0
 
 
+_batch_refused = False  # the runtime refused a batch once: copies are queued one by one from then on
+
+
+def batch_fn() -> int:
+    """The address of ``cudaMemcpyBatchAsync`` where the runtime torch loaded is CUDA 13 or later (whose
+    declaration ``csrc/fastpath.cpp`` follows; CUDA 12.8's has another argument) and has not refused a batch;
+    else 0."""
+    lib = _cudart()
+    if lib is None or _batch_refused:
+        return 0
+    version = ctypes.c_int(0)
+    try:
+        if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0 or version.value < 13000:
+            return 0
+    except AttributeError:
+        return 0
+    return runtime_fn("cudaMemcpyBatchAsync")
+
+
+def _queue(native: Any, stream: torch.cuda.Stream, base: int, ptrs: bytes, copies: bytes, kind: int) -> None:
+    """Queues a plan's packed copies on ``stream`` in one native call: one ``cudaMemcpyBatchAsync`` where the
+    runtime has it, else one ``cudaMemcpyAsync`` each (also when a batch is refused: every copy queued again,
+    the same bytes to the same place). Raises FlashCheckpointError when the runtime refuses a copy."""
+    global _batch_refused
+    s = int(stream.cuda_stream)
+    fn = batch_fn() if s else 0  # a batch is refused on the legacy default stream
+    if fn:
+        code = native.memcpy_batch_async(fn, s, base, ptrs, copies, kind)
+        if code == 0:
+            return
+        _clear_last_error()
+        _batch_refused = True
+        log.warning("cudaMemcpyBatchAsync refused a batch (CUDA error %d): copies are queued one by one", code)
+    failed, code = native.memcpy_async(runtime_fn("cudaMemcpyAsync"), s, base, ptrs, copies, kind)
+    if failed >= 0:
+        _clear_last_error()
+        raise E.FlashCheckpointError(f"the {'device-to-host' if kind == 2 else 'host-to-device'} copy {failed} of a "
+                                     f"snapshot's CUDA tensors failed (cudaMemcpyAsync: CUDA error {code})")
+
+
 def _clear_last_error() -> None:
     """A failed runtime call leaves its error as the thread's last error, which the next kernel launch
     check of torch would report as its own: read it back (and so reset it) where libcudart is loaded."""
@@ -129,10 +169,9 @@ def _host(addr: int, nbytes: int) -> torch.Tensor:
 
 
 def copy_to_host(stream: torch.cuda.Stream, items: Iterable[tuple[torch.Tensor, int, int]]) -> torch.cuda.Event:
-    """Queues ``(tensor, host address, nbytes)`` device-to-host copies of whole storages on ``stream``,
-    after the work already queued on the current stream; returns the event that completes them. The
-    caller keeps the tensors alive (and unchanged) until the event completed."""
-    stream.wait_stream(torch.cuda.current_stream())
+    """Queues ``(tensor, host address, nbytes)`` device-to-host copies of whole storages on ``stream`` (which
+    the caller ordered after the work they follow); returns the event that completes them. The caller keeps
+    the tensors alive (and unchanged) until the event completed."""
     with torch.cuda.stream(stream):
         for t, addr, n in items:
             _host(addr, n).copy_(_bytes_of(t.untyped_storage(), 0, n), non_blocking=True)
@@ -142,16 +181,10 @@ def copy_to_host(stream: torch.cuda.Stream, items: Iterable[tuple[torch.Tensor, 
 
 
 def copy_to_host_native(native: Any, stream: torch.cuda.Stream, base: int, ptrs: bytes, copies: bytes) -> torch.cuda.Event:
-    """``copy_to_host`` in one call of the native fast path: the plan's packed (tensor index, offset, bytes)
-    ``copies`` from the storages at ``ptrs`` (the native scan's) to ``base + offset``, queued with the
-    runtime's ``cudaMemcpyAsync`` on ``stream`` after the work already queued on the current stream."""
-    fn = runtime_fn("cudaMemcpyAsync")  # the caller checked it is there
-    stream.wait_stream(torch.cuda.current_stream())
-    failed, code = native.memcpy_async(fn, int(stream.cuda_stream), base, ptrs, copies, 2)
-    if failed >= 0:
-        _clear_last_error()
-        raise E.FlashCheckpointError(f"save(): the device-to-host copy {failed} of the snapshot's CUDA tensors failed "
-                                     f"(cudaMemcpyAsync: CUDA error {code}); nothing was written")
+    """``copy_to_host`` in one call of the native fast path (``_queue``): the plan's packed (tensor index,
+    offset, bytes) ``copies`` from the storages at ``ptrs`` (the native scan's) to ``base + offset``, on
+    ``stream`` (which the caller ordered after the work they follow)."""
+    _queue(native, stream, base, ptrs, copies, 2)
     done = torch.cuda.Event()
     done.record(stream)
     return done
@@ -169,12 +202,11 @@ def copy_to_device(items: list[tuple[torch.UntypedStorage, int, int, int]]) -> N
         ptrs = array.array("q", [st.data_ptr() + start for st, start, _a, _n in items]).tobytes()
         copies = array.array("q", [v for k, (_st, _s, addr, n) in enumerate(items) for v in (k, addr, n)]).tobytes()
         stream = torch.cuda.current_stream(next(iter(devices)))
-        failed, code = ext.memcpy_async(fn, int(stream.cuda_stream), 0, ptrs, copies, 1)
-        if failed >= 0:
-            _clear_last_error()
-            stream.synchronize()
-            raise E.FlashCheckpointError(f"load(): the host-to-device copy {failed} of the snapshot failed "
-                                         f"(cudaMemcpyAsync: CUDA error {code})")
+        try:
+            _queue(ext, stream, 0, ptrs, copies, 1)
+        except E.FlashCheckpointError:
+            stream.synchronize()  # the copies queued before the refused one are done before the error
+            raise
     else:
         for st, start, addr, n in items:
             _bytes_of(st, start, n).copy_(_host(addr, n), non_blocking=True)

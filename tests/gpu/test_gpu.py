@@ -110,6 +110,8 @@ def test_snapshot_is_ordered_after_queued_kernels(make_engine, overlap):
     big = torch.zeros(64 << 20, device="cuda")  # 256 MB
     eng.save(1, {"big": big}, storage_type=MEMORY)  # the segment exists and its slots are registered
     eng.save(2, {"big": big}, storage_type=MEMORY)
+    eng.wait_snapshot()
+    eng._handler._device.wait_registered()  # save 3 is DMA straight into the slot (one native batch)
     for _ in range(200):  # tens of milliseconds of kernels still queued when save() is called
         big.add_(1.0)
     eng.save(3, {"big": big}, storage_type=MEMORY)  # copies queued after the additions, not before
@@ -162,17 +164,20 @@ def test_registration_is_per_slot_and_undone_at_close(make_engine):
     assert not handler._device.registered
 
 
-@pytest.mark.parametrize("register", ["background", "inline"])
-def test_first_snapshots_of_a_slot_not_page_locked_yet_go_through_the_bounce_buffers(make_engine, monkeypatch,
-                                                                                       register):
-    """While a slot is page-locked in the background, its snapshots go device-to-host through two pinned
-    bounce buffers (here 1 MiB, so a 16 MB state takes many rounds of both), then into the slot: each
-    snapshot is the state at its save, bit for bit, overlapped or not; once registered, the slot's copies
-    are DMA straight into it (an event). ``inline`` registers on the training thread, as before."""
-    monkeypatch.setenv("FLASHCKPT_CUDA_REGISTER", register)
+@pytest.mark.parametrize("register", ["background", "refused", "inline"])
+def test_first_snapshots_of_a_slot_not_page_locked_yet_are_copied_once_it_is(make_engine, monkeypatch, register):
+    """A snapshot into a slot still being page-locked in the background leaves its copies to the snapshot
+    thread, which waits for the lock and copies straight into the slot; where the driver refuses the lock
+    (``refused``: its answer replaced by a refusal, which a healthy driver never gives here) it goes through
+    two pinned bounce buffers (here 1 MiB, so a 16 MB state takes many rounds of both). Either way each
+    snapshot is the state at its save, bit for bit; once locked, the slot's copies are one DMA (an event).
+    ``inline`` registers on the training thread, as before."""
+    monkeypatch.setenv("FLASHCKPT_CUDA_REGISTER", "inline" if register == "inline" else "background")
     monkeypatch.setattr("flashckpt.memory.device.BOUNCE_BYTES", 1 << 20)
-    from flashckpt.memory.device import _Bounced
+    from flashckpt.memory import device as _device
 
+    if register == "refused":
+        monkeypatch.setattr(_device.DeviceCopies, "_register", lambda self, key, addr, n, dev: False)
     eng = make_engine(overlap=True)
     handler = eng._handler
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -201,13 +206,51 @@ def test_first_snapshots_of_a_slot_not_page_locked_yet_go_through_the_bounce_buf
         assert tree_digest(eng.load_memory(step)) == expected, f"step {step} ({routes[-1]})"
         if step == 2:
             handler._device.wait_registered()
-    if register == "background":
-        assert routes[0] == _Bounced.__name__ and routes[-1] == "Event", routes
-    else:
-        assert _Bounced.__name__ not in routes, routes
-    assert all(handler._device.registered.values()) and handler._device.register_s
+    if register == "inline":
+        assert set(routes) == {"Event"}, routes
+    elif register == "background":
+        assert routes[0] == _device._Unlocked.__name__ and routes[-1] == "Event", routes
+    else:  # never locked: every snapshot through the bounce buffers
+        assert set(routes) == {_device._Unlocked.__name__} and not any(handler._device.registered.values()), routes
+    assert register == "refused" or all(handler._device.registered.values())
     eng.close()
     assert not handler._device.registered
+
+
+def test_a_first_overlapped_snapshot_is_planned_in_the_background_after_the_callers_stream(make_engine):
+    """An overlapped snapshot that needs a new plan (the first, or a new structure) leaves the plan, the segment
+    and the queueing of its copies to the snapshot thread: its copies still follow the kernels queued before
+    save() on the caller's own stream, a DISK save right after it (which asks the saver while the snapshot
+    thread may) works, and every snapshot is the state at its save."""
+    from flashckpt.util import native as _native
+
+    if _native.get() is None:
+        pytest.skip("the native fast path is not built here (flashckpt native --build)")
+    eng = make_engine(overlap=True)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        big = torch.zeros(16 << 20, device="cuda")
+        small = [torch.full((i + 1,), float(i), device="cuda") for i in range(500)]
+        for _ in range(100):  # still queued on the caller's stream when save() returns
+            big.add_(1.0)
+        eng.save(1, {"big": big, "small": small}, storage_type=MEMORY)
+        assert eng._handler.pending_bytes >= big.nbytes
+        eng.wait_snapshot()
+        big.add_(1.0)
+        eng.save(2, {"big": big, "small": small}, storage_type=DISK)
+        eng.wait_snapshot()
+        big.add_(1.0)
+        eng.save(3, {"big": big, "small": small, "new": torch.ones(3, device="cuda")}, storage_type=MEMORY)  # new plan
+        eng.wait_snapshot()
+    eng.wait()
+    torch.cuda.synchronize()
+    for step, value in ((1, 100.0), (3, 102.0)):
+        got = eng.load_memory(step)
+        assert torch.equal(got["big"], torch.full_like(big, value)), step
+        assert all(torch.equal(a, b) for a, b in zip(got["small"], small, strict=True))
+    on_disk = torch.load(eng.step_path(2), map_location="cuda", weights_only=True)
+    assert torch.equal(on_disk["big"], torch.full_like(big, 101.0))
+    eng.close()
 
 
 def test_a_save_of_900_cuda_tensors_queues_its_copies_in_one_native_call(make_engine):

@@ -294,3 +294,59 @@ def test_memcpy_async_queues_a_plans_copies_in_order_and_stops_at_a_refused_one(
     assert len(calls) == 3  # nothing queued after the refused copy
     with pytest.raises(IndexError):
         native.memcpy_async(addr, 0, base, ptrs, array.array("q", [9, 0, 1]).tobytes(), kind)
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):  # cudaMemcpyAttributes of CUDA 13
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_hint", _MemLocation), ("dst_hint", _MemLocation),
+                ("flags", ctypes.c_uint)]
+
+
+# cudaMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream) of CUDA 13, stood in for as
+# above: the batch's arrays and its one attribute (sources read in stream order) as the runtime would see them.
+_BATCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
+                          ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.POINTER(_MemcpyAttributes),
+                          ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.c_void_p)
+
+
+@pytest.mark.parametrize("kind", [2, 1])
+def test_memcpy_batch_async_hands_the_runtime_one_batch_in_stream_order(native, kind: int) -> None:
+    seen: list[tuple] = []
+    answer = {"code": 0}
+
+    def fake(dsts, srcs, sizes, count, attrs, idxs, nattrs, stream):
+        a = attrs[0]
+        seen.append(([dsts[k] for k in range(count)], [srcs[k] for k in range(count)],
+                     [sizes[k] for k in range(count)], (a.src_access_order, a.src_hint.type, a.dst_hint.type, a.flags),
+                     idxs[0], nattrs, stream))
+        if answer["code"] == 0:
+            for k in range(count):
+                ctypes.memmove(dsts[k], srcs[k], sizes[k])
+        return answer["code"]
+
+    fn = _BATCH(fake)
+    addr = ctypes.cast(fn, ctypes.c_void_p).value
+    tensors = [torch.arange(n, dtype=torch.uint8) + 1 for n in (5, 100, 64)]
+    host = torch.zeros(512, dtype=torch.uint8)
+    copies = [(1, 0, 100), (0, 128, 5), (2, 256, 64)]
+    packed = array.array("q", [v for c in copies for v in c]).tobytes()
+    ptrs = array.array("q", [t.data_ptr() for t in tensors]).tobytes()
+    base = host.data_ptr()
+    if kind == 1:
+        for i, off, n in copies:
+            host[off:off + n] = 9 + i
+    assert native.memcpy_batch_async(addr, 41, base, ptrs, packed, kind) == 0
+    dsts, srcs, sizes, attr, first, nattrs, stream = seen[0]
+    hosts = [base + off for _i, off, _n in copies]
+    devs = [tensors[i].data_ptr() for i, _off, _n in copies]
+    assert (dsts, srcs) == ((hosts, devs) if kind == 2 else (devs, hosts))
+    assert sizes == [n for *_, n in copies] and attr == (1, 0, 0, 1) and (first, nattrs, stream) == (0, 1, 41)
+    for i, off, n in copies:
+        want = tensors[i][:n] if kind == 2 else torch.full((n,), 9 + i, dtype=torch.uint8)
+        assert torch.equal(host[off:off + n] if kind == 2 else tensors[i][:n], want)
+    answer["code"] = 1  # cudaErrorInvalidValue: returned as it is (the caller queues the copies one by one)
+    assert native.memcpy_batch_async(addr, 41, base, ptrs, packed, kind) == 1
+    assert native.memcpy_batch_async(addr, 41, base, ptrs, b"", kind) == 0 and len(seen) == 2  # nothing to queue
