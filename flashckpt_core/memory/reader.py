@@ -216,20 +216,35 @@ def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int |
     # (CUDA storage, byte offset in it, offset in the segment, bytes): copied host-to-device from the mapping
     device_tasks: list[tuple[torch.UntypedStorage, int, int, int]] = []
     fill, direct = _plan_direct(into, meta, metas, data, tasks, device_tasks)
+    # From a page-locked slot (pre-staged) the device copies are queued at once, and the host-side work below
+    # runs while they do; they are waited for before the slot is checked for a torn read.
+    queued: set[torch.device] = set()
+    if pinned and device_tasks:
+        queued |= _cuda.queue_to_device([(st, off, seg.base + src, n) for st, off, src, n in device_tasks])
+        device_tasks = []
     regions = _plan_regions(metas, direct, data, tasks, device_tasks)
+    if pinned and device_tasks:
+        queued |= _cuda.queue_to_device([(st, off, seg.base + src, n) for st, off, src, n in device_tasks])
+        device_tasks = []
     _copy_to_host(seg, slot, h, copier, fd, tasks, into_new_memory=bool(regions))
     if device_tasks:
-        _read_to_device(seg, slot, h, copier, fd, device_tasks, pinned=pinned)
+        _read_to_device(seg, slot, h, copier, fd, device_tasks)
     blob_off = seg.data_off(slot) + h.tensor_bytes
     blob = seg.mm[blob_off: blob_off + h.blob_len]
-    h2 = seg.header(slot)
-    if h2.state != COMPLETE or h2.generation != h.generation:
-        return None  # overwritten while we read: torn
+    if not queued:
+        h2 = seg.header(slot)
+        if h2.state != COMPLETE or h2.generation != h.generation:
+            return None  # overwritten while we read: torn
     # Opaque leaves are decoded by a trainer only (never the saver), and with weights_only only into
     # the types torch.load(weights_only=True) accepts.
     opaque = [decode_opaque(b, weights_only=weights_only) for b in split_opaque(blob, meta["opaque"])]
     tensors = _assemble_tensors(metas, direct, regions)
     state = fill.fill(unflatten(meta["tree"], tensors, opaque), source=f"memory (step {h.step})")
+    if queued:
+        _cuda.synchronize(queued)
+        h2 = seg.header(slot)
+        if h2.state != COMPLETE or h2.generation != h.generation:
+            return None  # overwritten while we read: torn
     return Snapshot(h.step, state, meta.get("name", ""), h.tensor_bytes)
 
 
@@ -325,13 +340,9 @@ def _device_of(device: str) -> torch.device:
 
 
 def _read_to_device(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int | None,
-                    tasks: list[tuple[torch.UntypedStorage, int, int, int]], *, pinned: bool = False) -> None:
+                    tasks: list[tuple[torch.UntypedStorage, int, int, int]]) -> None:
     """Copies slot ``slot``'s regions host-to-device as ``FLASHCKPT_CUDA_LOAD`` says (``_cuda``); the sources
-    are offsets in the segment. Returns when the copies are done. ``pinned``: the slot is page-locked in this
-    mapping (pre-staged): straight from it, whatever the mode."""
-    if pinned:
-        _cuda.copy_to_device([(st, off, seg.base + src, n) for st, off, src, n in tasks])
-        return
+    are offsets in the segment. Returns when the copies are done."""
     mode = _cuda.load_mode()
     if mode == "staged":
         if fd is not None:

@@ -37,8 +37,8 @@ from flashckpt import errors as E
 from flashckpt.config import knob
 from flashckpt.util import native as _native
 
-__all__ = ["register", "unregister", "copy_to_host", "copy_to_host_native", "copy_to_device", "copy_to_device_staged",
-           "load_mode", "runtime_fn", "PORTABLE"]
+__all__ = ["register", "unregister", "copy_to_host", "copy_to_host_native", "copy_to_device", "queue_to_device",
+           "synchronize", "copy_to_device_staged", "buffer_rounds", "load_mode", "runtime_fn", "batch_fn", "PORTABLE"]
 
 log = logging.getLogger(__name__)
 _warned = False
@@ -193,8 +193,15 @@ def copy_to_host_native(native: Any, stream: torch.cuda.Stream, base: int, ptrs:
 def copy_to_device(items: list[tuple[torch.UntypedStorage, int, int, int]]) -> None:
     """Copies ``(CUDA storage, byte offset in it, host address, nbytes)`` host-to-device, on the current
     stream of each storage's device, and returns once every copy is done (the source may be overwritten
-    after that). With the native fast path and one device, the copies are queued in one C++ call
-    (``cudaMemcpyAsync``; a restore of hundreds of tensors from Python costs ~20 µs a tensor)."""
+    after that)."""
+    synchronize(queue_to_device(items))
+
+
+def queue_to_device(items: list[tuple[torch.UntypedStorage, int, int, int]]) -> set[torch.device]:
+    """Queues ``copy_to_device``'s copies and returns the devices whose current streams carry them (wait with
+    ``synchronize``; the host memory must stay unchanged until then). With the native fast path and one
+    device, the copies are queued in one C++ call (a restore of hundreds of tensors from Python costs ~20 µs
+    a tensor)."""
     devices = {st.device for st, *_ in items}
     fn = runtime_fn("cudaMemcpyAsync") if len(devices) == 1 else 0
     ext = _native.get() if fn else None
@@ -210,6 +217,11 @@ def copy_to_device(items: list[tuple[torch.UntypedStorage, int, int, int]]) -> N
     else:
         for st, start, addr, n in items:
             _bytes_of(st, start, n).copy_(_host(addr, n), non_blocking=True)
+    return devices
+
+
+def synchronize(devices: set[torch.device]) -> None:
+    """Waits for the work queued on the current stream of each of ``devices``."""
     for d in devices:
         torch.cuda.current_stream(d).synchronize()
 
