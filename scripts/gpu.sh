@@ -14,7 +14,7 @@
 # flashckpt site dir (the machine's own torch and Lightning stay in use; no wheel there is torch), and the
 # framework tests then fail rather than skip when one is missing. Knobs: PYTHON (default python3),
 # GPU_PARTS (which parts, in this order: default "tests,bench"; add "nodes" for the step-time runs),
-# GPU_BENCH_SIZES (default 1,4), GPU_BENCH_ROUNDS (3), GPU_TEST_TIMEOUT_S (300, both test files), GPU_BENCH_TIMEOUT_S (300),
+# GPU_BENCH_SIZES (default 1,4), GPU_BENCH_ROUNDS (3), GPU_TEST_FILES (both test files), GPU_TEST_TIMEOUT_S (300, both test files), GPU_BENCH_TIMEOUT_S (300),
 # NODES_ARGS (bench_nodes flags, default "--only steady,loopback --steady-steps 16"), NODES_ROUNDS (2:
 # bench_nodes --rounds), NODES_TIMEOUT_S (420).
 set -uo pipefail
@@ -74,7 +74,7 @@ fi
 if [[ "$PARTS" == *,tests,* ]]; then
   # DeepSpeed on the CUDA accelerator, building none of its ops (the tests use torch's Adam through it)
   DS_ACCELERATOR=cuda DS_BUILD_OPS=0 FLASHCKPT_GPU_FRAMEWORKS_REQUIRED="${WHEEL_SITE:+1}" \
-    timeout "${GPU_TEST_TIMEOUT_S:-300}" "$PY" -m pytest tests/gpu/test_gpu.py tests/gpu/test_gpu_frameworks.py \
+    timeout "${GPU_TEST_TIMEOUT_S:-300}" "$PY" -m pytest ${GPU_TEST_FILES:-tests/gpu/test_gpu.py tests/gpu/test_gpu_frameworks.py} \
     -m gpu -q -p no:cacheprovider -o addopts="-ra --strict-markers" --durations=0 2>&1 | tee "$OUT/gpu_tests.log"
   note "gpu tests" "${PIPESTATUS[0]}"
 fi
