@@ -193,8 +193,8 @@ class Flash:
         self.engine = CheckpointEngine(self.dir, max_to_keep=1)
         self.step = 0
         self.reader: Any = None
-        # The first two snapshots (one per reserved slot), overlapped: each slot is page-locked in the
-        # background meanwhile, and its copies go through the pinned bounce buffers until it is.
+        # The first two snapshots (one per reserved slot), overlapped: the first one's plan and segment are
+        # made on the snapshot thread, and each slot is page-locked in the background, its copies waiting.
         for n in (1, 2):
             returns, complete = _started_and_done(lambda: self.save(overlap=True), self.engine.wait_snapshot)
             c.info[f"flashckpt_first_save_{n}_returns_s"] = returns
@@ -454,7 +454,7 @@ def render(cases: list[Case], machine: dict[str, Any]) -> str:
         ["**flashckpt snapshot (blocking)**", *[cell(c, "flashckpt.snapshot") for c in cases]],
         ["flashckpt first snapshot, overlapped: save() returns",
          *[fmt_time(c.info.get("flashckpt_first_save_1_returns_s", float("nan"))) for c in cases]],
-        ["flashckpt first snapshot, overlapped: complete (bounce buffers)",
+        ["flashckpt first snapshot, overlapped: complete (plan, segment, page-locking, one DMA)",
          *[fmt_time(c.info.get("flashckpt_first_save_1_complete_s", float("nan"))) for c in cases]],
         ["flashckpt second snapshot (the other slot), overlapped: save() returns / complete",
          *[f"{fmt_time(c.info.get('flashckpt_first_save_2_returns_s', float('nan')))} / "

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import xxhash
 from flashckpt import errors as E
-from flashckpt.config import knob
 from flashckpt.format.segment import (
     COMPLETE,
     EMPTY,
@@ -263,9 +262,7 @@ class SharedMemoryHandler(SnapshotReader):
         ``ready``'s event when given, else after the current stream's work): what ``finish`` completes."""
         plan = self._plan_of(state_dict, flat.tensors, nsig)
         meta = self._meta_json(step, ckpt_name, flat, plan, lengths)
-        on_device = sum(n for _i, _o, n in plan.device_copies)
-        seg = self._segment_for(len(meta), plan.tensor_bytes + len(blob),
-                                populate=on_device * 2 < plan.tensor_bytes or knob("cuda_register") != "background")
+        seg = self._segment_for(len(meta), plan.tensor_bytes + len(blob))
         if self._device.registered:
             self._device.release_stale(seg)
         slot = self._acquire_slot(seg, step)
@@ -411,15 +408,14 @@ class SharedMemoryHandler(SnapshotReader):
             self._tree_cache = (plan, flat.skeleton, tail)
         return (head[:-1] + tail).encode()
 
-    def _segment_for(self, meta_len: int, data_len: int, *, populate: bool = True) -> Segment:
+    def _segment_for(self, meta_len: int, data_len: int) -> Segment:
         """The segment to write a snapshot of ``meta_len`` / ``data_len`` bytes into (a new one from the saver
-        when the current one is too small). ``populate`` False: its slots are not faulted in up front (a
-        snapshot mostly of CUDA tensors: the background page-locking maps them, off the training path)."""
+        when the current one is too small; a deferred snapshot's thread maps it, off the training path)."""
         seg = self._seg
         if seg is None:
             paths = segment_paths(self.job_dir, self.local_rank)
             if paths:
-                seg = self._seg = Segment(paths[-1][1], populate=populate)
+                seg = self._seg = Segment(paths[-1][1])
         if seg is not None and meta_len <= seg.meta_cap and data_len <= seg.data_cap:
             return seg
         if self._allocate is None:
@@ -430,7 +426,7 @@ class SharedMemoryHandler(SnapshotReader):
         if self._seg is not None:
             self._device.forget(self._seg)
             self._seg.close()
-        self._seg = Segment(path, populate=populate)
+        self._seg = Segment(path)
         return self._seg
 
     def _next_seq(self, seg: Segment) -> int:
