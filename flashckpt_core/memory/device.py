@@ -85,8 +85,9 @@ class DeviceCopies:
                 return _cuda.copy_to_host_native(native, self._stream, data, ptrs, plan.device_copies_packed)
             return _cuda.copy_to_host(self._stream, [(tensors[i], data + off, n) for i, off, n in plan.device_copies])
 
-        if key in self.registered:
+        if self.registered.get(key):
             return dma()
+        # Not locked yet, or refused (0): the snapshot thread waits for the lock, or takes the bounce buffers.
         return _Unlocked(self, key, dma, data, [(tensors[i], off, n) for i, off, n in plan.device_copies], host_copy,
                          ready)
 
