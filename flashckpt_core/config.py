@@ -293,9 +293,14 @@ class Knobs:
             (default: on a thread of its own, the slot's first snapshots going through pinned bounce buffers
             meanwhile, so the training thread never waits for the page-locking) or "inline" (on the training
             thread at the slot's first snapshot); FLASHCKPT_CUDA_REGISTER.
-        cuda_batch: a snapshot's device copies go to the CUDA runtime as one ``cudaMemcpyBatchAsync`` (CUDA 13;
-            1/0; default 0: one ``cudaMemcpyAsync`` a copy, from C++, which the ``gpu`` tier verified; see
-            ``util.cuda.batch_fn``); FLASHCKPT_CUDA_BATCH.
+        cuda_unlocked: how a snapshot is copied into a slot whose page-locking still runs: "wait" (default:
+            the snapshot thread waits for the lock, then one DMA) or "bounce" (through two pinned bounce
+            buffers on that thread; what a slot the driver refuses always takes); FLASHCKPT_CUDA_UNLOCKED.
+        cuda_defer: an overlapped snapshot of CUDA tensors that needs a new plan (the first) makes its plan,
+            segment and slot claim on the snapshot thread, so its ``save()`` returns as fast as a later one's
+            (1/0; default 1); FLASHCKPT_CUDA_DEFER.
+        cuda_batch: a snapshot's device copies go to the CUDA runtime as one ``cudaMemcpyBatchAsync`` where the
+            runtime is CUDA 13 (1/0; default 1; 0: one ``cudaMemcpyAsync`` a copy, from C++); FLASHCKPT_CUDA_BATCH.
         cuda_prestage: a new engine on a job whose newest snapshot of this rank in memory holds CUDA tensors
             page-locks that snapshot's slot in the background at once, so that ``load()`` copies it to the
             GPU at the PCIe limit (1/0; default 1); FLASHCKPT_CUDA_PRESTAGE.
@@ -364,7 +369,9 @@ class Knobs:
                                                                   fallback="staged"))
     cuda_register: str = _knob("FLASHCKPT_CUDA_REGISTER", "background", _word("background", "inline",
                                                                               fallback="background"))
-    cuda_batch: bool = _knob("FLASHCKPT_CUDA_BATCH", False, _flag)
+    cuda_unlocked: str = _knob("FLASHCKPT_CUDA_UNLOCKED", "wait", _word("wait", "bounce", fallback="wait"))
+    cuda_defer: bool = _knob("FLASHCKPT_CUDA_DEFER", True, _flag)
+    cuda_batch: bool = _knob("FLASHCKPT_CUDA_BATCH", True, _flag)
     cuda_prestage: bool = _knob("FLASHCKPT_CUDA_PRESTAGE", True, _flag)
     launch_events: str = _knob("FLASHCKPT_LAUNCH_EVENTS", "")
     last_words_blocking: bool = _knob("FLASHCKPT_LAST_WORDS_BLOCKING", False, _flag)

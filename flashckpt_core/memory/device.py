@@ -7,10 +7,10 @@ Python (one ``cudaMemcpyBatchAsync`` where the runtime is CUDA 13, else one ``cu
 straight into the slot needs the slot page-locked (registered with the driver), which costs about 0.05 s per
 GB: by default (``FLASHCKPT_CUDA_REGISTER=background``) that runs on a thread of its own, and a snapshot into
 a slot not locked yet leaves its copies to ``finish`` (the overlapped snapshot's thread), which waits for the
-lock and then copies straight into the slot (``_Unlocked``; where the driver refuses to lock the slot, through
-two pinned bounce buffers instead): the training thread never waits for a page-locking, and a first
-snapshot's ``save(overlap=True)`` returns as fast as a later one's. With ``inline`` the slot is registered at
-its first use, on the training thread (as before).
+lock and copies straight into the slot (``_Unlocked``; through two pinned bounce buffers where the driver
+refuses the lock, or with ``FLASHCKPT_CUDA_UNLOCKED=bounce``): the training thread never waits for a
+page-locking. With ``inline`` the slot
+is registered at its first use, on the training thread (as before).
 
 A slot the saver gave back (its pages left the file) or a segment that is closed is unregistered, since the
 registration alone would still pin the old pages. Used by the writer (``memory.writer``) only, under its
@@ -166,13 +166,14 @@ class DeviceCopies:
 
 
 class _Unlocked:
-    """The copies of a snapshot into a slot whose page-locking still runs on the registration thread, done by
-    ``synchronize()`` (in ``finish``: the overlapped snapshot's thread): once the slot is locked, DMA straight
-    into it (``dma``: the same copies as a locked slot's, after the work queued before ``save``); where the
-    driver refused to lock it, through two pinned bounce buffers in turn (a round of up to ``BOUNCE_BYTES``
-    each), each copied on into the slot by the copy threads while the next round's DMA runs. Measured on an
-    H200, waiting for the lock (0.05 s per GB) and then one DMA beats the bounce route (whose copies into a slot
-    being locked contend with the locking): 80 against 104 ms at 1 GB, 250 against 353 ms at 4 GB."""
+    """The copies of a snapshot into a slot not page-locked (yet), done by ``synchronize()`` (in ``finish``: the
+    overlapped snapshot's thread): it waits for the slot's page-locking and then takes one DMA straight into it
+    (``dma``: the same copies as a locked slot's, after the work queued before ``save``); where the driver
+    refused to lock the slot, or with ``FLASHCKPT_CUDA_UNLOCKED=bounce``, through two pinned bounce buffers in
+    turn (a round of up to ``BOUNCE_BYTES`` each), each copied on into the slot by the copy threads while the
+    next round's DMA runs. Measured on an H200, waiting for the lock (0.05 s per GB on a faulted slot) and one
+    DMA beat the bounce route, whose copies contend with the locking: 80 against 104 ms at 1 GB, 250 against
+    353 ms at 4 GB."""
 
     def __init__(self, owner: DeviceCopies, key: Key, dma: Callable[[], Any], data: int,
                  items: list[tuple[torch.Tensor, int, int]], host_copy: Callable[[list[tuple[int, int, int]]], None],
@@ -187,10 +188,11 @@ class _Unlocked:
         if self._done:
             return
         self._done = True
-        self._owner._settle(self._key, wait=True)
-        if self._owner.registered.get(self._key):
-            self._dma().synchronize()
-            return
+        if knob("cuda_unlocked") != "bounce":
+            self._owner._settle(self._key, wait=True)
+            if self._owner.registered.get(self._key):
+                self._dma().synchronize()
+                return
         self._bounce()
 
     def _bounce(self) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import xxhash
 from flashckpt import errors as E
+from flashckpt.config import knob
 from flashckpt.format.segment import (
     COMPLETE,
     EMPTY,
@@ -184,10 +185,11 @@ class SharedMemoryHandler(SnapshotReader):
             step: the training step the snapshot belongs to.
             state_dict: the tree to snapshot. Its tensors must not change until ``finish`` returned.
             ckpt_name: where the snapshot is to be persisted (kept in its metadata).
-            defer: ``finish`` runs in the background (an overlapped save): a snapshot of CUDA tensors that
-                needs a new plan (the first one, or a new structure) then leaves the plan, the segment, the
-                slot and the queueing of its copies to ``finish`` too, ordered after the work queued before
-                this call; the walk, the tensor checks and the encoding of plain leaves still run here.
+            defer: ``finish`` runs in the background (an overlapped save): (``FLASHCKPT_CUDA_DEFER``, on by
+                default) a snapshot of CUDA tensors that needs a new plan (the first one, or a new structure) then leaves
+                the plan, the segment, the slot and the queueing of its copies to ``finish`` too, ordered after
+                the work queued before this call; the walk, the tensor checks and the encoding of plain leaves
+                still run here.
 
         Raises:
             InvalidStateDictError: something in ``state_dict`` cannot be stored (nothing was written); a
@@ -207,7 +209,7 @@ class SharedMemoryHandler(SnapshotReader):
             if self.weights_only and flat.opaque:
                 self._check_loadable(state_dict, flat.opaque, blob, lengths)
             self._deferred_bytes = None
-            ready = self._deferrable(flat.tensors, nsig) if defer else None
+            ready = self._deferrable(flat.tensors, nsig) if defer and knob("cuda_defer") else None
             copy = None if ready is not None else \
                 self._prepare(step, ckpt_name, state_dict, flat, native, nsig, ptrs, blob, lengths, None)
         # The copies read the tensors by address: they are kept alive until finish() is done with them. An
@@ -262,7 +264,9 @@ class SharedMemoryHandler(SnapshotReader):
         ``ready``'s event when given, else after the current stream's work): what ``finish`` completes."""
         plan = self._plan_of(state_dict, flat.tensors, nsig)
         meta = self._meta_json(step, ckpt_name, flat, plan, lengths)
-        seg = self._segment_for(len(meta), plan.tensor_bytes + len(blob))
+        on_device = sum(n for _i, _o, n in plan.device_copies)
+        seg = self._segment_for(len(meta), plan.tensor_bytes + len(blob),
+                                populate=on_device * 2 < plan.tensor_bytes or knob("cuda_register") != "background")
         if self._device.registered:
             self._device.release_stale(seg)
         slot = self._acquire_slot(seg, step)
@@ -408,14 +412,15 @@ class SharedMemoryHandler(SnapshotReader):
             self._tree_cache = (plan, flat.skeleton, tail)
         return (head[:-1] + tail).encode()
 
-    def _segment_for(self, meta_len: int, data_len: int) -> Segment:
+    def _segment_for(self, meta_len: int, data_len: int, *, populate: bool = True) -> Segment:
         """The segment to write a snapshot of ``meta_len`` / ``data_len`` bytes into (a new one from the saver
-        when the current one is too small; a deferred snapshot's thread maps it, off the training path)."""
+        when the current one is too small). ``populate`` False: its slots are not faulted in up front (a
+        snapshot mostly of CUDA tensors: the background page-locking maps them, off the training path)."""
         seg = self._seg
         if seg is None:
             paths = segment_paths(self.job_dir, self.local_rank)
             if paths:
-                seg = self._seg = Segment(paths[-1][1])
+                seg = self._seg = Segment(paths[-1][1], populate=populate)
         if seg is not None and meta_len <= seg.meta_cap and data_len <= seg.data_cap:
             return seg
         if self._allocate is None:
@@ -426,7 +431,7 @@ class SharedMemoryHandler(SnapshotReader):
         if self._seg is not None:
             self._device.forget(self._seg)
             self._seg.close()
-        self._seg = Segment(path)
+        self._seg = Segment(path, populate=populate)
         return self._seg
 
     def _next_seq(self, seg: Segment) -> int:

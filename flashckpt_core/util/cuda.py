@@ -82,11 +82,9 @@ _batch_refused = False  # the runtime refused a batch once: copies are queued on
 
 
 def batch_fn() -> int:
-    """The address of ``cudaMemcpyBatchAsync`` where ``FLASHCKPT_CUDA_BATCH=1`` asks for it, the runtime torch
-    loaded is CUDA 13 or later (whose declaration ``csrc/fastpath.cpp`` follows; CUDA 12.8's has another
-    argument) and it has not refused a batch; else 0. Off by default: on an H200 (CUDA 13.0, driver 580) two
-    variants of the gpu tier's bounce-route test failed in the one run with batches on, while every other test
-    passed; the per-copy loop is what the tier verified (docs/benchmarks.md)."""
+    """The address of ``cudaMemcpyBatchAsync`` where the runtime torch loaded is CUDA 13 or later (whose
+    declaration ``csrc/fastpath.cpp`` follows; CUDA 12.8's has another argument), ``FLASHCKPT_CUDA_BATCH`` is
+    on (the default) and no batch was refused; else 0."""
     lib = _cudart()
     if lib is None or _batch_refused or not knob("cuda_batch"):
         return 0

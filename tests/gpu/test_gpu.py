@@ -164,15 +164,16 @@ def test_registration_is_per_slot_and_undone_at_close(make_engine):
     assert not handler._device.registered
 
 
-@pytest.mark.parametrize("register", ["background", "refused", "inline"])
+@pytest.mark.parametrize("register", ["background", "bounce", "refused", "inline"])
 def test_first_snapshots_of_a_slot_not_page_locked_yet_are_copied_once_it_is(make_engine, monkeypatch, register):
     """A snapshot into a slot still being page-locked in the background leaves its copies to the snapshot
-    thread, which waits for the lock and copies straight into the slot; where the driver refuses the lock
-    (``refused``: its answer replaced by a refusal, which a healthy driver never gives here) it goes through
-    two pinned bounce buffers (here 1 MiB, so a 16 MB state takes many rounds of both). Either way each
-    snapshot is the state at its save, bit for bit; once locked, the slot's copies are one DMA (an event).
-    ``inline`` registers on the training thread, as before."""
+    thread, which waits for the lock there and copies straight into the slot; ``bounce``
+    (FLASHCKPT_CUDA_UNLOCKED=bounce) takes them through two pinned bounce buffers (here 1 MiB, so a 16 MB state
+    takes many rounds of both), and where the driver refuses the lock (``refused``: its answer replaced by a
+    refusal, which a healthy driver never gives here) every snapshot takes the bounce buffers. Each snapshot is the state at its save, bit for
+    bit; once locked, the slot's copies are one DMA (an event). ``inline`` registers on the training thread."""
     monkeypatch.setenv("FLASHCKPT_CUDA_REGISTER", "inline" if register == "inline" else "background")
+    monkeypatch.setenv("FLASHCKPT_CUDA_UNLOCKED", "bounce" if register == "bounce" else "wait")
     monkeypatch.setattr("flashckpt.memory.device.BOUNCE_BYTES", 1 << 20)
     from flashckpt.memory import device as _device
 
@@ -208,7 +209,7 @@ def test_first_snapshots_of_a_slot_not_page_locked_yet_are_copied_once_it_is(mak
             handler._device.wait_registered()
     if register == "inline":
         assert set(routes) == {"Event"}, routes
-    elif register == "background":
+    elif register in ("background", "bounce"):
         assert routes[0] == _device._Unlocked.__name__ and routes[-1] == "Event", routes
     else:  # never locked: every snapshot through the bounce buffers
         assert set(routes) == {_device._Unlocked.__name__} and not any(handler._device.registered.values()), routes
@@ -217,15 +218,19 @@ def test_first_snapshots_of_a_slot_not_page_locked_yet_are_copied_once_it_is(mak
     assert not handler._device.registered
 
 
-def test_a_first_overlapped_snapshot_is_planned_in_the_background_after_the_callers_stream(make_engine):
-    """An overlapped snapshot that needs a new plan (the first, or a new structure) leaves the plan, the segment
-    and the queueing of its copies to the snapshot thread: its copies still follow the kernels queued before
-    save() on the caller's own stream, a DISK save right after it (which asks the saver while the snapshot
-    thread may) works, and every snapshot is the state at its save."""
+@pytest.mark.parametrize("unlocked", ["wait", "bounce"])
+def test_a_first_overlapped_snapshot_is_planned_in_the_background_after_the_callers_stream(make_engine, monkeypatch,
+                                                                                            unlocked):
+    """An overlapped snapshot that needs a new plan (the first, or a new structure; FLASHCKPT_CUDA_DEFER, on by
+    default) leaves the plan, the segment and the queueing of its copies to the snapshot thread: its copies still
+    follow the kernels queued before save() on the caller's own stream, a DISK save right after it (which asks
+    the saver while the snapshot thread may) works, and every snapshot is the state at its save (each read
+    back while memory still holds it: two slots keep the newest two)."""
     from flashckpt.util import native as _native
 
     if _native.get() is None:
         pytest.skip("the native fast path is not built here (flashckpt native --build)")
+    monkeypatch.setenv("FLASHCKPT_CUDA_UNLOCKED", unlocked)
     eng = make_engine(overlap=True)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
@@ -236,6 +241,9 @@ def test_a_first_overlapped_snapshot_is_planned_in_the_background_after_the_call
         eng.save(1, {"big": big, "small": small}, storage_type=MEMORY)
         assert eng._handler.pending_bytes >= big.nbytes
         eng.wait_snapshot()
+        got = eng.load_memory(1)
+        assert torch.equal(got["big"], torch.full_like(big, 100.0))
+        assert all(torch.equal(a, b) for a, b in zip(got["small"], small, strict=True))
         big.add_(1.0)
         eng.save(2, {"big": big, "small": small}, storage_type=DISK)
         eng.wait_snapshot()
@@ -244,10 +252,9 @@ def test_a_first_overlapped_snapshot_is_planned_in_the_background_after_the_call
         eng.wait_snapshot()
     eng.wait()
     torch.cuda.synchronize()
-    for step, value in ((1, 100.0), (3, 102.0)):
-        got = eng.load_memory(step)
-        assert torch.equal(got["big"], torch.full_like(big, value)), step
-        assert all(torch.equal(a, b) for a, b in zip(got["small"], small, strict=True))
+    got = eng.load_memory(3)
+    assert torch.equal(got["big"], torch.full_like(big, 102.0)) and torch.equal(got["new"].cpu(), torch.ones(3))
+    assert all(torch.equal(a, b) for a, b in zip(got["small"], small, strict=True))
     on_disk = torch.load(eng.step_path(2), map_location="cuda", weights_only=True)
     assert torch.equal(on_disk["big"], torch.full_like(big, 101.0))
     eng.close()
