@@ -2,15 +2,14 @@
 
 A snapshot of CUDA tensors copies them on a side stream straight into its slot, after the work already
 queued on the current stream: with the native fast path, the plan's hundreds of copies are queued in one C++
-call (``cudaMemcpyAsync`` of the runtime torch loaded; ``csrc/fastpath.cpp``), else one ``copy_`` each from
-Python (one ``cudaMemcpyBatchAsync`` where the runtime is CUDA 13, else one ``cudaMemcpyAsync`` a copy). DMA
-straight into the slot needs the slot page-locked (registered with the driver), which costs about 0.05 s per
-GB: by default (``FLASHCKPT_CUDA_REGISTER=background``) that runs on a thread of its own, and a snapshot into
-a slot not locked yet leaves its copies to ``finish`` (the overlapped snapshot's thread), which waits for the
-lock and copies straight into the slot (``_Unlocked``; through two pinned bounce buffers where the driver
-refuses the lock, or with ``FLASHCKPT_CUDA_UNLOCKED=bounce``): the training thread never waits for a
-page-locking. With ``inline`` the slot
-is registered at its first use, on the training thread (as before).
+call (one ``cudaMemcpyBatchAsync`` where the runtime torch loaded is CUDA 13, else one ``cudaMemcpyAsync`` a
+copy; ``csrc/fastpath.cpp``, ``util.cuda``), else one ``copy_`` each from Python. DMA straight into the slot
+needs the slot page-locked (registered with the driver), which costs about 0.05 s per GB on a faulted slot: by
+default (``FLASHCKPT_CUDA_REGISTER=background``) that runs on a thread of its own, and a snapshot into a slot
+not locked yet leaves its copies to ``finish`` (the overlapped snapshot's thread), which waits for the lock
+and copies straight into the slot (``_Unlocked``; through two pinned bounce buffers where the driver refuses
+the lock, or with ``FLASHCKPT_CUDA_UNLOCKED=bounce``): the training thread never waits for a page-locking.
+With ``inline`` the slot is registered at its first use, on the training thread (as before).
 
 A slot the saver gave back (its pages left the file) or a segment that is closed is unregistered, since the
 registration alone would still pin the old pages. Used by the writer (``memory.writer``) only, under its
@@ -41,7 +40,8 @@ class DeviceCopies:
     """One writer's device-to-host copies and the slots it registered.
 
     Attributes:
-        registered: (segment path, slot) -> the registered address (0: the driver refused; copied unpinned).
+        registered: (segment path, slot) -> the registered address (0: the driver refused; copied through the
+            bounce buffers).
         register_s: (segment path, slot) -> seconds its page-locking took (the cost moved off the training path).
     """
 
@@ -59,14 +59,16 @@ class DeviceCopies:
         """Queues the device-to-host copies of ``plan.device_copies`` (tensor index, offset in the slot's data
         area, bytes) of ``tensors`` into slot ``slot``, ordered after ``ready`` (an event recorded at ``save``;
         None: the work already queued on the current stream); returns what completes them: an event
-        (``synchronize()``), or, while the slot is being page-locked, the bounce route whose ``synchronize()``
-        runs the copies (``host_copy`` copies (dst, src, bytes) host tasks: the writer's copy threads)."""
+        (``synchronize()``), or, for a slot not locked, ``_Unlocked``, whose ``synchronize()`` runs the copies
+        (``host_copy`` copies (dst, src, bytes) host tasks: the writer's copy threads, for the bounce route)."""
         key = (seg.path, slot)
         self._settle(key)
         addr = seg.base + seg.slot_off(slot)
         if key not in self.registered:
             if knob("cuda_register") == "inline":
-                self._note(key, addr, time.perf_counter(), _cuda.register(addr, seg.slot_size))
+                t0 = time.perf_counter()
+                self.registered[key] = addr if _cuda.register(addr, seg.slot_size) else 0
+                self.register_s[key] = time.perf_counter() - t0
             elif key not in self._pending:
                 dev = tensors[plan.device_copies[0][0]].device
                 self._pending[key] = (addr, self._registrar_pool().submit(self._register, key, addr,
@@ -105,10 +107,6 @@ class DeviceCopies:
         ok = _cuda.register(addr, nbytes, _cuda.PORTABLE)
         self.register_s[key] = time.perf_counter() - t0
         return ok
-
-    def _note(self, key: Key, addr: int, t0: float, ok: bool) -> None:
-        self.registered[key] = addr if ok else 0
-        self.register_s.setdefault(key, time.perf_counter() - t0)
 
     def _settle(self, key: Key, *, wait: bool = False) -> None:
         """Moves a finished background registration of ``key`` into ``registered`` (waits for it with ``wait``)."""

@@ -75,6 +75,14 @@ class _Prestaged:
     nbytes: int
     future: Future[tuple[bool, float]]
 
+    def locked(self) -> float | None:
+        """Seconds the page-locking took once it ended; None where it failed (waits for it)."""
+        try:
+            ok, secs = self.future.result()
+        except Exception:  # a driver error: the restore copies as without pre-staging
+            return None
+        return secs if ok else None
+
 
 @dataclass
 class Snapshot:
@@ -138,8 +146,7 @@ class HeldView:
         self.seg, self.slot, self.header, self.snapshot = seg, slot, h, snapshot
 
     def intact(self) -> bool:
-        h = self.seg.header(self.slot)
-        return h.state == COMPLETE and h.generation == self.header.generation
+        return _intact(self.seg, self.slot, self.header)
 
 
 def _held_slots(job_dir: str, rank: int, world: int, step: int) -> tuple[list[tuple[Segment, int, SlotHeader]],
@@ -216,25 +223,25 @@ def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int |
     # (CUDA storage, byte offset in it, offset in the segment, bytes): copied host-to-device from the mapping
     device_tasks: list[tuple[torch.UntypedStorage, int, int, int]] = []
     fill, direct = _plan_direct(into, meta, metas, data, tasks, device_tasks)
-    # From a page-locked slot (pre-staged) the device copies are queued at once, and the host-side work below
-    # runs while they do; they are waited for before the slot is checked for a torn read.
+    # From a page-locked slot (pre-staged) the device copies are queued as soon as they are planned, and the
+    # host-side work below runs while they do; they are waited for before the slot is checked a last time.
     queued: set[torch.device] = set()
-    if pinned and device_tasks:
-        queued |= _cuda.queue_to_device([(st, off, seg.base + src, n) for st, off, src, n in device_tasks])
-        device_tasks = []
+
+    def queue_planned() -> None:
+        if pinned and device_tasks:
+            queued.update(_cuda.queue_to_device([(st, off, seg.base + src, n) for st, off, src, n in device_tasks]))
+            device_tasks.clear()
+
+    queue_planned()
     regions = _plan_regions(metas, direct, data, tasks, device_tasks)
-    if pinned and device_tasks:
-        queued |= _cuda.queue_to_device([(st, off, seg.base + src, n) for st, off, src, n in device_tasks])
-        device_tasks = []
+    queue_planned()
     _copy_to_host(seg, slot, h, copier, fd, tasks, into_new_memory=bool(regions))
     if device_tasks:
         _read_to_device(seg, slot, h, copier, fd, device_tasks)
     blob_off = seg.data_off(slot) + h.tensor_bytes
     blob = seg.mm[blob_off: blob_off + h.blob_len]
-    if not queued:
-        h2 = seg.header(slot)
-        if h2.state != COMPLETE or h2.generation != h.generation:
-            return None  # overwritten while we read: torn
+    if not _intact(seg, slot, h):
+        return None  # overwritten while we read: torn (its plain leaves are never decoded)
     # Opaque leaves are decoded by a trainer only (never the saver), and with weights_only only into
     # the types torch.load(weights_only=True) accepts.
     opaque = [decode_opaque(b, weights_only=weights_only) for b in split_opaque(blob, meta["opaque"])]
@@ -242,10 +249,15 @@ def _read_slot(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: int |
     state = fill.fill(unflatten(meta["tree"], tensors, opaque), source=f"memory (step {h.step})")
     if queued:
         _cuda.synchronize(queued)
-        h2 = seg.header(slot)
-        if h2.state != COMPLETE or h2.generation != h.generation:
-            return None  # overwritten while we read: torn
+        if not _intact(seg, slot, h):
+            return None  # overwritten while the queued copies read it: torn
     return Snapshot(h.step, state, meta.get("name", ""), h.tensor_bytes)
+
+
+def _intact(seg: Segment, slot: int, h: SlotHeader) -> bool:
+    """Whether slot ``slot`` still holds the snapshot of header ``h`` (COMPLETE, same generation)."""
+    h2 = seg.header(slot)
+    return h2.state == COMPLETE and h2.generation == h.generation
 
 
 def _plan_direct(into: Any, meta: dict[str, Any], metas: list[TensorMeta], data: int,
@@ -363,11 +375,7 @@ def _read_to_device(seg: Segment, slot: int, h: SlotHeader, copier: Copier, fd: 
 
 def _unregister_after(p: _Prestaged) -> None:
     """Unregisters a pre-staged range once its page-locking ended (when it succeeded)."""
-    try:
-        ok, _secs = p.future.result()
-    except Exception:
-        ok = False
-    if ok:
+    if p.locked() is not None:
         _cuda.unregister(p.addr)
 
 
@@ -459,7 +467,7 @@ class SnapshotReader:
     def prestage(self) -> bool:
         """Page-locks (``cudaHostRegister``) the data of the newest live snapshot this reader serves, in the
         background, when it holds CUDA tensors of a device this process has: a restarted trainer's engine
-        starts it at once (``FLASHCKPT_CUDA_PRESTAGE``), so the 0.1-0.25 s per GB of page-locking runs while
+        starts it at once (``FLASHCKPT_CUDA_PRESTAGE``), so the page-locking (0.15-0.33 s a GB slot on an H200) runs while
         the process builds its model, and ``load()`` copies the snapshot to the GPU at the PCIe limit, one DMA
         from the slot (it waits for a page-locking still running). Returns whether it started one. The
         registration goes once the snapshot was read (or at ``close``): it pins the slot's pages."""
@@ -498,8 +506,7 @@ class SnapshotReader:
         none was started, is still running (``wait=False``) or failed."""
         for p in self._prestaged.values():
             if wait or p.future.done():
-                ok, secs = p.future.result()
-                return secs if ok else None
+                return p.locked()
         return None
 
     def _pinned(self, seg: Segment, i: int, h: SlotHeader) -> bool:
@@ -508,11 +515,7 @@ class SnapshotReader:
         p = self._prestaged.get((seg.path, i))
         if p is None or p.generation != h.generation or p.addr != seg.base + seg.data_off(i):
             return False
-        try:
-            ok, _secs = p.future.result()
-        except Exception:
-            return False
-        return ok
+        return p.locked() is not None
 
     def _unpin(self, path: str | None = None, *, background: bool = False) -> None:
         """Unregisters the pre-staged slots of segment ``path`` (all with None): before they are unmapped, or,

@@ -101,6 +101,10 @@ class _HostCopy:
     device_done: Any
 
 
+# A snapshot's tensors as ``_scan`` tells them apart: the native scan's packed signature, or the Python one.
+Signature = bytes | tuple[Any, ...]
+
+
 @dataclass(frozen=True)
 class _Ready:
     """What a deferred snapshot's copies wait for: the event recorded at ``save`` on the current stream of
@@ -164,7 +168,6 @@ class SharedMemoryHandler(SnapshotReader):
         self._plan: SnapshotPlan | None = None
         self._tree_cache: tuple[SnapshotPlan, Any, str] | None = None
         self._deferred_bytes: int | None = None  # pending_bytes of a deferred snapshot
-        self._py_sig: tuple[Any, ...] = ()  # the Python signature of the last scan (without the extension)
         self._device = DeviceCopies()
         self.slot_wait_timeout = slot_wait_timeout
         self._seq = -1  # the highest save sequence number seen; -1 until the live segments were read
@@ -204,14 +207,14 @@ class SharedMemoryHandler(SnapshotReader):
         with gc_paused():
             native = _native.get()
             flat = self._flatten(state_dict, native)
-            nsig, ptrs = self._scan(state_dict, flat.tensors, native)
+            sig, ptrs = self._scan(state_dict, flat.tensors, native)
             blob, lengths = encode_opaque(flat.opaque, state_dict)
             if self.weights_only and flat.opaque:
                 self._check_loadable(state_dict, flat.opaque, blob, lengths)
             self._deferred_bytes = None
-            ready = self._deferrable(flat.tensors, nsig) if defer and knob("cuda_defer") else None
+            ready = self._deferrable(flat.tensors, sig) if defer and knob("cuda_defer") else None
             copy = None if ready is not None else \
-                self._prepare(step, ckpt_name, state_dict, flat, native, nsig, ptrs, blob, lengths, None)
+                self._prepare(step, ckpt_name, state_dict, flat, native, sig, ptrs, blob, lengths, None)
         # The copies read the tensors by address: they are kept alive until finish() is done with them. An
         # overlapped save's caller may drop its state dict at once (``save(step, {"w": torch.ones(3)})``),
         # and a freed tensor's memory is reused or unmapped under the background copy.
@@ -225,7 +228,7 @@ class SharedMemoryHandler(SnapshotReader):
                 if copy is None:
                     assert pending is not None
                     with torch.cuda.device(ready.device if ready is not None else None), gc_paused():
-                        copy = self._prepare(step, ckpt_name, state_dict, pending, native, nsig, ptrs, blob,
+                        copy = self._prepare(step, ckpt_name, state_dict, pending, native, sig, ptrs, blob,
                                              lengths, ready)
                     pending = None
                 self._copy_host(copy)
@@ -244,11 +247,11 @@ class SharedMemoryHandler(SnapshotReader):
             return self._deferred_bytes
         return self._plan.tensor_bytes if self._plan is not None else 0
 
-    def _deferrable(self, tensors: list[torch.Tensor], nsig: bytes | None) -> _Ready | None:
+    def _deferrable(self, tensors: list[torch.Tensor], sig: Signature) -> _Ready | None:
         """For an overlapped save: when the snapshot needs a new plan (made in Python, ~20 µs a tensor) and
         holds CUDA tensors, an event on the current stream of their device (what ``finish``'s copies wait
         for); else None (planned here, as always). Needs the native scan (its signature tells a new plan)."""
-        if nsig is None or (self._plan is not None and self._plan.native_signature == nsig):
+        if not isinstance(sig, bytes) or (self._plan is not None and self._plan.native_signature == sig):
             return None
         dev = next((t.device for t in tensors if t.is_cuda), None)
         if dev is None:
@@ -258,11 +261,11 @@ class SharedMemoryHandler(SnapshotReader):
         self._deferred_bytes = sum(t.nbytes for t in tensors)
         return _Ready(dev, ev)
 
-    def _prepare(self, step: int, ckpt_name: str, state_dict: Any, flat: Flat, native: Any, nsig: bytes | None,
+    def _prepare(self, step: int, ckpt_name: str, state_dict: Any, flat: Flat, native: Any, sig: Signature,
                  ptrs: Any, blob: bytes, lengths: list[int], ready: _Ready | None) -> _HostCopy:
         """The plan, metadata, segment and claimed slot of a snapshot, its device copies queued (after
         ``ready``'s event when given, else after the current stream's work): what ``finish`` completes."""
-        plan = self._plan_of(state_dict, flat.tensors, nsig)
+        plan = self._plan_of(state_dict, flat.tensors, sig)
         meta = self._meta_json(step, ckpt_name, flat, plan, lengths)
         on_device = sum(n for _i, _o, n in plan.device_copies)
         seg = self._segment_for(len(meta), plan.tensor_bytes + len(blob),
@@ -299,9 +302,10 @@ class SharedMemoryHandler(SnapshotReader):
             flat = flatten(state_dict, check_tensors=native is None, weights_only=self.weights_only)
         return flat
 
-    def _scan(self, state_dict: Any, tensors: list[torch.Tensor], native: Any) -> tuple[bytes | None, Any]:
-        """The native signature of ``tensors`` (None without the extension) and their storage addresses (the
-        native scan's packed int64s, or a list). Raises InvalidStateDictError naming an unstorable tensor."""
+    def _scan(self, state_dict: Any, tensors: list[torch.Tensor], native: Any) -> tuple[Signature, Any]:
+        """The signature of ``tensors`` (the native scan's bytes, or the Python tuple without the extension)
+        and their storage addresses (the native scan's packed int64s, or a list). Raises InvalidStateDictError
+        naming an unstorable tensor."""
         if native is not None:
             # One C++ call for the signature and storage addresses (and the tensor checks).
             nsig, nptrs, bad = native.scan(tensors, torch.nn.Parameter)
@@ -309,29 +313,27 @@ class SharedMemoryHandler(SnapshotReader):
                 _refuse(state_dict, tensors[bad])
             return nsig, nptrs
         try:
-            sig, ptrs = signature_of(tensors)
+            return signature_of(tensors)
         except RuntimeError:
             for t in tensors:
                 check_tensor(t, _path_to(state_dict, t))  # raises, naming the key
             raise
-        self._py_sig = sig
-        return None, ptrs
 
-    def _plan_of(self, state_dict: Any, tensors: list[torch.Tensor], nsig: bytes | None) -> SnapshotPlan:
-        """The plan for ``tensors`` (the last one while their signature is unchanged). Raises
-        InvalidStateDictError naming a tensor whose file would not load back."""
+    def _plan_of(self, state_dict: Any, tensors: list[torch.Tensor], sig: Signature) -> SnapshotPlan:
+        """The plan for ``tensors`` of signature ``sig`` (``_scan``'s; the last plan while it is unchanged).
+        Raises InvalidStateDictError naming a tensor whose file would not load back."""
 
         def key_of(i: int) -> str:
             return _key_str(_path_to(state_dict, tensors[i]))
 
         plan = self._plan
-        if nsig is not None:
-            if plan is None or plan.native_signature != nsig:
-                sig, _ = signature_of(tensors)
-                plan = self._plan = plan_snapshot(tensors, sig, native_signature=nsig, key_of=key_of)
+        if isinstance(sig, bytes):
+            if plan is None or plan.native_signature != sig:
+                py_sig, _ = signature_of(tensors)
+                plan = self._plan = plan_snapshot(tensors, py_sig, native_signature=sig, key_of=key_of)
             return plan
-        if plan is None or plan.signature != self._py_sig:
-            plan = self._plan = plan_snapshot(tensors, self._py_sig, key_of=key_of)
+        if plan is None or plan.signature != sig:
+            plan = self._plan = plan_snapshot(tensors, sig, key_of=key_of)
         return plan
 
     def _copy_host(self, c: _HostCopy) -> None:

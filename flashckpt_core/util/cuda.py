@@ -129,7 +129,8 @@ def _clear_last_error() -> None:
 def register(addr: int, nbytes: int, flags: int = 0) -> bool:
     """Page-locks ``[addr, addr + nbytes)`` for DMA; True when the caller must ``unregister`` it. False where
     the range is page-locked already (by this process's writer), or where the driver refuses (one warning
-    per process): the copies then still work, synchronously through the driver's staging buffers.
+    per process): the caller then copies another way (a writer through its bounce buffers, a restore through
+    the driver's staging buffers).
     ``flags``: ``PORTABLE`` for a range registered off the thread (and so maybe the context) that copies."""
     global _warned
     if nbytes <= 0:
@@ -142,8 +143,9 @@ def register(addr: int, nbytes: int, flags: int = 0) -> bool:
         return False
     if not _warned:
         _warned = True
-        log.warning("cudaHostRegister of %d bytes of shared memory failed (CUDA error %d): snapshots and restores "
-                    "of CUDA tensors copy through pageable memory (slower, correct)", nbytes, rc)
+        log.warning("cudaHostRegister of %d bytes of shared memory failed (CUDA error %d): snapshots of CUDA tensors "
+                    "copy through pinned bounce buffers and restores through pageable memory (slower, correct)",
+                    nbytes, rc)
     return False
 
 
